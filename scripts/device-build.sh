@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Builds Spillway on the lent GPU machine (Ubuntu, no liburing/xxhash headers):
+# unpacks the Debian packages carried in .deps/ into .deps/prefix, then configures
+# and builds with ninja into build-device/. Usage: scripts/device-build.sh [targets...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+prefix=$PWD/.deps/prefix
+if [ ! -d "$prefix/usr/include" ]; then
+  for f in .deps/*.deb; do dpkg -x "$f" "$prefix"; done
+fi
+cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix/usr" -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DXXHASH_INCLUDE_DIR="$prefix/usr/include" \
+  -DURING_INCLUDE_DIR="$prefix/usr/include" -DURING_LIBRARY="$prefix/usr/lib/x86_64-linux-gnu/liburing.a" >/dev/null
+cmake --build build-device -j "$(nproc)" ${1:+--target "$@"}

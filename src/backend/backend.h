@@ -1,0 +1,121 @@
+// Backend: the device tier's memory, its copies, and the compute ops of a GPT step.
+//
+//   auto backend = make_backend("cpu", {.threads = 2});       // or "cuda"
+//   if (!backend) die(backend.status());
+//   Backend& b = **backend;
+//   auto dev = b.device_alloc(1 << 20);                       // device memory
+//   b.matmul_forward(out, inp, weight, bias, N, C, OC);       // device pointers
+//   SPILLWAY_RETURN_IF_ERROR(b.synchronize());
+//
+// Every op takes device pointers and shapes, and runs in submission order on the
+// backend's compute queue (the host thread on CPU, the compute stream on CUDA).
+// Tensors of "activation dtype" (act) are F32 on the CPU backend and BF16 on CUDA:
+// parameters, gradients, activations, logits. Statistics (LayerNorm mean/rstd,
+// attention log-sum-exp), losses and optimizer state are always F32; tokens I32.
+//
+// Accumulation conventions (an op "adds into" a buffer with +=, else overwrites):
+// - every weight/bias gradient is added into (gradient accumulation over
+//   micro-batches; the trainer zeroes gradients at the start of a step);
+// - layernorm_backward adds into dinp (the residual stream's gradient);
+// - all other outputs are overwritten.
+//
+// Determinism: the same inputs give the same output bits on every run, whatever
+// the pointers' addresses (all tensors are aligned to alignment()).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/status.h"
+#include "io/copy_engine.h"
+#include "optim/adamw.h"
+#include "tensor/tensor.h"
+
+namespace spillway {
+
+struct BackendOptions {
+  int threads = 0;  // CPU worker threads; 0 = all cores
+  int device = 0;   // CUDA device ordinal
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;         // "cpu" or "cuda"
+  virtual std::string description() const = 0;  // "NVIDIA H200, 139.8 GiB" / "CPU, 2 threads"
+  virtual DType activation_dtype() const = 0;    // F32 on CPU, BF16 on CUDA
+  virtual size_t alignment() const = 0;          // 64 on CPU, 256 on CUDA
+
+  // ---- memory of the device tier ----
+  virtual size_t device_capacity() const = 0;   // total device memory (SIZE_MAX on CPU)
+  virtual size_t device_free_bytes() const = 0;
+  virtual Result<void*> device_alloc(size_t bytes) = 0;
+  virtual void device_free(void* p) = 0;
+  // Host memory that the copy engine can move at full speed (pinned on CUDA).
+  virtual Result<void*> host_alloc(size_t bytes) = 0;
+  virtual void host_free(void* p) = 0;
+  virtual CopyEngine& copy_engine() = 0;
+  // Blocks until all submitted compute and copies finished; reports async errors.
+  virtual Status synchronize() = 0;
+  // Synchronous helpers for set-up and tests (not for the hot path).
+  virtual Status upload(void* dev, const void* host, size_t bytes) = 0;
+  virtual Status download(void* host, const void* dev, size_t bytes) = 0;
+  virtual void fill_zero(void* dev, size_t bytes) = 0;
+  virtual void copy_device(void* dst, const void* src, size_t bytes) = 0;
+
+  // ---- ops (N = B*T rows) ----
+  // out[B,T,C] = wte[tokens[b,t]] + wpe[t]
+  virtual void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
+                                 int B, int T, int C) = 0;
+  // dwte[V,C] += scatter of dout by token; dwpe[T_max,C] += sum over b of dout[b,t]
+  virtual void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens,
+                                  int B, int T, int C) = 0;
+  // out[N,C] = (inp - mean) * rstd * weight + bias; mean[N], rstd[N] saved (F32)
+  virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* inp,
+                                 const void* weight, const void* bias, int N, int C) = 0;
+  // dinp[N,C] += ..., dweight[C] += ..., dbias[C] += ...
+  virtual void layernorm_backward(void* dinp, void* dweight, void* dbias, const void* dout,
+                                  const void* inp, const void* weight, const float* mean,
+                                  const float* rstd, int N, int C) = 0;
+  // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null)
+  virtual void matmul_forward(void* out, const void* inp, const void* weight, const void* bias,
+                              int N, int C, int OC) = 0;
+  // dinp[N,C] = dout · weight; dweight[OC,C] += doutᵀ · inp; dbias[OC] += Σ_n dout (if not null)
+  virtual void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout,
+                               const void* inp, const void* weight, int N, int C, int OC) = 0;
+  // Causal self-attention. qkv[B,T,3C] holds q, k, v side by side, each split into NH
+  // heads of C/NH. out[B,T,C]; lse[B,NH,T] = log-sum-exp of each scaled score row.
+  virtual void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) = 0;
+  // dqkv[B,T,3C] = gradient, from dout[B,T,C], qkv, out and lse of the forward.
+  virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                                  const float* lse, int B, int T, int C, int NH) = 0;
+  // GELU, tanh approximation: out = 0.5 x (1 + tanh(√(2/π)(x + 0.044715 x³)))
+  virtual void gelu_forward(void* out, const void* inp, size_t n) = 0;
+  virtual void gelu_backward(void* dinp, const void* inp, const void* dout, size_t n) = 0;
+  // out = a + b
+  virtual void residual_forward(void* out, const void* a, const void* b, size_t n) = 0;
+  // losses[N] = -log softmax(logits[N,V])[targets]
+  virtual void crossentropy_forward(float* losses, const void* logits, const int32_t* targets,
+                                    int N, int V) = 0;
+  // losses as above, and logits is overwritten with dloss/dlogits =
+  // (softmax - onehot) * dloss_scale (dloss_scale = 1/(tokens in the step)).
+  virtual void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets,
+                                     int N, int V, float dloss_scale) = 0;
+  // out_sq[0] = Σ grad[i]² (F32, fixed reduction order)
+  virtual void squared_norm(float* out_sq, const void* grad, size_t n) = 0;
+  // scale_norm[0] = clip scale, scale_norm[1] = global norm, from sq[P] (see optim/adamw.h)
+  virtual void clip_scale(float* scale_norm, const float* sq, int P, float max_norm) = 0;
+  // One AdamW update of n elements (optim/adamw.h gives the exact arithmetic).
+  // param and grad are act dtype; master, m, v F32; scale_norm from clip_scale.
+  virtual void adamw(void* param, float* master, float* m, float* v, const void* grad,
+                     const float* scale_norm, size_t n, const AdamWHyper& hyper) = 0;
+};
+
+// "cpu" or "cuda"; "auto" picks cuda when this build has it and a GPU is present.
+// A build without CUDA, or a machine without a GPU, gets a clear error for "cuda".
+Result<std::unique_ptr<Backend>> make_backend(const std::string& name, const BackendOptions& options = {});
+bool cuda_available();
+
+}  // namespace spillway

@@ -1,0 +1,72 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <vector>
+
+#include "core/checksum.h"
+#include "core/size.h"
+#include "core/thread_pool.h"
+#include "tensor/tensor.h"
+
+using namespace spillway;
+
+TEST(Size, ParsesUnitsAndPlainCounts) {
+  EXPECT_EQ(*parse_size("24GiB"), 24ull << 30);
+  EXPECT_EQ(*parse_size("512MiB"), 512ull << 20);
+  EXPECT_EQ(*parse_size("1.5GB"), 1500000000ull);
+  EXPECT_EQ(*parse_size("4096"), 4096ull);
+  EXPECT_EQ(*parse_size(" 2 kib "), 2048ull);
+}
+
+TEST(Size, RejectsGarbageWithClearMessage) {
+  auto r = parse_size("12 parsecs", "--device-budget");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(r.status().message().find("--device-budget"), std::string::npos);
+  EXPECT_NE(r.status().message().find("12 parsecs"), std::string::npos);
+  EXPECT_FALSE(parse_size("").ok());
+  EXPECT_FALSE(parse_size("GiB").ok());
+  EXPECT_FALSE(parse_size("1.2.3").ok());
+  EXPECT_FALSE(parse_size("-5").ok());
+}
+
+TEST(Size, BudgetOfZeroIsRejected) {
+  auto r = parse_budget("0", "--host-budget");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("0 bytes"), std::string::npos);
+  EXPECT_TRUE(parse_budget("1MiB", "--host-budget").ok());
+}
+
+TEST(ThreadPool, CoversRangeOnceWithFixedChunks) {
+  ThreadPool pool(3);
+  std::vector<std::atomic<int>> hits(1000);
+  pool.parallel_for(1000, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) hits[i]++;
+  });
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+TEST(Checksum, DetectsOneFlippedBit) {
+  std::vector<uint8_t> a(4097, 7);
+  uint64_t c = checksum64(a.data(), a.size());
+  a[4000] ^= 1;
+  EXPECT_NE(c, checksum64(a.data(), a.size()));
+}
+
+TEST(TensorTable, TracksValidityDirtinessAndPins) {
+  TensorTable t;
+  TensorId w = t.add({"w", DType::F32, {4, 8}, Role::Param});
+  EXPECT_EQ(t.info(w).bytes(), 128u);
+  t.mark_written(w, Tier::Device);
+  EXPECT_TRUE(t.state(w).valid(Tier::Device));
+  EXPECT_TRUE(t.state(w).dirty);
+  t.mark_copied(w, Tier::Host);
+  EXPECT_FALSE(t.state(w).dirty);
+  t.pin(w);
+  EXPECT_FALSE(t.mark_dropped(w, Tier::Device).is_ok());  // pinned
+  EXPECT_TRUE(t.unpin(w).is_ok());
+  EXPECT_TRUE(t.mark_dropped(w, Tier::Device).is_ok());
+  EXPECT_FALSE(t.mark_dropped(w, Tier::Host).is_ok());  // only valid copy of live data
+  EXPECT_TRUE(t.mark_dropped(w, Tier::Host, /*value_is_dead=*/true).is_ok());
+  EXPECT_FALSE(t.unpin(w).is_ok());
+}
