@@ -1,0 +1,72 @@
+// Executor: carries out a Plan on a Backend with the copy and storage engines.
+//
+//   auto ex = Executor::create(backend, program, plan, {.spill_dir = "/nvme/spill"});
+//   if (!ex) die(ex.status());
+//   (*ex)->write_tensor(tokens_id, tokens.data(), bytes);    // lands in the tensor's home
+//   SPILLWAY_RETURN_IF_ERROR((*ex)->run_step({.step = 1, .lr = 6e-4f}));
+//   (*ex)->read_tensor(losses_id, losses.data(), bytes);
+//   const StepMetrics& m = (*ex)->metrics();                   // bytes per link, stalls, peaks
+//
+// It walks the plan's instructions, issues copies and storage I/O asynchronously,
+// waits only where an op needs data that has not arrived, runs the op, and checks
+// the invariants of DESIGN.md as it goes: the device arena is one allocation of the
+// device budget and no placement leaves it; host and storage stay within their
+// budgets; every operand is valid where its op runs. A broken invariant is an
+// Internal error naming the op and tensor — never silent wrong numbers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "plan/plan.h"
+#include "program/program.h"
+
+namespace spillway {
+
+class Trace;
+
+struct ExecutorOptions {
+  uint64_t host_budget = UINT64_MAX;
+  std::string spill_dir;             // required when the plan homes or moves anything to storage
+  uint64_t storage_budget = 0;       // 0 = plan.storage_bytes rounded up
+  std::string storage_engine = "auto";  // "uring", "threads", "auto"
+  // Tests: wraps the storage engine in the fault injector with this seed (0 = off).
+  uint64_t fault_seed = 0;
+  double fault_rate = 0;
+};
+
+struct StepContext {
+  int64_t step = 1;   // 1-based, for AdamW's bias correction
+  float lr = 0;
+};
+
+// Counters of one step (reset by run_step).
+struct StepMetrics {
+  uint64_t h2d_bytes = 0, d2h_bytes = 0;
+  uint64_t storage_read_bytes = 0, storage_write_bytes = 0;
+  int recomputed_ops = 0;
+  double stall_s = 0;   // time the executor waited for data
+  double step_s = 0;
+  uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;
+};
+
+class Executor {
+ public:
+  static Result<std::unique_ptr<Executor>> create(Backend& backend, const Program& program, const Plan& plan,
+                                                  const ExecutorOptions& options = {});
+  virtual ~Executor() = default;
+  // Sets a tensor's value (bytes(t) bytes, in its dtype) in its home tier.
+  virtual Status write_tensor(TensorId t, const void* src, size_t bytes) = 0;
+  // Reads a tensor's newest value from wherever it is valid.
+  virtual Status read_tensor(TensorId t, void* dst, size_t bytes) = 0;
+  virtual Status run_step(const StepContext& ctx) = 0;
+  virtual const StepMetrics& metrics() const = 0;
+  // Records the next run_step into `trace` (compute, copy and I/O tracks; memory counters).
+  virtual void trace_next_step(Trace* trace) = 0;
+};
+
+}  // namespace spillway

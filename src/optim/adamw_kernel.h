@@ -1,0 +1,83 @@
+// Internal to optim: the per-element AdamW arithmetic of adamw.h in scalar form,
+// shared by the scalar kernel and the scalar tails of the SIMD kernels, and the
+// range kernels that adamw_host dispatches to.
+//
+//   AdamWRange r{param, master, m, v, grad, scale_norm[0], hyper};
+//   adamw_range_avx512(DType::BF16, r, begin, end, /*stream=*/false);
+//
+// A range kernel updates elements [begin, end): a vector body, then a scalar tail
+// that gives the same bits as the body would. `stream` asks for non-temporal
+// stores; the caller passes it only when every output is aligned to 64 bytes at
+// `begin` (see adamw.cpp).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "optim/adamw.h"
+
+namespace spillway::optim_detail {
+
+struct AdamWRange {
+  void* param;         // [n] param dtype
+  float* master;       // [n]
+  float* m;            // [n]
+  float* v;            // [n]
+  const void* grad;    // [n] param dtype
+  float scale;         // scale_norm[0]
+  AdamWHyper h;
+};
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even; a NaN keeps its sign and top payload and is made quiet.
+inline uint16_t round_bf16(uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  uint32_t lsb = (bits >> 16) & 1u;
+  return static_cast<uint16_t>((bits + 0x7fffu + lsb) >> 16);
+}
+
+// One element, in the order of adamw.h. Inlined into the SIMD kernels, where
+// std::fma becomes the same fused instruction the vector body uses.
+template <bool kBf16>
+inline void adamw_element(const AdamWRange& r, size_t i) {
+  const AdamWHyper& h = r.h;
+  float gin;
+  if constexpr (kBf16)
+    gin = bits_float(static_cast<uint32_t>(static_cast<const uint16_t*>(r.grad)[i]) << 16);
+  else
+    gin = static_cast<const float*>(r.grad)[i];
+  float g = gin * r.scale;
+  float m = std::fma(h.beta1, r.m[i], h.one_minus_beta1 * g);
+  float v = std::fma(h.beta2, r.v[i], (h.one_minus_beta2 * g) * g);
+  float mhat = m / h.bias_correction1;
+  float vhat = v / h.bias_correction2;
+  float upd = mhat / (std::sqrt(vhat) + h.eps);
+  float w0 = r.master[i];
+  float w = std::fma(-h.lr, std::fma(h.weight_decay, w0, upd), w0);
+  r.m[i] = m;
+  r.v[i] = v;
+  r.master[i] = w;
+  if constexpr (kBf16)
+    static_cast<uint16_t*>(r.param)[i] = round_bf16(float_bits(w));
+  else
+    static_cast<float*>(r.param)[i] = w;
+}
+
+void adamw_range_scalar(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
+void adamw_range_avx2(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
+void adamw_range_avx512(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
+
+}  // namespace spillway::optim_detail

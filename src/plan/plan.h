@@ -1,0 +1,84 @@
+// Plan: what the executor does, in order, during one training step — the ops of the
+// Program interleaved with the memory actions that move their tensors between tiers.
+//
+//   Budgets budgets{.device = 512 << 20, .host = 8ull << 30};
+//   auto plan = make_plan(program, machine, budgets, {.policy = Policy::Planned});
+//   if (!plan) die(plan.status());            // e.g. "device budget 8 MiB is below the minimum 19.2 MiB ..."
+//   for (const Instruction& in : plan->instructions) ...
+//
+// Every policy (resident, paging, planned, auto) produces this one format, and one
+// executor carries it out. The same instruction list runs every step: at the end
+// of the step every persistent tensor (Param, Grad, Master, OptState, Input) is back
+// in its home tier (and at its home offset when that is the device), so the next
+// step starts from the same state.
+//
+// Semantics of each instruction (the executor and the simulator both follow these):
+// - Run(op): wait until every operand that was fetched is on device (or, for a Host
+//   op, on host), then run the op. Read/Update operands must be valid there; Write
+//   operands need only their region. If `recompute` is set, this Run re-executes a
+//   forward op to regenerate activations that were released (Capuchin).
+// - Allocate(t, offset): t gets device region [offset, offset + bytes(t)); an op
+//   will write it (no data moves: DRAGON's write-only hint). Before the region is
+//   used, any device→host copy still reading an earlier occupant must complete.
+// - Fetch(t, offset): like Allocate, then start the host→device copy of t (t must be
+//   valid on host, or have a Load issued earlier).
+// - Evict(t): if `write_back`, start the device→host copy of t into its host buffer
+//   (allocated on first use); the device region becomes free once that copy is done.
+//   Without write_back the region is free at once (t is clean on host already).
+// - Release(t): free t's device region with no copy (t is dead, or valid elsewhere).
+// - Load(t): start the storage→host read of t into its host buffer.
+// - Store(t): start the host→storage write of t; if `free_host`, its host buffer is
+//   freed once the write is done.
+// - HostRelease(t): free t's host buffer with no copy (dead, or clean in storage).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "program/program.h"
+#include "tensor/tensor.h"
+
+namespace spillway {
+
+enum class InstrKind : uint8_t { Run, Allocate, Fetch, Evict, Release, Load, Store, HostRelease };
+const char* instr_kind_name(InstrKind k);
+
+struct Instruction {
+  InstrKind kind = InstrKind::Run;
+  int32_t op = -1;              // Run: index into Program::ops
+  TensorId tensor = kNoTensor;  // every kind but Run
+  uint64_t offset = 0;          // Allocate, Fetch: device offset (aligned)
+  bool write_back = true;       // Evict
+  bool free_host = false;       // Store
+  bool recompute = false;       // Run
+};
+
+enum class Policy : uint8_t { Resident, Paging, Planned, Auto };
+const char* policy_name(Policy p);
+Result<Policy> parse_policy(const std::string& name);
+
+struct Budgets {
+  uint64_t device = UINT64_MAX;   // bytes of the device arena
+  uint64_t host = UINT64_MAX;     // bytes of host memory for tensors
+  uint64_t storage = 0;           // bytes of spill files; 0 = no storage tier
+};
+
+struct Plan {
+  Policy policy = Policy::Resident;
+  std::string description;                  // human summary of the choices made
+  std::vector<Instruction> instructions;    // one step, in issue order
+  std::vector<Tier> home;                   // [tensors] where each persistent tensor rests between steps
+  std::vector<uint64_t> home_offset;        // [tensors] device offset, for tensors homed on device
+  uint64_t device_bytes = 0;                // arena bytes the plan uses (≤ budget)
+  uint64_t host_bytes = 0;                  // peak host bytes (≤ budget)
+  uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)
+  size_t alignment = 64;                    // device offsets are multiples of this
+  // Checks the plan against the program: every op runs once per step (plus
+  // recomputes), operands resident where the op runs, no two live device regions
+  // overlap, peaks within the budgets, persistent tensors end where they started.
+  Status validate(const Program& program, const Budgets& budgets) const;
+};
+
+}  // namespace spillway

@@ -1,0 +1,41 @@
+// Planner: turns a Program, a Machine and Budgets into a Plan (plan.h).
+//
+//   PlannerOptions o{.policy = Policy::Planned};
+//   auto plan = make_plan(program, Machine::cpu_dev_box(), {.device = 64 << 20}, o);
+//   // Budget too small: "device budget 8.00 MiB is below the minimum 19.25 MiB that
+//   // the largest op (mb0.lm_head.forward) needs; give --device-budget 19.25MiB or more"
+//
+// Policies (DESIGN.md, "Planner policies"):
+// - resident: everything on device, activations packed by lifetime; an error if it
+//   does not fit.
+// - paging: no lookahead; fetch at first touch, evict the least recently used
+//   (decided by replaying the step's access sequence, which is what a pager sees);
+//   with learned prefetch, each op's tensors are fetched one op ahead, as a
+//   correlation prefetcher that learned the sequence in earlier steps would.
+// - planned: lookahead over the static program (lifetimes, swap/recompute choice,
+//   parameter streaming, optimizer placement, static offsets, early fetches).
+// - auto: planned-policy candidates ranked by the simulator.
+#pragma once
+
+#include "plan/plan.h"
+#include "sim/machine.h"
+
+namespace spillway {
+
+struct PlannerOptions {
+  Policy policy = Policy::Resident;
+  bool learned_prefetch = false;  // paging only
+  // planned: -1 = choose; else forces the choice (auto enumerates these)
+  int optimizer_on_host = -1;     // 1 = master/moments live on host and AdamW runs there
+  int recompute = -1;             // 1 = allow recomputation of activations
+  int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
+};
+
+Result<Plan> make_plan(const Program& program, const Machine& machine, const Budgets& budgets,
+                       const PlannerOptions& options);
+
+// The smallest device budget any policy can run this program with: the largest
+// single op's working set (operands plus alignment padding).
+uint64_t minimum_device_budget(const Program& program, size_t alignment);
+
+}  // namespace spillway
