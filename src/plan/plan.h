@@ -25,6 +25,8 @@
 // - Evict(t): if `write_back`, start the device→host copy of t into its host buffer
 //   (allocated on first use); the device region becomes free once that copy is done.
 //   Without write_back the region is free at once (t is clean on host already).
+// - Flush(t): start the device→host copy of t; the device copy stays valid and keeps
+//   its region (for a host op reading a device-homed tensor, or early cleaning).
 // - Release(t): free t's device region with no copy (t is dead, or valid elsewhere).
 // - Load(t): start the storage→host read of t into its host buffer.
 // - Store(t): start the host→storage write of t; if `free_host`, its host buffer is
@@ -42,7 +44,7 @@
 
 namespace spillway {
 
-enum class InstrKind : uint8_t { Run, Allocate, Fetch, Evict, Release, Load, Store, HostRelease };
+enum class InstrKind : uint8_t { Run, Allocate, Fetch, Evict, Flush, Release, Load, Store, HostRelease };
 const char* instr_kind_name(InstrKind k);
 
 struct Instruction {
@@ -50,7 +52,7 @@ struct Instruction {
   int32_t op = -1;              // Run: index into Program::ops
   TensorId tensor = kNoTensor;  // every kind but Run
   uint64_t offset = 0;          // Allocate, Fetch: device offset (aligned)
-  bool write_back = true;       // Evict
+  bool write_back = true;       // Evict (Flush always copies)
   bool free_host = false;       // Store
   bool recompute = false;       // Run
 };
@@ -71,6 +73,8 @@ struct Plan {
   std::vector<Instruction> instructions;    // one step, in issue order
   std::vector<Tier> home;                   // [tensors] where each persistent tensor rests between steps
   std::vector<uint64_t> home_offset;        // [tensors] device offset, for tensors homed on device
+  std::vector<Place> op_place;              // [ops] where each op runs under this plan (the
+                                            // optimizer runs where its state lives)
   uint64_t device_bytes = 0;                // arena bytes the plan uses (≤ budget)
   uint64_t host_bytes = 0;                  // peak host bytes (≤ budget)
   uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)

@@ -1,0 +1,523 @@
+#include "exec/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <optional>
+
+#include "core/size.h"
+#include "exec/dispatch.h"
+#include "exec/spill.h"
+#include "exec/trace.h"
+#include "memory/device_arena.h"
+#include "memory/host_pool.h"
+
+namespace spillway {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool is_persistent(const Program& program, TensorId t) {
+  Role r = program.tensors.info(t).role;
+  if (r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input) return true;
+  return std::find(program.outputs.begin(), program.outputs.end(), t) != program.outputs.end();
+}
+
+class PlanExecutor final : public Executor {
+ public:
+  PlanExecutor(Backend& backend, const Program& program, const Plan& plan, const ExecutorOptions& options)
+      : b_(backend), p_(program), plan_(plan), opt_(options), table_(program.tensors) {
+    slots_.resize(program.tensors.size());
+    table_.reset_residency();
+  }
+
+  ~PlanExecutor() override {
+    (void)b_.synchronize();
+    (void)b_.copy_engine().wait_all();
+    if (spill_) (void)spill_->wait_all();
+    for (auto& s : slots_) {
+      if (s.host) (void)host_->free(s.host);
+    }
+    host_.reset();
+    arena_.reset();
+    if (arena_memory_) b_.device_free(arena_memory_);
+  }
+
+  Status init() {
+    const uint64_t arena_bytes = std::max<uint64_t>(plan_.device_bytes, b_.alignment());
+    SPILLWAY_ASSIGN_OR_RETURN(arena_memory_, b_.device_alloc(arena_bytes));
+    arena_ = std::make_unique<DeviceArena>(arena_memory_, arena_bytes, b_.alignment());
+    HostAllocator pinned{[this](size_t n) { return b_.host_alloc(n); }, [this](void* p, size_t) { b_.host_free(p); }};
+    // 4096: host buffers are read and written by O_DIRECT storage I/O.
+    host_ = std::make_unique<HostPool>(opt_.host_budget, pinned, 4096);
+    bool uses_storage = plan_.storage_bytes > 0;
+    if (uses_storage) {
+      if (opt_.spill_dir.empty())
+        return Status::invalid_argument("this plan spills " + format_size(plan_.storage_bytes) +
+                                        " to storage; give --spill-dir DIR");
+      uint64_t budget = opt_.storage_budget ? opt_.storage_budget : align_up(plan_.storage_bytes, 1 << 20) * 2;
+      SPILLWAY_ASSIGN_OR_RETURN(spill_, SpillStore::open(opt_.spill_dir, budget, opt_.storage_engine,
+                                                         opt_.fault_seed, opt_.fault_rate));
+    }
+    // Persistent tensors start at home, zero-filled.
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      auto t = static_cast<TensorId>(i);
+      if (!is_persistent(p_, t)) continue;
+      const size_t bytes = p_.tensors.info(t).bytes();
+      switch (plan_.home[i]) {
+        case Tier::Device: {
+          SPILLWAY_RETURN_IF_ERROR(place(t, plan_.home_offset[i]));
+          b_.fill_zero(slots_[i].device, bytes);
+          table_.mark_written(t, Tier::Device);
+          break;
+        }
+        case Tier::Host: {
+          SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
+          std::memset(slots_[i].host, 0, bytes);
+          table_.mark_written(t, Tier::Host);
+          break;
+        }
+        case Tier::Storage: {
+          std::vector<char> zeros(bytes, 0);
+          SPILLWAY_RETURN_IF_ERROR(spill_->write_sync(t, zeros.data(), bytes));
+          table_.mark_written(t, Tier::Storage);
+          break;
+        }
+      }
+    }
+    return b_.synchronize();
+  }
+
+  Status write_tensor(TensorId t, const void* src, size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(check_tensor(t, bytes, "write_tensor"));
+    if (!is_persistent(p_, t))
+      return Status::invalid_argument("write_tensor: " + p_.tensors.info(t).name +
+                                      " is not an input or state tensor; only those are set between steps");
+    Slot& s = slots_[t];
+    switch (plan_.home[t]) {
+      case Tier::Device:
+        SPILLWAY_RETURN_IF_ERROR(b_.upload(s.device, src, bytes));
+        break;
+      case Tier::Host:
+        std::memcpy(s.host, src, bytes);
+        break;
+      case Tier::Storage:
+        SPILLWAY_RETURN_IF_ERROR(spill_->write_sync(t, src, bytes));
+        break;
+    }
+    table_.mark_written(t, plan_.home[t]);
+    return Status::ok();
+  }
+
+  Status read_tensor(TensorId t, void* dst, size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(check_tensor(t, bytes, "read_tensor"));
+    const Residency& r = table_.state(t);
+    Slot& s = slots_[t];
+    if (r.valid(Tier::Device) && s.device) return b_.download(dst, s.device, bytes);
+    if (r.valid(Tier::Host) && s.host) {
+      std::memcpy(dst, s.host, bytes);
+      return Status::ok();
+    }
+    if (r.valid(Tier::Storage) && spill_) return spill_->read_sync(t, dst, bytes);
+    return Status::invalid_argument("read_tensor: " + p_.tensors.info(t).name +
+                                    " holds no value between steps (it lives only inside a step)");
+  }
+
+  Status run_step(const StepContext& ctx) override {
+    metrics_ = StepMetrics();
+    step_ = OptimizerStep{ctx.step, ctx.lr};
+    arena_->reset_peak();
+    host_->reset_peak();
+    const uint64_t h2d0 = b_.copy_engine().bytes_copied(CopyDirection::HostToDevice);
+    const uint64_t d2h0 = b_.copy_engine().bytes_copied(CopyDirection::DeviceToHost);
+    const uint64_t sr0 = spill_ ? spill_->bytes_read() : 0, sw0 = spill_ ? spill_->bytes_written() : 0;
+    step_start_ = Clock::now();
+    Status st = run_instructions();
+    if (st.is_ok()) st = finish();
+    if (!st.is_ok()) {
+      failed_ = true;
+      // Let in-flight work drain so that no copy writes into freed memory.
+      (void)b_.synchronize();
+      (void)b_.copy_engine().wait_all();
+      if (spill_) (void)spill_->wait_all();
+      return st;
+    }
+    metrics_.step_s = seconds_since(step_start_);
+    metrics_.h2d_bytes = b_.copy_engine().bytes_copied(CopyDirection::HostToDevice) - h2d0;
+    metrics_.d2h_bytes = b_.copy_engine().bytes_copied(CopyDirection::DeviceToHost) - d2h0;
+    if (spill_) {
+      metrics_.storage_read_bytes = spill_->bytes_read() - sr0;
+      metrics_.storage_write_bytes = spill_->bytes_written() - sw0;
+      metrics_.peak_storage_bytes = spill_->peak_bytes();
+    }
+    metrics_.peak_device_bytes = arena_->peak();
+    metrics_.peak_host_bytes = host_->peak();
+    if (trace_) {
+      trace_->counter("device bytes", metrics_.step_s, static_cast<double>(arena_->in_use()));
+      trace_->counter("host bytes", metrics_.step_s, static_cast<double>(host_->in_use()));
+      trace_ = nullptr;
+    }
+    return Status::ok();
+  }
+
+  const StepMetrics& metrics() const override { return metrics_; }
+  void trace_next_step(Trace* trace) override { trace_ = trace; }
+
+ private:
+  struct Slot {
+    void* device = nullptr;  // base + offset while the tensor holds a device region
+    uint64_t offset = 0;
+    void* host = nullptr;    // host buffer, when it has one
+    std::optional<CopyTicket> to_device;     // H2D into `device` in flight
+    std::optional<CopyTicket> to_host;       // D2H into `host` in flight
+    std::optional<SpillTicket> from_storage; // storage → `host` in flight
+    std::optional<SpillTicket> to_storage;   // `host` → storage in flight
+    bool free_host_after_store = false;
+  };
+  // A device range whose last occupant still has a copy in flight that reads or
+  // writes it; the range is not reused before the copy is done.
+  struct BusyRange {
+    uint64_t begin, end;
+    CopyTicket ticket;
+  };
+
+  Status check_tensor(TensorId t, size_t bytes, const char* what) const {
+    if (t < 0 || static_cast<size_t>(t) >= slots_.size())
+      return Status::invalid_argument(std::string(what) + ": no tensor with id " + std::to_string(t));
+    if (bytes != p_.tensors.info(t).bytes())
+      return Status::invalid_argument(std::string(what) + ": " + p_.tensors.info(t).name + " has " +
+                                      std::to_string(p_.tensors.info(t).bytes()) + " bytes, got " + std::to_string(bytes));
+    return Status::ok();
+  }
+
+  size_t device_bytes(TensorId t) const { return std::max<size_t>(1, p_.tensors.info(t).bytes()); }
+
+  double now_s() const { return seconds_since(step_start_); }
+
+  // Host waits are the executor's stalls.
+  Status timed_wait_copy(CopyTicket t, const char* why, TensorId id) {
+    if (b_.copy_engine().is_done(t)) return b_.copy_engine().wait(t);
+    auto t0 = Clock::now();
+    Status s = b_.copy_engine().wait(t);
+    double d = seconds_since(t0);
+    metrics_.stall_s += d;
+    if (trace_) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
+    return s;
+  }
+  Status timed_wait_spill(SpillTicket t, const char* why, TensorId id) {
+    auto t0 = Clock::now();
+    Status s = spill_->wait(t);
+    double d = seconds_since(t0);
+    metrics_.stall_s += d;
+    if (trace_ && d > 1e-6) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
+    return s;
+  }
+
+  Status place(TensorId t, uint64_t offset) {
+    const uint64_t end = offset + device_bytes(t);
+    for (auto it = busy_.begin(); it != busy_.end();) {
+      if (it->begin < end && offset < it->end) {
+        SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(it->ticket, "reuse", t));
+        it = busy_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto ptr = arena_->place(offset, device_bytes(t));
+    if (!ptr.ok())
+      return ptr.status().with_context("placing " + p_.tensors.info(t).name + " (" + format_size(device_bytes(t)) + ")");
+    slots_[t].device = *ptr;
+    slots_[t].offset = offset;
+    return Status::ok();
+  }
+
+  Status unplace(TensorId t, std::optional<CopyTicket> pending) {
+    Slot& s = slots_[t];
+    if (!s.device) return Status::internal("executor: " + p_.tensors.info(t).name + " has no device region to free");
+    if (s.to_device) {
+      pending = pending ? pending : s.to_device;
+      s.to_device.reset();
+    }
+    if (pending) busy_.push_back({s.offset, s.offset + device_bytes(t), *pending});
+    if (s.to_host && (!pending || pending->sequence != s.to_host->sequence ||
+                      pending->direction != CopyDirection::DeviceToHost))
+      busy_.push_back({s.offset, s.offset + device_bytes(t), *s.to_host});  // a flush still reads it
+    SPILLWAY_RETURN_IF_ERROR(arena_->release_placed(s.offset, device_bytes(t)));
+    s.device = nullptr;
+    return Status::ok();
+  }
+
+  Status ensure_host(TensorId t) {
+    Slot& s = slots_[t];
+    if (s.host) return Status::ok();
+    auto r = host_->allocate(p_.tensors.info(t).bytes() ? p_.tensors.info(t).bytes() : 1);
+    if (!r.ok()) return r.status().with_context("host buffer for " + p_.tensors.info(t).name);
+    s.host = *r;
+    return Status::ok();
+  }
+
+  // The host buffer of t is about to be read (copied out or used by a host op):
+  // data coming into it must have arrived.
+  Status host_ready_for_read(TensorId t) {
+    Slot& s = slots_[t];
+    if (s.to_host) {
+      SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_host, "wait d2h", t));
+      s.to_host.reset();
+    }
+    if (s.from_storage) {
+      SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.from_storage, "wait load", t));
+      s.from_storage.reset();
+    }
+    return Status::ok();
+  }
+  // The host buffer of t is about to be overwritten or freed: nothing may still read it.
+  Status host_ready_for_write(TensorId t) {
+    SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(t));
+    Slot& s = slots_[t];
+    if (s.to_storage) {
+      SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.to_storage, "wait store", t));
+      s.to_storage.reset();
+      if (s.free_host_after_store) SPILLWAY_RETURN_IF_ERROR(free_host(t));
+    }
+    // An H2D copy out of this buffer may still be running.
+    for (auto& [ticket, id] : h2d_sources_)
+      if (id == t) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(ticket, "wait h2d", t));
+    std::erase_if(h2d_sources_, [t](auto& e) { return e.second == t; });
+    return Status::ok();
+  }
+
+  Status free_host(TensorId t) {
+    Slot& s = slots_[t];
+    s.free_host_after_store = false;
+    if (!s.host) return Status::ok();
+    SPILLWAY_RETURN_IF_ERROR(host_->free(s.host));
+    s.host = nullptr;
+    return Status::ok();
+  }
+
+  Status run_instructions() {
+    const auto& ins = plan_.instructions;
+    for (size_t at = 0; at < ins.size(); ++at) {
+      Status s = run_instruction(ins[at]);
+      if (!s.is_ok()) {
+        std::string what = ins[at].kind == InstrKind::Run ? p_.ops[ins[at].op].name
+                                                          : p_.tensors.info(ins[at].tensor).name;
+        return s.with_context(std::string("step instruction ") + std::to_string(at) + " (" +
+                              instr_kind_name(ins[at].kind) + " " + what + ")");
+      }
+    }
+    return Status::ok();
+  }
+
+  Status run_instruction(const Instruction& in) {
+    CopyEngine& ce = b_.copy_engine();
+    const TensorId t = in.tensor;
+    switch (in.kind) {
+      case InstrKind::Run:
+        return run_op(in.op, in.recompute);
+      case InstrKind::Allocate:
+        return place(t, in.offset);
+      case InstrKind::Fetch: {
+        SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(t));
+        if (!table_.state(t).valid(Tier::Host) || !slots_[t].host)
+          return Status::internal("fetch of " + p_.tensors.info(t).name + " which is not valid on host");
+        SPILLWAY_RETURN_IF_ERROR(place(t, in.offset));
+        SPILLWAY_ASSIGN_OR_RETURN(CopyTicket k, ce.copy(CopyDirection::HostToDevice, slots_[t].device, slots_[t].host,
+                                                        p_.tensors.info(t).bytes()));
+        slots_[t].to_device = k;
+        h2d_sources_.emplace_back(k, t);
+        table_.mark_copied(t, Tier::Device);
+        if (trace_) trace_->slice("h2d", p_.tensors.info(t).name, now_s(), now_s(), {{"bytes", p_.tensors.info(t).bytes()}});
+        return Status::ok();
+      }
+      case InstrKind::Evict:
+      case InstrKind::Flush: {
+        Slot& s = slots_[t];
+        std::optional<CopyTicket> out;
+        bool copy = in.kind == InstrKind::Flush || in.write_back;
+        if (copy) {
+          if (!table_.state(t).valid(Tier::Device))
+            return Status::internal("write-back of " + p_.tensors.info(t).name + " which is not valid on device");
+          SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
+          SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
+          if (s.to_device) {  // copies of the two directions are not ordered with each other
+            SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_device, "wait h2d", t));
+            s.to_device.reset();
+          }
+          SPILLWAY_ASSIGN_OR_RETURN(CopyTicket k, ce.copy(CopyDirection::DeviceToHost, s.host, s.device,
+                                                          p_.tensors.info(t).bytes()));
+          s.to_host = k;
+          out = k;
+          table_.mark_copied(t, Tier::Host);
+          if (trace_) trace_->slice("d2h", p_.tensors.info(t).name, now_s(), now_s(), {{"bytes", p_.tensors.info(t).bytes()}});
+        }
+        if (in.kind == InstrKind::Evict) {
+          SPILLWAY_RETURN_IF_ERROR(unplace(t, out));
+          SPILLWAY_RETURN_IF_ERROR(table_.mark_dropped(t, Tier::Device, true));
+        }
+        return Status::ok();
+      }
+      case InstrKind::Release: {
+        SPILLWAY_RETURN_IF_ERROR(unplace(t, std::nullopt));
+        return table_.mark_dropped(t, Tier::Device, true);
+      }
+      case InstrKind::Load: {
+        if (!spill_) return Status::internal("load of " + p_.tensors.info(t).name + " without a storage tier");
+        SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
+        SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
+        SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->read(t, slots_[t].host, p_.tensors.info(t).bytes()));
+        slots_[t].from_storage = k;
+        table_.mark_copied(t, Tier::Host);
+        if (trace_) trace_->slice("storage read", p_.tensors.info(t).name, now_s(), now_s());
+        return Status::ok();
+      }
+      case InstrKind::Store: {
+        if (!spill_) return Status::internal("store of " + p_.tensors.info(t).name + " without a storage tier");
+        SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(t));
+        Slot& s = slots_[t];
+        if (s.to_storage) {
+          SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.to_storage, "wait store", t));
+          s.to_storage.reset();
+        }
+        SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->write(t, s.host, p_.tensors.info(t).bytes()));
+        s.to_storage = k;
+        s.free_host_after_store = in.free_host;
+        table_.mark_copied(t, Tier::Storage);
+        if (in.free_host) {
+          SPILLWAY_RETURN_IF_ERROR(table_.mark_dropped(t, Tier::Host, true));
+          pending_host_frees_.push_back(t);
+        }
+        if (trace_) trace_->slice("storage write", p_.tensors.info(t).name, now_s(), now_s());
+        return Status::ok();
+      }
+      case InstrKind::HostRelease: {
+        SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
+        SPILLWAY_RETURN_IF_ERROR(free_host(t));
+        return table_.mark_dropped(t, Tier::Host, true);
+      }
+    }
+    return Status::internal("unknown instruction");
+  }
+
+  Status run_op(int index, bool recompute) {
+    const Op& op = p_.ops[index];
+    const Place place = plan_.op_place.empty() ? op.place : plan_.op_place[index];
+    ptrs_.clear();
+    CopyEngine& ce = b_.copy_engine();
+    for (const Operand& o : op.operands) {
+      Slot& s = slots_[o.tensor];
+      const TensorInfo& info = p_.tensors.info(o.tensor);
+      if (place == Place::Device) {
+        if (!s.device) return Status::internal("op " + op.name + ": " + info.name + " has no device region (plan bug)");
+        if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Device))
+          return Status::internal("op " + op.name + ": " + info.name + " is not valid on device (plan bug)");
+        if (s.to_device) {
+          auto t0 = Clock::now();
+          SPILLWAY_RETURN_IF_ERROR(ce.order_compute_after(*s.to_device));
+          double d = seconds_since(t0);
+          metrics_.stall_s += d;
+          if (trace_ && d > 1e-6) trace_->slice("stall", "wait h2d " + info.name, now_s() - d, now_s());
+          s.to_device.reset();
+        }
+        if (o.access != Access::Read && s.to_host) {  // a copy out of this region is still reading it
+          SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_host, "wait d2h", o.tensor));
+          s.to_host.reset();
+        }
+        ptrs_.push_back(s.device);
+      } else {
+        if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Host))
+          return Status::internal("host op " + op.name + ": " + info.name + " is not valid on host (plan bug)");
+        if (o.access == Access::Write) SPILLWAY_RETURN_IF_ERROR(ensure_host(o.tensor));
+        if (o.access == Access::Read) SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(o.tensor));
+        else SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(o.tensor));
+        ptrs_.push_back(s.host);
+      }
+    }
+    double t0 = trace_ ? now_s() : 0;
+    if (place == Place::Device) {
+      SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, op, ptrs_, step_));
+    } else {
+      // The host op reads data that device ops produced: they must be finished.
+      SPILLWAY_RETURN_IF_ERROR(run_host_op(op, ptrs_, b_.activation_dtype(), step_));
+    }
+    if (trace_) trace_->slice(place == Place::Device ? "compute" : "host", (recompute ? "recompute " : "") + op.name, t0, now_s());
+    if (recompute) metrics_.recomputed_ops++;
+    for (const Operand& o : op.operands)
+      if (o.access != Access::Read) table_.mark_written(o.tensor, place == Place::Device ? Tier::Device : Tier::Host);
+    return Status::ok();
+  }
+
+  Status finish() {
+    SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+    SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait_all());
+    for (auto& s : slots_) {
+      s.to_device.reset();
+      s.to_host.reset();
+    }
+    busy_.clear();
+    h2d_sources_.clear();
+    if (spill_) {
+      SPILLWAY_RETURN_IF_ERROR(spill_->wait_all());
+      for (auto& s : slots_) {
+        s.from_storage.reset();
+        s.to_storage.reset();
+      }
+    }
+    for (TensorId t : pending_host_frees_)
+      if (slots_[t].free_host_after_store) SPILLWAY_RETURN_IF_ERROR(free_host(t));
+    pending_host_frees_.clear();
+    // Every persistent tensor must be back home (the plan promised it).
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      auto t = static_cast<TensorId>(i);
+      if (is_persistent(p_, t) && !table_.state(t).valid(plan_.home[i]))
+        return Status::internal("executor: " + p_.tensors.info(t).name + " is not valid in its home tier (" +
+                                tier_name(plan_.home[i]) + ") after the step");
+    }
+    return Status::ok();
+  }
+
+  Backend& b_;
+  const Program& p_;
+  Plan plan_;
+  ExecutorOptions opt_;
+  TensorTable table_;            // residency of every tensor
+  std::vector<Slot> slots_;      // [tensors]
+  void* arena_memory_ = nullptr; // one device allocation of the arena's bytes
+  std::unique_ptr<DeviceArena> arena_;
+  std::unique_ptr<HostPool> host_;
+  std::unique_ptr<SpillStore> spill_;
+  std::vector<BusyRange> busy_;
+  std::vector<std::pair<CopyTicket, TensorId>> h2d_sources_;  // H2D copies reading host buffers
+  std::vector<TensorId> pending_host_frees_;
+  std::vector<void*> ptrs_;
+  StepMetrics metrics_;
+  OptimizerStep step_;
+  Clock::time_point step_start_;
+  Trace* trace_ = nullptr;
+  bool failed_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Executor>> Executor::create(Backend& backend, const Program& program, const Plan& plan,
+                                                   const ExecutorOptions& options) {
+  if (plan.home.size() != program.tensors.size())
+    return Status::invalid_argument("executor: the plan was made for another program (" +
+                                    std::to_string(plan.home.size()) + " tensors, program has " +
+                                    std::to_string(program.tensors.size()) + ")");
+  if (plan.alignment % backend.alignment() != 0)
+    return Status::invalid_argument("executor: the plan aligns device offsets to " + std::to_string(plan.alignment) +
+                                    " bytes but the " + backend.name() + " backend needs " +
+                                    std::to_string(backend.alignment()));
+  auto ex = std::make_unique<PlanExecutor>(backend, program, plan, options);
+  SPILLWAY_RETURN_IF_ERROR(ex->init());
+  return std::unique_ptr<Executor>(std::move(ex));
+}
+
+}  // namespace spillway

@@ -1,0 +1,43 @@
+// SpillStore: the executor's view of the storage tier — one checksummed extent per
+// tensor in a StorageStore, allocated at first write and reused every step.
+//
+//   SPILLWAY_ASSIGN_OR_RETURN(auto spill, SpillStore::open("/nvme/spill", budget, "auto", 0, 0));
+//   SPILLWAY_ASSIGN_OR_RETURN(SpillTicket w, spill->write(t, host_buf, bytes));  // host_buf 4096-aligned
+//   SPILLWAY_RETURN_IF_ERROR(spill->wait(w));
+#pragma once
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+
+#include "memory/storage_store.h"
+#include "tensor/tensor.h"
+
+namespace spillway {
+
+using SpillTicket = StorageStore::Ticket;
+
+class SpillStore {
+ public:
+  // fault_seed != 0 wraps the engine in the fault injector (tests): each request
+  // fails with probability fault_rate (EIO, ENOSPC, short or torn writes).
+  static Result<std::unique_ptr<SpillStore>> open(const std::string& dir, uint64_t budget, const std::string& engine,
+                                                  uint64_t fault_seed, double fault_rate);
+  Result<SpillTicket> write(TensorId t, const void* src, size_t bytes);
+  Result<SpillTicket> read(TensorId t, void* dst, size_t bytes);
+  Status wait(SpillTicket ticket) { return store_->wait(ticket); }
+  Status wait_all() { return store_->wait_all(); }
+  // Through an aligned bounce buffer: any source or destination.
+  Status write_sync(TensorId t, const void* src, size_t bytes);
+  Status read_sync(TensorId t, void* dst, size_t bytes);
+  uint64_t bytes_read() const { return store_->bytes_read(); }
+  uint64_t bytes_written() const { return store_->bytes_written(); }
+  uint64_t peak_bytes() const { return store_->peak_bytes(); }
+
+ private:
+  Result<Extent> extent(TensorId t, size_t bytes);
+  std::unique_ptr<StorageStore> store_;
+  std::unordered_map<TensorId, Extent> extents_;
+};
+
+}  // namespace spillway

@@ -1,0 +1,750 @@
+// The planner. One scheduling engine serves every policy: it walks the program's
+// ops in order, keeps a model of which tensor is where (device regions from a
+// best-fit RangeAllocator, host buffers, storage copies) and emits the memory
+// instructions each op needs. Policies differ only in the knobs:
+//
+//   knob                 resident   paging            planned
+//   homes of state       device     host              device / host / storage, by budget
+//   eviction victim      (none)     least recently    furthest next use (Belady)
+//   fetch                —          at first touch    as early as memory allows
+//   dead tensors         freed      written back      freed, never written back
+//   write-only hint      yes        no (persistent)   yes
+//   recompute            no         no                when cheaper than the swap
+//   optimizer            device     device            where its state lives
+#include "plan/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "core/size.h"
+#include "memory/range_allocator.h"
+
+namespace spillway {
+
+namespace {
+
+constexpr int kNever = std::numeric_limits<int>::max();
+
+bool is_persistent(const Program& program, TensorId t) {
+  Role r = program.tensors.info(t).role;
+  if (r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input) return true;
+  return std::find(program.outputs.begin(), program.outputs.end(), t) != program.outputs.end();
+}
+
+struct Config {
+  Policy policy = Policy::Resident;
+  bool belady = true;          // else LRU
+  int prefetch = 0;            // 0: at first touch; 1: one op ahead; -1: as early as memory allows
+  bool drop_dead = true;       // free dead tensors without write-back
+  bool write_only_hint = true; // Write access needs no fetch, even for persistent tensors
+  bool recompute = false;
+  bool optimizer_on_host = false;
+  std::vector<Tier> home;            // [tensors]
+  std::vector<uint64_t> home_offset; // [tensors]
+  uint64_t pinned_end = 0;           // device homes occupy [0, pinned_end)
+};
+
+class Scheduler {
+ public:
+  Scheduler(const Program& program, const Machine& machine, const Budgets& budgets, const Config& config,
+            size_t alignment)
+      : p_(program), machine_(machine), budgets_(budgets), c_(config), align_(alignment),
+        device_(budgets.device == UINT64_MAX ? (uint64_t{1} << 52) : budgets.device, alignment, false) {
+    const size_t n = p_.tensors.size();
+    uses_.resize(n);
+    producer_.assign(n, -1);
+    for (size_t i = 0; i < p_.ops.size(); ++i) {
+      for (const Operand& o : p_.ops[i].operands) {
+        auto& u = uses_[o.tensor];
+        if (u.empty() || u.back() != static_cast<int>(i)) u.push_back(static_cast<int>(i));
+        if (o.access == Access::Write && p_.ops[i].phase == Phase::Forward && producer_[o.tensor] < 0)
+          producer_[o.tensor] = static_cast<int>(i);
+      }
+    }
+    st_.resize(n);
+  }
+
+  Result<Plan> run() {
+    const size_t n = p_.tensors.size();
+    uint64_t capacity = device_.capacity();
+    if (c_.pinned_end > capacity)
+      return Status::out_of_memory("device budget " + format_size(budgets_.device) + " cannot hold the " +
+                                  format_size(c_.pinned_end) + " of state this plan keeps on device");
+    SPILLWAY_RETURN_IF_ERROR(device_.add_free(c_.pinned_end, capacity - c_.pinned_end));
+    max_end_ = c_.pinned_end;
+    // Start-of-step state.
+    for (size_t t = 0; t < n; ++t) {
+      auto id = static_cast<TensorId>(t);
+      if (!is_persistent(p_, id)) continue;
+      State& s = st_[t];
+      if (c_.home[t] == Tier::Device) {
+        s.region = true;
+        s.offset = c_.home_offset[t];
+        s.device_valid = true;
+      } else if (c_.home[t] == Tier::Host) {
+        s.host_buffer = true;
+        s.host_valid = true;
+        host_used_ += bytes(id);
+      } else {
+        s.storage_valid = true;
+        storage_extent_[t] = true;
+        storage_used_ += bytes(id);
+      }
+    }
+    host_peak_ = host_used_;
+    for (size_t i = 0; i < p_.ops.size(); ++i) SPILLWAY_RETURN_IF_ERROR(schedule_op(static_cast<int>(i)));
+    SPILLWAY_RETURN_IF_ERROR(finish_step());
+    Plan plan;
+    plan.policy = c_.policy;
+    plan.instructions = std::move(out_);
+    plan.home = c_.home;
+    plan.home_offset = c_.home_offset;
+    plan.device_bytes = max_end_;
+    plan.host_bytes = host_peak_;
+    plan.storage_bytes = storage_used_;
+    plan.alignment = align_;
+    return plan;
+  }
+
+  int recomputes() const { return recomputes_; }
+
+ private:
+  struct State {
+    bool region = false;         // holds a device region
+    uint64_t offset = 0;
+    bool device_valid = false;   // device region holds the newest value
+    bool host_buffer = false;
+    bool host_valid = false;
+    bool storage_valid = false;
+    bool recompute_pending = false;  // released; its producer re-runs before the next use
+    int last_touch = -1;
+  };
+
+  uint64_t bytes(TensorId t) const { return p_.tensors.info(t).bytes(); }
+  uint64_t device_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), align_); }
+  const std::string& name(TensorId t) const { return p_.tensors.info(t).name; }
+  bool persistent(TensorId t) const { return is_persistent(p_, t); }
+  bool pinned_home(TensorId t) const { return persistent(t) && c_.home[t] == Tier::Device; }
+
+  int next_use(TensorId t, int after) const {
+    const auto& u = uses_[t];
+    auto it = std::upper_bound(u.begin(), u.end(), after);
+    return it == u.end() ? kNever : *it;
+  }
+
+  void emit(InstrKind kind, TensorId t, uint64_t offset = 0, bool write_back = true, bool free_host = false) {
+    Instruction in;
+    in.kind = kind;
+    in.tensor = t;
+    in.offset = offset;
+    in.write_back = write_back;
+    in.free_host = free_host;
+    out_.push_back(in);
+  }
+
+  // ---- host tier ----
+  Status host_room(uint64_t need, int now) {
+    while (host_used_ + need > budgets_.host) {
+      // Victim: a host buffer not needed by the current op, furthest next use.
+      TensorId best = kNoTensor;
+      int best_use = -1;
+      for (size_t t = 0; t < st_.size(); ++t) {
+        auto id = static_cast<TensorId>(t);
+        const State& s = st_[t];
+        if (!s.host_buffer || locked_.count(id)) continue;
+        if (persistent(id) && c_.home[t] == Tier::Host) continue;  // lives there
+        bool dead = !persistent(id) && next_use(id, now) == kNever;
+        bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
+        if (only_copy && !dead && budgets_.storage == 0) continue;
+        int use = dead ? kNever : next_use(id, now);
+        if (use > best_use) {
+          best_use = use;
+          best = id;
+        }
+      }
+      if (best == kNoTensor) {
+        std::string hint = budgets_.storage == 0 ? "; give --spill-dir (and a storage budget) so that state can spill to storage"
+                                                 : "";
+        return Status::out_of_memory("host budget " + format_size(budgets_.host) + " is too small: " +
+                                     format_size(host_used_) + " in use, " + format_size(need) + " more needed" + hint);
+      }
+      State& s = st_[best];
+      bool dead = !persistent(best) && next_use(best, now) == kNever;
+      bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
+      if (only_copy && !dead) {
+        store(best);
+        emit(InstrKind::Store, best, 0, true, /*free_host=*/true);
+      } else {
+        emit(InstrKind::HostRelease, best);
+      }
+      s.host_buffer = false;
+      s.host_valid = false;
+      host_used_ -= bytes(best);
+    }
+    return Status::ok();
+  }
+
+  void store(TensorId t) {
+    if (!storage_extent_[t]) {
+      storage_extent_[t] = true;
+      storage_used_ += bytes(t);
+    }
+    st_[t].storage_valid = true;
+  }
+
+  Status ensure_host_buffer(TensorId t, int now) {
+    State& s = st_[t];
+    if (s.host_buffer) return Status::ok();
+    SPILLWAY_RETURN_IF_ERROR(host_room(bytes(t), now));
+    s.host_buffer = true;
+    host_used_ += bytes(t);
+    host_peak_ = std::max(host_peak_, host_used_);
+    return Status::ok();
+  }
+
+  // Makes t valid on host (Load from storage when needed).
+  Status ensure_host_valid(TensorId t, int now) {
+    State& s = st_[t];
+    if (s.host_valid) return Status::ok();
+    if (s.region && s.device_valid) {
+      SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(t, now));
+      emit(InstrKind::Flush, t);
+      s.host_valid = true;
+      return Status::ok();
+    }
+    if (!s.storage_valid)
+      return Status::internal("planner: " + name(t) + " has no valid copy when op " + std::to_string(now) + " needs it");
+    SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(t, now));
+    emit(InstrKind::Load, t);
+    s.host_valid = true;
+    return Status::ok();
+  }
+
+  // ---- device tier ----
+  // Frees t's device region, writing it back first when that is the only newest copy.
+  Status evict(TensorId t, int now) {
+    State& s = st_[t];
+    bool dead = !persistent(t) && next_use(t, now) == kNever;
+    if (!s.device_valid || (dead && c_.drop_dead)) {
+      emit(InstrKind::Release, t);
+    } else if (s.host_valid || s.storage_valid) {
+      emit(InstrKind::Evict, t, 0, /*write_back=*/false);
+    } else if (c_.recompute && can_recompute(t, now)) {
+      emit(InstrKind::Release, t);
+      s.recompute_pending = true;
+    } else {
+      SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(t, now));
+      emit(InstrKind::Evict, t, 0, /*write_back=*/true);
+      s.host_valid = true;
+    }
+    SPILLWAY_RETURN_IF_ERROR(device_.free(s.offset));
+    s.region = false;
+    s.device_valid = false;
+    return Status::ok();
+  }
+
+  // Capuchin's choice for one activation: drop it and re-run its producer before
+  // the next use, when that costs less time than writing it out and reading it back.
+  bool can_recompute(TensorId t, int now) const {
+    Role r = p_.tensors.info(t).role;
+    if (r != Role::Activation) return false;
+    int prod = producer_[t];
+    if (prod < 0 || prod > now) return false;
+    int use = next_use(t, now);
+    if (use == kNever) return false;
+    const Op& op = p_.ops[prod];
+    for (const Operand& o : op.operands) {
+      if (o.access == Access::Write) {
+        if (persistent(o.tensor)) return false;
+        continue;
+      }
+      if (persistent(o.tensor)) continue;
+      // The producer's input must still be alive (used again at or after `use`).
+      const auto& u = uses_[o.tensor];
+      if (u.empty() || u.back() < use || st_[o.tensor].recompute_pending) return false;
+    }
+    double swap_s = machine_.copy_seconds(bytes(t), false) + machine_.copy_seconds(bytes(t), true);
+    return machine_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s;
+  }
+
+  TensorId choose_victim(int now, int need_before) {
+    TensorId best = kNoTensor;
+    long best_score = std::numeric_limits<long>::min();
+    for (size_t t = 0; t < st_.size(); ++t) {
+      auto id = static_cast<TensorId>(t);
+      const State& s = st_[t];
+      if (!s.region || pinned_home(id) || locked_.count(id)) continue;
+      long score;
+      if (c_.belady) {
+        int use = next_use(id, now - 1);
+        if (use <= need_before) continue;  // needed no later than what we make room for
+        bool dead = !persistent(id) && use == kNever;
+        score = dead ? std::numeric_limits<long>::max() : 2L * use + ((s.device_valid && !s.host_valid) ? 0 : 1);
+      } else {
+        score = -static_cast<long>(s.last_touch);
+      }
+      if (score > best_score) {
+        best_score = score;
+        best = id;
+      }
+    }
+    return best;
+  }
+
+  // A device region for t; evicts by the policy's rule when full. need_before: only
+  // tensors next used after this op index may be evicted (prefetch), or -1.
+  Result<uint64_t> allocate(TensorId t, int now, int need_before, bool may_fail) {
+    uint64_t size = device_bytes(t);
+    for (;;) {
+      auto r = device_.allocate(size);
+      if (r.ok()) {
+        max_end_ = std::max(max_end_, *r + size);
+        return r;
+      }
+      if (c_.policy == Policy::Resident && !may_fail)
+        return Status::out_of_memory("resident: the step needs more than the device budget " +
+                                     format_size(budgets_.device) + " (no room for " + name(t) + ", " +
+                                     format_size(size) + "); choose --policy planned or auto to spill");
+      TensorId victim = choose_victim(now, need_before);
+      if (victim == kNoTensor) {
+        if (may_fail) return Status::out_of_memory("no room");
+        return Status::out_of_memory("device budget " + format_size(budgets_.device) + " cannot hold the operands of op " +
+                                     p_.ops[now].name + " (" + name(t) + " needs " + format_size(size) + ", " +
+                                     format_size(device_.in_use() + c_.pinned_end) + " in use, largest free block " +
+                                     format_size(device_.largest_free_block()) + ")");
+      }
+      SPILLWAY_RETURN_IF_ERROR(evict(victim, now));
+    }
+  }
+
+  Status recompute(TensorId t, int now) {
+    int prod = producer_[t];
+    const Op& op = p_.ops[prod];
+    std::vector<TensorId> added;
+    for (const Operand& o : op.operands) {
+      if (locked_.insert(o.tensor).second) added.push_back(o.tensor);
+    }
+    for (const Operand& o : op.operands) SPILLWAY_RETURN_IF_ERROR(ensure_on_device(o.tensor, o.access == Access::Write, now));
+    Instruction in;
+    in.kind = InstrKind::Run;
+    in.op = prod;
+    in.recompute = true;
+    out_.push_back(in);
+    recomputes_++;
+    for (const Operand& o : op.operands) {
+      if (o.access == Access::Read) continue;
+      State& s = st_[o.tensor];
+      s.device_valid = true;
+      s.recompute_pending = false;
+      if (s.host_buffer && !s.host_valid) {
+      }
+      s.host_valid = false;
+      s.storage_valid = false;
+    }
+    for (TensorId a : added) locked_.erase(a);
+    return Status::ok();
+  }
+
+  Status ensure_on_device(TensorId t, bool write_only, int now) {
+    State& s = st_[t];
+    s.last_touch = now;
+    if (s.region) {
+      if (s.device_valid || write_only) return Status::ok();
+      return Status::internal("planner: " + name(t) + " read on device before it was written");
+    }
+    if (s.recompute_pending && !write_only) return recompute(t, now);
+    bool need_data = !write_only || (!c_.write_only_hint && persistent(t) && (s.host_valid || s.storage_valid));
+    if (need_data) SPILLWAY_RETURN_IF_ERROR(ensure_host_valid(t, now));
+    SPILLWAY_ASSIGN_OR_RETURN(uint64_t off, allocate(t, now, now, false));
+    s.region = true;
+    s.offset = off;
+    if (need_data) {
+      emit(InstrKind::Fetch, t, off);
+      s.device_valid = true;
+    } else {
+      emit(InstrKind::Allocate, t, off);
+      s.device_valid = false;
+    }
+    return Status::ok();
+  }
+
+  // Issues fetches for the coming ops' operands, in order of need, while memory allows.
+  void prefetch(int now) {
+    if (c_.prefetch == 0) return;
+    int horizon = c_.prefetch > 0 ? c_.prefetch : 64;
+    double budget_s = 0;
+    for (int j = now + 1; j < static_cast<int>(p_.ops.size()) && j <= now + horizon; ++j) {
+      const Op& op = p_.ops[j];
+      if (op.place != Place::Device) continue;
+      for (const Operand& o : op.operands) {
+        TensorId t = o.tensor;
+        State& s = st_[t];
+        if (s.region || s.recompute_pending) continue;
+        if (o.access == Access::Write && c_.write_only_hint) continue;
+        if (!s.host_valid) continue;  // storage reads are issued at need (they also take host room)
+        auto off = allocate(t, now, j, /*may_fail=*/true);
+        if (!off.ok()) return;  // memory is full of tensors needed sooner: stop
+        s.region = true;
+        s.offset = *off;
+        s.device_valid = true;
+        s.last_touch = now;
+        emit(InstrKind::Fetch, t, *off);
+      }
+      budget_s += machine_.op_seconds(p_, static_cast<size_t>(j));
+    }
+  }
+
+  Status schedule_op(int i) {
+    const Op& op = p_.ops[i];
+    locked_.clear();
+    for (const Operand& o : op.operands) locked_.insert(o.tensor);
+    if (op.place == Place::Device) {
+      for (const Operand& o : op.operands) {
+        bool write_only = o.access == Access::Write;
+        // An operand read and written by one op counts as read.
+        for (const Operand& q : op.operands)
+          if (q.tensor == o.tensor && q.access != Access::Write) write_only = false;
+        SPILLWAY_RETURN_IF_ERROR(ensure_on_device(o.tensor, write_only, i));
+      }
+    } else {
+      for (const Operand& o : op.operands) {
+        TensorId t = o.tensor;
+        State& s = st_[t];
+        if (o.access != Access::Write) SPILLWAY_RETURN_IF_ERROR(ensure_host_valid(t, i));
+        else SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(t, i));
+        if (o.access != Access::Read && s.region) {
+          emit(InstrKind::Release, t);
+          if (!pinned_home(t)) SPILLWAY_RETURN_IF_ERROR(device_.free(s.offset));
+          s.region = false;
+          s.device_valid = false;
+        }
+      }
+    }
+    prefetch(i);
+    Instruction in;
+    in.kind = InstrKind::Run;
+    in.op = i;
+    out_.push_back(in);
+    // State after the op.
+    for (const Operand& o : op.operands) {
+      if (o.access == Access::Read) continue;
+      State& s = st_[o.tensor];
+      if (op.place == Place::Device) {
+        s.device_valid = true;
+        s.host_valid = false;
+      } else {
+        s.host_valid = true;
+        s.device_valid = false;
+      }
+      s.storage_valid = false;
+      s.recompute_pending = false;
+    }
+    // A device-homed tensor written on host goes back to its home region.
+    if (op.place == Place::Host) {
+      for (const Operand& o : op.operands) {
+        TensorId t = o.tensor;
+        if (o.access == Access::Read || !pinned_home(t)) continue;
+        State& s = st_[t];
+        emit(InstrKind::Fetch, t, c_.home_offset[t]);
+        s.region = true;
+        s.offset = c_.home_offset[t];
+        s.device_valid = true;
+      }
+    }
+    locked_.clear();
+    // Last uses: dead tensors are freed; state homed elsewhere goes home.
+    if (c_.drop_dead) {
+      for (const Operand& o : op.operands) {
+        TensorId t = o.tensor;
+        State& s = st_[t];
+        if (next_use(t, i) != kNever) continue;
+        if (!persistent(t)) {
+          if (s.region) {
+            emit(InstrKind::Release, t);
+            SPILLWAY_RETURN_IF_ERROR(device_.free(s.offset));
+            s.region = false;
+            s.device_valid = false;
+          }
+          if (s.host_buffer) {
+            emit(InstrKind::HostRelease, t);
+            s.host_buffer = false;
+            s.host_valid = false;
+            host_used_ -= bytes(t);
+          }
+        } else if (s.region && !pinned_home(t)) {
+          SPILLWAY_RETURN_IF_ERROR(evict(t, i));
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  Status finish_step() {
+    const int end = static_cast<int>(p_.ops.size());
+    for (size_t t = 0; t < st_.size(); ++t) {
+      auto id = static_cast<TensorId>(t);
+      State& s = st_[t];
+      if (!persistent(id)) {
+        if (s.region) {
+          emit(InstrKind::Release, id);
+          SPILLWAY_RETURN_IF_ERROR(device_.free(s.offset));
+          s.region = false;
+        }
+        if (s.host_buffer) {
+          emit(InstrKind::HostRelease, id);
+          s.host_buffer = false;
+          host_used_ -= bytes(id);
+        }
+        continue;
+      }
+      if (pinned_home(id)) continue;
+      if (s.region) {
+        if (s.device_valid && !s.host_valid && !s.storage_valid) {
+          SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(id, end));
+          emit(InstrKind::Evict, id, 0, true);
+          s.host_valid = true;
+        } else {
+          emit(InstrKind::Release, id);
+        }
+        SPILLWAY_RETURN_IF_ERROR(device_.free(s.offset));
+        s.region = false;
+        s.device_valid = false;
+      }
+      if (c_.home[t] == Tier::Host) {
+        if (!s.host_valid) {
+          SPILLWAY_RETURN_IF_ERROR(ensure_host_valid(id, end));
+        }
+      } else if (c_.home[t] == Tier::Storage) {
+        if (!s.storage_valid) {
+          if (!s.host_valid) return Status::internal("planner: " + name(id) + " lost its value at the end of the step");
+          store(id);
+          emit(InstrKind::Store, id, 0, true, /*free_host=*/true);
+          s.host_buffer = false;
+          s.host_valid = false;
+          host_used_ -= bytes(id);
+        } else if (s.host_buffer) {
+          emit(InstrKind::HostRelease, id);
+          s.host_buffer = false;
+          s.host_valid = false;
+          host_used_ -= bytes(id);
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  const Program& p_;
+  const Machine& machine_;
+  const Budgets& budgets_;
+  const Config& c_;
+  size_t align_;
+  RangeAllocator device_;
+  std::vector<std::vector<int>> uses_;  // [tensors] op indices that touch it, ascending
+  std::vector<int> producer_;           // [tensors] forward op that writes it, or -1
+  std::vector<State> st_;               // [tensors]
+  std::vector<bool> storage_extent_ = std::vector<bool>(p_.tensors.size(), false);
+  std::set<TensorId> locked_;
+  std::vector<Instruction> out_;
+  uint64_t max_end_ = 0;
+  uint64_t host_used_ = 0, host_peak_ = 0, storage_used_ = 0;
+  int recomputes_ = 0;
+};
+
+uint64_t op_working_set(const Program& program, const Op& op, size_t alignment) {
+  std::set<TensorId> seen;
+  uint64_t total = 0;
+  for (const Operand& o : op.operands)
+    if (seen.insert(o.tensor).second)
+      total += align_up(std::max<uint64_t>(1, program.tensors.info(o.tensor).bytes()), alignment);
+  return total;
+}
+
+// Homes: which persistent tensors stay on device for the whole run, which rest on
+// host or storage between uses.
+enum class StateClass { Param, Grad, Master, OptState, Other };
+StateClass state_class(const Program& p, TensorId t) {
+  switch (p.tensors.info(t).role) {
+    case Role::Param: return StateClass::Param;
+    case Role::Grad: return StateClass::Grad;
+    case Role::Master: return StateClass::Master;
+    case Role::OptState: return StateClass::OptState;
+    default: return StateClass::Other;
+  }
+}
+
+void assign_device_offsets(const Program& program, Config& c, size_t alignment) {
+  uint64_t off = 0;
+  c.home_offset.assign(program.tensors.size(), 0);
+  for (size_t t = 0; t < program.tensors.size(); ++t) {
+    auto id = static_cast<TensorId>(t);
+    if (!is_persistent(program, id) || c.home[t] != Tier::Device) continue;
+    c.home_offset[t] = off;
+    off += align_up(std::max<uint64_t>(1, program.tensors.info(id).bytes()), alignment);
+  }
+  c.pinned_end = off;
+}
+
+// Where each class rests: device, host, or storage when the host budget is short.
+// offload: 0 = all on device; 1 = master+moments (and grads) off device, optimizer
+// on host; 2 = parameters off device too.
+Config make_config(const Program& program, const Budgets& budgets, int offload, size_t alignment) {
+  Config c;
+  const size_t n = program.tensors.size();
+  c.home.assign(n, Tier::Device);
+  c.optimizer_on_host = offload >= 1;
+  uint64_t host_bytes = 0;
+  std::vector<std::pair<int, TensorId>> movable;  // (spill priority, tensor)
+  for (size_t t = 0; t < n; ++t) {
+    auto id = static_cast<TensorId>(t);
+    if (!is_persistent(program, id)) continue;
+    StateClass k = state_class(program, id);
+    bool off_device = (offload >= 1 && (k == StateClass::Master || k == StateClass::OptState || k == StateClass::Grad)) ||
+                      (offload >= 2 && k == StateClass::Param);
+    if (!off_device) continue;
+    c.home[t] = Tier::Host;
+    host_bytes += program.tensors.info(id).bytes();
+    int prio = k == StateClass::OptState ? 0 : k == StateClass::Master ? 1 : k == StateClass::Param ? 2 : 3;
+    movable.emplace_back(prio, id);
+  }
+  // Keep a quarter of the host budget for swapped activations and transfers; the
+  // rest of the state that does not fit goes to storage, moments first.
+  if (budgets.storage > 0 && budgets.host != UINT64_MAX) {
+    uint64_t limit = budgets.host - budgets.host / 4;
+    std::stable_sort(movable.begin(), movable.end(), [](auto& a, auto& b) { return a.first < b.first; });
+    for (auto& [prio, id] : movable) {
+      if (host_bytes <= limit) break;
+      if (state_class(program, id) == StateClass::Grad) continue;  // read by the optimizer every step
+      c.home[id] = Tier::Storage;
+      host_bytes -= program.tensors.info(id).bytes();
+    }
+  }
+  assign_device_offsets(program, c, alignment);
+  return c;
+}
+
+Program with_optimizer_on_host(const Program& program, bool on_host) {
+  Program p = program;
+  for (Op& op : p.ops)
+    if (op.kind == OpKind::AdamW) op.place = on_host ? Place::Host : Place::Device;
+  return p;
+}
+
+}  // namespace
+
+uint64_t minimum_device_budget(const Program& program, size_t alignment) {
+  uint64_t m = 0;
+  // AdamW is left out: it can always run on host, where its state lives.
+  for (const Op& op : program.ops)
+    if (op.place == Place::Device && op.kind != OpKind::AdamW) m = std::max(m, op_working_set(program, op, alignment));
+  return m;
+}
+
+namespace {
+
+std::string largest_op_name(const Program& program, size_t alignment) {
+  uint64_t m = 0;
+  std::string name;
+  for (const Op& op : program.ops) {
+    uint64_t w = op_working_set(program, op, alignment);
+    if (op.place == Place::Device && op.kind != OpKind::AdamW && w > m) {
+      m = w;
+      name = op.name;
+    }
+  }
+  return name;
+}
+
+Result<Plan> schedule(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
+                      size_t alignment) {
+  Scheduler s(program, machine, budgets, c, alignment);
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, s.run());
+  plan.op_place.clear();
+  for (const Op& op : program.ops) plan.op_place.push_back(op.place);
+  std::ostringstream d;
+  d << policy_name(c.policy) << ": state on device " << format_size(c.pinned_end) << ", optimizer on "
+    << (c.optimizer_on_host ? "host" : "device") << ", recompute " << (c.recompute ? "on" : "off") << ", "
+    << s.recomputes() << " recomputed ops per step";
+  plan.description = d.str();
+  return plan;
+}
+
+}  // namespace
+
+// Plans against a copy of the program whose AdamW ops sit where the plan wants
+// them; Plan::op_place records the choice.
+Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
+                            const PlannerOptions& options, size_t alignment) {
+  Program program = original;
+  uint64_t minimum = minimum_device_budget(program, alignment);
+  if (budgets.device < minimum) {
+    return Status::out_of_memory("device budget " + format_size(budgets.device) + " is below the minimum " +
+                                 format_size(minimum) + " that the largest op (" + largest_op_name(program, alignment) +
+                                 ") needs; give --device-budget " + std::to_string(minimum) + " or more");
+  }
+  switch (options.policy) {
+    case Policy::Resident: {
+      Config c = make_config(program, budgets, 0, alignment);
+      c.policy = Policy::Resident;
+      program = with_optimizer_on_host(program, false);
+      return schedule(program, machine, budgets, c, alignment);
+    }
+    case Policy::Paging: {
+      Config c;
+      c.policy = Policy::Paging;
+      c.home.assign(program.tensors.size(), Tier::Host);
+      for (TensorId t : program.inputs) c.home[t] = Tier::Device;
+      for (TensorId t : program.outputs) c.home[t] = Tier::Device;
+      assign_device_offsets(program, c, alignment);
+      c.belady = false;
+      c.prefetch = options.learned_prefetch ? 1 : 0;
+      c.drop_dead = false;
+      c.write_only_hint = false;
+      c.recompute = false;
+      program = with_optimizer_on_host(program, false);
+      return schedule(program, machine, budgets, c, alignment);
+    }
+    case Policy::Planned:
+    case Policy::Auto: {
+      // Offload as little as the budget allows: state stays on device while it
+      // leaves at least half the budget (and the largest op's working set) free.
+      std::vector<int> levels;
+      if (options.optimizer_on_host == 1) levels = {1, 2};
+      else if (options.optimizer_on_host == 0) levels = {0};
+      else levels = {0, 1, 2};
+      Status last = Status::ok();
+      for (int level : levels) {
+        Config c = make_config(program, budgets, level, alignment);
+        c.policy = options.policy;
+        c.belady = true;
+        c.prefetch = options.prefetch_distance < 0 ? -1 : options.prefetch_distance;
+        c.drop_dead = true;
+        c.write_only_hint = true;
+        c.recompute = options.recompute != 0;
+        uint64_t free_after_state = c.pinned_end < budgets.device ? budgets.device - c.pinned_end : 0;
+        bool roomy = free_after_state >= minimum && (c.pinned_end <= budgets.device / 2 || level == levels.back());
+        if (!roomy) continue;
+        Program candidate = with_optimizer_on_host(program, c.optimizer_on_host);
+        auto plan = schedule(candidate, machine, budgets, c, alignment);
+        if (plan.ok()) return plan;
+        last = plan.status();
+      }
+      if (!last.is_ok()) return last;
+      return Status::out_of_memory("device budget " + format_size(budgets.device) +
+                                   " cannot hold the state this model keeps on device even with parameters streamed");
+    }
+  }
+  return Status::internal("planner: unknown policy");
+}
+
+Result<Plan> make_plan(const Program& program, const Machine& machine, const Budgets& budgets,
+                       const PlannerOptions& options) {
+  const size_t alignment = options.alignment;
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, machine, budgets, options, alignment));
+  SPILLWAY_RETURN_IF_ERROR(plan.validate(program, budgets).with_context("planner produced an invalid plan"));
+  return plan;
+}
+
+}  // namespace spillway

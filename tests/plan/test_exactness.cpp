@@ -1,0 +1,248 @@
+// Exactness under budgets: every policy and budget gives the resident run's losses,
+// bit for bit, on the CPU backend (DESIGN.md invariant 1), and stays within its
+// budgets (invariant 2).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "backend/backend.h"
+#include "exec/executor.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+
+using namespace spillway;
+
+namespace {
+
+struct RunResult {
+  Status status;
+  std::vector<float> losses;  // [steps] mean loss of each step
+  std::vector<StepMetrics> metrics;
+  Plan plan;
+};
+
+struct Setup {
+  GPTConfig cfg;
+  StepShape shape;
+};
+
+Setup small_model(int width = 32) {
+  Setup s;
+  s.cfg = GPTConfig{2, width, 2, 16, 64};
+  s.shape = StepShape{2, 16, 2};
+  return s;
+}
+
+std::string temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / ("spillway-test-" + name + "-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+RunResult train(const Setup& s, const Budgets& budgets, const PlannerOptions& options, int steps,
+                const ExecutorOptions& exec_options = {}) {
+  RunResult r;
+  auto backend = make_backend("cpu", {.threads = 2});
+  if (!backend.ok()) {
+    r.status = backend.status();
+    return r;
+  }
+  auto program = build_training_program(s.cfg, s.shape, (*backend)->activation_dtype());
+  if (!program.ok()) {
+    r.status = program.status();
+    return r;
+  }
+  PlannerOptions o = options;
+  o.alignment = (*backend)->alignment();
+  auto plan = make_plan(*program, Machine::cpu_dev_box(), budgets, o);
+  if (!plan.ok()) {
+    r.status = plan.status();
+    return r;
+  }
+  r.plan = *plan;
+  ExecutorOptions eo = exec_options;
+  if (budgets.host != UINT64_MAX) eo.host_budget = budgets.host;
+  auto ex = Executor::create(**backend, *program, *plan, eo);
+  if (!ex.ok()) {
+    r.status = ex.status();
+    return r;
+  }
+  Executor& e = **ex;
+  for (const ParamSpec& spec : parameter_specs(s.cfg)) {
+    std::vector<float> v = init_parameter(s.cfg, spec, 1234);
+    for (std::string name : {spec.name, "master." + spec.name}) {
+      TensorId t = program->tensors.find(name);
+      EXPECT_NE(t, kNoTensor) << name;
+      r.status = e.write_tensor(t, v.data(), v.size() * sizeof(float));
+      if (!r.status.is_ok()) return r;
+    }
+  }
+  std::mt19937 rng(42);
+  for (int step = 1; step <= steps; ++step) {
+    for (int k = 0; k < s.shape.accum; ++k) {
+      std::vector<int32_t> tokens(s.shape.B * s.shape.T), targets(s.shape.B * s.shape.T);
+      for (auto& x : tokens) x = static_cast<int32_t>(rng() % s.cfg.vocab);
+      for (auto& x : targets) x = static_cast<int32_t>(rng() % s.cfg.vocab);
+      std::string mb = "mb" + std::to_string(k) + ".";
+      r.status = e.write_tensor(program->tensors.find(mb + "tokens"), tokens.data(), tokens.size() * 4);
+      if (r.status.is_ok()) r.status = e.write_tensor(program->tensors.find(mb + "targets"), targets.data(), targets.size() * 4);
+      if (!r.status.is_ok()) return r;
+    }
+    r.status = e.run_step({.step = step, .lr = 1e-3f});
+    if (!r.status.is_ok()) return r;
+    double sum = 0;
+    size_t count = 0;
+    for (int k = 0; k < s.shape.accum; ++k) {
+      TensorId t = program->tensors.find("mb" + std::to_string(k) + ".losses");
+      std::vector<float> l(program->tensors.info(t).shape.numel());
+      r.status = e.read_tensor(t, l.data(), l.size() * 4);
+      if (!r.status.is_ok()) return r;
+      for (float x : l) sum += x;
+      count += l.size();
+    }
+    r.losses.push_back(static_cast<float>(sum / count));
+    r.metrics.push_back(e.metrics());
+  }
+  return r;
+}
+
+void expect_same_bits(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    EXPECT_EQ(x, y) << what << ": step " << i + 1 << " loss " << a[i] << " vs resident " << b[i];
+  }
+}
+
+constexpr int kSteps = 20;
+
+}  // namespace
+
+TEST(Exactness, BudgetedRunsMatchResidentBitForBit) {
+  for (int width : {32, 64}) {
+    Setup s = small_model(width);
+    RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
+    ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+    const uint64_t peak = ref.plan.device_bytes;
+    EXPECT_LT(ref.losses.back(), ref.losses.front());
+    struct Case {
+      Policy policy;
+      bool learned;
+    };
+    for (Case c : {Case{Policy::Paging, false}, Case{Policy::Paging, true}, Case{Policy::Planned, false},
+                   Case{Policy::Auto, false}}) {
+      for (int divisor : {2, 4, 10}) {
+        Budgets b;
+        b.device = peak / divisor;
+        std::string what = std::string(policy_name(c.policy)) + (c.learned ? "+learned" : "") + " width " +
+                           std::to_string(width) + " budget 1/" + std::to_string(divisor);
+        RunResult r = train(s, b, {.policy = c.policy, .learned_prefetch = c.learned}, kSteps);
+        ASSERT_TRUE(r.status.is_ok()) << what << ": " << r.status.to_string();
+        expect_same_bits(r.losses, ref.losses, what);
+        for (const StepMetrics& m : r.metrics) {
+          EXPECT_LE(m.peak_device_bytes, b.device) << what;
+          EXPECT_GT(m.h2d_bytes + m.d2h_bytes, 0u) << what << ": a budgeted run moves bytes";
+        }
+      }
+    }
+  }
+}
+
+TEST(Exactness, StorageTierMatchesResident) {
+  Setup s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  std::string dir = temp_dir("exact");
+  for (Policy p : {Policy::Planned, Policy::Paging}) {
+    Budgets b;
+    b.device = ref.plan.device_bytes / 4;
+    b.host = 256 * 1024;  // far below the state: most of it goes to storage
+    b.storage = 64 << 20;
+    RunResult r = train(s, b, {.policy = p}, kSteps, {.spill_dir = dir});
+    ASSERT_TRUE(r.status.is_ok()) << policy_name(p) << ": " << r.status.to_string();
+    expect_same_bits(r.losses, ref.losses, std::string("storage ") + policy_name(p));
+    EXPECT_GT(r.metrics.back().storage_write_bytes + r.metrics.back().storage_read_bytes, 0u);
+    EXPECT_LE(r.metrics.back().peak_host_bytes, b.host);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Exactness, PlannedRecomputesWhereItChose) {
+  Setup s = small_model(64);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 3);
+  ASSERT_TRUE(ref.status.is_ok());
+  Budgets b;
+  b.device = ref.plan.device_bytes / 4;
+  RunResult r = train(s, b, {.policy = Policy::Planned, .recompute = 1}, 3);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  expect_same_bits(r.losses, ref.losses, "planned with recompute");
+  int planned_recomputes = 0;
+  for (const Instruction& in : r.plan.instructions) planned_recomputes += in.recompute;
+  EXPECT_GT(planned_recomputes, 0);
+  EXPECT_EQ(r.metrics.back().recomputed_ops, planned_recomputes);
+}
+
+TEST(Budgets, BelowMinimumStatesTheMinimum) {
+  Setup s = small_model(32);
+  Budgets b;
+  b.device = 4096;
+  RunResult r = train(s, b, {.policy = Policy::Planned}, 1);
+  ASSERT_FALSE(r.status.is_ok());
+  EXPECT_EQ(r.status.code(), StatusCode::OutOfMemory);
+  EXPECT_NE(r.status.message().find("minimum"), std::string::npos) << r.status.message();
+  EXPECT_NE(r.status.message().find("--device-budget"), std::string::npos) << r.status.message();
+}
+
+TEST(Budgets, HostTooSmallWithoutSpillDirNamesIt) {
+  Setup s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 1);
+  ASSERT_TRUE(ref.status.is_ok());
+  Budgets b;
+  b.device = ref.plan.device_bytes / 4;
+  b.host = 64 * 1024;
+  RunResult r = train(s, b, {.policy = Policy::Planned}, 1);
+  ASSERT_FALSE(r.status.is_ok());
+  EXPECT_NE(r.status.message().find("--spill-dir"), std::string::npos) << r.status.message();
+}
+
+TEST(Budgets, ResidentThatDoesNotFitSaysSo) {
+  Setup s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 1);
+  ASSERT_TRUE(ref.status.is_ok());
+  Budgets b;
+  b.device = ref.plan.device_bytes / 2;
+  RunResult r = train(s, b, {.policy = Policy::Resident}, 1);
+  ASSERT_FALSE(r.status.is_ok());
+  EXPECT_NE(r.status.message().find("resident"), std::string::npos) << r.status.message();
+}
+
+TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
+  Setup s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 5);
+  ASSERT_TRUE(ref.status.is_ok());
+  std::string dir = temp_dir("faults");
+  int failures = 0;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    Budgets b;
+    b.device = ref.plan.device_bytes / 4;
+    b.host = 256 * 1024;
+    b.storage = 64 << 20;
+    RunResult r = train(s, b, {.policy = Policy::Planned}, 5, {.spill_dir = dir, .fault_seed = seed, .fault_rate = 0.01});
+    // Whatever steps completed have exactly the resident losses.
+    for (size_t i = 0; i < r.losses.size(); ++i)
+      EXPECT_EQ(r.losses[i], ref.losses[i]) << "seed " << seed << " step " << i + 1;
+    if (!r.status.is_ok()) {
+      ++failures;
+      EXPECT_TRUE(r.status.code() == StatusCode::IoError || r.status.code() == StatusCode::NoSpace ||
+                  r.status.code() == StatusCode::Corrupt)
+          << r.status.to_string();
+    }
+  }
+  EXPECT_GT(failures, 0) << "the fault injector never fired";
+  std::filesystem::remove_all(dir);
+}
