@@ -16,7 +16,8 @@ float* f32w(void* p) { return static_cast<float*>(p); }
 const int32_t* i32(void* p) { return static_cast<const int32_t*>(p); }
 }  // namespace
 
-Status run_device_op(Backend& b, const Op& op, const std::vector<void*>& x, const OptimizerStep& step) {
+Status run_device_op(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                     const OptimizerStep& step) {
   const OpAttrs& a = op.attrs;
   const int B = static_cast<int>(a.B), T = static_cast<int>(a.T), C = static_cast<int>(a.C);
   const int N = static_cast<int>(a.N), OC = static_cast<int>(a.OC), NH = static_cast<int>(a.NH);
@@ -25,7 +26,7 @@ Status run_device_op(Backend& b, const Op& op, const std::vector<void*>& x, cons
   switch (op.kind) {
     case OpKind::Zero:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 1, 1));
-      b.fill_zero(x[0], static_cast<size_t>(a.n));
+      b.fill_zero(x[0], program.tensors.info(op.operands[0].tensor).bytes());
       return Status::ok();
     case OpKind::EmbeddingForward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 4, 4));

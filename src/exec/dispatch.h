@@ -2,7 +2,7 @@
 // pointer for each operand in the op's operand order.
 //
 //   std::vector<void*> ptrs = {out_ptr, inp_ptr};           // GeluForward: (out, inp)
-//   SPILLWAY_RETURN_IF_ERROR(run_device_op(backend, op, ptrs, ctx_hyper));
+//   SPILLWAY_RETURN_IF_ERROR(run_device_op(backend, program, op, ptrs, step));
 #pragma once
 
 #include <vector>
@@ -18,7 +18,8 @@ struct OptimizerStep {
   float lr = 0;
 };
 
-Status run_device_op(Backend& backend, const Op& op, const std::vector<void*>& ptrs, const OptimizerStep& step);
+Status run_device_op(Backend& backend, const Program& program, const Op& op, const std::vector<void*>& ptrs,
+                     const OptimizerStep& step);
 // Host ops: AdamW (with param in `param_dtype`).
 Status run_host_op(const Op& op, const std::vector<void*>& ptrs, DType param_dtype, const OptimizerStep& step);
 

@@ -256,7 +256,21 @@ class PlanExecutor final : public Executor {
   Status ensure_host(TensorId t) {
     Slot& s = slots_[t];
     if (s.host) return Status::ok();
-    auto r = host_->allocate(p_.tensors.info(t).bytes() ? p_.tensors.info(t).bytes() : 1);
+    const size_t bytes = std::max<size_t>(1, p_.tensors.info(t).bytes());
+    auto r = host_->allocate(bytes);
+    if (!r.ok() && !pending_host_frees_.empty()) {
+      // Buffers whose store to storage is still running are freed once it is done.
+      for (TensorId f : pending_host_frees_) {
+        Slot& fs = slots_[f];
+        if (fs.to_storage) {
+          SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*fs.to_storage, "wait store", f));
+          fs.to_storage.reset();
+        }
+        if (fs.free_host_after_store) SPILLWAY_RETURN_IF_ERROR(free_host(f));
+      }
+      pending_host_frees_.clear();
+      r = host_->allocate(bytes);
+    }
     if (!r.ok()) return r.status().with_context("host buffer for " + p_.tensors.info(t).name);
     s.host = *r;
     return Status::ok();
@@ -344,8 +358,8 @@ class PlanExecutor final : public Executor {
         if (copy) {
           if (!table_.state(t).valid(Tier::Device))
             return Status::internal("write-back of " + p_.tensors.info(t).name + " which is not valid on device");
-          SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
           SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
+          SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
           if (s.to_device) {  // copies of the two directions are not ordered with each other
             SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_device, "wait h2d", t));
             s.to_device.reset();
@@ -369,8 +383,8 @@ class PlanExecutor final : public Executor {
       }
       case InstrKind::Load: {
         if (!spill_) return Status::internal("load of " + p_.tensors.info(t).name + " without a storage tier");
-        SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
         SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
+        SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
         SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->read(t, slots_[t].host, p_.tensors.info(t).bytes()));
         slots_[t].from_storage = k;
         table_.mark_copied(t, Tier::Host);
@@ -433,15 +447,15 @@ class PlanExecutor final : public Executor {
       } else {
         if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Host))
           return Status::internal("host op " + op.name + ": " + info.name + " is not valid on host (plan bug)");
-        if (o.access == Access::Write) SPILLWAY_RETURN_IF_ERROR(ensure_host(o.tensor));
         if (o.access == Access::Read) SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(o.tensor));
         else SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(o.tensor));
+        if (o.access == Access::Write) SPILLWAY_RETURN_IF_ERROR(ensure_host(o.tensor));
         ptrs_.push_back(s.host);
       }
     }
     double t0 = trace_ ? now_s() : 0;
     if (place == Place::Device) {
-      SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, op, ptrs_, step_));
+      SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, p_, op, ptrs_, step_));
     } else {
       // The host op reads data that device ops produced: they must be finished.
       SPILLWAY_RETURN_IF_ERROR(run_host_op(op, ptrs_, b_.activation_dtype(), step_));

@@ -16,11 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "core/size.h"
 #include "memory/range_allocator.h"
+#include "sim/simulator.h"
 
 namespace spillway {
 
@@ -71,8 +73,9 @@ class Scheduler {
     const size_t n = p_.tensors.size();
     uint64_t capacity = device_.capacity();
     if (c_.pinned_end > capacity)
-      return Status::out_of_memory("device budget " + format_size(budgets_.device) + " cannot hold the " +
-                                  format_size(c_.pinned_end) + " of state this plan keeps on device");
+      return Status::out_of_memory(std::string(policy_name(c_.policy)) + ": device budget " + format_size(budgets_.device) +
+                                  " cannot hold the " + format_size(c_.pinned_end) + " of state this plan keeps on device" +
+                                  (c_.policy == Policy::Resident ? "; choose --policy planned or auto to spill" : ""));
     SPILLWAY_RETURN_IF_ERROR(device_.add_free(c_.pinned_end, capacity - c_.pinned_end));
     max_end_ = c_.pinned_end;
     // Start-of-step state.
@@ -87,7 +90,7 @@ class Scheduler {
       } else if (c_.home[t] == Tier::Host) {
         s.host_buffer = true;
         s.host_valid = true;
-        host_used_ += bytes(id);
+        host_used_ += host_bytes(id);
       } else {
         s.storage_valid = true;
         storage_extent_[t] = true;
@@ -95,6 +98,11 @@ class Scheduler {
       }
     }
     host_peak_ = host_used_;
+    if (host_used_ > host_limit()) {
+      std::string hint = budgets_.storage == 0 ? "; give --spill-dir so that state can live in storage" : "";
+      return Status::out_of_memory("host budget " + format_size(budgets_.host) + " cannot hold the " +
+                                   format_size(host_used_) + " of training state this plan keeps on host" + hint);
+    }
     for (size_t i = 0; i < p_.ops.size(); ++i) SPILLWAY_RETURN_IF_ERROR(schedule_op(static_cast<int>(i)));
     SPILLWAY_RETURN_IF_ERROR(finish_step());
     Plan plan;
@@ -124,6 +132,8 @@ class Scheduler {
   };
 
   uint64_t bytes(TensorId t) const { return p_.tensors.info(t).bytes(); }
+  // Host buffers are 4096-aligned blocks (O_DIRECT), so a buffer takes this much.
+  uint64_t host_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), 4096); }
   uint64_t device_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), align_); }
   const std::string& name(TensorId t) const { return p_.tensors.info(t).name; }
   bool persistent(TensorId t) const { return is_persistent(p_, t); }
@@ -146,8 +156,12 @@ class Scheduler {
   }
 
   // ---- host tier ----
+  // The executor's host pool packs buffers into slabs; an eighth of the budget is
+  // left as slack for its fragmentation.
+  uint64_t host_limit() const { return budgets_.host == UINT64_MAX ? UINT64_MAX : budgets_.host - budgets_.host / 8; }
+
   Status host_room(uint64_t need, int now) {
-    while (host_used_ + need > budgets_.host) {
+    while (host_used_ + need > host_limit()) {
       // Victim: a host buffer not needed by the current op, furthest next use.
       TensorId best = kNoTensor;
       int best_use = -1;
@@ -182,7 +196,7 @@ class Scheduler {
       }
       s.host_buffer = false;
       s.host_valid = false;
-      host_used_ -= bytes(best);
+      host_used_ -= host_bytes(best);
     }
     return Status::ok();
   }
@@ -198,9 +212,9 @@ class Scheduler {
   Status ensure_host_buffer(TensorId t, int now) {
     State& s = st_[t];
     if (s.host_buffer) return Status::ok();
-    SPILLWAY_RETURN_IF_ERROR(host_room(bytes(t), now));
+    SPILLWAY_RETURN_IF_ERROR(host_room(host_bytes(t), now));
     s.host_buffer = true;
-    host_used_ += bytes(t);
+    host_used_ += host_bytes(t);
     host_peak_ = std::max(host_peak_, host_used_);
     return Status::ok();
   }
@@ -266,6 +280,13 @@ class Scheduler {
       const auto& u = uses_[o.tensor];
       if (u.empty() || u.back() < use || st_[o.tensor].recompute_pending) return false;
     }
+    // The producer re-runs right before the consumer: both working sets must fit at once.
+    std::set<TensorId> together;
+    uint64_t working = 0;
+    for (const Op* q : {&op, &p_.ops[use]})
+      for (const Operand& o : q->operands)
+        if (together.insert(o.tensor).second && !pinned_home(o.tensor)) working += device_bytes(o.tensor);
+    if (working > device_.capacity() - c_.pinned_end) return false;
     double swap_s = machine_.copy_seconds(bytes(t), false) + machine_.copy_seconds(bytes(t), true);
     return machine_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s;
   }
@@ -397,18 +418,37 @@ class Scheduler {
     }
   }
 
+  Status place_operands(const Op& op, int i, bool largest_first) {
+    std::vector<Operand> order = op.operands;
+    if (largest_first)
+      std::stable_sort(order.begin(), order.end(),
+                       [&](const Operand& a, const Operand& b) { return device_bytes(a.tensor) > device_bytes(b.tensor); });
+    for (const Operand& o : order) {
+      bool write_only = o.access == Access::Write;
+      // An operand read and written by one op counts as read.
+      for (const Operand& q : op.operands)
+        if (q.tensor == o.tensor && q.access != Access::Write) write_only = false;
+      SPILLWAY_RETURN_IF_ERROR(ensure_on_device(o.tensor, write_only, i));
+    }
+    return Status::ok();
+  }
+
   Status schedule_op(int i) {
     const Op& op = p_.ops[i];
     locked_.clear();
     for (const Operand& o : op.operands) locked_.insert(o.tensor);
     if (op.place == Place::Device) {
-      for (const Operand& o : op.operands) {
-        bool write_only = o.access == Access::Write;
-        // An operand read and written by one op counts as read.
-        for (const Operand& q : op.operands)
-          if (q.tensor == o.tensor && q.access != Access::Write) write_only = false;
-        SPILLWAY_RETURN_IF_ERROR(ensure_on_device(o.tensor, write_only, i));
+      Status placed = place_operands(op, i, false);
+      if (!placed.is_ok() && placed.code() == StatusCode::OutOfMemory) {
+        // The op's own operands are scattered: move them out and place them again,
+        // largest first, into the space that is now contiguous.
+        for (const Operand& o : op.operands) {
+          State& s = st_[o.tensor];
+          if (s.region && !pinned_home(o.tensor)) SPILLWAY_RETURN_IF_ERROR(evict(o.tensor, i - 1));
+        }
+        placed = place_operands(op, i, true);
       }
+      SPILLWAY_RETURN_IF_ERROR(placed);
     } else {
       for (const Operand& o : op.operands) {
         TensorId t = o.tensor;
@@ -472,7 +512,7 @@ class Scheduler {
             emit(InstrKind::HostRelease, t);
             s.host_buffer = false;
             s.host_valid = false;
-            host_used_ -= bytes(t);
+            host_used_ -= host_bytes(t);
           }
         } else if (s.region && !pinned_home(t)) {
           SPILLWAY_RETURN_IF_ERROR(evict(t, i));
@@ -496,7 +536,7 @@ class Scheduler {
         if (s.host_buffer) {
           emit(InstrKind::HostRelease, id);
           s.host_buffer = false;
-          host_used_ -= bytes(id);
+          host_used_ -= host_bytes(id);
         }
         continue;
       }
@@ -524,12 +564,12 @@ class Scheduler {
           emit(InstrKind::Store, id, 0, true, /*free_host=*/true);
           s.host_buffer = false;
           s.host_valid = false;
-          host_used_ -= bytes(id);
+          host_used_ -= host_bytes(id);
         } else if (s.host_buffer) {
           emit(InstrKind::HostRelease, id);
           s.host_buffer = false;
           s.host_valid = false;
-          host_used_ -= bytes(id);
+          host_used_ -= host_bytes(id);
         }
       }
     }
@@ -575,6 +615,36 @@ StateClass state_class(const Program& p, TensorId t) {
   }
 }
 
+uint64_t host_footprint(const Program& program, TensorId t) {
+  return align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), 4096);
+}
+
+// Keeps a quarter of the host budget for swapped activations and transfers; the
+// host-homed state that does not fit in the rest goes to storage, moments first,
+// then master weights, then parameters (gradients stay: the optimizer reads them
+// every step).
+void spill_homes_to_storage(const Program& program, const Budgets& budgets, Config& c) {
+  if (budgets.storage == 0 || budgets.host == UINT64_MAX) return;
+  uint64_t host_bytes = 0;
+  std::vector<std::pair<int, TensorId>> movable;  // (spill priority, tensor)
+  for (size_t t = 0; t < c.home.size(); ++t) {
+    auto id = static_cast<TensorId>(t);
+    if (!is_persistent(program, id) || c.home[t] != Tier::Host) continue;
+    host_bytes += host_footprint(program, id);
+    StateClass k = state_class(program, id);
+    if (k == StateClass::OptState) movable.emplace_back(0, id);
+    else if (k == StateClass::Master) movable.emplace_back(1, id);
+    else if (k == StateClass::Param) movable.emplace_back(2, id);
+  }
+  const uint64_t limit = budgets.host - budgets.host / 4;
+  std::stable_sort(movable.begin(), movable.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  for (auto& [prio, id] : movable) {
+    if (host_bytes <= limit) break;
+    c.home[id] = Tier::Storage;
+    host_bytes -= host_footprint(program, id);
+  }
+}
+
 void assign_device_offsets(const Program& program, Config& c, size_t alignment) {
   uint64_t off = 0;
   c.home_offset.assign(program.tensors.size(), 0);
@@ -595,32 +665,15 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
   const size_t n = program.tensors.size();
   c.home.assign(n, Tier::Device);
   c.optimizer_on_host = offload >= 1;
-  uint64_t host_bytes = 0;
-  std::vector<std::pair<int, TensorId>> movable;  // (spill priority, tensor)
   for (size_t t = 0; t < n; ++t) {
     auto id = static_cast<TensorId>(t);
     if (!is_persistent(program, id)) continue;
     StateClass k = state_class(program, id);
     bool off_device = (offload >= 1 && (k == StateClass::Master || k == StateClass::OptState || k == StateClass::Grad)) ||
                       (offload >= 2 && k == StateClass::Param);
-    if (!off_device) continue;
-    c.home[t] = Tier::Host;
-    host_bytes += program.tensors.info(id).bytes();
-    int prio = k == StateClass::OptState ? 0 : k == StateClass::Master ? 1 : k == StateClass::Param ? 2 : 3;
-    movable.emplace_back(prio, id);
+    if (off_device) c.home[t] = Tier::Host;
   }
-  // Keep a quarter of the host budget for swapped activations and transfers; the
-  // rest of the state that does not fit goes to storage, moments first.
-  if (budgets.storage > 0 && budgets.host != UINT64_MAX) {
-    uint64_t limit = budgets.host - budgets.host / 4;
-    std::stable_sort(movable.begin(), movable.end(), [](auto& a, auto& b) { return a.first < b.first; });
-    for (auto& [prio, id] : movable) {
-      if (host_bytes <= limit) break;
-      if (state_class(program, id) == StateClass::Grad) continue;  // read by the optimizer every step
-      c.home[id] = Tier::Storage;
-      host_bytes -= program.tensors.info(id).bytes();
-    }
-  }
+  spill_homes_to_storage(program, budgets, c);
   assign_device_offsets(program, c, alignment);
   return c;
 }
@@ -639,6 +692,9 @@ uint64_t minimum_device_budget(const Program& program, size_t alignment) {
   // AdamW is left out: it can always run on host, where its state lives.
   for (const Op& op : program.ops)
     if (op.place == Place::Device && op.kind != OpKind::AdamW) m = std::max(m, op_working_set(program, op, alignment));
+  // Inputs and outputs stay on device under every policy.
+  for (TensorId t : program.inputs) m += align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), alignment);
+  for (TensorId t : program.outputs) m += align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), alignment);
   return m;
 }
 
@@ -673,6 +729,37 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
 
 }  // namespace
 
+
+// One planned-policy candidate: state offloaded to `level`, with or without
+// recomputation, fetches up to `prefetch` ops ahead (-1: as memory allows). With
+// `roomy`, reports whether the state kept on device leaves room to work (and plans
+// nothing when it does not).
+Result<Plan> plan_offload_level(const Program& program, const Machine& machine, const Budgets& budgets,
+                                const PlannerOptions& options, int level, bool recompute, int prefetch,
+                                size_t alignment, bool* roomy) {
+  Config c = make_config(program, budgets, level, alignment);
+  c.policy = options.policy;
+  c.belady = true;
+  c.prefetch = prefetch;
+  c.drop_dead = true;
+  c.write_only_hint = true;
+  c.recompute = recompute;
+  const uint64_t minimum = minimum_device_budget(program, alignment);
+  uint64_t free_after_state = c.pinned_end < budgets.device ? budgets.device - c.pinned_end : 0;
+  if (free_after_state < minimum) {
+    if (roomy) *roomy = false;
+    return Status::out_of_memory("device budget " + format_size(budgets.device) + " leaves " +
+                                 format_size(free_after_state) + " after the state kept on device; the largest op needs " +
+                                 format_size(minimum));
+  }
+  if (roomy && c.pinned_end > budgets.device / 2) {
+    *roomy = false;
+    return Status::out_of_memory("state kept on device takes more than half the budget");
+  }
+  Program candidate = with_optimizer_on_host(program, c.optimizer_on_host);
+  return schedule(candidate, machine, budgets, c, alignment);
+}
+
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
 // them; Plan::op_place records the choice.
 Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
@@ -697,17 +784,23 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       c.home.assign(program.tensors.size(), Tier::Host);
       for (TensorId t : program.inputs) c.home[t] = Tier::Device;
       for (TensorId t : program.outputs) c.home[t] = Tier::Device;
+      spill_homes_to_storage(program, budgets, c);
       assign_device_offsets(program, c, alignment);
       c.belady = false;
       c.prefetch = options.learned_prefetch ? 1 : 0;
       c.drop_dead = false;
       c.write_only_hint = false;
       c.recompute = false;
-      program = with_optimizer_on_host(program, false);
+      // A pager does not move compute: the optimizer runs on device, unless its
+      // working set cannot fit there at all (then on host, as ZeRO-Offload does).
+      uint64_t adam = 0;
+      for (const Op& op : program.ops)
+        if (op.kind == OpKind::AdamW) adam = std::max(adam, op_working_set(program, op, alignment));
+      c.optimizer_on_host = c.pinned_end + adam > budgets.device;
+      program = with_optimizer_on_host(program, c.optimizer_on_host);
       return schedule(program, machine, budgets, c, alignment);
     }
-    case Policy::Planned:
-    case Policy::Auto: {
+    case Policy::Planned: {
       // Offload as little as the budget allows: state stays on device while it
       // leaves at least half the budget (and the largest op's working set) free.
       std::vector<int> levels;
@@ -716,24 +809,49 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       else levels = {0, 1, 2};
       Status last = Status::ok();
       for (int level : levels) {
-        Config c = make_config(program, budgets, level, alignment);
-        c.policy = options.policy;
-        c.belady = true;
-        c.prefetch = options.prefetch_distance < 0 ? -1 : options.prefetch_distance;
-        c.drop_dead = true;
-        c.write_only_hint = true;
-        c.recompute = options.recompute != 0;
-        uint64_t free_after_state = c.pinned_end < budgets.device ? budgets.device - c.pinned_end : 0;
-        bool roomy = free_after_state >= minimum && (c.pinned_end <= budgets.device / 2 || level == levels.back());
+        bool roomy = true;
+        auto plan = plan_offload_level(program, machine, budgets, options, level, options.recompute != 0,
+                                       options.prefetch_distance, alignment, level == levels.back() ? nullptr : &roomy);
         if (!roomy) continue;
-        Program candidate = with_optimizer_on_host(program, c.optimizer_on_host);
-        auto plan = schedule(candidate, machine, budgets, c, alignment);
         if (plan.ok()) return plan;
         last = plan.status();
       }
       if (!last.is_ok()) return last;
       return Status::out_of_memory("device budget " + format_size(budgets.device) +
                                    " cannot hold the state this model keeps on device even with parameters streamed");
+    }
+    case Policy::Auto: {
+      // Elixir-style search: every planned-policy candidate that fits, ranked by the
+      // simulator's predicted step time on this machine.
+      std::optional<Plan> best;
+      double best_s = 0;
+      Status last = Status::ok();
+      for (int level : {0, 1, 2}) {
+        if (options.optimizer_on_host == 0 && level > 0) continue;
+        if (options.optimizer_on_host == 1 && level == 0) continue;
+        for (bool recompute : {false, true}) {
+          if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
+          for (int prefetch : {-1, 2}) {
+            if (options.prefetch_distance >= 0 && prefetch != options.prefetch_distance) continue;
+            auto plan = plan_offload_level(program, machine, budgets, options, level, recompute, prefetch, alignment, nullptr);
+            if (!plan.ok()) {
+              last = plan.status();
+              continue;
+            }
+            Program placed = program;
+            for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
+            SimResult sim = simulate(placed, *plan, machine);
+            if (!best || sim.step_s < best_s) {
+              best_s = sim.step_s;
+              plan->policy = Policy::Auto;
+              plan->description = "auto: " + plan->description + " (predicted " + std::to_string(sim.step_s) + " s/step)";
+              best = std::move(*plan);
+            }
+          }
+        }
+      }
+      if (best) return std::move(*best);
+      return last.is_ok() ? Status::out_of_memory("auto: no candidate plan fits the budgets") : last;
     }
   }
   return Status::internal("planner: unknown policy");

@@ -1,0 +1,86 @@
+// The fp32 kernels of the CPU backend, as free functions over a ThreadPool.
+//
+//   ThreadPool pool(4);
+//   cpu::layernorm_forward(pool, out, mean, rstd, inp, weight, bias, N, C);
+//   cpu::attention_forward(pool, out, lse, qkv, B, T, C, NH);
+//
+// Every kernel is deterministic: work is split into pieces whose size depends only
+// on the shapes (never on the thread count), each output element is computed by one
+// thread, and every reduction has a fixed order (see vector_math.h), so the output
+// bits are the same for any thread count and any (64-aligned) buffer addresses.
+// Matrix products (matmul and the blocks of attention) are OpenBLAS sgemm calls,
+// run single-threaded on fixed tiles of the output by the pool's threads; an sgemm
+// call gives the same bits for the same arguments, so the split does not show.
+//
+// Accumulation conventions are those of backend/backend.h: weight and bias
+// gradients and layernorm's dinp are added into; everything else is overwritten.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/thread_pool.h"
+
+namespace spillway::cpu {
+
+inline constexpr float kLayerNormEps = 1e-5f;
+
+// Sets OpenBLAS (a process-wide setting) to run each call on the calling thread;
+// every kernel that calls sgemm does this first.
+void use_single_threaded_blas();
+
+// out[B,T,C] = wte[tokens[b,t]] + wpe[t]; tokens[B,T]; wte[V,C]; wpe[T_max,C].
+void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, const float* wte,
+                       const float* wpe, int B, int T, int C);
+// dwte[V,C] += Σ over (b,t) with tokens[b,t] = v of dout[b,t]; dwpe[T_max,C] += Σ_b dout[b,t].
+// dout[B,T,C]; tokens[B,T]. Each thread owns a channel range and sums the tokens in order.
+void embedding_backward(ThreadPool& pool, float* dwte, float* dwpe, const float* dout,
+                        const int32_t* tokens, int B, int T, int C);
+
+// out[N,C] = (inp - mean) * rstd * weight + bias; mean[N], rstd[N] saved; inp[N,C];
+// weight[C]; bias[C]. rstd = 1 / sqrt(variance + 1e-5), variance with divisor C.
+void layernorm_forward(ThreadPool& pool, float* out, float* mean, float* rstd, const float* inp,
+                       const float* weight, const float* bias, int N, int C);
+// dinp[N,C] += ...; dweight[C] += ...; dbias[C] += ...; dout[N,C]; inp[N,C]; weight[C];
+// mean[N], rstd[N] from the forward.
+void layernorm_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean, const float* rstd,
+                        int N, int C);
+
+// out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null).
+void matmul_forward(ThreadPool& pool, float* out, const float* inp, const float* weight,
+                    const float* bias, int N, int C, int OC);
+// dinp[N,C] = dout[N,OC] · weight[OC,C]; dweight[OC,C] += doutᵀ · inp[N,C];
+// dbias[OC] += Σ_n dout (when dbias is not null).
+void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int N, int C, int OC);
+
+// Causal self-attention, scale 1/sqrt(C/NH). qkv[B,T,3C] (q | k | v, each NH heads of
+// C/NH); out[B,T,C]; lse[B,NH,T] = log Σ_j exp(score) of each query row.
+void attention_forward(ThreadPool& pool, float* out, float* lse, const float* qkv, int B, int T,
+                       int C, int NH);
+// dqkv[B,T,3C] (overwritten) from dout[B,T,C], qkv[B,T,3C], out[B,T,C], lse[B,NH,T].
+// Probabilities are recomputed from q, k and lse; one thread owns each (b, head).
+void attention_backward(ThreadPool& pool, float* dqkv, const float* dout, const float* qkv,
+                        const float* out, const float* lse, int B, int T, int C, int NH);
+
+// out[n] = gelu(inp[n]), tanh approximation, written as x · σ(2u) with
+// u = √(2/π)(x + 0.044715 x³) (the same function as 0.5 x (1 + tanh u)).
+void gelu_forward(ThreadPool& pool, float* out, const float* inp, size_t n);
+// dinp[n] = gelu'(inp[n]) · dout[n] (overwritten).
+void gelu_backward(ThreadPool& pool, float* dinp, const float* inp, const float* dout, size_t n);
+// out[n] = a[n] + b[n].
+void residual_forward(ThreadPool& pool, float* out, const float* a, const float* b, size_t n);
+
+// losses[N] = -log softmax(logits[N,V])[targets[N]] (max-subtracted softmax).
+void crossentropy_forward(ThreadPool& pool, float* losses, const float* logits, const int32_t* targets,
+                          int N, int V);
+// losses[N] as above; logits[N,V] is overwritten with (softmax - onehot(targets)) · dloss_scale.
+void crossentropy_backward(ThreadPool& pool, float* losses, float* logits, const int32_t* targets,
+                           int N, int V, float dloss_scale);
+
+// out_sq[0] = Σ grad[n]²: squares summed in double within fixed blocks of 65536
+// elements, block sums added in block order, rounded once to F32.
+void squared_norm(ThreadPool& pool, float* out_sq, const float* grad, size_t n);
+
+}  // namespace spillway::cpu

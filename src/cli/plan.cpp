@@ -1,0 +1,115 @@
+// `spillway plan`: where every class of tensor goes for a model under budgets, the
+// peaks of each tier, the bytes each link moves per step and the predicted step
+// time — without training. `spillway simulate` is the same on a described machine.
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include "cli/command.h"
+#include "core/size.h"
+#include "exec/trace.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/simulator.h"
+
+namespace spillway::cli {
+namespace {
+
+struct PlanFlags {
+  std::string model = "gpt2-124m";
+  int batch = 8, context = 0, accum = 1;
+  std::string machine = "h200";
+  std::string device_budget, host_budget, storage_budget;
+  std::string policy = "auto";
+  std::string prefetch = "none";
+  std::string trace;
+  double h2d_gbps = 0, storage_gbps = 0;
+};
+
+int run_plan(const PlanFlags& f) {
+  auto cfg = gpt_preset(f.model);
+  if (!cfg.ok()) return fail(cfg.status().with_context("--model"));
+  int T = f.context ? f.context : cfg->context;
+  if (T > cfg->context)
+    return fail(Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
+                                         std::to_string(cfg->context)));
+  Machine machine;
+  if (f.machine == "h200") machine = Machine::h200();
+  else if (f.machine == "cpu") machine = Machine::cpu_dev_box();
+  else return fail(Status::invalid_argument("--machine: unknown machine '" + f.machine + "'; expected h200 or cpu"));
+  if (f.h2d_gbps > 0) machine.h2d_bytes_per_s = machine.d2h_bytes_per_s = f.h2d_gbps * 1e9;
+  if (f.storage_gbps > 0) machine.storage_read_bytes_per_s = machine.storage_write_bytes_per_s = f.storage_gbps * 1e9;
+  const DType act = f.machine == "cpu" ? DType::F32 : DType::BF16;
+  const size_t alignment = f.machine == "cpu" ? 64 : 256;
+  Budgets budgets;
+  budgets.device = machine.device_bytes ? machine.device_bytes : UINT64_MAX;
+  budgets.host = machine.host_bytes ? machine.host_bytes : UINT64_MAX;
+  if (!f.device_budget.empty()) {
+    auto b = parse_budget(f.device_budget, "--device-budget");
+    if (!b.ok()) return fail(b.status());
+    budgets.device = *b;
+  }
+  if (!f.host_budget.empty()) {
+    auto b = parse_budget(f.host_budget, "--host-budget");
+    if (!b.ok()) return fail(b.status());
+    budgets.host = *b;
+  }
+  if (!f.storage_budget.empty()) {
+    auto b = parse_budget(f.storage_budget, "--storage-budget");
+    if (!b.ok()) return fail(b.status());
+    budgets.storage = *b;
+  }
+  auto policy = parse_policy(f.policy);
+  if (!policy.ok()) return fail(policy.status());
+  if (f.prefetch != "none" && f.prefetch != "learned")
+    return fail(Status::invalid_argument("--prefetch: expected none or learned, got '" + f.prefetch + "'"));
+  auto program = build_training_program(*cfg, {f.batch, T, f.accum}, act);
+  if (!program.ok()) return fail(program.status());
+  PlannerOptions options;
+  options.policy = *policy;
+  options.learned_prefetch = f.prefetch == "learned";
+  options.alignment = alignment;
+  auto plan = make_plan(*program, machine, budgets, options);
+  if (!plan.ok()) return fail(plan.status());
+  Program placed = *program;
+  for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
+  SimResult sim = simulate(placed, *plan, machine);
+  PlanReport report = summarize(placed, *plan, sim);
+  std::cout << "model " << f.model << " (" << cfg->to_string() << "), batch " << f.batch << "×" << T << ", accum "
+            << f.accum << ", machine " << machine.name << "\n"
+            << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
+            << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
+            << (budgets.storage ? format_size(budgets.storage) : "none") << "\n"
+            << "plan: " << plan->description << "\n\n"
+            << format_report(report);
+  const double tokens = static_cast<double>(f.batch) * T * f.accum;
+  std::cout << "predicted throughput: " << static_cast<int64_t>(tokens / sim.step_s) << " tokens/s\n";
+  if (!f.trace.empty()) {
+    Status s = trace_from_simulation(sim).write(f.trace);
+    if (!s.is_ok()) return fail(s);
+    std::cout << "trace of the predicted step: " << f.trace << " (open in https://ui.perfetto.dev)\n";
+  }
+  return 0;
+}
+
+CommandSetup setup = [](CLI::App& app) -> CommandRun {
+  auto f = std::make_shared<PlanFlags>();
+  app.add_option("--model", f->model, "preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt-2.7b, gpt-4b, gpt-6.7b, gpt-13b");
+  app.add_option("--batch", f->batch, "sequences per micro-batch");
+  app.add_option("--context", f->context, "tokens per sequence (default: the model's)");
+  app.add_option("--accum", f->accum, "micro-batches per step");
+  app.add_option("--machine", f->machine, "h200 (the lent GPU host) or cpu (this project's CI box)");
+  app.add_option("--h2d-gbps", f->h2d_gbps, "what if: host⇄device GB/s each way");
+  app.add_option("--storage-gbps", f->storage_gbps, "what if: storage GB/s");
+  app.add_option("--device-budget", f->device_budget, "device bytes, e.g. 24GiB (default: the machine's)");
+  app.add_option("--host-budget", f->host_budget, "host bytes (default: the machine's)");
+  app.add_option("--storage-budget", f->storage_budget, "storage bytes (default: none)");
+  app.add_option("--policy", f->policy, "resident, paging, planned or auto");
+  app.add_option("--prefetch", f->prefetch, "paging: none or learned");
+  app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
+  return [f]() { return run_plan(*f); };
+};
+CommandRegistration plan_command("plan", "report where tensors go and the predicted step time, without training", setup);
+
+}  // namespace
+}  // namespace spillway::cli
