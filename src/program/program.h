@@ -40,7 +40,11 @@ enum class OpKind : uint8_t {
   CrossEntropyForward,   // (losses W, logits R, targets R)                      attrs N V
   CrossEntropyBackward,  // (losses W, logits U→dlogits, targets R)              attrs N V, scale
   SquaredNorm,           // (out_sq W, grad R)                                   attrs n
-  ClipScale,             // (scale_norm W, squared_norms R)                      attrs P, scale=max_norm
+                         //   or packed (the GPT builder's form): (out_sq[P] U, grad R), writing
+                         //   element attrs.index of a P-element F32 tensor zeroed before
+  ClipScale,             // (scale_norm W, squared_norms[P] R)                   attrs P, scale=max_norm
+                         //   or gathered: (scale_norm W, sq_0 R, ..., sq_{P-1} R), each sq_i
+                         //   the 1-element F32 output of one SquaredNorm, read in operand order
   AdamW,                 // (param W, master U, m U, v U, grad R, scale_norm R)  attrs n, index=param#, scale=weight_decay
 };
 const char* op_kind_name(OpKind k);
@@ -85,8 +89,13 @@ struct Program {
   // Checks operand counts per kind, ids in range, and that every Read operand is
   // produced by an earlier op or is an input/param/master/optstate/grad (state
   // that persists across steps). Names the op and operand on failure.
+  // Also: Update operands obey the same rule as Read (they read first); each
+  // operand's access, dtype (act = F32 or BF16; stats F32; tokens I32) and element
+  // count match its kind's slot and attrs; no tensor appears twice in one op.
   Status validate() const;
-  // Total floating-point operations of the step (for MFU).
+  // Total floating-point operations of the step (for MFU): matrix products only.
+  // MatmulForward 2·N·C·OC, MatmulBackward 4·N·C·OC, AttentionForward 2·B·T²·C
+  // (causal: half of 4·B·T²·C), AttentionBackward 4·B·T²·C.
   double flops() const;
 };
 

@@ -1,0 +1,518 @@
+#include "model/gpt.h"
+
+#include <cmath>
+#include <utility>
+
+namespace spillway {
+
+// ---------------------------------------------------------------- configuration
+
+Status GPTConfig::validate() const {
+  auto positive = [](const char* what, int v) -> Status {
+    if (v <= 0) return Status::invalid_argument(std::string("model ") + what + " is " + std::to_string(v) + "; must be positive");
+    return Status::ok();
+  };
+  SPILLWAY_RETURN_IF_ERROR(positive("layers", layers));
+  SPILLWAY_RETURN_IF_ERROR(positive("width", width));
+  SPILLWAY_RETURN_IF_ERROR(positive("heads", heads));
+  SPILLWAY_RETURN_IF_ERROR(positive("context", context));
+  SPILLWAY_RETURN_IF_ERROR(positive("vocab", vocab));
+  if (width % heads != 0)
+    return Status::invalid_argument("model width " + std::to_string(width) + " is not divisible by heads " +
+                                    std::to_string(heads));
+  return Status::ok();
+}
+
+int64_t GPTConfig::num_parameters() const {
+  int64_t C = width;
+  return int64_t{vocab} * C + int64_t{context} * C + int64_t{layers} * (12 * C * C + 13 * C) + 2 * C;
+}
+
+std::string GPTConfig::to_string() const {
+  return "layers=" + std::to_string(layers) + " width=" + std::to_string(width) + " heads=" + std::to_string(heads) +
+         " context=" + std::to_string(context) + " vocab=" + std::to_string(vocab);
+}
+
+namespace {
+
+struct Preset {
+  const char* name;
+  GPTConfig cfg;
+};
+
+constexpr int kGpt2Vocab = 50257;
+constexpr int kGpt2Context = 1024;
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> p = {
+      {"tiny", {4, 128, 4, 128, 256}},
+      {"gpt2-124m", {12, 768, 12, kGpt2Context, kGpt2Vocab}},
+      {"gpt2-350m", {24, 1024, 16, kGpt2Context, kGpt2Vocab}},
+      {"gpt2-774m", {36, 1280, 20, kGpt2Context, kGpt2Vocab}},
+      {"gpt2-1.5b", {48, 1600, 25, kGpt2Context, kGpt2Vocab}},
+      {"gpt-2.7b", {32, 2560, 32, kGpt2Context, kGpt2Vocab}},
+      {"gpt-4b", {36, 3072, 24, kGpt2Context, kGpt2Vocab}},
+      {"gpt-6.7b", {32, 4096, 32, kGpt2Context, kGpt2Vocab}},
+      {"gpt-13b", {40, 5120, 40, kGpt2Context, kGpt2Vocab}},
+  };
+  return p;
+}
+
+}  // namespace
+
+Result<GPTConfig> gpt_preset(std::string_view name) {
+  for (const Preset& p : presets())
+    if (name == p.name) return p.cfg;
+  std::string names;
+  for (const Preset& p : presets()) names += std::string(names.empty() ? "" : ", ") + p.name;
+  return Status::invalid_argument("unknown model preset '" + std::string(name) + "'; known presets: " + names);
+}
+
+std::vector<std::string> gpt_preset_names() {
+  std::vector<std::string> names;
+  for (const Preset& p : presets()) names.emplace_back(p.name);
+  return names;
+}
+
+// ---------------------------------------------------------------- parameters
+
+std::vector<ParamSpec> parameter_specs(const GPTConfig& cfg) {
+  const int64_t C = cfg.width;
+  std::vector<ParamSpec> specs;
+  specs.push_back({"transformer.wte.weight", {cfg.vocab, C}, -1, true, false});
+  specs.push_back({"transformer.wpe.weight", {cfg.context, C}, -1, true, false});
+  for (int i = 0; i < cfg.layers; ++i) {
+    std::string h = "transformer.h." + std::to_string(i) + ".";
+    specs.push_back({h + "ln_1.weight", {C}, i, false, false});
+    specs.push_back({h + "ln_1.bias", {C}, i, false, false});
+    specs.push_back({h + "attn.c_attn.weight", {3 * C, C}, i, true, true});
+    specs.push_back({h + "attn.c_attn.bias", {3 * C}, i, false, false});
+    specs.push_back({h + "attn.c_proj.weight", {C, C}, i, true, true});
+    specs.push_back({h + "attn.c_proj.bias", {C}, i, false, false});
+    specs.push_back({h + "ln_2.weight", {C}, i, false, false});
+    specs.push_back({h + "ln_2.bias", {C}, i, false, false});
+    specs.push_back({h + "mlp.c_fc.weight", {4 * C, C}, i, true, true});
+    specs.push_back({h + "mlp.c_fc.bias", {4 * C}, i, false, false});
+    specs.push_back({h + "mlp.c_proj.weight", {C, 4 * C}, i, true, true});
+    specs.push_back({h + "mlp.c_proj.bias", {C}, i, false, false});
+  }
+  specs.push_back({"transformer.ln_f.weight", {C}, -1, false, false});
+  specs.push_back({"transformer.ln_f.bias", {C}, -1, false, false});
+  return specs;
+}
+
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+
+uint64_t splitmix64_mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t fnv1a64(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+}  // namespace
+
+std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed) {
+  const size_t n = static_cast<size_t>(param.shape.numel());
+  bool layernorm = param.name.find(".ln_") != std::string::npos;
+  if (ends_with(param.name, ".bias")) return std::vector<float>(n, 0.0f);
+  if (layernorm) return std::vector<float>(n, 1.0f);
+  double std_dev = 0.02;
+  if (ends_with(param.name, "c_proj.weight")) std_dev = 0.02 / std::sqrt(2.0 * cfg.layers);
+  const uint64_t key = splitmix64_mix(seed ^ fnv1a64(param.name));
+  auto bits = [key](uint64_t c) { return splitmix64_mix(key + (c + 1) * kGolden); };
+  const double two_pi = 6.283185307179586476925286766559;
+  const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
+  std::vector<float> out(n);
+  for (size_t q = 0; 2 * q < n; ++q) {
+    double u1 = static_cast<double>((bits(2 * q) >> 11) + 1) * inv53;
+    double u2 = static_cast<double>(bits(2 * q + 1) >> 11) * inv53;
+    double r = std::sqrt(-2.0 * std::log(u1));
+    out[2 * q] = static_cast<float>(std_dev * (r * std::cos(two_pi * u2)));
+    if (2 * q + 1 < n) out[2 * q + 1] = static_cast<float>(std_dev * (r * std::sin(two_pi * u2)));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- program building
+
+namespace {
+
+// The parameter tensors of a Program, by ParamSpec order.
+struct ParamTensors {
+  TensorId param = kNoTensor;   // spec.shape, act dtype
+  TensorId grad = kNoTensor;    // spec.shape, act dtype (training only)
+  TensorId master = kNoTensor;  // spec.shape, F32 (training only)
+  TensorId m = kNoTensor;       // spec.shape, F32 (training only)
+  TensorId v = kNoTensor;       // spec.shape, F32 (training only)
+};
+
+// Indices into the ParamSpec list of one block's parameters.
+struct BlockParams {
+  size_t ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, fc2_w, fc2_b;
+};
+
+BlockParams block_params(int layer) {
+  size_t b = 2 + static_cast<size_t>(layer) * 12;
+  return {b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7, b + 8, b + 9, b + 10, b + 11};
+}
+
+// The activations one micro-batch saves from its forward pass for its backward pass.
+struct LayerActs {
+  TensorId ln1_out, ln1_mean, ln1_rstd;  // [B,T,C], [B,T] F32, [B,T] F32
+  TensorId qkv;                          // [B,T,3C]
+  TensorId atty, att_lse;                // [B,T,C], [B,NH,T] F32
+  TensorId res_attn;                     // [B,T,C]
+  TensorId ln2_out, ln2_mean, ln2_rstd;  // [B,T,C], [B,T] F32, [B,T] F32
+  TensorId fch, fch_gelu;                // [B,T,4C], [B,T,4C]
+  TensorId res_mlp;                      // [B,T,C]
+};
+
+struct MicroBatch {
+  TensorId tokens, targets;                // [B,T] I32
+  TensorId encoded;                        // [B,T,C]
+  std::vector<LayerActs> layers;           // per block
+  TensorId lnf_out, lnf_mean, lnf_rstd;    // [B,T,C], [B,T] F32, [B,T] F32
+  TensorId logits;                         // [B,T,V]
+  TensorId losses;                         // [B·T] F32
+};
+
+// Per-layer scratch, shared by micro-batches; each is written before it is read.
+struct LayerScratch {
+  TensorId attn_proj, mlp_proj;  // [B,T,C]
+  TensorId d_fch_gelu, d_fch;    // [B,T,4C]
+  TensorId d_ln2_out, d_atty;    // [B,T,C]
+  TensorId d_qkv;                // [B,T,3C]
+  TensorId d_ln1_out;            // [B,T,C]
+};
+
+class Builder {
+ public:
+  Builder(const GPTConfig& cfg, int B, int T, DType act, bool training)
+      : cfg_(cfg), B_(B), T_(T), act_(act), training_(training), specs_(parameter_specs(cfg)) {
+    C_ = cfg.width;
+    V_ = cfg.vocab;
+    N_ = int64_t{B} * T;
+  }
+
+  static Status check(const GPTConfig& cfg, int B, int T, DType act) {
+    SPILLWAY_RETURN_IF_ERROR(cfg.validate());
+    if (B <= 0) return Status::invalid_argument("batch size B is " + std::to_string(B) + "; must be positive");
+    if (T <= 0 || T > cfg.context)
+      return Status::invalid_argument("sequence length T is " + std::to_string(T) + "; must be in 1.." +
+                                      std::to_string(cfg.context) + " (the model's context)");
+    if (act != DType::F32 && act != DType::BF16)
+      return Status::invalid_argument(std::string("activation dtype ") + dtype_name(act) + " is not f32 or bf16");
+    return Status::ok();
+  }
+
+  void add_params() {
+    for (const ParamSpec& s : specs_) {
+      ParamTensors t;
+      t.param = add(s.name, act_, s.shape, Role::Param);
+      if (training_) {
+        t.grad = add("grad." + s.name, act_, s.shape, Role::Grad);
+        t.master = add("master." + s.name, DType::F32, s.shape, Role::Master);
+        t.m = add("adam_m." + s.name, DType::F32, s.shape, Role::OptState);
+        t.v = add("adam_v." + s.name, DType::F32, s.shape, Role::OptState);
+      }
+      params_.push_back(t);
+    }
+  }
+
+  void add_scratch() {
+    const int64_t C = C_;
+    for (int i = 0; i < cfg_.layers; ++i) {
+      std::string h = "h" + std::to_string(i) + ".";
+      LayerScratch s{};
+      s.attn_proj = add(h + "attn_proj", act_, {B_, T_, C}, Role::Scratch);
+      s.mlp_proj = add(h + "mlp_proj", act_, {B_, T_, C}, Role::Scratch);
+      if (training_) {
+        s.d_fch_gelu = add(h + "d_fch_gelu", act_, {B_, T_, 4 * C}, Role::Scratch);
+        s.d_fch = add(h + "d_fch", act_, {B_, T_, 4 * C}, Role::Scratch);
+        s.d_ln2_out = add(h + "d_ln2_out", act_, {B_, T_, C}, Role::Scratch);
+        s.d_atty = add(h + "d_atty", act_, {B_, T_, C}, Role::Scratch);
+        s.d_qkv = add(h + "d_qkv", act_, {B_, T_, 3 * C}, Role::Scratch);
+        s.d_ln1_out = add(h + "d_ln1_out", act_, {B_, T_, C}, Role::Scratch);
+      }
+      scratch_.push_back(s);
+    }
+    if (training_) d_lnf_out_ = add("d_lnf_out", act_, {B_, T_, C}, Role::Scratch);
+  }
+
+  MicroBatch add_micro_batch(int k, bool with_targets, bool logits_output) {
+    const int64_t C = C_;
+    std::string mb = "mb" + std::to_string(k) + ".";
+    MicroBatch m{};
+    m.tokens = add(mb + "tokens", DType::I32, {B_, T_}, Role::Input);
+    p_.inputs.push_back(m.tokens);
+    m.targets = kNoTensor;
+    if (with_targets) {
+      m.targets = add(mb + "targets", DType::I32, {B_, T_}, Role::Input);
+      p_.inputs.push_back(m.targets);
+    }
+    m.encoded = add(mb + "encoded", act_, {B_, T_, C}, Role::Activation);
+    for (int i = 0; i < cfg_.layers; ++i) {
+      std::string h = mb + "h" + std::to_string(i) + ".";
+      LayerActs a{};
+      a.ln1_out = add(h + "ln1_out", act_, {B_, T_, C}, Role::Activation);
+      a.ln1_mean = add(h + "ln1_mean", DType::F32, {B_, T_}, Role::Activation);
+      a.ln1_rstd = add(h + "ln1_rstd", DType::F32, {B_, T_}, Role::Activation);
+      a.qkv = add(h + "qkv", act_, {B_, T_, 3 * C}, Role::Activation);
+      a.atty = add(h + "atty", act_, {B_, T_, C}, Role::Activation);
+      a.att_lse = add(h + "att_lse", DType::F32, {B_, cfg_.heads, T_}, Role::Activation);
+      a.res_attn = add(h + "res_attn", act_, {B_, T_, C}, Role::Activation);
+      a.ln2_out = add(h + "ln2_out", act_, {B_, T_, C}, Role::Activation);
+      a.ln2_mean = add(h + "ln2_mean", DType::F32, {B_, T_}, Role::Activation);
+      a.ln2_rstd = add(h + "ln2_rstd", DType::F32, {B_, T_}, Role::Activation);
+      a.fch = add(h + "fch", act_, {B_, T_, 4 * C}, Role::Activation);
+      a.fch_gelu = add(h + "fch_gelu", act_, {B_, T_, 4 * C}, Role::Activation);
+      a.res_mlp = add(h + "res_mlp", act_, {B_, T_, C}, Role::Activation);
+      m.layers.push_back(a);
+    }
+    m.lnf_out = add(mb + "lnf_out", act_, {B_, T_, C}, Role::Activation);
+    m.lnf_mean = add(mb + "lnf_mean", DType::F32, {B_, T_}, Role::Activation);
+    m.lnf_rstd = add(mb + "lnf_rstd", DType::F32, {B_, T_}, Role::Activation);
+    m.logits = add(mb + "logits", act_, {B_, T_, V_}, Role::Activation);
+    m.losses = kNoTensor;
+    if (with_targets) m.losses = add(mb + "losses", DType::F32, {N_}, Role::Activation);
+    if (logits_output) p_.outputs.push_back(m.logits);
+    if (with_targets) p_.outputs.push_back(m.losses);
+    return m;
+  }
+
+  void zero_grads() {
+    for (size_t p = 0; p < specs_.size(); ++p)
+      op(OpKind::Zero, "zero." + p_.tensors.info(params_[p].grad).name, {w(params_[p].grad)}, {}, Phase::Forward,
+         specs_[p].layer, 0);
+  }
+
+  // Forward of micro-batch k up to the logits.
+  void forward(int k, const MicroBatch& m) {
+    const int64_t C = C_;
+    std::string mb = "mb" + std::to_string(k) + ".";
+    OpAttrs btc{.B = B_, .T = T_, .C = C};
+    op(OpKind::EmbeddingForward, mb + "embedding.forward",
+       {w(m.encoded), r(m.tokens), r(param(0)), r(param(1))}, btc, Phase::Forward, -1, k);
+    TensorId x = m.encoded;  // the residual stream entering block i
+    for (int i = 0; i < cfg_.layers; ++i) {
+      const LayerActs& a = m.layers[i];
+      const LayerScratch& s = scratch_[i];
+      BlockParams bp = block_params(i);
+      std::string h = mb + "h" + std::to_string(i) + ".";
+      auto fwd = [&](OpKind kind, const std::string& what, std::vector<Operand> ops, OpAttrs attrs) {
+        op(kind, h + what + ".forward", std::move(ops), attrs, Phase::Forward, i, k);
+      };
+      fwd(OpKind::LayerNormForward, "ln1",
+          {w(a.ln1_out), w(a.ln1_mean), w(a.ln1_rstd), r(x), r(param(bp.ln1_w)), r(param(bp.ln1_b))}, nc());
+      fwd(OpKind::MatmulForward, "qkv", {w(a.qkv), r(a.ln1_out), r(param(bp.qkv_w)), r(param(bp.qkv_b))},
+          mm(C, 3 * C));
+      fwd(OpKind::AttentionForward, "attn", {w(a.atty), w(a.att_lse), r(a.qkv)},
+          {.B = B_, .T = T_, .C = C, .NH = cfg_.heads});
+      fwd(OpKind::MatmulForward, "proj", {w(s.attn_proj), r(a.atty), r(param(bp.proj_w)), r(param(bp.proj_b))},
+          mm(C, C));
+      fwd(OpKind::ResidualForward, "residual1", {w(a.res_attn), r(x), r(s.attn_proj)}, {.n = N_ * C});
+      fwd(OpKind::LayerNormForward, "ln2",
+          {w(a.ln2_out), w(a.ln2_mean), w(a.ln2_rstd), r(a.res_attn), r(param(bp.ln2_w)), r(param(bp.ln2_b))}, nc());
+      fwd(OpKind::MatmulForward, "fc", {w(a.fch), r(a.ln2_out), r(param(bp.fc_w)), r(param(bp.fc_b))},
+          mm(C, 4 * C));
+      fwd(OpKind::GeluForward, "gelu", {w(a.fch_gelu), r(a.fch)}, {.n = N_ * 4 * C});
+      fwd(OpKind::MatmulForward, "fc2", {w(s.mlp_proj), r(a.fch_gelu), r(param(bp.fc2_w)), r(param(bp.fc2_b))},
+          mm(4 * C, C));
+      fwd(OpKind::ResidualForward, "residual2", {w(a.res_mlp), r(a.res_attn), r(s.mlp_proj)}, {.n = N_ * C});
+      x = a.res_mlp;
+    }
+    size_t lnf_w = specs_.size() - 2, lnf_b = specs_.size() - 1;
+    op(OpKind::LayerNormForward, mb + "ln_f.forward",
+       {w(m.lnf_out), w(m.lnf_mean), w(m.lnf_rstd), r(x), r(param(lnf_w)), r(param(lnf_b))}, nc(), Phase::Forward,
+       -1, k);
+    op(OpKind::MatmulForward, mb + "lm_head.forward", {w(m.logits), r(m.lnf_out), r(param(0))}, mm(C, V_),
+       Phase::Forward, -1, k);
+  }
+
+  void loss(int k, const MicroBatch& m, int accum, bool backward) {
+    std::string mb = "mb" + std::to_string(k) + ".";
+    if (backward) {
+      OpAttrs a{.N = N_, .V = V_};
+      a.scale = static_cast<float>(1.0 / (static_cast<double>(N_) * accum));
+      op(OpKind::CrossEntropyBackward, mb + "crossentropy", {w(m.losses), u(m.logits), r(m.targets)}, a,
+         Phase::Forward, -1, k);
+    } else {
+      op(OpKind::CrossEntropyForward, mb + "crossentropy.forward", {w(m.losses), r(m.logits), r(m.targets)},
+         {.N = N_, .V = V_}, Phase::Forward, -1, k);
+    }
+  }
+
+  void backward(int k, const MicroBatch& m) {
+    const int64_t C = C_;
+    std::string mb = "mb" + std::to_string(k) + ".";
+    TensorId dres = add(mb + "dres", act_, {B_, T_, C}, Role::Activation);
+    auto bwd = [&](const std::string& name, OpKind kind, std::vector<Operand> ops, OpAttrs attrs, int layer) {
+      op(kind, name, std::move(ops), attrs, Phase::Backward, layer, k);
+    };
+    bwd(mb + "lm_head.backward", OpKind::MatmulBackward,
+        {w(d_lnf_out_), u(grad(0)), r(m.logits), r(m.lnf_out), r(param(0))}, mm(C, V_), -1);
+    bwd(mb + "dres.zero", OpKind::Zero, {w(dres)}, {}, -1);
+    size_t lnf_w = specs_.size() - 2, lnf_b = specs_.size() - 1;
+    TensorId last = cfg_.layers > 0 ? m.layers.back().res_mlp : m.encoded;
+    bwd(mb + "ln_f.backward", OpKind::LayerNormBackward,
+        {u(dres), u(grad(lnf_w)), u(grad(lnf_b)), r(d_lnf_out_), r(last), r(param(lnf_w)), r(m.lnf_mean),
+         r(m.lnf_rstd)},
+        nc(), -1);
+    for (int i = cfg_.layers - 1; i >= 0; --i) {
+      const LayerActs& a = m.layers[i];
+      const LayerScratch& s = scratch_[i];
+      BlockParams bp = block_params(i);
+      TensorId x = i == 0 ? m.encoded : m.layers[i - 1].res_mlp;
+      std::string h = mb + "h" + std::to_string(i) + ".";
+      auto lb = [&](const std::string& what, OpKind kind, std::vector<Operand> ops, OpAttrs attrs) {
+        bwd(h + what + ".backward", kind, std::move(ops), attrs, i);
+      };
+      lb("fc2", OpKind::MatmulBackward,
+         {w(s.d_fch_gelu), u(grad(bp.fc2_w)), r(dres), r(a.fch_gelu), r(param(bp.fc2_w)), u(grad(bp.fc2_b))},
+         mm(4 * C, C));
+      lb("gelu", OpKind::GeluBackward, {w(s.d_fch), r(a.fch), r(s.d_fch_gelu)}, {.n = N_ * 4 * C});
+      lb("fc", OpKind::MatmulBackward,
+         {w(s.d_ln2_out), u(grad(bp.fc_w)), r(s.d_fch), r(a.ln2_out), r(param(bp.fc_w)), u(grad(bp.fc_b))},
+         mm(C, 4 * C));
+      lb("ln2", OpKind::LayerNormBackward,
+         {u(dres), u(grad(bp.ln2_w)), u(grad(bp.ln2_b)), r(s.d_ln2_out), r(a.res_attn), r(param(bp.ln2_w)),
+          r(a.ln2_mean), r(a.ln2_rstd)},
+         nc());
+      lb("proj", OpKind::MatmulBackward,
+         {w(s.d_atty), u(grad(bp.proj_w)), r(dres), r(a.atty), r(param(bp.proj_w)), u(grad(bp.proj_b))},
+         mm(C, C));
+      lb("attn", OpKind::AttentionBackward, {w(s.d_qkv), r(s.d_atty), r(a.qkv), r(a.atty), r(a.att_lse)},
+         {.B = B_, .T = T_, .C = C, .NH = cfg_.heads});
+      lb("qkv", OpKind::MatmulBackward,
+         {w(s.d_ln1_out), u(grad(bp.qkv_w)), r(s.d_qkv), r(a.ln1_out), r(param(bp.qkv_w)), u(grad(bp.qkv_b))},
+         mm(C, 3 * C));
+      lb("ln1", OpKind::LayerNormBackward,
+         {u(dres), u(grad(bp.ln1_w)), u(grad(bp.ln1_b)), r(s.d_ln1_out), r(x), r(param(bp.ln1_w)), r(a.ln1_mean),
+          r(a.ln1_rstd)},
+         nc());
+    }
+    bwd(mb + "embedding.backward", OpKind::EmbeddingBackward, {u(grad(0)), u(grad(1)), r(dres), r(m.tokens)},
+        {.B = B_, .T = T_, .C = C}, -1);
+  }
+
+  void optimizer(float max_grad_norm, float weight_decay) {
+    // One F32 element per parameter tensor: SquaredNorm p updates element p (the
+    // packed form of program.h), so ClipScale reads one contiguous [P] tensor.
+    const auto P = static_cast<int64_t>(specs_.size());
+    TensorId sq = add("grad_sqnorms", DType::F32, {P}, Role::Scratch);
+    op(OpKind::Zero, "grad_sqnorms.zero", {w(sq)}, {}, Phase::Optimizer, -1, -1);
+    for (size_t p = 0; p < specs_.size(); ++p) {
+      op(OpKind::SquaredNorm, "sqnorm." + specs_[p].name, {u(sq), r(grad(p))},
+         {.n = numel(p), .index = static_cast<int64_t>(p)}, Phase::Optimizer, specs_[p].layer, -1);
+    }
+    TensorId scale_norm = add("clip.scale_norm", DType::F32, {2}, Role::Activation);
+    p_.outputs.push_back(scale_norm);
+    std::vector<Operand> clip_ops{w(scale_norm), r(sq)};
+    OpAttrs clip{.P = P};
+    clip.scale = max_grad_norm;
+    op(OpKind::ClipScale, "clip", std::move(clip_ops), clip, Phase::Optimizer, -1, -1);
+    for (size_t p = 0; p < specs_.size(); ++p) {
+      const ParamTensors& t = params_[p];
+      OpAttrs a{.n = numel(p), .index = static_cast<int64_t>(p)};
+      a.scale = specs_[p].decay ? weight_decay : 0.0f;
+      op(OpKind::AdamW, "adamw." + specs_[p].name,
+         {w(t.param), u(t.master), u(t.m), u(t.v), r(t.grad), r(scale_norm)}, a, Phase::Optimizer, specs_[p].layer,
+         -1);
+    }
+  }
+
+  Program take() { return std::move(p_); }
+
+ private:
+  TensorId add(std::string name, DType dt, Shape shape, Role role) {
+    return p_.tensors.add({std::move(name), dt, std::move(shape), role});
+  }
+  void op(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs attrs, Phase phase, int layer,
+          int micro_batch) {
+    Op o;
+    o.kind = kind;
+    o.name = std::move(name);
+    o.operands = std::move(operands);
+    o.attrs = attrs;
+    o.phase = phase;
+    o.layer = layer;
+    o.micro_batch = micro_batch;
+    p_.add_op(std::move(o));
+  }
+  static Operand r(TensorId t) { return {t, Access::Read}; }
+  static Operand u(TensorId t) { return {t, Access::Update}; }
+  static Operand w(TensorId t) { return {t, Access::Write}; }
+  TensorId param(size_t p) const { return params_[p].param; }
+  TensorId grad(size_t p) const { return params_[p].grad; }
+  int64_t numel(size_t p) const { return specs_[p].shape.numel(); }
+  OpAttrs nc() const { return {.C = C_, .N = N_}; }
+  OpAttrs mm(int64_t C, int64_t OC) const { return {.C = C, .OC = OC, .N = N_}; }
+
+  const GPTConfig& cfg_;
+  int64_t B_, T_;
+  DType act_;
+  bool training_;
+  std::vector<ParamSpec> specs_;
+  int64_t C_ = 0, V_ = 0, N_ = 0;
+  Program p_;
+  std::vector<ParamTensors> params_;   // by ParamSpec index
+  std::vector<LayerScratch> scratch_;  // by layer
+  TensorId d_lnf_out_ = kNoTensor;     // [B,T,C] scratch
+};
+
+}  // namespace
+
+Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DType act_dtype, float max_grad_norm,
+                                       float weight_decay) {
+  SPILLWAY_RETURN_IF_ERROR(Builder::check(cfg, shape.B, shape.T, act_dtype));
+  if (shape.accum <= 0)
+    return Status::invalid_argument("gradient accumulation steps is " + std::to_string(shape.accum) +
+                                    "; must be positive");
+  if (!(max_grad_norm > 0))
+    return Status::invalid_argument("max gradient norm is " + std::to_string(max_grad_norm) + "; must be positive");
+  Builder b(cfg, shape.B, shape.T, act_dtype, /*training=*/true);
+  b.add_params();
+  b.add_scratch();
+  std::vector<MicroBatch> mbs;
+  for (int k = 0; k < shape.accum; ++k) mbs.push_back(b.add_micro_batch(k, /*with_targets=*/true, false));
+  b.zero_grads();
+  for (int k = 0; k < shape.accum; ++k) {
+    b.forward(k, mbs[k]);
+    b.loss(k, mbs[k], shape.accum, /*backward=*/true);
+    b.backward(k, mbs[k]);
+  }
+  b.optimizer(max_grad_norm, weight_decay);
+  Program p = b.take();
+  SPILLWAY_RETURN_IF_ERROR(p.validate().with_context("built training program for " + cfg.to_string()));
+  return p;
+}
+
+Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss) {
+  SPILLWAY_RETURN_IF_ERROR(Builder::check(cfg, B, T, act_dtype));
+  Builder b(cfg, B, T, act_dtype, /*training=*/false);
+  b.add_params();
+  b.add_scratch();
+  MicroBatch m = b.add_micro_batch(0, with_loss, /*logits_output=*/!with_loss);
+  b.forward(0, m);
+  if (with_loss) b.loss(0, m, 1, /*backward=*/false);
+  Program p = b.take();
+  SPILLWAY_RETURN_IF_ERROR(p.validate().with_context("built forward program for " + cfg.to_string()));
+  return p;
+}
+
+}  // namespace spillway

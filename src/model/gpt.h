@@ -1,0 +1,122 @@
+// GPT-2 model: configuration, parameters, initial values, and the Programs of a
+// training step and of a forward pass.
+//
+//   auto cfg = gpt_preset("gpt2-124m");                    // or "tiny", "gpt-6.7b", ...
+//   if (!cfg) return cfg.status();
+//   auto step = build_training_program(*cfg, {.B = 8, .T = 1024, .accum = 4}, DType::BF16);
+//   if (!step) return step.status();
+//   TensorId tokens0 = step->tensors.find("mb0.tokens");  // [B,T] I32, written by the trainer
+//   for (const ParamSpec& p : parameter_specs(*cfg)) {
+//     std::vector<float> init = init_parameter(*cfg, p, /*seed=*/1337);
+//     ...  // upload into p.name, and into "master." + p.name
+//   }
+//
+// Architecture (GPT-2): learned position embeddings, pre-LayerNorm blocks
+// (x += attn(ln_1(x)); x += mlp(ln_2(x))), causal multi-head attention, tanh GELU,
+// MLP 4×width, final ln_f, LM head tied to wte (no bias).
+//
+// Tensor names of a training Program (k = micro-batch, i = layer, <p> = param name):
+//   params      <p> (act dtype), Hugging Face names: transformer.wte.weight [V,C],
+//               transformer.wpe.weight [context,C], transformer.h.{i}.ln_1.{weight,bias} [C],
+//               transformer.h.{i}.attn.c_attn.{weight [3C,C], bias [3C]},
+//               transformer.h.{i}.attn.c_proj.{weight [C,C], bias [C]},
+//               transformer.h.{i}.ln_2.{weight,bias} [C],
+//               transformer.h.{i}.mlp.c_fc.{weight [4C,C], bias [4C]},
+//               transformer.h.{i}.mlp.c_proj.{weight [C,4C], bias [C]},
+//               transformer.ln_f.{weight,bias} [C].  Matrices are [out,in].
+//   state       grad.<p> (act), master.<p> (F32), adam_m.<p> (F32), adam_v.<p> (F32)
+//   inputs      mb{k}.tokens, mb{k}.targets [B,T] I32
+//   activations mb{k}.encoded [B,T,C]; mb{k}.h{i}.{ln1_out [B,T,C], ln1_mean/ln1_rstd [B,T] F32,
+//               qkv [B,T,3C], atty [B,T,C], att_lse [B,NH,T] F32, res_attn [B,T,C],
+//               ln2_out [B,T,C], ln2_mean/ln2_rstd [B,T] F32, fch/fch_gelu [B,T,4C],
+//               res_mlp [B,T,C]}; mb{k}.lnf_out [B,T,C], mb{k}.lnf_mean/lnf_rstd [B,T] F32,
+//               mb{k}.logits [B,T,V] (becomes dlogits), mb{k}.losses [B·T] F32,
+//               mb{k}.dres [B,T,C] (residual-stream gradient of the backward pass)
+//   scratch     h{i}.attn_proj, h{i}.mlp_proj [B,T,C] (projection before the residual add);
+//               gradients d_lnf_out [B,T,C], h{i}.{d_fch_gelu, d_fch [B,T,4C], d_ln2_out,
+//               d_atty [B,T,C], d_qkv [B,T,3C], d_ln1_out [B,T,C]} — shared by micro-batches,
+//               each written before it is read; grad_sqnorms [P] F32 (element p: Σ grad.<p>²)
+//   outputs     mb{k}.losses ..., clip.scale_norm [2] F32 {clip scale, global grad norm}
+//
+// Op order: Zero of every grad; per micro-batch k: forward (embedding; per layer ln1,
+// qkv, attention, proj, residual, ln2, fc, gelu, fc2, residual; ln_f; LM head;
+// CrossEntropyBackward with scale 1/(B·T·accum)), backward (LM head, Zero dres,
+// ln_f, per layer in reverse fc2, gelu, fc, ln2, proj, attention, qkv, ln1;
+// embedding); then Zero grad_sqnorms, SquaredNorm per grad (Update of element p,
+// attrs.index = p), ClipScale (scale_norm W, grad_sqnorms R), AdamW per param
+// (all Phase Optimizer).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "program/program.h"
+#include "tensor/tensor.h"
+
+namespace spillway {
+
+struct GPTConfig {
+  int layers = 0;   // transformer blocks (L)
+  int width = 0;    // channels (C)
+  int heads = 0;    // attention heads (NH); head size C/NH
+  int context = 0;  // maximum sequence length (rows of wpe)
+  int vocab = 0;    // vocabulary size (V, rows of wte)
+
+  // All positive, width divisible by heads.
+  Status validate() const;
+  // Total parameters (tied embeddings counted once): V·C + context·C + L·(12C² + 13C) + 2C.
+  int64_t num_parameters() const;
+  std::string to_string() const;  // "layers=12 width=768 heads=12 context=1024 vocab=50257"
+  bool operator==(const GPTConfig&) const = default;
+};
+
+// "tiny" (4, 128, 4 heads, context 128, vocab 256), "gpt2-124m", "gpt2-350m",
+// "gpt2-774m", "gpt2-1.5b", "gpt-2.7b", "gpt-4b", "gpt-6.7b", "gpt-13b" (context 1024,
+// vocab 50257). An unknown name gives an error listing the known ones.
+Result<GPTConfig> gpt_preset(std::string_view name);
+std::vector<std::string> gpt_preset_names();
+
+// One parameter tensor.
+struct ParamSpec {
+  std::string name;  // Hugging Face GPT-2 name, "transformer.h.3.attn.c_attn.weight"
+  Shape shape;       // our layout: matrices [out,in] (the Backend matmul layout)
+  int layer = -1;    // block index, -1 for wte, wpe and ln_f
+  bool decay = false;   // weight decay applies (≥2-D weights, wte and wpe included)
+  bool conv1d = false;  // Hugging Face stores it as Conv1D [in,out] (transposed)
+};
+// In Program order: wte, wpe, per block ln_1.w/b, c_attn.w/b, attn.c_proj.w/b,
+// ln_2.w/b, c_fc.w/b, mlp.c_proj.w/b; then ln_f.w/b. AdamW attrs.index is the
+// position in this list.
+std::vector<ParamSpec> parameter_specs(const GPTConfig& cfg);
+
+// GPT-2 initial values of one parameter, identical on every compiler and machine:
+// weights N(0, 0.02) (attn.c_proj and mlp.c_proj weights N(0, 0.02/sqrt(2·layers))),
+// biases 0, LayerNorm weights 1. Element j of a tensor depends only on (seed, name, j):
+//   key   = splitmix64(seed ^ fnv1a64(name))
+//   r(c)  = splitmix64_mix(key + (c+1)·0x9E3779B97F4A7C15)      (64 random bits)
+//   pair  q = j/2: u1 = ((r(2q) >> 11) + 1)·2⁻⁵³ ∈ (0,1], u2 = (r(2q+1) >> 11)·2⁻⁵³
+//   z     = sqrt(-2 ln u1) · (j even ? cos(2π u2) : sin(2π u2))   (Box–Muller, double)
+//   value = float(std · z), rounded once.
+std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed);
+
+struct StepShape {
+  int B = 0;      // sequences per micro-batch
+  int T = 0;      // tokens per sequence (≤ context)
+  int accum = 1;  // micro-batches per step (gradient accumulation)
+};
+
+// The Program of one training step (see the names and op order above).
+// act_dtype is F32 or BF16. AdamW attrs.scale = weight_decay for params with
+// decay, 0 for biases and LayerNorm parameters.
+Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DType act_dtype,
+                                       float max_grad_norm = 1.0f, float weight_decay = 0.1f);
+
+// Forward pass only (eval, sampling), one batch, param names as above. Inputs
+// mb0.tokens (and mb0.targets with_loss) [B,T] I32. with_loss: CrossEntropyForward
+// into output mb0.losses [B·T] F32; without: output mb0.logits [B,T,V].
+Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss);
+
+}  // namespace spillway

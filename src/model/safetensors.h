@@ -1,0 +1,101 @@
+// safetensors files, and GPT-2 checkpoints in them with Hugging Face names.
+//
+//   auto cfg = infer_gpt_config("gpt2/model.safetensors");    // shapes + __metadata__
+//   auto weights = import_gpt2("gpt2/model.safetensors", *cfg); // our names, [out,in], F32
+//   const std::vector<float>& wte = weights->at("transformer.wte.weight");   // [V*C]
+//   SPILLWAY_RETURN_IF_ERROR(export_gpt2("out.safetensors", *cfg, *weights));
+//
+//   auto f = SafetensorsReader::open("any.safetensors");      // low level
+//   for (const SafetensorsEntry& e : f->entries()) { auto v = f->read_f32(e); ... }
+//
+// Format: 8-byte little-endian header length n; n bytes of JSON
+//   {"__metadata__": {"k": "v", ...}, "name": {"dtype": "F32", "shape": [..],
+//    "data_offsets": [begin, end]}, ...}
+// then the data buffer; offsets are relative to the buffer's start, row-major,
+// little-endian. The header is padded with spaces to a multiple of 8 bytes.
+//
+// GPT-2 import accepts names with or without the "transformer." prefix, ignores the
+// buffers h.{i}.attn.bias / h.{i}.attn.masked_bias and a tied lm_head.weight, takes
+// F32, F16 or BF16 (converted to F32) and transposes the Conv1D weights (c_attn,
+// attn.c_proj, c_fc, mlp.c_proj), stored [in,out] by Hugging Face, to our [out,in].
+// Export writes F32 with "transformer."-prefixed names, Conv1D weights as [in,out],
+// and __metadata__ {"format": "pt", "n_layer", "n_embd", "n_head", "n_ctx",
+// "vocab_size"}, so transformers' GPT2LMHeadModel and safetensors.torch load it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+#include "model/gpt.h"
+
+namespace spillway {
+
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;           // "F32", "F16", "BF16", "I64", ...
+  std::vector<int64_t> shape;  // as stored
+  uint64_t begin = 0;          // byte offsets into the data buffer, [begin, end)
+  uint64_t end = 0;
+  int64_t numel() const;
+};
+
+class SafetensorsReader {
+ public:
+  // Reads and checks the header: length within the file, valid JSON, every entry
+  // with dtype, shape and data_offsets inside the data buffer and of the size its
+  // dtype and shape imply.
+  static Result<SafetensorsReader> open(const std::string& path);
+
+  const std::string& path() const { return path_; }
+  const std::vector<SafetensorsEntry>& entries() const { return entries_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const SafetensorsEntry* find(std::string_view name) const;  // nullptr when absent
+  // The entry's values as F32 (from F32, F16 or BF16), in stored order.
+  Result<std::vector<float>> read_f32(const SafetensorsEntry& e) const;
+
+ private:
+  std::string path_;
+  uint64_t data_start_ = 0;  // file offset of the data buffer
+  std::vector<SafetensorsEntry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// One tensor to write, F32.
+struct SafetensorsTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  // Produces the values (numel of shape) when the writer reaches this tensor, so
+  // that a large model need not be in memory at once.
+  std::function<Result<std::vector<float>>()> values;
+};
+
+// Writes an F32 safetensors file (to path + ".tmp", then renamed over path).
+Status write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                         const std::map<std::string, std::string>& metadata = {});
+
+// Parameters by our name (ParamSpec::name), F32, our [out,in] layout.
+using GPTWeights = std::map<std::string, std::vector<float>>;
+
+// layers (count of h.{i} blocks), width and vocab (wte [V,C]), context (wpe rows);
+// heads from __metadata__ "n_head", else width/64.
+Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file);
+Result<GPTConfig> infer_gpt_config(const std::string& path);
+
+// Reads every parameter of `cfg`, handing each to `sink` as soon as it is read.
+// Errors name the file and list every missing tensor, or the tensor whose shape or
+// dtype is wrong (expected vs got); unknown tensors are an error too.
+Status import_gpt2(const std::string& path, const GPTConfig& cfg,
+                   const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink);
+Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg);
+
+// Writes every parameter of `cfg`, asking `source` for each in ParamSpec order.
+Status export_gpt2(const std::string& path, const GPTConfig& cfg,
+                   const std::function<Result<std::vector<float>>(const ParamSpec&)>& source);
+Status export_gpt2(const std::string& path, const GPTConfig& cfg, const GPTWeights& weights);
+
+}  // namespace spillway

@@ -1,0 +1,334 @@
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <set>
+#include <string>
+
+#include "model/gpt.h"
+
+using namespace spillway;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+const TensorInfo& info(const Program& p, const std::string& name) {
+  TensorId id = p.tensors.find(name);
+  EXPECT_NE(id, kNoTensor) << name;
+  return p.tensors.info(id == kNoTensor ? 0 : id);
+}
+
+size_t find_op(const Program& p, const std::string& name) {
+  for (size_t i = 0; i < p.ops.size(); ++i)
+    if (p.ops[i].name == name) return i;
+  ADD_FAILURE() << "no op " << name;
+  return p.ops.size();
+}
+
+}  // namespace
+
+TEST(GPTConfig, Presets) {
+  auto tiny = gpt_preset("tiny");
+  ASSERT_TRUE(tiny.ok());
+  EXPECT_EQ(*tiny, (GPTConfig{4, 128, 4, 128, 256}));
+  auto g = gpt_preset("gpt2-124m");
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(*g, (GPTConfig{12, 768, 12, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt2-350m"), (GPTConfig{24, 1024, 16, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt2-774m"), (GPTConfig{36, 1280, 20, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt2-1.5b"), (GPTConfig{48, 1600, 25, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt-2.7b"), (GPTConfig{32, 2560, 32, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt-4b"), (GPTConfig{36, 3072, 24, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt-6.7b"), (GPTConfig{32, 4096, 32, 1024, 50257}));
+  EXPECT_EQ(*gpt_preset("gpt-13b"), (GPTConfig{40, 5120, 40, 1024, 50257}));
+  for (const std::string& name : gpt_preset_names()) {
+    auto c = gpt_preset(name);
+    ASSERT_TRUE(c.ok()) << name;
+    EXPECT_TRUE(c->validate().is_ok()) << name;
+  }
+}
+
+TEST(GPTConfig, UnknownPresetListsNames) {
+  auto r = gpt_preset("gpt5");
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "'gpt5'"));
+  for (const std::string& name : gpt_preset_names()) EXPECT_TRUE(contains(r.status().message(), name)) << name;
+}
+
+TEST(GPTConfig, Validation) {
+  Status s = GPTConfig{2, 100, 3, 64, 256}.validate();
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), "width 100 is not divisible by heads 3")) << s.message();
+  s = GPTConfig{0, 64, 2, 64, 256}.validate();
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), "layers is 0")) << s.message();
+  EXPECT_FALSE((GPTConfig{2, 64, 2, 0, 256}.validate().is_ok()));
+  EXPECT_FALSE((GPTConfig{2, 64, 2, 64, -1}.validate().is_ok()));
+}
+
+TEST(GPTConfig, ParameterCount) {
+  EXPECT_EQ(gpt_preset("gpt2-124m")->num_parameters(), 124439808);
+  for (const std::string& name : gpt_preset_names()) {
+    GPTConfig c = *gpt_preset(name);
+    int64_t sum = 0;
+    for (const ParamSpec& p : parameter_specs(c)) sum += p.shape.numel();
+    EXPECT_EQ(sum, c.num_parameters()) << name;
+    EXPECT_EQ(parameter_specs(c).size(), static_cast<size_t>(4 + 12 * c.layers)) << name;
+  }
+}
+
+TEST(GPTParams, SpecsUseHuggingFaceNamesAndOurLayout) {
+  GPTConfig c = *gpt_preset("tiny");
+  std::vector<ParamSpec> specs = parameter_specs(c);
+  EXPECT_EQ(specs[0].name, "transformer.wte.weight");
+  EXPECT_EQ(specs[0].shape, (Shape{256, 128}));
+  EXPECT_EQ(specs[1].name, "transformer.wpe.weight");
+  EXPECT_EQ(specs[1].shape, (Shape{128, 128}));
+  EXPECT_EQ(specs[2].name, "transformer.h.0.ln_1.weight");
+  EXPECT_EQ(specs[4].name, "transformer.h.0.attn.c_attn.weight");
+  EXPECT_EQ(specs[4].shape, (Shape{384, 128}));
+  EXPECT_TRUE(specs[4].conv1d);
+  EXPECT_EQ(specs[12].name, "transformer.h.0.mlp.c_proj.weight");
+  EXPECT_EQ(specs[12].shape, (Shape{128, 512}));
+  EXPECT_EQ(specs.back().name, "transformer.ln_f.bias");
+  for (const ParamSpec& p : specs) {
+    bool matrix = p.shape.rank() == 2;
+    EXPECT_EQ(p.decay, matrix) << p.name;
+    EXPECT_EQ(p.conv1d, matrix && p.name.find(".h.") != std::string::npos) << p.name;
+  }
+}
+
+TEST(GPTInit, DeterministicPortableAndGPT2Distributed) {
+  GPTConfig c = *gpt_preset("tiny");
+  std::vector<ParamSpec> specs = parameter_specs(c);
+  auto wte = init_parameter(c, specs[0], 1337);
+  EXPECT_EQ(wte, init_parameter(c, specs[0], 1337));
+  EXPECT_NE(wte, init_parameter(c, specs[0], 1338));
+  // Pinned values (also computed by a Python transcription of the documented
+  // algorithm): the same on every compiler and machine.
+  EXPECT_EQ(std::bit_cast<uint32_t>(wte[0]), 0x3d7237c0u) << wte[0];
+  EXPECT_EQ(std::bit_cast<uint32_t>(wte[1]), 0x3cb099d6u) << wte[1];
+  EXPECT_EQ(std::bit_cast<uint32_t>(wte[2]), 0x3c4b6e82u) << wte[2];
+  EXPECT_EQ(std::bit_cast<uint32_t>(wte[12345]), 0xbc00b988u) << wte[12345];
+
+  auto stats = [](const std::vector<float>& v) {
+    double s = 0, s2 = 0;
+    for (float x : v) s += x, s2 += double(x) * x;
+    double mean = s / v.size();
+    return std::pair<double, double>(mean, std::sqrt(s2 / v.size() - mean * mean));
+  };
+  auto [mean, sd] = stats(wte);  // 32768 samples
+  EXPECT_NEAR(mean, 0.0, 0.0005);
+  EXPECT_NEAR(sd, 0.02, 0.0005);
+  auto proj = init_parameter(c, specs[12], 1337);  // mlp.c_proj: 0.02 / sqrt(2·4)
+  auto [pm, psd] = stats(proj);
+  EXPECT_NEAR(pm, 0.0, 0.0003);
+  EXPECT_NEAR(psd, 0.02 / std::sqrt(8.0), 0.0003);
+  auto attn_proj = stats(init_parameter(c, specs[6], 1337));  // attn.c_proj
+  EXPECT_EQ(specs[6].name, "transformer.h.0.attn.c_proj.weight");
+  EXPECT_NEAR(attn_proj.second, 0.02 / std::sqrt(8.0), 0.0006);
+  // Different tensors get different streams.
+  EXPECT_NE(init_parameter(c, specs[1], 1337)[0], wte[0]);
+  for (float x : init_parameter(c, specs[3], 1337)) EXPECT_EQ(x, 0.0f);   // ln_1.bias
+  for (float x : init_parameter(c, specs[2], 1337)) EXPECT_EQ(x, 1.0f);   // ln_1.weight
+  for (float x : init_parameter(c, specs[5], 1337)) EXPECT_EQ(x, 0.0f);   // c_attn.bias
+  // Element j depends on (seed, name, j) only, not on the tensor's size.
+  GPTConfig bigger = c;
+  bigger.vocab = 300;
+  auto wte2 = init_parameter(bigger, parameter_specs(bigger)[0], 1337);
+  ASSERT_EQ(wte2.size(), 300u * 128);
+  for (size_t i = 0; i < wte.size(); ++i) ASSERT_EQ(wte[i], wte2[i]) << i;
+}
+
+namespace {
+
+void check_training_program(const GPTConfig& c, StepShape s, DType act) {
+  auto r = build_training_program(c, s, act);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const Program& p = *r;
+  ASSERT_TRUE(p.validate().is_ok());
+  const int64_t B = s.B, T = s.T, C = c.width, V = c.vocab, L = c.layers;
+  const size_t P = parameter_specs(c).size();
+
+  // Tensors and roles.
+  EXPECT_EQ(p.tensors.bytes_with_role(Role::Param), c.num_parameters() * dtype_size(act));
+  EXPECT_EQ(p.tensors.bytes_with_role(Role::Grad), c.num_parameters() * dtype_size(act));
+  EXPECT_EQ(p.tensors.bytes_with_role(Role::Master), c.num_parameters() * 4);
+  EXPECT_EQ(p.tensors.bytes_with_role(Role::OptState), c.num_parameters() * 8);
+  EXPECT_EQ(info(p, "transformer.h.0.attn.c_attn.weight").shape, (Shape{3 * C, C}));
+  EXPECT_EQ(info(p, "transformer.h.0.attn.c_attn.weight").dtype, act);
+  EXPECT_EQ(info(p, "grad.transformer.wte.weight").role, Role::Grad);
+  EXPECT_EQ(info(p, "master.transformer.h.1.mlp.c_fc.weight").dtype, DType::F32);
+  EXPECT_EQ(info(p, "adam_m.transformer.ln_f.bias").role, Role::OptState);
+  EXPECT_EQ(info(p, "adam_v.transformer.wpe.weight").shape, (Shape{c.context, C}));
+  std::set<std::string> names;
+  for (const TensorInfo& t : p.tensors.infos()) EXPECT_TRUE(names.insert(t.name).second) << "duplicate " << t.name;
+
+  for (int k = 0; k < s.accum; ++k) {
+    std::string mb = "mb" + std::to_string(k) + ".";
+    EXPECT_EQ(info(p, mb + "tokens").dtype, DType::I32);
+    EXPECT_EQ(info(p, mb + "tokens").shape, (Shape{B, T}));
+    EXPECT_EQ(info(p, mb + "targets").role, Role::Input);
+    EXPECT_EQ(info(p, mb + "losses").shape, (Shape{B * T}));
+    EXPECT_EQ(info(p, mb + "losses").dtype, DType::F32);
+    EXPECT_EQ(info(p, mb + "logits").shape, (Shape{B, T, V}));
+    EXPECT_EQ(info(p, mb + "h" + std::to_string(L - 1) + ".qkv").shape, (Shape{B, T, 3 * C}));
+    EXPECT_EQ(info(p, mb + "h0.att_lse").shape, (Shape{B, c.heads, T}));
+    EXPECT_EQ(info(p, mb + "h0.fch_gelu").shape, (Shape{B, T, 4 * C}));
+    EXPECT_EQ(info(p, mb + "h0.ln1_out").role, Role::Activation);
+    EXPECT_EQ(info(p, mb + "dres").shape, (Shape{B, T, C}));
+  }
+  EXPECT_EQ(info(p, "h0.attn_proj").role, Role::Scratch);
+  EXPECT_EQ(info(p, "clip.scale_norm").shape, (Shape{2}));
+  ASSERT_EQ(p.inputs.size(), static_cast<size_t>(2 * s.accum));
+  EXPECT_EQ(p.tensors.info(p.inputs[0]).name, "mb0.tokens");
+  EXPECT_EQ(p.tensors.info(p.inputs[1]).name, "mb0.targets");
+  ASSERT_EQ(p.outputs.size(), static_cast<size_t>(s.accum + 1));
+  EXPECT_EQ(p.tensors.info(p.outputs[0]).name, "mb0.losses");
+  EXPECT_EQ(p.tensors.info(p.outputs.back()).name, "clip.scale_norm");
+
+  // Op order.
+  const size_t per_mb = 1 + 10 * L + 2 + 1 + 3 + 8 * L + 1;
+  ASSERT_EQ(p.ops.size(), P + s.accum * per_mb + 1 + P + 1 + P);
+  std::set<std::string> op_names;
+  for (const Op& op : p.ops) {
+    EXPECT_TRUE(op_names.insert(op.name).second) << "duplicate op name " << op.name;
+    EXPECT_FALSE(op.name.empty());
+  }
+  for (size_t i = 0; i < P; ++i) {
+    EXPECT_EQ(p.ops[i].kind, OpKind::Zero);
+    EXPECT_EQ(p.ops[i].operands[0].access, Access::Write);
+    EXPECT_EQ(p.tensors.info(p.ops[i].operands[0].tensor).role, Role::Grad);
+  }
+  for (int k = 0; k < s.accum; ++k) {
+    std::string mb = "mb" + std::to_string(k) + ".";
+    size_t base = P + k * per_mb;
+    EXPECT_EQ(p.ops[base].name, mb + "embedding.forward");
+    const char* fwd[] = {"ln1", "qkv", "attn", "proj", "residual1", "ln2", "fc", "gelu", "fc2", "residual2"};
+    for (int i = 0; i < L; ++i)
+      for (int j = 0; j < 10; ++j) {
+        const Op& op = p.ops[base + 1 + 10 * i + j];
+        EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + fwd[j] + ".forward");
+        EXPECT_EQ(op.layer, i);
+        EXPECT_EQ(op.micro_batch, k);
+        EXPECT_EQ(op.phase, Phase::Forward);
+      }
+    size_t ce = find_op(p, mb + "crossentropy");
+    EXPECT_EQ(p.ops[ce].kind, OpKind::CrossEntropyBackward);
+    EXPECT_FLOAT_EQ(p.ops[ce].attrs.scale, static_cast<float>(1.0 / (double(B) * T * s.accum)));
+    EXPECT_EQ(p.ops[ce - 1].name, mb + "lm_head.forward");
+    EXPECT_EQ(p.ops[ce - 1].operands.size(), 3u);  // no bias
+    EXPECT_EQ(p.tensors.info(p.ops[ce - 1].operands[2].tensor).name, "transformer.wte.weight");
+    EXPECT_EQ(p.ops[ce + 1].name, mb + "lm_head.backward");
+    EXPECT_EQ(p.tensors.info(p.ops[ce + 1].operands[1].tensor).name, "grad.transformer.wte.weight");
+    EXPECT_EQ(p.ops[ce + 2].name, mb + "dres.zero");
+    EXPECT_EQ(p.ops[ce + 3].name, mb + "ln_f.backward");
+    const char* bwd[] = {"fc2", "gelu", "fc", "ln2", "proj", "attn", "qkv", "ln1"};
+    for (int i = L - 1, n = 0; i >= 0; --i, ++n)
+      for (int j = 0; j < 8; ++j) {
+        const Op& op = p.ops[ce + 4 + 8 * n + j];
+        EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + bwd[j] + ".backward");
+        EXPECT_EQ(op.phase, Phase::Backward);
+        EXPECT_EQ(op.layer, i);
+      }
+    EXPECT_EQ(p.ops[ce + 4 + 8 * L].name, mb + "embedding.backward");
+  }
+  // Squared norms, packed: Zero grad_sqnorms [P], SquaredNorm p updates element p.
+  size_t zero_sq = P + s.accum * per_mb;
+  EXPECT_EQ(p.ops[zero_sq].kind, OpKind::Zero);
+  TensorId sq = p.ops[zero_sq].operands[0].tensor;
+  EXPECT_EQ(p.tensors.info(sq).name, "grad_sqnorms");
+  EXPECT_EQ(p.tensors.info(sq).shape, (Shape{static_cast<int64_t>(P)}));
+  EXPECT_EQ(p.tensors.info(sq).dtype, DType::F32);
+  size_t opt = zero_sq + 1;
+  for (size_t i = 0; i < P; ++i) {
+    const Op& op = p.ops[opt + i];
+    EXPECT_EQ(op.kind, OpKind::SquaredNorm);
+    EXPECT_EQ(op.attrs.index, static_cast<int64_t>(i));
+    EXPECT_EQ(op.operands[0].tensor, sq);
+    EXPECT_EQ(op.operands[0].access, Access::Update);
+    EXPECT_EQ(op.phase, Phase::Optimizer);
+  }
+  const Op& clip = p.ops[opt + P];
+  EXPECT_EQ(clip.kind, OpKind::ClipScale);
+  EXPECT_EQ(clip.attrs.P, static_cast<int64_t>(P));
+  ASSERT_EQ(clip.operands.size(), 2u);
+  EXPECT_EQ(clip.operands[1].tensor, sq);
+  EXPECT_FLOAT_EQ(clip.attrs.scale, 1.0f);
+  std::vector<ParamSpec> specs = parameter_specs(c);
+  for (size_t i = 0; i < P; ++i) {
+    const Op& a = p.ops[opt + P + 1 + i];
+    EXPECT_EQ(a.kind, OpKind::AdamW);
+    EXPECT_EQ(a.phase, Phase::Optimizer);
+    EXPECT_EQ(a.micro_batch, -1);
+    EXPECT_EQ(a.attrs.index, static_cast<int64_t>(i));
+    EXPECT_EQ(p.tensors.info(a.operands[0].tensor).name, specs[i].name);
+    EXPECT_FLOAT_EQ(a.attrs.scale, specs[i].decay ? 0.1f : 0.0f) << specs[i].name;
+  }
+
+  // FLOPs: per micro-batch the forward matmuls are 2·N·(12·L·C² + C·V), backward
+  // twice that; attention 2·B·T²·C forward and 4·B·T²·C backward per layer.
+  double N = double(B) * T;
+  double mm = 2.0 * N * (12.0 * L * C * C + double(C) * V);
+  double att = 6.0 * L * B * double(T) * T * C;
+  EXPECT_DOUBLE_EQ(p.flops(), s.accum * (3.0 * mm + att));
+}
+
+}  // namespace
+
+TEST(GPTProgram, TinyTrainingProgram) {
+  check_training_program(*gpt_preset("tiny"), {.B = 2, .T = 16, .accum = 2}, DType::F32);
+  check_training_program(*gpt_preset("tiny"), {.B = 1, .T = 128, .accum = 1}, DType::BF16);
+}
+
+TEST(GPTProgram, GPT2_124MTrainingProgramWithAccumulation) {
+  check_training_program(*gpt_preset("gpt2-124m"), {.B = 4, .T = 1024, .accum = 2}, DType::BF16);
+}
+
+TEST(GPTProgram, RejectsBadShapes) {
+  GPTConfig c = *gpt_preset("tiny");
+  auto r = build_training_program(c, {.B = 2, .T = 129, .accum = 1}, DType::F32);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "T is 129")) << r.status().message();
+  EXPECT_FALSE(build_training_program(c, {.B = 0, .T = 8, .accum = 1}, DType::F32).ok());
+  r = build_training_program(c, {.B = 1, .T = 8, .accum = 0}, DType::F32);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "accumulation")) << r.status().message();
+  EXPECT_FALSE(build_training_program(c, {.B = 1, .T = 8, .accum = 1}, DType::I32).ok());
+  EXPECT_FALSE(build_training_program(GPTConfig{2, 10, 3, 8, 16}, {.B = 1, .T = 8, .accum = 1}, DType::F32).ok());
+  EXPECT_FALSE(build_forward_program(c, 1, 200, DType::F32, true).ok());
+}
+
+TEST(GPTProgram, ForwardProgram) {
+  GPTConfig c = *gpt_preset("tiny");
+  auto r = build_forward_program(c, 2, 32, DType::F32, /*with_loss=*/true);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->tensors.bytes_with_role(Role::Grad), 0u);
+  EXPECT_EQ(r->tensors.bytes_with_role(Role::Master), 0u);
+  EXPECT_EQ(r->tensors.bytes_with_role(Role::Param), static_cast<size_t>(c.num_parameters()) * 4);
+  ASSERT_EQ(r->inputs.size(), 2u);
+  ASSERT_EQ(r->outputs.size(), 1u);
+  EXPECT_EQ(r->tensors.info(r->outputs[0]).name, "mb0.losses");
+  EXPECT_EQ(r->ops.size(), static_cast<size_t>(1 + 10 * c.layers + 3));
+  EXPECT_EQ(r->ops.back().kind, OpKind::CrossEntropyForward);
+  for (const Op& op : r->ops) EXPECT_EQ(op.phase, Phase::Forward);
+
+  auto g = build_forward_program(c, 1, 7, DType::BF16, /*with_loss=*/false);
+  ASSERT_TRUE(g.ok()) << g.status().to_string();
+  ASSERT_EQ(g->inputs.size(), 1u);
+  ASSERT_EQ(g->outputs.size(), 1u);
+  EXPECT_EQ(g->tensors.info(g->outputs[0]).name, "mb0.logits");
+  EXPECT_EQ(g->tensors.info(g->outputs[0]).shape, (Shape{1, 7, 256}));
+  EXPECT_EQ(g->ops.back().name, "mb0.lm_head.forward");
+  EXPECT_EQ(g->tensors.find("mb0.targets"), kNoTensor);
+}
+
+TEST(GPTProgram, EveryPresetBuildsAndValidates) {
+  for (const std::string& name : gpt_preset_names()) {
+    GPTConfig c = *gpt_preset(name);
+    auto r = build_training_program(c, {.B = 1, .T = c.context, .accum = 2}, DType::BF16);
+    ASSERT_TRUE(r.ok()) << name << ": " << r.status().to_string();
+    EXPECT_EQ(r->tensors.bytes_with_role(Role::Master), static_cast<size_t>(c.num_parameters()) * 4) << name;
+  }
+}
