@@ -200,6 +200,15 @@ class PlanExecutor final : public Executor {
 
   double now_s() const { return seconds_since(step_start_); }
 
+  // Memory per tier over time, for the trace.
+  void count_memory() {
+    if (!trace_) return;
+    double t = now_s();
+    trace_->counter("device bytes", t, static_cast<double>(arena_->in_use()));
+    trace_->counter("host bytes", t, static_cast<double>(host_->in_use()));
+    if (spill_) trace_->counter("storage bytes", t, static_cast<double>(spill_->bytes_in_use()));
+  }
+
   // Host waits are the executor's stalls.
   Status timed_wait_copy(CopyTicket t, const char* why, TensorId id) {
     if (b_.copy_engine().is_done(t)) return b_.copy_engine().wait(t);
@@ -234,6 +243,7 @@ class PlanExecutor final : public Executor {
       return ptr.status().with_context("placing " + p_.tensors.info(t).name + " (" + format_size(device_bytes(t)) + ")");
     slots_[t].device = *ptr;
     slots_[t].offset = offset;
+    count_memory();
     return Status::ok();
   }
 
@@ -250,6 +260,7 @@ class PlanExecutor final : public Executor {
       busy_.push_back({s.offset, s.offset + device_bytes(t), *s.to_host});  // a flush still reads it
     SPILLWAY_RETURN_IF_ERROR(arena_->release_placed(s.offset, device_bytes(t)));
     s.device = nullptr;
+    count_memory();
     return Status::ok();
   }
 
@@ -273,6 +284,7 @@ class PlanExecutor final : public Executor {
     }
     if (!r.ok()) return r.status().with_context("host buffer for " + p_.tensors.info(t).name);
     s.host = *r;
+    count_memory();
     return Status::ok();
   }
 
@@ -312,6 +324,7 @@ class PlanExecutor final : public Executor {
     if (!s.host) return Status::ok();
     SPILLWAY_RETURN_IF_ERROR(host_->free(s.host));
     s.host = nullptr;
+    count_memory();
     return Status::ok();
   }
 
@@ -347,7 +360,7 @@ class PlanExecutor final : public Executor {
         slots_[t].to_device = k;
         h2d_sources_.emplace_back(k, t);
         table_.mark_copied(t, Tier::Device);
-        if (trace_) trace_->slice("h2d", p_.tensors.info(t).name, now_s(), now_s(), {{"bytes", p_.tensors.info(t).bytes()}});
+        if (trace_) open_slices_.push_back({k, "h2d", p_.tensors.info(t).name, now_s(), p_.tensors.info(t).bytes()});
         return Status::ok();
       }
       case InstrKind::Evict:
@@ -369,7 +382,7 @@ class PlanExecutor final : public Executor {
           s.to_host = k;
           out = k;
           table_.mark_copied(t, Tier::Host);
-          if (trace_) trace_->slice("d2h", p_.tensors.info(t).name, now_s(), now_s(), {{"bytes", p_.tensors.info(t).bytes()}});
+          if (trace_) open_slices_.push_back({k, "d2h", p_.tensors.info(t).name, now_s(), p_.tensors.info(t).bytes()});
         }
         if (in.kind == InstrKind::Evict) {
           SPILLWAY_RETURN_IF_ERROR(unplace(t, out));
@@ -419,7 +432,25 @@ class PlanExecutor final : public Executor {
     return Status::internal("unknown instruction");
   }
 
+  // A copy's slice ends when the executor first sees it done (polled before each op).
+  struct OpenSlice {
+    CopyTicket ticket;
+    const char* track;
+    std::string name;
+    double start_s;
+    size_t bytes;
+  };
+  void close_slices(bool all) {
+    if (!trace_) return;
+    std::erase_if(open_slices_, [&](const OpenSlice& o) {
+      if (!all && !b_.copy_engine().is_done(o.ticket)) return false;
+      trace_->slice(o.track, o.name, o.start_s, now_s(), {{"bytes", o.bytes}});
+      return true;
+    });
+  }
+
   Status run_op(int index, bool recompute) {
+    close_slices(false);
     const Op& op = p_.ops[index];
     const Place place = plan_.op_place.empty() ? op.place : plan_.op_place[index];
     ptrs_.clear();
@@ -470,6 +501,7 @@ class PlanExecutor final : public Executor {
   Status finish() {
     SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
     SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait_all());
+    close_slices(true);
     for (auto& s : slots_) {
       s.to_device.reset();
       s.to_host.reset();
@@ -510,6 +542,7 @@ class PlanExecutor final : public Executor {
   std::vector<std::pair<CopyTicket, TensorId>> h2d_sources_;  // H2D copies reading host buffers
   std::vector<TensorId> pending_host_frees_;
   std::vector<void*> ptrs_;
+  std::vector<OpenSlice> open_slices_;
   StepMetrics metrics_;
   OptimizerStep step_;
   Clock::time_point step_start_;

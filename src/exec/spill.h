@@ -33,6 +33,7 @@ class SpillStore {
   uint64_t bytes_read() const { return store_->bytes_read(); }
   uint64_t bytes_written() const { return store_->bytes_written(); }
   uint64_t peak_bytes() const { return store_->peak_bytes(); }
+  uint64_t bytes_in_use() const { return store_->bytes_in_use(); }
 
  private:
   Result<Extent> extent(TensorId t, size_t bytes);

@@ -1,5 +1,6 @@
 #include "exec/trace.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 

@@ -1,0 +1,117 @@
+// Measured behaviour of the policies on the CPU backend. These compare times, so
+// ctest runs this binary alone (RUN_SERIAL) and each check leaves a wide margin.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "backend/backend.h"
+#include "exec/executor.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/profiler.h"
+#include "sim/simulator.h"
+
+using namespace spillway;
+
+namespace {
+
+struct Measured {
+  double stall_s = 0;
+  double step_s = 0;  // median over the timed steps
+  Plan plan;
+  Program program;
+};
+
+Result<Measured> measure(Backend& backend, const Program& program, const Machine& machine, const Budgets& budgets,
+                         const PlannerOptions& options, int steps) {
+  PlannerOptions o = options;
+  o.alignment = backend.alignment();
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan(program, machine, budgets, o));
+  SPILLWAY_ASSIGN_OR_RETURN(auto ex, Executor::create(backend, program, plan));
+  std::vector<double> times;
+  Measured m;
+  for (int step = 1; step <= steps; ++step) {
+    SPILLWAY_RETURN_IF_ERROR(ex->run_step({.step = step, .lr = 1e-4f}));
+    if (step == 1) continue;  // warm-up: first touch of every page
+    times.push_back(ex->metrics().step_s);
+    m.stall_s += ex->metrics().stall_s;
+  }
+  std::sort(times.begin(), times.end());
+  m.step_s = times[times.size() / 2];
+  m.plan = plan;
+  m.program = program;
+  for (size_t i = 0; i < m.program.ops.size(); ++i) m.program.ops[i].place = plan.op_place[i];
+  return m;
+}
+
+}  // namespace
+
+TEST(PoliciesMeasured, PlannedStallsLessThanPagingOnTheCpu) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+  GPTConfig cfg{2, 128, 4, 64, 256};
+  auto program = build_training_program(cfg, {4, 64, 1}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
+  ASSERT_TRUE(resident.ok());
+  Budgets b;
+  b.device = resident->device_bytes / 4;
+  auto paging = measure(**backend, *program, Machine::cpu_dev_box(), b, {.policy = Policy::Paging}, 6);
+  auto planned = measure(**backend, *program, Machine::cpu_dev_box(), b, {.policy = Policy::Planned}, 6);
+  ASSERT_TRUE(paging.ok()) << paging.status().to_string();
+  ASSERT_TRUE(planned.ok()) << planned.status().to_string();
+  EXPECT_LT(planned->stall_s, paging->stall_s) << "planned " << planned->stall_s << " s vs paging " << paging->stall_s;
+}
+
+TEST(PoliciesMeasured, SimulatorPredictsPlannedStepWithin25Percent) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  GPTConfig cfg{2, 128, 4, 64, 256};
+  auto program = build_training_program(cfg, {4, 64, 1}, DType::F32);
+  ASSERT_TRUE(program.ok());
+  auto machine = measure_machine(**backend, Machine::cpu_dev_box());
+  ASSERT_TRUE(machine.ok()) << machine.status().to_string();
+  auto resident = make_plan(*program, *machine, {}, {.policy = Policy::Resident});
+  ASSERT_TRUE(resident.ok());
+  Budgets b;
+  b.device = resident->device_bytes / 4;
+  auto planned = measure(**backend, *program, *machine, b, {.policy = Policy::Planned}, 8);
+  ASSERT_TRUE(planned.ok()) << planned.status().to_string();
+  auto seconds = profile_ops(**backend, planned->program, 3);
+  ASSERT_TRUE(seconds.ok()) << seconds.status().to_string();
+  Machine m = *machine;
+  m.measured_op_seconds = *seconds;
+  SimResult sim = simulate(planned->program, planned->plan, m);
+  double error = std::fabs(sim.step_s - planned->step_s) / planned->step_s;
+  EXPECT_LT(error, 0.25) << "predicted " << sim.step_s << " s, measured " << planned->step_s << " s";
+}
+
+TEST(PoliciesSimulated, PlannedStallsLessThanPagingInTheSimulator) {
+  for (const char* model : {"tiny", "gpt2-124m"}) {
+    auto cfg = gpt_preset(model);
+    ASSERT_TRUE(cfg.ok());
+    int T = std::min(cfg->context, 256);
+    auto program = build_training_program(*cfg, {4, T, 1}, DType::BF16);
+    ASSERT_TRUE(program.ok());
+    for (Machine machine : {Machine::h200(), Machine::cpu_dev_box()}) {
+      auto resident = make_plan(*program, machine, {}, {.policy = Policy::Resident, .alignment = 256});
+      ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+      Budgets b;
+      b.device = resident->device_bytes / 4;
+      auto paging = make_plan(*program, machine, b, {.policy = Policy::Paging, .alignment = 256});
+      auto planned = make_plan(*program, machine, b, {.policy = Policy::Planned, .alignment = 256});
+      ASSERT_TRUE(paging.ok()) << paging.status().to_string();
+      ASSERT_TRUE(planned.ok()) << planned.status().to_string();
+      auto placed = [&](const Plan& p) {
+        Program q = *program;
+        for (size_t i = 0; i < q.ops.size(); ++i) q.ops[i].place = p.op_place[i];
+        return q;
+      };
+      SimResult sp = simulate(placed(*paging), *paging, machine);
+      SimResult sq = simulate(placed(*planned), *planned, machine);
+      EXPECT_LT(sq.stall_s, sp.stall_s) << model << " on " << machine.name;
+      EXPECT_LE(sq.step_s, sp.step_s) << model << " on " << machine.name;
+    }
+  }
+}
