@@ -1,7 +1,7 @@
 // Machine: what the hardware can do, for the planner's cost model and the simulator.
 //
 //   Machine m = Machine::h200();                   // figures measured on the lent H200 host
-//   Machine c = Machine::from_backend(backend);    // rates measured by a short profile
+//   auto c = measure_machine(backend, m);          // rates measured by a short profile (sim/profiler.h)
 //   double s = m.op_seconds(program, op_index);    // measured if profiled, else derived
 //
 // A user can describe a machine that does not exist ("a 24 GiB GPU and two NVMe

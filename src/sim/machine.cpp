@@ -1,0 +1,129 @@
+// Machine: op and copy times from rates, and the presets of the machines we know.
+//
+// Derived op time (when no measurement is given):
+//   device op: max(flops / matmul_flops_per_s, bytes touched / device_bytes_per_s) + op_launch_s
+//   host op:   elements / host_adam_params_per_s (AdamW: n; other host ops: the
+//              largest operand's element count)
+// Flops are counted for matrix products and attention only; every other op is
+// memory-bound. Bytes touched: each distinct operand once for Read or Write, twice
+// for Update (read and written back); embedding ops touch only the rows their
+// tokens select.
+#include "sim/machine.h"
+
+#include <algorithm>
+#include <set>
+
+namespace spillway {
+
+namespace {
+
+double tensor_bytes(const Program& program, TensorId t) {
+  if (t < 0 || static_cast<size_t>(t) >= program.tensors.size()) return 0;
+  return static_cast<double>(program.tensors.info(t).bytes());
+}
+
+double tensor_numel(const Program& program, TensorId t) {
+  if (t < 0 || static_cast<size_t>(t) >= program.tensors.size()) return 0;
+  return static_cast<double>(program.tensors.info(t).shape.numel());
+}
+
+// Floating-point operations of the compute-bound ops; 0 for memory-bound ones.
+double op_flops(const Op& op) {
+  const OpAttrs& a = op.attrs;
+  const double N = static_cast<double>(a.N), C = static_cast<double>(a.C), OC = static_cast<double>(a.OC);
+  const double B = static_cast<double>(a.B), T = static_cast<double>(a.T);
+  switch (op.kind) {
+    case OpKind::MatmulForward: return 2 * N * C * OC;
+    case OpKind::MatmulBackward: return 4 * N * C * OC;  // dinp and dweight products
+    // Causal attention: QKᵀ and PV over the lower triangle, 4·B·T²·C / 2.
+    case OpKind::AttentionForward: return 2 * B * T * T * C;
+    // The backward recomputes P and runs four more products: 2.5× the forward.
+    case OpKind::AttentionBackward: return 5 * B * T * T * C;
+    default: return 0;
+  }
+}
+
+double op_bytes(const Program& program, const Op& op) {
+  if (op.kind == OpKind::EmbeddingForward || op.kind == OpKind::EmbeddingBackward) {
+    // out/dout [B,T,C] written or read once, the selected wte rows and wpe rows once
+    // each (updated in place for the backward).
+    const double rows = static_cast<double>(op.attrs.B * op.attrs.T * op.attrs.C);
+    const TensorId act = op.operands.empty() ? kNoTensor : op.operands[op.kind == OpKind::EmbeddingForward ? 0 : 2].tensor;
+    const double elem = rows > 0 ? tensor_bytes(program, act) / rows : 0;
+    const double factor = op.kind == OpKind::EmbeddingForward ? 3 : 5;
+    return factor * rows * elem + 4 * static_cast<double>(op.attrs.B * op.attrs.T);
+  }
+  double bytes = 0;
+  std::set<TensorId> seen;
+  for (const Operand& o : op.operands) {
+    if (!seen.insert(o.tensor).second) continue;
+    const double b = tensor_bytes(program, o.tensor);
+    bytes += o.access == Access::Update ? 2 * b : b;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+double Machine::op_seconds(const Program& program, size_t op_index) const {
+  if (measured_op_seconds.size() == program.ops.size() && op_index < measured_op_seconds.size() &&
+      measured_op_seconds[op_index] > 0)
+    return measured_op_seconds[op_index];
+  if (op_index >= program.ops.size()) return 0;
+  const Op& op = program.ops[op_index];
+  if (op.place == Place::Host) {
+    double elements = 0;
+    if (op.kind == OpKind::AdamW) {
+      elements = static_cast<double>(op.attrs.n);
+    } else {
+      for (const Operand& o : op.operands) elements = std::max(elements, tensor_numel(program, o.tensor));
+    }
+    return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
+  }
+  const double compute = matmul_flops_per_s > 0 ? op_flops(op) / matmul_flops_per_s : 0;
+  const double memory = device_bytes_per_s > 0 ? op_bytes(program, op) / device_bytes_per_s : 0;
+  return std::max(compute, memory) + op_launch_s;
+}
+
+double Machine::copy_seconds(uint64_t bytes, bool h2d) const {
+  const double rate = h2d ? h2d_bytes_per_s : d2h_bytes_per_s;
+  return rate > 0 ? static_cast<double>(bytes) / rate : 0;
+}
+
+Machine Machine::h200() {
+  Machine m;
+  m.name = "h200";
+  m.device_bytes = 141'000'000'000ull;
+  m.host_bytes = 128ull << 30;
+  m.h2d_bytes_per_s = 55e9;
+  m.d2h_bytes_per_s = 55e9;
+  m.duplex_factor = 101.0 / 110.0;  // both directions together move about 101 GB/s
+  m.storage_read_bytes_per_s = 1.7e9;
+  m.storage_write_bytes_per_s = 1.7e9;
+  m.matmul_flops_per_s = 784e12;  // bf16 dense, measured on 8192³ products
+  m.device_bytes_per_s = 3.5e12;  // achieved by elementwise kernels (4.8 TB/s peak)
+  m.op_launch_s = 5e-6;
+  m.host_adam_params_per_s = 6e9;
+  m.host_runs_ahead = true;
+  return m;
+}
+
+Machine Machine::cpu_dev_box() {
+  Machine m;
+  m.name = "cpu-dev-box";
+  m.device_bytes = 8ull << 30;  // the CPU backend's arena stands in for the device
+  m.host_bytes = 16ull << 30;
+  m.h2d_bytes_per_s = 5e9;      // memcpy by the copy engine's worker thread
+  m.d2h_bytes_per_s = 5e9;
+  m.duplex_factor = 0.6;        // two memcpy threads share one memory bus
+  m.storage_read_bytes_per_s = 1e9;
+  m.storage_write_bytes_per_s = 1e9;
+  m.matmul_flops_per_s = 50e9;  // OpenBLAS sgemm on 2 cores
+  m.device_bytes_per_s = 10e9;
+  m.op_launch_s = 2e-6;
+  m.host_adam_params_per_s = 0.5e9;
+  m.host_runs_ahead = false;    // CPU ops run on the host thread
+  return m;
+}
+
+}  // namespace spillway

@@ -1,0 +1,704 @@
+// Simulator: a discrete-event replay of one step (the model is described in simulator.h).
+//
+// Each instruction becomes at most one task on one of five servers (device compute,
+// host compute, h2d link, d2h link, storage), queued in issue order. A task starts
+// when it reaches the head of its server's queue and the tasks it depends on have
+// ended; compute tasks last their op's seconds, link and storage tasks move bytes
+// at a rate that, for the two link directions, drops to rate × duplex_factor while
+// the other direction is also moving bytes. The host thread is one more actor: it
+// issues instructions at the current time until an instruction must wait (on a
+// cross-engine dependency, on a host op, or on a device Run when the host does not
+// run ahead), and resumes when what it waits for has ended.
+#include "sim/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <limits>
+#include <sstream>
+
+#include "core/size.h"
+
+namespace spillway {
+
+const char* sim_resource_name(SimResource r) {
+  switch (r) {
+    case SimResource::Compute: return "compute";
+    case SimResource::Host: return "host";
+    case SimResource::H2D: return "h2d";
+    case SimResource::D2H: return "d2h";
+    case SimResource::StorageRead: return "storage read";
+    case SimResource::StorageWrite: return "storage write";
+  }
+  return "unknown";
+}
+
+namespace {
+
+enum Server { kCompute = 0, kHost = 1, kH2D = 2, kD2H = 3, kStorage = 4, kServerCount = 5 };
+
+bool is_persistent(Role r) {
+  return r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input;
+}
+
+struct Task {
+  int server = kCompute;
+  SimResource resource = SimResource::Compute;
+  double work = 0;       // seconds (compute, host) or bytes (links, storage)
+  double rate = 1;       // work per second at full speed
+  double remaining = 0;
+  std::vector<int> deps;
+  double issue = 0;
+  double start = -1, end = -1;
+  bool done = false;
+  // Device compute stall bookkeeping: host-thread data waits since the previous
+  // device Run was issued (they may have delayed this Run's issue).
+  double host_wait_before = 0;
+  std::string name;
+  int32_t op = -1;
+  TensorId tensor = kNoTensor;
+  uint64_t bytes = 0;
+  bool recompute = false;
+};
+
+// A change of bytes in use in one tier, at `time` or, when `after` names tasks,
+// at the end of the last of them if later.
+struct MemChange {
+  int tier = 0;
+  int64_t delta = 0;
+  double time = 0;
+  std::vector<int> after;
+};
+
+struct TensorState {
+  bool on_device = false;
+  uint64_t offset = 0;
+  int fetch_task = -1;        // H2D copy bringing the device copy
+  bool host_buffer = false;
+  int host_arrival = -1;      // D2H copy or storage read making the host copy valid
+  std::vector<int> host_users;  // tasks reading or writing the host buffer
+  bool in_storage = false;
+  int store_task = -1;        // storage write in progress
+};
+
+// A device region whose write-back copy has not finished; nothing may reuse it before.
+struct PendingRegion {
+  uint64_t begin = 0, end = 0;
+  int task = -1;
+};
+
+class Sim {
+ public:
+  Sim(const Program& program, const Plan& plan, const Machine& machine)
+      : program_(program), plan_(plan), machine_(machine), tensors_(program.tensors.size()) {}
+
+  SimResult run() {
+    place_home_tensors();
+    const size_t n = plan_.instructions.size();
+    while (true) {
+      // Settle the present instant: the host issues until it must wait, and every
+      // server whose next task is ready starts it; repeat while either moves.
+      bool moved = true;
+      while (moved) {
+        moved = false;
+        while (pc_ < n && !host_blocked()) {
+          if (issue(plan_.instructions[pc_])) ++pc_;
+          moved = true;
+        }
+        if (start_ready_tasks()) moved = true;
+      }
+      int running = 0;
+      double next = std::numeric_limits<double>::infinity();
+      for (int s = 0; s < kServerCount; ++s) {
+        if (running_[s] < 0) continue;
+        ++running;
+        const Task& t = tasks_[running_[s]];
+        next = std::min(next, now_ + t.remaining / current_rate(s));
+      }
+      if (running == 0) {
+        if (!host_blocked()) break;  // every instruction issued and every task ended
+        // The host waits for a task that can never start, which a well-formed plan
+        // cannot produce (a task depends only on tasks issued before it); release
+        // the host rather than loop forever.
+        wait_tasks_.clear();
+        continue;
+      }
+      advance_to(next);
+    }
+    return finish();
+  }
+
+ private:
+  // ---- host thread ----
+  bool host_blocked() {
+    if (wait_tasks_.empty()) return false;
+    for (int t : wait_tasks_)
+      if (!tasks_[t].done) return true;
+    // The wait is over.
+    if (wait_is_data_) {
+      const double waited = now_ - wait_start_;
+      if (waited > 0) {
+        result_.host_stall_s += waited;
+        host_wait_accum_ += waited;
+        SimEvent e;
+        e.resource = SimResource::Host;
+        e.name = "wait " + wait_name_;
+        e.start_s = wait_start_;
+        e.end_s = now_;
+        e.tensor = wait_tensor_;
+        result_.timeline.push_back(std::move(e));
+      }
+    }
+    wait_tasks_.clear();
+    return false;
+  }
+
+  void block_on(std::vector<int> tasks, bool data, TensorId t = kNoTensor) {
+    wait_tasks_ = std::move(tasks);
+    wait_is_data_ = data;
+    wait_start_ = now_;
+    wait_tensor_ = t;
+    wait_name_ = t == kNoTensor ? "" : program_.tensors.info(t).name;
+  }
+
+  bool pending(int task) const { return task >= 0 && !tasks_[task].done; }
+
+  bool valid_tensor(TensorId t) const { return t >= 0 && static_cast<size_t>(t) < tensors_.size(); }
+
+  uint64_t bytes_of(TensorId t) const { return program_.tensors.info(t).bytes(); }
+
+  int add_task(Task t) {
+    t.issue = now_;
+    t.remaining = t.work;
+    tasks_.push_back(std::move(t));
+    const int id = static_cast<int>(tasks_.size()) - 1;
+    queue_[tasks_[id].server].push_back(id);
+    return id;
+  }
+
+  void mem(int tier, int64_t delta, std::vector<int> after = {}) {
+    changes_.push_back({tier, delta, now_, std::move(after)});
+  }
+
+  // The last device Run issued, if it has not ended: copies issued now start after it.
+  std::vector<int> after_compute() const {
+    if (pending(last_compute_)) return {last_compute_};
+    return {};
+  }
+
+  // Starts the D2H copy of t (after every device Run issued so far) into its host
+  // buffer, which appears now if t had none; t's device region may not be reused
+  // before the copy ends. Returns the copy's task.
+  int copy_to_host(TensorId tensor) {
+    TensorState& s = tensors_[tensor];
+    const uint64_t bytes = bytes_of(tensor);
+    Task t;
+    t.server = kD2H;
+    t.resource = SimResource::D2H;
+    t.work = static_cast<double>(bytes);
+    t.rate = machine_.d2h_bytes_per_s;
+    t.deps = after_compute();
+    t.name = program_.tensors.info(tensor).name;
+    t.tensor = tensor;
+    t.bytes = bytes;
+    const int id = add_task(std::move(t));
+    if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
+    s.host_buffer = true;
+    s.host_arrival = id;
+    s.host_users.push_back(id);
+    regions_.push_back({s.offset, s.offset + bytes, id});
+    result_.d2h_bytes += bytes;
+    return id;
+  }
+
+  // Issues one instruction at now_. Returns false when the host must first wait
+  // (the instruction is issued again once the wait is over).
+  bool issue(const Instruction& in) {
+    if (in.kind == InstrKind::Run) return issue_run(in);
+    if (!valid_tensor(in.tensor)) return true;
+    TensorState& s = tensors_[in.tensor];
+    const uint64_t bytes = bytes_of(in.tensor);
+    const std::string& name = program_.tensors.info(in.tensor).name;
+    switch (in.kind) {
+      case InstrKind::Allocate:
+      case InstrKind::Fetch: {
+        std::vector<int> waits;
+        for (const PendingRegion& r : regions_)
+          if (pending(r.task) && r.begin < in.offset + bytes && in.offset < r.end) waits.push_back(r.task);
+        if (in.kind == InstrKind::Fetch && pending(s.host_arrival)) waits.push_back(s.host_arrival);
+        if (!waits.empty()) {
+          block_on(std::move(waits), true, in.tensor);
+          return false;
+        }
+        std::erase_if(regions_, [&](const PendingRegion& r) { return !pending(r.task); });
+        if (!s.on_device) mem(0, static_cast<int64_t>(bytes));
+        s.on_device = true;
+        s.offset = in.offset;
+        s.fetch_task = -1;
+        if (in.kind == InstrKind::Fetch) {
+          Task t;
+          t.server = kH2D;
+          t.resource = SimResource::H2D;
+          t.work = static_cast<double>(bytes);
+          t.rate = machine_.h2d_bytes_per_s;
+          t.deps = after_compute();
+          t.name = name;
+          t.tensor = in.tensor;
+          t.bytes = bytes;
+          s.fetch_task = add_task(std::move(t));
+          s.host_users.push_back(s.fetch_task);
+          result_.h2d_bytes += bytes;
+        }
+        return true;
+      }
+      case InstrKind::Evict: {
+        if (!s.on_device) return true;
+        if (in.write_back) {
+          if (pending(s.fetch_task)) {
+            block_on({s.fetch_task}, true, in.tensor);
+            return false;
+          }
+          const int id = copy_to_host(in.tensor);
+          mem(0, -static_cast<int64_t>(bytes), {id});
+        } else {
+          mem(0, -static_cast<int64_t>(bytes));
+        }
+        s.on_device = false;
+        s.fetch_task = -1;
+        return true;
+      }
+      case InstrKind::Flush: {
+        if (!s.on_device) return true;
+        if (pending(s.fetch_task)) {
+          block_on({s.fetch_task}, true, in.tensor);
+          return false;
+        }
+        // The device copy stays; should t later leave and its region be reused,
+        // the reuse waits for this copy (copy_to_host marks the region).
+        copy_to_host(in.tensor);
+        return true;
+      }
+      case InstrKind::Release:
+        if (s.on_device) mem(0, -static_cast<int64_t>(bytes));
+        s.on_device = false;
+        s.fetch_task = -1;
+        return true;
+      case InstrKind::Load: {
+        if (pending(s.store_task)) {
+          block_on({s.store_task}, true, in.tensor);
+          return false;
+        }
+        Task t;
+        t.server = kStorage;
+        t.resource = SimResource::StorageRead;
+        t.work = static_cast<double>(bytes);
+        t.rate = machine_.storage_read_bytes_per_s;
+        t.name = name;
+        t.tensor = in.tensor;
+        t.bytes = bytes;
+        const int id = add_task(std::move(t));
+        if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
+        s.host_buffer = true;
+        s.host_arrival = id;
+        s.host_users.push_back(id);
+        result_.storage_read_bytes += bytes;
+        return true;
+      }
+      case InstrKind::Store: {
+        if (pending(s.host_arrival)) {
+          block_on({s.host_arrival}, true, in.tensor);
+          return false;
+        }
+        Task t;
+        t.server = kStorage;
+        t.resource = SimResource::StorageWrite;
+        t.work = static_cast<double>(bytes);
+        t.rate = machine_.storage_write_bytes_per_s;
+        t.name = name;
+        t.tensor = in.tensor;
+        t.bytes = bytes;
+        const int id = add_task(std::move(t));
+        if (!s.in_storage) mem(2, static_cast<int64_t>(bytes));
+        s.in_storage = true;
+        s.store_task = id;
+        result_.storage_write_bytes += bytes;
+        if (in.free_host && s.host_buffer) {
+          std::vector<int> after = s.host_users;
+          after.push_back(id);
+          mem(1, -static_cast<int64_t>(bytes), std::move(after));
+          s.host_buffer = false;
+          s.host_arrival = -1;
+          s.host_users.clear();
+        } else {
+          s.host_users.push_back(id);
+        }
+        return true;
+      }
+      case InstrKind::HostRelease:
+        if (s.host_buffer) mem(1, -static_cast<int64_t>(bytes), s.host_users);
+        s.host_buffer = false;
+        s.host_arrival = -1;
+        s.host_users.clear();
+        return true;
+      case InstrKind::Run: break;
+    }
+    return true;
+  }
+
+  bool issue_run(const Instruction& in) {
+    if (in.op < 0 || static_cast<size_t>(in.op) >= program_.ops.size()) return true;
+    const Op& op = program_.ops[in.op];
+    Task t;
+    t.work = machine_.op_seconds(program_, static_cast<size_t>(in.op));
+    t.rate = 1;
+    t.name = in.recompute ? "recompute " + op.name : op.name;
+    t.op = in.op;
+    t.recompute = in.recompute;
+    if (in.recompute) ++result_.recomputed_ops;
+    for (const Operand& o : op.operands) {
+      if (!valid_tensor(o.tensor)) continue;
+      const TensorState& s = tensors_[o.tensor];
+      const int dep = op.place == Place::Host ? s.host_arrival : s.fetch_task;
+      if (pending(dep) && std::find(t.deps.begin(), t.deps.end(), dep) == t.deps.end()) t.deps.push_back(dep);
+    }
+    if (op.place == Place::Host) {
+      t.server = kHost;
+      t.resource = SimResource::Host;
+      const int id = add_task(std::move(t));
+      block_on({id}, false);
+      return true;
+    }
+    t.server = kCompute;
+    t.resource = SimResource::Compute;
+    t.host_wait_before = host_wait_accum_;
+    host_wait_accum_ = 0;
+    const int id = add_task(std::move(t));
+    last_compute_ = id;
+    if (!machine_.host_runs_ahead) block_on({id}, false);
+    return true;
+  }
+
+  // ---- servers ----
+  double current_rate(int server) const {
+    const Task& t = tasks_[running_[server]];
+    if ((server == kH2D && running_[kD2H] >= 0) || (server == kD2H && running_[kH2D] >= 0))
+      return t.rate * machine_.duplex_factor;
+    return t.rate;
+  }
+
+  // Starts the head task of every idle server whose dependencies have ended.
+  // Returns whether any task started.
+  bool start_ready_tasks() {
+    bool any = false;
+    bool changed = true;
+    while (changed) {
+      changed = false;
+      for (int s = 0; s < kServerCount; ++s) {
+        if (running_[s] >= 0 || queue_[s].empty()) continue;
+        const int id = queue_[s].front();
+        Task& t = tasks_[id];
+        bool ready = true;
+        for (int d : t.deps) ready = ready && tasks_[d].done;
+        if (!ready) continue;
+        queue_[s].pop_front();
+        t.start = now_;
+        on_start(t);
+        if (t.remaining <= 0 || t.rate <= 0 || !std::isfinite(t.rate)) {
+          complete(id);  // nothing to do, or a resource with no rate given: takes no time
+        } else {
+          running_[s] = id;
+        }
+        changed = any = true;
+      }
+    }
+    return any;
+  }
+
+  void on_start(const Task& t) {
+    if (t.server == kCompute) {
+      const double ready = std::max(t.issue, last_compute_end_);
+      const double data_wait = t.start - ready;
+      const double issue_gap = std::max(0.0, t.issue - last_compute_end_);
+      const double stall = std::max(0.0, data_wait) + std::min(issue_gap, t.host_wait_before);
+      if (first_compute_) {
+        result_.initial_wait_s += stall;
+        first_compute_ = false;
+      } else {
+        result_.stall_s += stall;
+      }
+      result_.compute_s += t.work;
+    } else if (t.server == kHost) {
+      const double waited = std::max(0.0, t.start - t.issue);
+      result_.host_stall_s += waited;
+      host_wait_accum_ += waited;
+      result_.host_compute_s += t.work;
+    }
+  }
+
+  void complete(int id) {
+    Task& t = tasks_[id];
+    t.done = true;
+    t.remaining = 0;
+    t.end = now_;
+    if (t.server == kCompute) last_compute_end_ = now_;
+    if (running_[t.server] == id) running_[t.server] = -1;
+  }
+
+  void advance_to(double next) {
+    const double dt = next - now_;
+    // Rates are fixed between events: read them all before anything ends.
+    double rates[kServerCount] = {};
+    for (int s = 0; s < kServerCount; ++s)
+      if (running_[s] >= 0) rates[s] = current_rate(s);
+    const double tolerance = 1e-12 * std::max(1.0, next);
+    const double before = now_;
+    now_ = next;
+    for (int s = 0; s < kServerCount; ++s) {
+      if (running_[s] < 0) continue;
+      const int id = running_[s];
+      Task& t = tasks_[id];
+      const double finish = before + t.remaining / rates[s];
+      t.remaining = std::max(0.0, t.remaining - rates[s] * dt);
+      if (finish <= next + tolerance) complete(id);
+    }
+  }
+
+  // ---- start and end of the step ----
+  void place_home_tensors() {
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      const TensorInfo& info = program_.tensors.info(static_cast<TensorId>(i));
+      if (!is_persistent(info.role)) continue;
+      const Tier home = i < plan_.home.size() ? plan_.home[i] : Tier::Device;
+      TensorState& s = tensors_[i];
+      const int64_t bytes = static_cast<int64_t>(info.bytes());
+      switch (home) {
+        case Tier::Device:
+          s.on_device = true;
+          s.offset = i < plan_.home_offset.size() ? plan_.home_offset[i] : 0;
+          mem(0, bytes);
+          break;
+        case Tier::Host:
+          s.host_buffer = true;
+          mem(1, bytes);
+          break;
+        case Tier::Storage:
+          s.in_storage = true;
+          mem(2, bytes);
+          break;
+      }
+    }
+  }
+
+  SimResult finish() {
+    double end = now_;
+    for (const Task& t : tasks_) {
+      end = std::max(end, t.end);
+      if (t.start < 0) continue;
+      SimEvent e;
+      e.resource = t.resource;
+      e.name = t.name;
+      e.start_s = t.start;
+      e.end_s = t.end;
+      e.op = t.op;
+      e.tensor = t.tensor;
+      e.bytes = t.bytes;
+      e.recompute = t.recompute;
+      result_.timeline.push_back(std::move(e));
+    }
+    result_.step_s = end;
+    std::stable_sort(result_.timeline.begin(), result_.timeline.end(),
+                     [](const SimEvent& a, const SimEvent& b) { return a.start_s < b.start_s; });
+
+    for (MemChange& c : changes_)
+      for (int t : c.after) c.time = std::max(c.time, tasks_[t].end);
+    // Changes at one instant keep their issue order (plan order): a region freed by
+    // a copy that ends just as a later Allocate takes it is freed first, and bytes
+    // allocated and released at one instant still count toward the peak.
+    std::stable_sort(changes_.begin(), changes_.end(),
+                     [](const MemChange& a, const MemChange& b) { return a.time < b.time; });
+    int64_t in_use[kTierCount] = {0, 0, 0};
+    int64_t peak[kTierCount] = {0, 0, 0};
+    for (size_t i = 0; i < changes_.size(); ++i) {
+      const int tier = changes_[i].tier;
+      in_use[tier] += changes_[i].delta;
+      peak[tier] = std::max(peak[tier], in_use[tier]);
+      const bool last_at_time = i + 1 == changes_.size() || changes_[i + 1].time != changes_[i].time;
+      if (!last_at_time) continue;
+      MemorySample m;
+      m.t_s = changes_[i].time;
+      m.device_bytes = static_cast<uint64_t>(std::max<int64_t>(0, in_use[0]));
+      m.host_bytes = static_cast<uint64_t>(std::max<int64_t>(0, in_use[1]));
+      m.storage_bytes = static_cast<uint64_t>(std::max<int64_t>(0, in_use[2]));
+      result_.memory.push_back(m);
+    }
+    result_.peak_device_bytes = static_cast<uint64_t>(peak[0]);
+    result_.peak_host_bytes = static_cast<uint64_t>(peak[1]);
+    result_.peak_storage_bytes = static_cast<uint64_t>(peak[2]);
+    if (result_.memory.empty() || result_.memory.front().t_s > 0) result_.memory.insert(result_.memory.begin(), MemorySample{});
+    return std::move(result_);
+  }
+
+  const Program& program_;
+  const Plan& plan_;
+  const Machine& machine_;
+  std::vector<TensorState> tensors_;
+  std::vector<Task> tasks_;
+  std::deque<int> queue_[kServerCount];
+  int running_[kServerCount] = {-1, -1, -1, -1, -1};
+  std::vector<PendingRegion> regions_;
+  std::vector<MemChange> changes_;
+  double now_ = 0;
+  size_t pc_ = 0;
+  // host thread wait
+  std::vector<int> wait_tasks_;
+  bool wait_is_data_ = false;
+  double wait_start_ = 0;
+  TensorId wait_tensor_ = kNoTensor;
+  std::string wait_name_;
+  double host_wait_accum_ = 0;
+  // device compute
+  int last_compute_ = -1;
+  double last_compute_end_ = 0;
+  bool first_compute_ = true;
+  SimResult result_;
+};
+
+}  // namespace
+
+SimResult simulate(const Program& program, const Plan& plan, const Machine& machine) {
+  return Sim(program, plan, machine).run();
+}
+
+// ---- report ----
+
+PlanReport summarize(const Program& program, const Plan& plan, const SimResult& sim) {
+  PlanReport r;
+  r.policy = plan.policy;
+  r.description = plan.description;
+  r.instructions = plan.instructions.size();
+  const size_t n = program.tensors.size();
+  std::vector<int> lowest(n, 0);  // lowest tier each tensor is written to
+  std::vector<bool> moved(n, false), recomputed(n, false);
+  for (const Instruction& in : plan.instructions) {
+    if (in.kind == InstrKind::Run) {
+      if (!in.recompute || in.op < 0 || static_cast<size_t>(in.op) >= program.ops.size()) continue;
+      for (const Operand& o : program.ops[in.op].operands)
+        if (o.access != Access::Read && o.tensor >= 0 && static_cast<size_t>(o.tensor) < n) recomputed[o.tensor] = true;
+      continue;
+    }
+    if (in.tensor < 0 || static_cast<size_t>(in.tensor) >= n) continue;
+    switch (in.kind) {
+      case InstrKind::Fetch:
+      case InstrKind::Flush:
+      case InstrKind::Load:
+        moved[in.tensor] = true;
+        break;
+      case InstrKind::Evict:
+        if (in.write_back) {
+          moved[in.tensor] = true;
+          lowest[in.tensor] = std::max(lowest[in.tensor], 1);
+        }
+        break;
+      case InstrKind::Store:
+        moved[in.tensor] = true;
+        lowest[in.tensor] = 2;
+        break;
+      default: break;
+    }
+  }
+  std::vector<RoleReport> by_role(static_cast<size_t>(Role::Input) + 1);
+  for (size_t i = 0; i < by_role.size(); ++i) by_role[i].role = static_cast<Role>(i);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorInfo& info = program.tensors.info(static_cast<TensorId>(i));
+    RoleReport& rr = by_role[static_cast<size_t>(info.role)];
+    const uint64_t bytes = info.bytes();
+    const int tier = is_persistent(info.role) && i < plan.home.size() ? static_cast<int>(plan.home[i]) : lowest[i];
+    rr.tensors++;
+    rr.bytes += bytes;
+    rr.count[tier]++;
+    rr.tier_bytes[tier] += bytes;
+    if (moved[i]) {
+      rr.moved++;
+      rr.moved_bytes += bytes;
+    }
+    if (recomputed[i]) {
+      rr.recomputed++;
+      rr.recomputed_bytes += bytes;
+    }
+  }
+  for (const RoleReport& rr : by_role)
+    if (rr.tensors > 0) r.roles.push_back(rr);
+  r.peak_device_bytes = sim.peak_device_bytes;
+  r.peak_host_bytes = sim.peak_host_bytes;
+  r.peak_storage_bytes = sim.peak_storage_bytes;
+  r.plan_device_bytes = plan.device_bytes;
+  r.plan_host_bytes = plan.host_bytes;
+  r.plan_storage_bytes = plan.storage_bytes;
+  r.h2d_bytes = sim.h2d_bytes;
+  r.d2h_bytes = sim.d2h_bytes;
+  r.storage_read_bytes = sim.storage_read_bytes;
+  r.storage_write_bytes = sim.storage_write_bytes;
+  r.step_s = sim.step_s;
+  r.compute_s = sim.compute_s;
+  r.host_compute_s = sim.host_compute_s;
+  r.stall_s = sim.stall_s;
+  r.host_stall_s = sim.host_stall_s;
+  r.recomputed_ops = sim.recomputed_ops;
+  return r;
+}
+
+namespace {
+
+std::string count_and_bytes(int count, uint64_t bytes) {
+  if (count == 0) return "-";
+  return std::to_string(count) + " " + format_size(bytes);
+}
+
+std::string seconds(double s) {
+  char buf[32];
+  if (s >= 1) std::snprintf(buf, sizeof buf, "%.3f s", s);
+  else if (s >= 1e-3) std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);
+  else std::snprintf(buf, sizeof buf, "%.1f us", s * 1e6);
+  return buf;
+}
+
+}  // namespace
+
+std::string format_report(const PlanReport& r) {
+  std::vector<std::vector<std::string>> rows;
+  rows.push_back({"role", "tensors", "bytes", "device", "host", "storage", "moved", "recomputed"});
+  for (const RoleReport& rr : r.roles) {
+    rows.push_back({role_name(rr.role), std::to_string(rr.tensors), format_size(rr.bytes),
+                    count_and_bytes(rr.count[0], rr.tier_bytes[0]), count_and_bytes(rr.count[1], rr.tier_bytes[1]),
+                    count_and_bytes(rr.count[2], rr.tier_bytes[2]), count_and_bytes(rr.moved, rr.moved_bytes),
+                    count_and_bytes(rr.recomputed, rr.recomputed_bytes)});
+  }
+  std::vector<size_t> width(rows[0].size(), 0);
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  std::ostringstream out;
+  out << "plan: " << policy_name(r.policy) << ", " << r.instructions << " instructions";
+  if (!r.description.empty()) out << " (" << r.description << ")";
+  out << "\n";
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < row.size(); ++c) {
+      const bool numeric = c == 1 || c == 2;
+      const std::string pad(width[c] - row[c].size(), ' ');
+      out << (c == 0 ? "" : "  ") << (numeric ? pad + row[c] : row[c] + (c + 1 == row.size() ? "" : pad));
+    }
+    out << "\n";
+  }
+  out << "memory peak: device " << format_size(r.peak_device_bytes) << " (plan " << format_size(r.plan_device_bytes)
+      << "), host " << format_size(r.peak_host_bytes) << ", storage " << format_size(r.peak_storage_bytes) << "\n";
+  out << "per step: h2d " << format_size(r.h2d_bytes) << ", d2h " << format_size(r.d2h_bytes) << ", storage read "
+      << format_size(r.storage_read_bytes) << ", storage write " << format_size(r.storage_write_bytes) << "\n";
+  out << "predicted step " << seconds(r.step_s) << ": compute " << seconds(r.compute_s) << ", stalls "
+      << seconds(r.stall_s) << ", host ops " << seconds(r.host_compute_s) << ", host waits "
+      << seconds(r.host_stall_s);
+  if (r.recomputed_ops > 0) out << ", " << r.recomputed_ops << " ops recomputed";
+  out << "\n";
+  return out.str();
+}
+
+}  // namespace spillway

@@ -1,0 +1,136 @@
+// Simulator: replays one step's Plan on a Machine and predicts its timeline.
+//
+//   SimResult r = simulate(program, plan, Machine::h200());
+//   std::printf("%.3f s per step, %.3f s stalled\n", r.step_s, r.stall_s);
+//   PlanReport report = summarize(program, plan, r);
+//   std::cout << format_report(report);        // the table `spillway plan` prints
+//   trace_from_simulation(r).write("step.json");  // exec/trace.h: open in Perfetto
+//
+// The model (instruction semantics are plan.h's):
+// - Resources: device compute, host compute, the host→device and device→host
+//   links, and one storage device that reads and writes share. Each runs its work
+//   one item at a time, in issue order.
+// - The host thread issues instructions in order. With Machine::host_runs_ahead
+//   (CUDA) a device Run is queued and the host moves on; without it (CPU backend)
+//   the host runs the op itself, so the next instruction issues at the Run's end.
+//   A host op (Place::Host) always occupies the host thread until it ends.
+// - A device Run starts when compute is free and the copies that fetched its
+//   operands have arrived. A host Run starts when the D2H copy or storage read that
+//   brings each operand to host has finished.
+// - A copy starts no earlier than the end of every device Run issued before it
+//   (copy_engine.h's first ordering rule), so an eviction reads what earlier ops
+//   wrote and a fetch issued after Run k overlaps only later Runs.
+// - Waits that cross engines block the host thread (the executor waits there):
+//   Allocate/Fetch into a region from which a D2H copy (Evict, Flush) is still
+//   reading; Fetch or Store of a tensor whose host copy is still arriving (D2H or
+//   Load); Load of a tensor whose Store is still writing; Evict or Flush of a
+//   tensor whose fetch is still arriving.
+// - Duplex: while both link directions transfer, each runs at its rate times
+//   Machine::duplex_factor; alone, at its full rate. Rates change at the instants
+//   a copy starts or ends (a fluid model: no per-copy latency, no packet effects).
+// - Storage runs one request at a time: reads at storage_read_bytes_per_s, writes
+//   at storage_write_bytes_per_s.
+// - Memory: persistent tensors (Param, Grad, Master, OptState, Input) start in
+//   their home tier. Device bytes rise at Allocate/Fetch issue and fall at Release,
+//   at a clean Evict, or at the end of a write-back Evict's copy. Host buffers
+//   appear at the first write-back Evict, Flush or Load of a tensor and go at HostRelease
+//   (once copies using the buffer ended) or at the end of a freeing Store. Storage
+//   extents appear at a tensor's first Store and stay for the step.
+//
+// Preconditions: the plan passed Plan::validate for this program. Out-of-range op
+// or tensor indices are skipped, never read.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "plan/plan.h"
+#include "program/program.h"
+#include "sim/machine.h"
+
+namespace spillway {
+
+enum class SimResource : uint8_t { Compute, Host, H2D, D2H, StorageRead, StorageWrite };
+inline constexpr int kSimResourceCount = 6;
+// "compute", "host", "h2d", "d2h", "storage read", "storage write": the trace tracks.
+const char* sim_resource_name(SimResource r);
+
+struct SimEvent {
+  SimResource resource = SimResource::Compute;
+  std::string name;             // op name, tensor name, or "wait <tensor>" for a host wait
+  double start_s = 0, end_s = 0;
+  int32_t op = -1;              // Run: op index
+  TensorId tensor = kNoTensor;  // copies, storage I/O, host waits
+  uint64_t bytes = 0;           // copies and storage I/O
+  bool recompute = false;       // Run re-executed to regenerate activations
+};
+
+struct MemorySample {
+  double t_s = 0;
+  uint64_t device_bytes = 0, host_bytes = 0, storage_bytes = 0;  // in use from t_s on
+};
+
+struct SimResult {
+  double step_s = 0;           // from the first issue until every op and copy ended
+  double compute_s = 0;        // device compute busy time
+  double host_compute_s = 0;   // host op busy time
+  // Device compute idle because data was missing: Runs waiting for their fetches,
+  // and Runs issued late because the host thread was blocked on data. The wait
+  // before the first device Run is not counted here but in initial_wait_s.
+  double stall_s = 0;
+  double initial_wait_s = 0;
+  double host_stall_s = 0;     // host thread blocked on data (cross-engine waits, host ops' operands)
+  uint64_t h2d_bytes = 0, d2h_bytes = 0;
+  uint64_t storage_read_bytes = 0, storage_write_bytes = 0;
+  // Peaks count every change in issue order, also bytes allocated and freed within
+  // one instant (which the samples below, taken at the end of each instant, omit).
+  uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;
+  int recomputed_ops = 0;
+  std::vector<SimEvent> timeline;     // sorted by start time
+  std::vector<MemorySample> memory;   // one sample per instant the bytes change, from t = 0
+};
+
+SimResult simulate(const Program& program, const Plan& plan, const Machine& machine);
+
+// Where one class of tensor goes. A persistent tensor's tier is its home; another
+// tensor's is the lowest tier the plan writes it to (device if it never leaves).
+struct RoleReport {
+  Role role = Role::Param;
+  int tensors = 0;
+  uint64_t bytes = 0;
+  std::array<int, kTierCount> count{};           // tensors per tier
+  std::array<uint64_t, kTierCount> tier_bytes{};  // their bytes
+  int moved = 0;                 // tensors fetched, written back, flushed, stored or loaded in the step
+  uint64_t moved_bytes = 0;
+  int recomputed = 0;            // tensors regenerated by a recompute Run
+  uint64_t recomputed_bytes = 0;
+};
+
+struct PlanReport {
+  Policy policy = Policy::Resident;
+  std::string description;
+  std::vector<RoleReport> roles;   // roles the program has, in Role order
+  uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;  // simulated
+  uint64_t plan_device_bytes = 0, plan_host_bytes = 0, plan_storage_bytes = 0;  // the plan's figures
+  uint64_t h2d_bytes = 0, d2h_bytes = 0, storage_read_bytes = 0, storage_write_bytes = 0;
+  double step_s = 0, compute_s = 0, host_compute_s = 0, stall_s = 0, host_stall_s = 0;
+  int recomputed_ops = 0;
+  size_t instructions = 0;
+};
+
+PlanReport summarize(const Program& program, const Plan& plan, const SimResult& sim);
+
+// A plain-text table for `spillway plan` (tiers: a tensor count and its bytes):
+//   plan: planned, 14028 instructions (state on device 2.90 GiB, optimizer on host, ...)
+//   role        tensors       bytes  device         host            storage  moved          recomputed
+//   param           580    2.90 GiB  580 2.90 GiB   -               -        580 2.90 GiB   -
+//   master          580    5.80 GiB  -              580 5.80 GiB    -        -              -
+//   activation     1263   39.27 GiB  775 28.28 GiB  488 10.99 GiB   -        488 10.99 GiB  429 10.12 GiB
+//   memory peak: device 23.98 GiB (plan 24.00 GiB), host 40.41 GiB, storage 0 B
+//   per step: h2d 31.55 GiB, d2h 31.55 GiB, storage read 0 B, storage write 0 B
+//   predicted step 1.559 s: compute 261.575 ms, stalls 977.238 ms, host ops 259.602 ms, host waits 1.299 s
+std::string format_report(const PlanReport& report);
+
+}  // namespace spillway

@@ -1,0 +1,455 @@
+// Simulator, Machine and Profiler: hand-built programs and plans with times worked
+// out by hand, then a planned GPT step and a profile on the CPU backend.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "backend/backend.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+#include "sim/profiler.h"
+#include "sim/simulator.h"
+
+using namespace spillway;
+
+namespace {
+
+constexpr double kMs = 1e-3;
+constexpr double kTol = 1e-12;
+constexpr int64_t kN = 1000;  // elements of most test tensors: 4000 bytes of F32
+
+// Copies of 4000 bytes take 1 ms each way; every op takes 2 ms.
+Machine test_machine(const Program& p, bool host_runs_ahead) {
+  Machine m;
+  m.name = "test";
+  m.h2d_bytes_per_s = 4e6;
+  m.d2h_bytes_per_s = 4e6;
+  m.duplex_factor = 0.5;
+  m.storage_read_bytes_per_s = 2e6;
+  m.storage_write_bytes_per_s = 1e6;
+  m.op_launch_s = 0;
+  m.host_runs_ahead = host_runs_ahead;
+  m.measured_op_seconds.assign(p.ops.size(), 2 * kMs);
+  return m;
+}
+
+TensorId add(Program& p, const std::string& name, Role role, int64_t n = kN) {
+  return p.tensors.add({name, DType::F32, {n}, role});
+}
+
+size_t gelu(Program& p, const std::string& name, TensorId out, TensorId in, Place place = Place::Device) {
+  return p.add_op({.kind = OpKind::GeluForward,
+                   .name = name,
+                   .operands = {{out, Access::Write}, {in, Access::Read}},
+                   .attrs = {.n = p.tensors.info(in).shape.numel()},
+                   .place = place});
+}
+
+Instruction run(int op) { return {.kind = InstrKind::Run, .op = op}; }
+Instruction alloc(TensorId t, uint64_t off) { return {.kind = InstrKind::Allocate, .tensor = t, .offset = off}; }
+Instruction fetch(TensorId t, uint64_t off) { return {.kind = InstrKind::Fetch, .tensor = t, .offset = off}; }
+Instruction evict(TensorId t, bool write_back = true) {
+  return {.kind = InstrKind::Evict, .tensor = t, .write_back = write_back};
+}
+Instruction release(TensorId t) { return {.kind = InstrKind::Release, .tensor = t}; }
+Instruction load(TensorId t) { return {.kind = InstrKind::Load, .tensor = t}; }
+Instruction store(TensorId t, bool free_host) { return {.kind = InstrKind::Store, .tensor = t, .free_host = free_host}; }
+Instruction host_release(TensorId t) { return {.kind = InstrKind::HostRelease, .tensor = t}; }
+
+Plan make_plan_of(const Program& p, std::vector<Instruction> instructions,
+                  std::map<TensorId, std::pair<Tier, uint64_t>> homes) {
+  Plan plan;
+  plan.policy = Policy::Planned;
+  plan.instructions = std::move(instructions);
+  plan.home.assign(p.tensors.size(), Tier::Device);
+  plan.home_offset.assign(p.tensors.size(), 0);
+  for (auto& [t, h] : homes) {
+    plan.home[t] = h.first;
+    plan.home_offset[t] = h.second;
+  }
+  return plan;
+}
+
+const SimEvent* find_event(const SimResult& r, SimResource res, const std::string& name) {
+  for (const SimEvent& e : r.timeline)
+    if (e.resource == res && e.name == name) return &e;
+  return nullptr;
+}
+
+// op0: b = gelu(a) on device-homed a; op1: c = gelu(w) on host-homed w.
+struct FetchCase {
+  Program p;
+  TensorId a, w, b, c;
+  FetchCase() {
+    a = add(p, "a", Role::Input);
+    w = add(p, "w", Role::Param);
+    b = add(p, "b", Role::Activation);
+    c = add(p, "c", Role::Activation);
+    gelu(p, "op0", b, a);
+    gelu(p, "op1", c, w);
+  }
+  Plan plan(bool early) const {
+    std::vector<Instruction> in = {alloc(b, 4096)};
+    if (early) in.push_back(fetch(w, 8192));
+    in.push_back(run(0));
+    if (!early) in.push_back(fetch(w, 8192));
+    for (Instruction i : {alloc(c, 12288), run(1), release(w), release(b), release(c)}) in.push_back(i);
+    return make_plan_of(p, in, {{a, {Tier::Device, 0}}, {w, {Tier::Host, 0}}});
+  }
+};
+
+}  // namespace
+
+TEST(Machine, DerivedOpSecondsFollowRates) {
+  Program p;
+  TensorId out = p.tensors.add({"out", DType::F32, {4, 16}, Role::Activation});
+  TensorId inp = p.tensors.add({"inp", DType::F32, {4, 8}, Role::Activation});
+  TensorId w = p.tensors.add({"w", DType::F32, {16, 8}, Role::Param});
+  p.add_op({.kind = OpKind::MatmulForward,
+            .name = "mm",
+            .operands = {{out, Access::Write}, {inp, Access::Read}, {w, Access::Read}},
+            .attrs = {.C = 8, .OC = 16, .N = 4}});
+  TensorId x = add(p, "x", Role::Activation), y = add(p, "y", Role::Activation);
+  gelu(p, "gelu", y, x);
+  p.add_op({.kind = OpKind::AdamW, .name = "adam", .operands = {}, .attrs = {.n = 1000}, .place = Place::Host});
+
+  Machine m;
+  m.matmul_flops_per_s = 1e9;
+  m.device_bytes_per_s = 1e9;
+  m.op_launch_s = 1e-6;
+  m.host_adam_params_per_s = 1e6;
+  // matmul: 2·4·8·16 = 1024 flops (1.024 us) beats 896 bytes (0.896 us)
+  EXPECT_NEAR(m.op_seconds(p, 0), 1.024e-6 + 1e-6, kTol);
+  // gelu: 8000 bytes touched
+  EXPECT_NEAR(m.op_seconds(p, 1), 8e-6 + 1e-6, kTol);
+  // host AdamW: n / params per second
+  EXPECT_NEAR(m.op_seconds(p, 2), 1e-3, kTol);
+  EXPECT_NEAR(m.copy_seconds(4000, true), 4000 / m.h2d_bytes_per_s, kTol);
+
+  m.measured_op_seconds = {0.5, 0.25, 0.125};
+  EXPECT_EQ(m.op_seconds(p, 1), 0.25);
+  m.measured_op_seconds = {0.5};  // measured for another program: ignored
+  EXPECT_NEAR(m.op_seconds(p, 1), 9e-6, kTol);
+}
+
+TEST(Machine, Presets) {
+  Machine h = Machine::h200();
+  EXPECT_NEAR((h.h2d_bytes_per_s + h.d2h_bytes_per_s) * h.duplex_factor, 101e9, 1e9);
+  EXPECT_EQ(h.matmul_flops_per_s, 784e12);
+  EXPECT_TRUE(h.host_runs_ahead);
+  Machine c = Machine::cpu_dev_box();
+  EXPECT_FALSE(c.host_runs_ahead);
+  EXPECT_EQ(c.h2d_bytes_per_s, 5e9);
+}
+
+TEST(Simulator, EarlyFetchHidesBehindCompute) {
+  FetchCase f;
+  for (bool ahead : {false, true}) {
+    SCOPED_TRACE(ahead ? "host runs ahead" : "host blocked by runs");
+    Machine m = test_machine(f.p, ahead);
+    SimResult r = simulate(f.p, f.plan(/*early=*/true), m);
+    EXPECT_NEAR(r.step_s, 4 * kMs, kTol);
+    EXPECT_NEAR(r.stall_s, 0, kTol);
+    EXPECT_NEAR(r.compute_s, 4 * kMs, kTol);
+    EXPECT_EQ(r.h2d_bytes, 4000u);
+    const SimEvent* copy = find_event(r, SimResource::H2D, "w");
+    ASSERT_NE(copy, nullptr);
+    EXPECT_NEAR(copy->start_s, 0, kTol);
+    EXPECT_NEAR(copy->end_s, 1 * kMs, kTol);
+  }
+}
+
+TEST(Simulator, LateFetchStallsForTheCopy) {
+  FetchCase f;
+  for (bool ahead : {false, true}) {
+    SCOPED_TRACE(ahead ? "host runs ahead" : "host blocked by runs");
+    Machine m = test_machine(f.p, ahead);
+    SimResult r = simulate(f.p, f.plan(/*early=*/false), m);
+    // The copy starts after op0 (issued before it), takes 1 ms; op1 waits for it.
+    const SimEvent* copy = find_event(r, SimResource::H2D, "w");
+    ASSERT_NE(copy, nullptr);
+    EXPECT_NEAR(copy->start_s, 2 * kMs, kTol);
+    EXPECT_NEAR(copy->end_s, 3 * kMs, kTol);
+    const SimEvent* op1 = find_event(r, SimResource::Compute, "op1");
+    ASSERT_NE(op1, nullptr);
+    EXPECT_NEAR(op1->start_s, 3 * kMs, kTol);
+    EXPECT_NEAR(r.stall_s, m.copy_seconds(4000, true), kTol);
+    EXPECT_NEAR(r.step_s, 5 * kMs, kTol);
+  }
+}
+
+// An eviction and a fetch run at once: each direction at half its rate until the
+// smaller one ends, then the other at full rate.
+TEST(Simulator, DuplexSharesTheLink) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId x = add(p, "x", Role::Activation);
+  TensorId w = add(p, "w", Role::Param, 2 * kN);  // 8000 bytes
+  TensorId c = add(p, "c", Role::Activation, 2 * kN);
+  gelu(p, "op0", x, a);
+  gelu(p, "op1", c, w);
+  Plan plan = make_plan_of(p,
+                           {alloc(x, 4096), run(0), evict(x), fetch(w, 8192), alloc(c, 16384), run(1), release(w),
+                            release(c), host_release(x)},
+                           {{a, {Tier::Device, 0}}, {w, {Tier::Host, 0}}});
+  Machine m = test_machine(p, false);
+  SimResult r = simulate(p, plan, m);
+  const SimEvent* down = find_event(r, SimResource::D2H, "x");
+  const SimEvent* up = find_event(r, SimResource::H2D, "w");
+  ASSERT_TRUE(down && up);
+  // 4000 bytes at 2e6 B/s: 2 ms; w moved 4000 of 8000 meanwhile, the rest at 4e6 B/s: 1 ms.
+  EXPECT_NEAR(down->start_s, 2 * kMs, kTol);
+  EXPECT_NEAR(down->end_s, 4 * kMs, kTol);
+  EXPECT_NEAR(up->start_s, 2 * kMs, kTol);
+  EXPECT_NEAR(up->end_s, 5 * kMs, kTol);
+  EXPECT_NEAR(r.step_s, 7 * kMs, kTol);
+  EXPECT_NEAR(r.stall_s, 3 * kMs, kTol);
+  EXPECT_EQ(r.d2h_bytes, 4000u);
+  EXPECT_EQ(r.h2d_bytes, 8000u);
+
+  m.duplex_factor = 1.0;  // a link with no sharing: x ends at 3 ms, w at 4 ms
+  r = simulate(p, plan, m);
+  EXPECT_NEAR(find_event(r, SimResource::D2H, "x")->end_s, 3 * kMs, kTol);
+  EXPECT_NEAR(find_event(r, SimResource::H2D, "w")->end_s, 4 * kMs, kTol);
+  EXPECT_NEAR(r.step_s, 6 * kMs, kTol);
+}
+
+// x goes device → host → storage → host → device. Times (host blocked by runs):
+// op0 0–2; D2H 2–3; the Store waits for it, writes 3–7; the Load waits for the
+// write, reads 7–9; the Fetch waits for the read, copies 9–10; op1 10–12.
+TEST(Simulator, PeaksAndStorageRoundTripMatchHandCounts) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId w = add(p, "w", Role::Param);       // rests on host, untouched
+  TensorId s = add(p, "s", Role::OptState);    // rests in storage, untouched
+  TensorId x = add(p, "x", Role::Activation);
+  TensorId c = add(p, "c", Role::Activation);
+  gelu(p, "op0", x, a);
+  gelu(p, "op1", c, x);
+  Plan plan = make_plan_of(p,
+                           {alloc(x, 4096), run(0), evict(x), store(x, /*free_host=*/true), load(x), fetch(x, 4096),
+                            alloc(c, 8192), run(1), release(x), release(c), host_release(x)},
+                           {{a, {Tier::Device, 0}}, {w, {Tier::Host, 0}}, {s, {Tier::Storage, 0}}});
+  SimResult r = simulate(p, plan, test_machine(p, false));
+  EXPECT_EQ(r.peak_device_bytes, 12000u);   // a, x, c
+  EXPECT_EQ(r.peak_host_bytes, 8000u);      // w and x's buffer (freed by the Store before the Load)
+  EXPECT_EQ(r.peak_storage_bytes, 8000u);   // s and x
+  EXPECT_EQ(r.storage_write_bytes, 4000u);
+  EXPECT_EQ(r.storage_read_bytes, 4000u);
+  EXPECT_NEAR(find_event(r, SimResource::StorageWrite, "x")->start_s, 3 * kMs, kTol);
+  EXPECT_NEAR(find_event(r, SimResource::StorageRead, "x")->end_s, 9 * kMs, kTol);
+  EXPECT_NEAR(r.step_s, 12 * kMs, kTol);
+  EXPECT_NEAR(r.host_stall_s, 7 * kMs, kTol);  // 1 (D2H) + 4 (write) + 2 (read)
+  EXPECT_NEAR(r.stall_s, 8 * kMs, kTol);       // compute idle from 2 to 10
+  // Memory over time: device falls when the D2H ends, host at the Store's end.
+  auto at = [&](double t) {
+    MemorySample last;
+    for (const MemorySample& m : r.memory)
+      if (m.t_s <= t + kTol) last = m;
+    return last;
+  };
+  EXPECT_EQ(at(0).device_bytes, 8000u);
+  EXPECT_EQ(at(0).host_bytes, 4000u);
+  EXPECT_EQ(at(0).storage_bytes, 4000u);
+  EXPECT_EQ(at(2.5 * kMs).host_bytes, 8000u);
+  EXPECT_EQ(at(3 * kMs).device_bytes, 4000u);
+  EXPECT_EQ(at(3 * kMs).storage_bytes, 8000u);
+  EXPECT_EQ(at(9.5 * kMs).device_bytes, 12000u);
+  EXPECT_EQ(at(r.step_s).device_bytes, 4000u);
+  EXPECT_EQ(at(r.step_s).host_bytes, 4000u);
+
+  PlanReport report = summarize(p, plan, r);
+  std::map<Role, RoleReport> by_role;
+  for (const RoleReport& rr : report.roles) by_role[rr.role] = rr;
+  EXPECT_EQ(by_role[Role::Activation].tensors, 2);
+  EXPECT_EQ(by_role[Role::Activation].count[static_cast<int>(Tier::Storage)], 1);  // x
+  EXPECT_EQ(by_role[Role::Activation].count[static_cast<int>(Tier::Device)], 1);   // c
+  EXPECT_EQ(by_role[Role::Activation].moved, 1);
+  EXPECT_EQ(by_role[Role::Param].count[static_cast<int>(Tier::Host)], 1);
+  EXPECT_EQ(by_role[Role::OptState].tier_bytes[static_cast<int>(Tier::Storage)], 4000u);
+  const std::string table = format_report(report);
+  for (const char* word : {"activation", "param", "optstate", "memory peak", "storage write", "predicted step"})
+    EXPECT_NE(table.find(word), std::string::npos) << word << " missing from\n" << table;
+}
+
+// Allocating into the region of a tensor whose write-back copy is still running
+// blocks the host until the copy ends.
+TEST(Simulator, RegionReuseWaitsForTheEviction) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId x = add(p, "x", Role::Activation);
+  TensorId y = add(p, "y", Role::Activation);
+  gelu(p, "op0", x, a);
+  gelu(p, "op1", y, a);
+  auto plan_with_y_at = [&](uint64_t y_offset) {
+    return make_plan_of(p, {alloc(x, 4096), run(0), evict(x), alloc(y, y_offset), run(1), release(y), host_release(x)},
+                        {{a, {Tier::Device, 0}}});
+  };
+  Machine m = test_machine(p, /*host_runs_ahead=*/true);
+
+  // op0 0–2, its eviction 2–3; y reuses x's region, so op1 is issued at 3.
+  SimResult reuse = simulate(p, plan_with_y_at(4096), m);
+  EXPECT_NEAR(find_event(reuse, SimResource::D2H, "x")->end_s, 3 * kMs, kTol);
+  EXPECT_NEAR(find_event(reuse, SimResource::Compute, "op1")->start_s, 3 * kMs, kTol);
+  const SimEvent* wait = find_event(reuse, SimResource::Host, "wait y");
+  ASSERT_NE(wait, nullptr);
+  EXPECT_NEAR(wait->end_s - wait->start_s, 3 * kMs, kTol);
+  EXPECT_NEAR(reuse.host_stall_s, 3 * kMs, kTol);
+  EXPECT_NEAR(reuse.stall_s, 1 * kMs, kTol);  // compute idle from 2 to 3
+  EXPECT_NEAR(reuse.step_s, 5 * kMs, kTol);
+  EXPECT_EQ(reuse.peak_device_bytes, 8000u);
+
+  // Elsewhere: no wait, op1 right after op0, the copy overlapping it.
+  SimResult apart = simulate(p, plan_with_y_at(8192), m);
+  EXPECT_NEAR(apart.host_stall_s, 0, kTol);
+  EXPECT_NEAR(apart.stall_s, 0, kTol);
+  EXPECT_NEAR(apart.step_s, 4 * kMs, kTol);
+  EXPECT_EQ(apart.peak_device_bytes, 12000u);
+}
+
+// Flush copies to host and keeps the device copy; once the tensor leaves, its
+// region's reuse still waits for that copy.
+TEST(Simulator, FlushKeepsTheDeviceCopy) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId g = add(p, "g", Role::Activation);
+  TensorId y = add(p, "y", Role::Activation);
+  gelu(p, "op0", g, a);
+  gelu(p, "op1", y, a);
+  Instruction flush{.kind = InstrKind::Flush, .tensor = g};
+  Plan plan = make_plan_of(p, {alloc(g, 4096), run(0), flush, release(g), alloc(y, 4096), run(1), release(y),
+                               host_release(g)},
+                           {{a, {Tier::Device, 0}}});
+  SimResult r = simulate(p, plan, test_machine(p, false));
+  EXPECT_EQ(r.d2h_bytes, 4000u);
+  EXPECT_EQ(r.peak_host_bytes, 4000u);
+  EXPECT_EQ(r.peak_device_bytes, 8000u);
+  EXPECT_NEAR(find_event(r, SimResource::D2H, "g")->end_s, 3 * kMs, kTol);
+  EXPECT_NEAR(find_event(r, SimResource::Compute, "op1")->start_s, 3 * kMs, kTol);  // y waited for the flush
+}
+
+// A host op waits for its operand's write-back to reach host memory.
+TEST(Simulator, HostOpWaitsForItsData) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId g = add(p, "g", Role::Activation);
+  TensorId h = add(p, "h", Role::Master);
+  gelu(p, "op0", g, a);
+  gelu(p, "host op", h, g, Place::Host);
+  Plan plan = make_plan_of(p, {alloc(g, 4096), run(0), evict(g), run(1), host_release(g)},
+                           {{a, {Tier::Device, 0}}, {h, {Tier::Host, 0}}});
+  SimResult r = simulate(p, plan, test_machine(p, false));
+  const SimEvent* host = find_event(r, SimResource::Host, "host op");
+  ASSERT_NE(host, nullptr);
+  EXPECT_NEAR(host->start_s, 3 * kMs, kTol);  // after the 2–3 ms D2H
+  EXPECT_NEAR(r.host_compute_s, 2 * kMs, kTol);
+  EXPECT_NEAR(r.host_stall_s, 1 * kMs, kTol);
+  EXPECT_NEAR(r.step_s, 5 * kMs, kTol);
+}
+
+TEST(Simulator, RecomputeRunsAreCounted) {
+  FetchCase f;
+  Plan plan = f.plan(true);
+  plan.instructions.insert(plan.instructions.begin() + 3, Instruction{.kind = InstrKind::Run, .op = 0, .recompute = true});
+  SimResult r = simulate(f.p, plan, test_machine(f.p, false));
+  EXPECT_EQ(r.recomputed_ops, 1);
+  EXPECT_NE(find_event(r, SimResource::Compute, "recompute op0"), nullptr);
+  EXPECT_NEAR(r.compute_s, 6 * kMs, kTol);
+}
+
+// A planned GPT step: every Run appears once on the timeline, compute time is the
+// sum of op times, and the simulated peaks stay within the plan's.
+TEST(Simulator, PlannedGptStep) {
+  GPTConfig cfg{2, 32, 2, 16, 64};
+  auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 2}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  Machine m = Machine::cpu_dev_box();
+  for (Policy policy : {Policy::Resident, Policy::Paging, Policy::Planned}) {
+    SCOPED_TRACE(policy_name(policy));
+    Budgets budgets;
+    if (policy != Policy::Resident) budgets.device = minimum_device_budget(*program, 64) * 3;
+    auto plan = make_plan(*program, m, budgets, {.policy = policy});
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    SimResult r = simulate(*program, *plan, m);
+    size_t runs = 0;
+    double compute = 0;
+    for (const Instruction& in : plan->instructions) {
+      if (in.kind != InstrKind::Run) continue;
+      ++runs;
+      if (program->ops[in.op].place == Place::Device) compute += m.op_seconds(*program, in.op);
+    }
+    size_t run_events = 0;
+    for (const SimEvent& e : r.timeline) run_events += e.op >= 0;
+    EXPECT_EQ(run_events, runs);
+    EXPECT_NEAR(r.compute_s, compute, 1e-9);
+    EXPECT_GE(r.step_s, r.compute_s);
+    EXPECT_LE(r.peak_device_bytes, plan->device_bytes);
+    if (policy == Policy::Resident) {
+      EXPECT_EQ(r.h2d_bytes, 0u);
+      EXPECT_NEAR(r.stall_s, 0, 1e-12);
+    } else {
+      EXPECT_GT(r.h2d_bytes, 0u);
+    }
+    EXPECT_FALSE(format_report(summarize(*program, *plan, r)).empty());
+  }
+}
+
+TEST(Profiler, ProfilesEachShapeOnceOnTheCpuBackend) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+  GPTConfig cfg{2, 32, 2, 16, 64};
+  auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, (*backend)->activation_dtype());
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  auto seconds = profile_ops(**backend, *program, 2);
+  ASSERT_TRUE(seconds.ok()) << seconds.status().to_string();
+  ASSERT_EQ(seconds->size(), program->ops.size());
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, std::vector<size_t>>;
+  std::map<Key, std::vector<size_t>> groups;
+  for (size_t i = 0; i < program->ops.size(); ++i) {
+    const Op& op = program->ops[i];
+    std::vector<size_t> sizes;
+    for (const Operand& o : op.operands) sizes.push_back(program->tensors.info(o.tensor).bytes() * 4 + int(o.access));
+    groups[{static_cast<int>(op.kind) * 2 + static_cast<int>(op.place), op.attrs.N, op.attrs.C, op.attrs.OC,
+            op.attrs.n, sizes}]
+        .push_back(i);
+    const bool gathered_clip = op.kind == OpKind::ClipScale && op.operands.size() > 2;
+    if (!gathered_clip) {
+      EXPECT_GT((*seconds)[i], 0) << op.name;
+    }
+  }
+  bool shared = false;
+  for (auto& [key, ops] : groups) {
+    shared = shared || ops.size() > 1;
+    for (size_t i : ops) EXPECT_EQ((*seconds)[i], (*seconds)[ops[0]]) << program->ops[i].name;
+  }
+  EXPECT_TRUE(shared);
+
+  Machine m = Machine::cpu_dev_box();
+  m.measured_op_seconds = *seconds;
+  for (size_t i = 0; i < program->ops.size(); ++i)
+    if ((*seconds)[i] > 0) {
+      EXPECT_EQ(m.op_seconds(*program, i), (*seconds)[i]) << program->ops[i].name;
+    }
+}
+
+TEST(Profiler, MeasuresTheCpuBackend) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+  auto m = measure_machine(**backend, Machine::cpu_dev_box());
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_GT(m->h2d_bytes_per_s, 1e8);
+  EXPECT_GT(m->d2h_bytes_per_s, 1e8);
+  EXPECT_GT(m->duplex_factor, 0);
+  EXPECT_LE(m->duplex_factor, 1);
+  EXPECT_GT(m->matmul_flops_per_s, 1e8);
+  EXPECT_GT(m->device_bytes_per_s, 1e8);
+  EXPECT_GT(m->host_adam_params_per_s, 1e6);
+  EXPECT_FALSE(m->host_runs_ahead);
+  std::printf("cpu backend: h2d %.2f GB/s, d2h %.2f GB/s, duplex %.2f, matmul %.1f GFLOP/s, memory %.2f GB/s, "
+              "launch %.2f us, host AdamW %.2f Gparams/s\n",
+              m->h2d_bytes_per_s / 1e9, m->d2h_bytes_per_s / 1e9, m->duplex_factor, m->matmul_flops_per_s / 1e9,
+              m->device_bytes_per_s / 1e9, m->op_launch_s * 1e6, m->host_adam_params_per_s / 1e9);
+}
