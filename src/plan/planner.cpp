@@ -58,10 +58,15 @@ class Scheduler {
     const size_t n = p_.tensors.size();
     uses_.resize(n);
     producer_.assign(n, -1);
+    overwrites_.resize(n);
     for (size_t i = 0; i < p_.ops.size(); ++i) {
       for (const Operand& o : p_.ops[i].operands) {
         auto& u = uses_[o.tensor];
-        if (u.empty() || u.back() != static_cast<int>(i)) u.push_back(static_cast<int>(i));
+        if (u.empty() || u.back() != static_cast<int>(i)) {
+          u.push_back(static_cast<int>(i));
+          overwrites_[o.tensor].push_back(true);
+        }
+        if (o.access != Access::Write) overwrites_[o.tensor].back() = false;
         if (o.access == Access::Write && p_.ops[i].phase == Phase::Forward && producer_[o.tensor] < 0)
           producer_[o.tensor] = static_cast<int>(i);
       }
@@ -139,10 +144,15 @@ class Scheduler {
   bool persistent(TensorId t) const { return is_persistent(p_, t); }
   bool pinned_home(TensorId t) const { return persistent(t) && c_.home[t] == Tier::Device; }
 
+  // The next op after `after` that needs t's current value; kNever when the value
+  // is dead: no later use, or (for tensors that live only inside the step) the next
+  // use overwrites it entirely, as with per-layer scratch reused by every micro-batch.
   int next_use(TensorId t, int after) const {
     const auto& u = uses_[t];
     auto it = std::upper_bound(u.begin(), u.end(), after);
-    return it == u.end() ? kNever : *it;
+    if (it == u.end()) return kNever;
+    if (!persistent(t) && overwrites_[t][it - u.begin()]) return kNever;
+    return *it;
   }
 
   void emit(InstrKind kind, TensorId t, uint64_t offset = 0, bool write_back = true, bool free_host = false) {
@@ -276,9 +286,12 @@ class Scheduler {
         continue;
       }
       if (persistent(o.tensor)) continue;
-      // The producer's input must still be alive (used again at or after `use`).
-      const auto& u = uses_[o.tensor];
-      if (u.empty() || u.back() < use || st_[o.tensor].recompute_pending) return false;
+      // The producer's input must still hold the same value at `use`: nothing writes
+      // it in between, and it is needed again at or after `use` (so it is kept).
+      if (next_use(o.tensor, use - 1) == kNever || st_[o.tensor].recompute_pending) return false;
+      for (int j = prod + 1; j < use; ++j)
+        for (const Operand& q : p_.ops[j].operands)
+          if (q.tensor == o.tensor && q.access != Access::Read) return false;
     }
     // The producer re-runs right before the consumer: both working sets must fit at once.
     std::set<TensorId> together;
@@ -583,6 +596,7 @@ class Scheduler {
   size_t align_;
   RangeAllocator device_;
   std::vector<std::vector<int>> uses_;  // [tensors] op indices that touch it, ascending
+  std::vector<std::vector<bool>> overwrites_;  // [tensors][uses] that op only writes it
   std::vector<int> producer_;           // [tensors] forward op that writes it, or -1
   std::vector<State> st_;               // [tensors]
   std::vector<bool> storage_extent_ = std::vector<bool>(p_.tensors.size(), false);

@@ -1,0 +1,34 @@
+// Internal to the CUDA backend: fused causal self-attention, flash style (no T×T
+// matrix in device memory), deterministic (no atomics).
+//
+//   cudaError_t e = launch_attention_forward(out, lse, qkv, B, T, C, NH, stream);
+//   size_t need = attention_backward_scratch_bytes(B, T, NH);
+//   e = launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+//
+// Head dims that are multiples of 16 up to 128 run on tensor cores (mma.sync bf16,
+// fp32 accumulation); other head dims up to 256 run on a simple warp-per-row
+// kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
+// one kernel is parallel over key blocks (dK, dV), a second over query blocks (dQ).
+#pragma once
+
+#include "backend/cuda/cuda_common.cuh"
+
+namespace spillway::cuda_detail {
+
+// Largest head dim the attention kernels take.
+constexpr int kMaxHeadDim = 256;
+
+// True when head dim `hd` (with these pointers) takes the tensor-core kernels.
+bool attention_uses_tensor_cores(int hd, const void* qkv);
+
+// out[B,T,C], lse[B,NH,T] (F32, natural log), qkv[B,T,3C] (q, k, v side by side).
+cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+                                     cudaStream_t stream);
+
+size_t attention_backward_scratch_bytes(int B, int T, int NH);
+// dqkv[B,T,3C] (overwritten) from dout[B,T,C], qkv[B,T,3C], out[B,T,C], lse[B,NH,T].
+cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
+                                      const float* lse, int B, int T, int C, int NH, void* scratch,
+                                      cudaStream_t stream);
+
+}  // namespace spillway::cuda_detail

@@ -1,0 +1,550 @@
+// CudaBackend: the Backend of backend.h on one NVIDIA GPU (see cuda_backend.h).
+//
+// Streams: one compute stream runs every op in submission order; the copy engine
+// owns one stream per direction. Errors: every CUDA and cuBLASLt call is checked;
+// an op (which returns void) records the first error, and synchronize() reports it.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <atomic>
+#include <deque>
+#include <mutex>
+#include <vector>
+
+#include "backend/cuda/attention.cuh"
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_kernels.cuh"
+#include "backend/cuda/matmul.cuh"
+#include "core/size.h"
+
+namespace spillway {
+namespace {
+
+using namespace cuda_detail;
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt workspace
+constexpr size_t kInitialScratch = size_t{16} << 20;  // reduction partials, sort buffers
+
+const char* direction_name(CopyDirection d) {
+  return d == CopyDirection::HostToDevice ? "host-to-device" : "device-to-host";
+}
+
+// ---------------------------------------------------------------- copy engine
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  CudaCopyEngine() = default;
+  CudaCopyEngine(const CudaCopyEngine&) = delete;
+  CudaCopyEngine& operator=(const CudaCopyEngine&) = delete;
+
+  ~CudaCopyEngine() override {
+    for (auto& q : queues_) {
+      if (q.stream) (void)cudaStreamSynchronize(q.stream);
+      for (auto& p : q.pending) (void)cudaEventDestroy(p.event);
+      if (q.stream) (void)cudaStreamDestroy(q.stream);
+    }
+    for (cudaEvent_t e : pool_) (void)cudaEventDestroy(e);
+    if (compute_fence_) (void)cudaEventDestroy(compute_fence_);
+  }
+
+  Status init(int device, cudaStream_t compute) {
+    device_ = device;
+    compute_ = compute;
+    for (auto& q : queues_)
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamCreate (copy)", cudaStreamCreateWithFlags(&q.stream, cudaStreamNonBlocking)));
+    return cuda_status("cudaEventCreate", cudaEventCreateWithFlags(&compute_fence_, cudaEventDisableTiming));
+  }
+
+  Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Queue& q = queue(direction);
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    // The copy starts after every op submitted so far (a D2H copy reads their output).
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaEventRecord (compute fence)", cudaEventRecord(compute_fence_, compute_)));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamWaitEvent (copy after compute)", cudaStreamWaitEvent(q.stream, compute_fence_, 0)));
+    if (bytes > 0) {
+      const cudaMemcpyKind kind =
+          direction == CopyDirection::HostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+      cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, q.stream);
+      if (e != cudaSuccess)
+        return cuda_status("cudaMemcpyAsync", e)
+            .with_context(std::string(direction_name(direction)) + " copy of " + format_size(bytes));
+    }
+    cudaEvent_t ev = nullptr;
+    SPILLWAY_RETURN_IF_ERROR(take_event(&ev));
+    cudaError_t e = cudaEventRecord(ev, q.stream);
+    if (e != cudaSuccess) {
+      pool_.push_back(ev);
+      return cuda_status("cudaEventRecord (copy)", e);
+    }
+    const uint64_t seq = q.next++;
+    q.pending.push_back({seq, ev});
+    q.bytes.fetch_add(bytes, std::memory_order_relaxed);
+    return CopyTicket{direction, seq};
+  }
+
+  bool is_done(CopyTicket t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Queue& q = queue(t.direction);
+    cudaEvent_t ev = find(q, t.sequence);
+    if (ev == nullptr) return true;
+    cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // "not ready" is no error of a later launch
+      return false;
+    }
+    if (e != cudaSuccess && q.error.is_ok())
+      static_cast<void>(q.error = cuda_status("copy", e).with_context(ticket_text(t)));
+    retire_through(q, t.sequence);
+    return true;
+  }
+
+  Status wait(CopyTicket t) override {
+    cudaEvent_t ev = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Queue& q = queue(t.direction);
+      SPILLWAY_RETURN_IF_ERROR(take_error(q));
+      ev = find(q, t.sequence);
+      if (ev == nullptr) return Status::ok();
+    }
+    // Outside the lock: other threads may submit copies meanwhile. The event is
+    // only recycled once retired under the lock, after this wait returns.
+    cudaError_t e = cudaEventSynchronize(ev);
+    std::lock_guard<std::mutex> lock(mu_);
+    Queue& q = queue(t.direction);
+    if (e != cudaSuccess) return cuda_status("cudaEventSynchronize", e).with_context(ticket_text(t));
+    retire_through(q, t.sequence);
+    return take_error(q);
+  }
+
+  Status order_compute_after(CopyTicket t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Queue& q = queue(t.direction);
+    cudaEvent_t ev = find(q, t.sequence);
+    if (ev == nullptr) return Status::ok();
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    return cuda_status("cudaStreamWaitEvent (compute after copy)", cudaStreamWaitEvent(compute_, ev, 0))
+        .with_context(ticket_text(t));
+  }
+
+  Status wait_all() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    Status first;
+    for (int d = 0; d < 2; ++d) {
+      Queue& q = queues_[d];
+      cudaError_t e = cudaStreamSynchronize(q.stream);
+      if (e != cudaSuccess && first.is_ok())
+        static_cast<void>(first = cuda_status("cudaStreamSynchronize", e)
+                                      .with_context(std::string(direction_name(static_cast<CopyDirection>(d))) + " copies"));
+      if (!q.pending.empty()) retire_through(q, q.pending.back().seq);
+      Status qe = take_error(q);
+      if (!qe.is_ok() && first.is_ok()) static_cast<void>(first = qe);
+    }
+    return first;
+  }
+
+  uint64_t bytes_copied(CopyDirection d) const override {
+    return queues_[static_cast<int>(d)].bytes.load(std::memory_order_relaxed);
+  }
+
+ private:
+  struct Pending {
+    uint64_t seq;
+    cudaEvent_t event;
+  };
+  struct Queue {
+    cudaStream_t stream = nullptr;
+    uint64_t next = 1;  // sequence of the next copy
+    std::deque<Pending> pending;  // submitted, not yet seen complete, in order
+    std::atomic<uint64_t> bytes{0};
+    Status error;  // first asynchronous error seen by is_done
+  };
+
+  Queue& queue(CopyDirection d) { return queues_[static_cast<int>(d)]; }
+
+  static std::string ticket_text(CopyTicket t) {
+    return std::string(direction_name(t.direction)) + " copy #" + std::to_string(t.sequence);
+  }
+
+  // The event of a pending copy; null when it is known complete (or sequence 0).
+  static cudaEvent_t find(Queue& q, uint64_t seq) {
+    if (seq == 0 || q.pending.empty() || seq < q.pending.front().seq) return nullptr;
+    const uint64_t idx = seq - q.pending.front().seq;
+    if (idx >= q.pending.size()) return nullptr;  // a ticket this engine never issued
+    return q.pending[idx].event;
+  }
+
+  // Copies of one direction complete in order: everything up to seq is done.
+  void retire_through(Queue& q, uint64_t seq) {
+    while (!q.pending.empty() && q.pending.front().seq <= seq) {
+      pool_.push_back(q.pending.front().event);
+      q.pending.pop_front();
+    }
+  }
+
+  static Status take_error(Queue& q) {
+    Status s = q.error;
+    static_cast<void>(q.error = Status::ok());
+    return s;
+  }
+
+  Status take_event(cudaEvent_t* ev) {
+    if (!pool_.empty()) {
+      *ev = pool_.back();
+      pool_.pop_back();
+      return Status::ok();
+    }
+    return cuda_status("cudaEventCreate", cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
+  }
+
+  int device_ = 0;
+  cudaStream_t compute_ = nullptr;
+  cudaEvent_t compute_fence_ = nullptr;
+  std::mutex mu_;
+  Queue queues_[2];
+  std::vector<cudaEvent_t> pool_;
+};
+
+// ---------------------------------------------------------------- backend
+
+const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
+bf16* mb(void* p) { return static_cast<bf16*>(p); }
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() = default;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  ~CudaBackend() override {
+    (void)cudaSetDevice(device_);
+    if (compute_) (void)cudaStreamSynchronize(compute_);
+    (void)copy_.wait_all();
+    if (scratch_) (void)cudaFree(scratch_);
+    if (workspace_) (void)cudaFree(workspace_);
+    // copy_ and mm_ are destroyed after this body and never touch the compute
+    // stream again (both were drained above).
+    if (compute_) (void)cudaStreamDestroy(compute_);
+  }
+
+  Status init(const BackendOptions& options) {
+    device_ = options.device;
+    int count = 0;
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaGetDeviceCount", cudaGetDeviceCount(&count)));
+    if (device_ < 0 || device_ >= count)
+      return Status::invalid_argument("CUDA device " + std::to_string(device_) + " does not exist (" +
+                                      std::to_string(count) + " found)");
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    cudaDeviceProp prop{};
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, device_)));
+    if (prop.major < 8)
+      return Status::unsupported(std::string("CUDA device ") + prop.name + " has compute capability " +
+                                 std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+                                 "; the bf16 kernels need 8.0 or newer");
+    size_t free_b = 0;
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemGetInfo", cudaMemGetInfo(&free_b, &capacity_)));
+    gpu_name_ = prop.name;
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking)));
+    SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, compute_));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMalloc (cuBLASLt workspace)", cudaMalloc(&workspace_, kWorkspaceBytes)));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMalloc (scratch)", cudaMalloc(&scratch_, kInitialScratch)));
+    scratch_bytes_ = kInitialScratch;
+    return mm_.init(compute_, workspace_, kWorkspaceBytes);
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::string description() const override {
+    return gpu_name_ + ", " + format_size(capacity_) + " (device " + std::to_string(device_) +
+           "; cuBLASLt workspace " + format_size(kWorkspaceBytes) + ", scratch " + format_size(scratch_bytes_) + ")";
+  }
+  DType activation_dtype() const override { return DType::BF16; }
+  size_t alignment() const override { return 256; }
+
+  size_t device_capacity() const override { return capacity_; }
+  size_t device_free_bytes() const override {
+    size_t free_b = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return free_b;
+  }
+
+  Result<void*> device_alloc(size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+      size_t free_b = 0, total = 0;
+      (void)cudaMemGetInfo(&free_b, &total);
+      return cuda_status("cudaMalloc", e)
+          .with_context("device allocation of " + format_size(bytes) + " on " + gpu_name_ + " (" +
+                        format_size(free_b) + " free of " + format_size(total) + ")");
+    }
+    return p;
+  }
+
+  void device_free(void* p) override {
+    if (p == nullptr) return;
+    check(cudaSetDevice(device_), "cudaSetDevice");
+    check(cudaFree(p), "cudaFree");
+  }
+
+  Result<void*> host_alloc(size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    if (e != cudaSuccess)
+      return cuda_status("cudaHostAlloc", e).with_context("pinned host allocation of " + format_size(bytes));
+    return p;
+  }
+
+  void host_free(void* p) override {
+    if (p == nullptr) return;
+    check(cudaFreeHost(p), "cudaFreeHost");
+  }
+
+  CopyEngine& copy_engine() override { return copy_; }
+
+  Status synchronize() override {
+    Status first;
+    auto keep = [&](Status s) {
+      if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
+    };
+    keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(compute_)));
+    keep(copy_.wait_all());
+    {
+      std::lock_guard<std::mutex> lock(err_mu_);
+      if (!error_.is_ok()) {
+        // The recorded error happened first: report it, then forget it.
+        Status recorded = error_;
+        static_cast<void>(error_ = Status::ok());
+        return recorded;
+      }
+    }
+    return first;
+  }
+
+  Status upload(void* dev, const void* host, size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemcpyAsync (upload)", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, compute_)));
+    return cuda_status("cudaStreamSynchronize (upload)", cudaStreamSynchronize(compute_));
+  }
+
+  Status download(void* host, const void* dev, size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemcpyAsync (download)", cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, compute_)));
+    return cuda_status("cudaStreamSynchronize (download)", cudaStreamSynchronize(compute_));
+  }
+
+  void fill_zero(void* dev, size_t bytes) override {
+    if (!enter()) return;
+    check(cudaMemsetAsync(dev, 0, bytes, compute_), "fill_zero");
+  }
+
+  void copy_device(void* dst, const void* src, size_t bytes) override {
+    if (!enter()) return;
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, compute_), "copy_device");
+  }
+
+  // ---- ops
+
+  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
+                         int C) override {
+    if (!enter()) return;
+    check(launch_embedding_forward(mb(out), tokens, cb(wte), cb(wpe), B, T, C, compute_), "embedding_forward");
+  }
+
+  void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T,
+                          int C) override {
+    if (!enter()) return;
+    size_t need = 0;
+    if (!check(embedding_backward_scratch_bytes(B * T, &need), "embedding_backward (CUB sizing)")) return;
+    void* s = scratch(need, "embedding_backward");
+    if (s == nullptr) return;
+    check(launch_embedding_backward(mb(dwte), mb(dwpe), cb(dout), tokens, B, T, C, s, need, compute_),
+          "embedding_backward");
+  }
+
+  void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
+                         const void* bias, int N, int C) override {
+    if (!enter()) return;
+    check(launch_layernorm_forward(mb(out), mean, rstd, cb(inp), cb(weight), cb(bias), N, C, compute_),
+          "layernorm_forward");
+  }
+
+  void layernorm_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
+                          const void* weight, const float* mean, const float* rstd, int N, int C) override {
+    if (!enter()) return;
+    void* s = scratch(layernorm_backward_scratch_bytes(N, C), "layernorm_backward");
+    if (s == nullptr) return;
+    check(launch_layernorm_backward(mb(dinp), mb(dweight), mb(dbias), cb(dout), cb(inp), cb(weight), mean, rstd, N,
+                                    C, s, compute_),
+          "layernorm_backward");
+  }
+
+  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
+                      int OC) override {
+    if (!enter()) return;
+    record(mm_.forward(mb(out), cb(inp), cb(weight), cb(bias), N, C, OC), "matmul_forward");
+  }
+
+  void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
+                       const void* weight, int N, int C, int OC) override {
+    if (!enter()) return;
+    if (dbias != nullptr) {
+      void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");
+      if (s == nullptr) return;
+      if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, s, compute_), "matmul_backward (dbias)")) return;
+    }
+    if (dweight != nullptr) record(mm_.backward_weight(mb(dweight), cb(dout), cb(inp), N, C, OC), "matmul_backward (dweight)");
+    if (dinp != nullptr) record(mm_.backward_input(mb(dinp), cb(dout), cb(weight), N, C, OC), "matmul_backward (dinp)");
+  }
+
+  void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) override {
+    if (!enter() || !attention_shape_ok(C, NH, "attention_forward")) return;
+    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, compute_), "attention_forward");
+  }
+
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                          int B, int T, int C, int NH) override {
+    if (!enter() || !attention_shape_ok(C, NH, "attention_backward")) return;
+    void* s = scratch(attention_backward_scratch_bytes(B, T, NH), "attention_backward");
+    if (s == nullptr) return;
+    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, s, compute_),
+          "attention_backward");
+  }
+
+  void gelu_forward(void* out, const void* inp, size_t n) override {
+    if (!enter()) return;
+    check(launch_gelu_forward(mb(out), cb(inp), n, compute_), "gelu_forward");
+  }
+
+  void gelu_backward(void* dinp, const void* inp, const void* dout, size_t n) override {
+    if (!enter()) return;
+    check(launch_gelu_backward(mb(dinp), cb(inp), cb(dout), n, compute_), "gelu_backward");
+  }
+
+  void residual_forward(void* out, const void* a, const void* b, size_t n) override {
+    if (!enter()) return;
+    check(launch_residual_forward(mb(out), cb(a), cb(b), n, compute_), "residual_forward");
+  }
+
+  void crossentropy_forward(float* losses, const void* logits, const int32_t* targets, int N, int V) override {
+    if (!enter()) return;
+    // Read-only: the kernel writes logits only when given a scale.
+    check(launch_crossentropy(losses, const_cast<bf16*>(cb(logits)), targets, N, V, false, 0.0f, compute_),
+          "crossentropy_forward");
+  }
+
+  void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets, int N, int V,
+                             float dloss_scale) override {
+    if (!enter()) return;
+    check(launch_crossentropy(losses, mb(logits_to_dlogits), targets, N, V, true, dloss_scale, compute_),
+          "crossentropy_backward");
+  }
+
+  void squared_norm(float* out_sq, const void* grad, size_t n) override {
+    if (!enter()) return;
+    void* s = scratch(squared_norm_scratch_bytes(), "squared_norm");
+    if (s == nullptr) return;
+    check(launch_squared_norm(out_sq, cb(grad), n, s, compute_), "squared_norm");
+  }
+
+  void clip_scale(float* scale_norm, const float* sq, int P, float max_norm) override {
+    if (!enter()) return;
+    check(launch_clip_scale(scale_norm, sq, P, max_norm, compute_), "clip_scale");
+  }
+
+  void adamw(void* param, float* master, float* m, float* v, const void* grad, const float* scale_norm, size_t n,
+             const AdamWHyper& hyper) override {
+    if (!enter()) return;
+    check(launch_adamw(mb(param), master, m, v, cb(grad), scale_norm, n, hyper, compute_), "adamw");
+  }
+
+ private:
+  // Makes this backend's device current for the calling thread.
+  bool enter() { return check(cudaSetDevice(device_), "cudaSetDevice"); }
+
+  bool check(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return true;
+    record(cuda_status(what, e), nullptr);
+    return false;
+  }
+
+  void record(Status s, const char* what) {
+    if (s.is_ok()) return;
+    std::lock_guard<std::mutex> lock(err_mu_);
+    if (error_.is_ok()) static_cast<void>(error_ = what ? s.with_context(what) : std::move(s));
+  }
+
+  bool attention_shape_ok(int C, int NH, const char* what) {
+    if (NH <= 0 || C % NH != 0) {
+      record(Status::invalid_argument("C=" + std::to_string(C) + " is not a multiple of NH=" + std::to_string(NH)),
+             what);
+      return false;
+    }
+    if (C / NH > kMaxHeadDim) {
+      record(Status::unsupported("head dim " + std::to_string(C / NH) + " is over the CUDA kernels' limit of " +
+                                 std::to_string(kMaxHeadDim)),
+             what);
+      return false;
+    }
+    return true;
+  }
+
+  // The backend's scratch buffer (outside the arena), grown when an op needs more.
+  // Ops run in stream order, so one buffer serves them all. Null (error recorded)
+  // when it cannot grow.
+  void* scratch(size_t bytes, const char* what) {
+    if (bytes <= scratch_bytes_) return scratch_;
+    const size_t grow = std::max(bytes, 2 * scratch_bytes_);
+    // cudaFree waits for the device, so no queued op still reads the old buffer.
+    if (!check(cudaFree(scratch_), "cudaFree (scratch)")) return nullptr;
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    cudaError_t e = cudaMalloc(&scratch_, grow);
+    if (e != cudaSuccess) {
+      scratch_ = nullptr;
+      record(cuda_status("cudaMalloc", e).with_context("scratch of " + format_size(grow)), what);
+      return nullptr;
+    }
+    scratch_bytes_ = grow;
+    return scratch_;
+  }
+
+  int device_ = 0;
+  std::string gpu_name_;
+  size_t capacity_ = 0;
+  cudaStream_t compute_ = nullptr;
+  void* workspace_ = nullptr;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  LtMatmul mm_;
+  CudaCopyEngine copy_;
+  std::mutex err_mu_;
+  Status error_;
+};
+
+}  // namespace
+
+bool cuda_device_present() {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the runtime's last-error slot
+    return false;
+  }
+  return count > 0;
+}
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(const BackendOptions& options) {
+  auto backend = std::make_unique<CudaBackend>();
+  Status s = backend->init(options);
+  if (!s.is_ok()) return s.with_context("CUDA backend");
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace spillway

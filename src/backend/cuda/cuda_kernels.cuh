@@ -1,0 +1,79 @@
+// Internal to the CUDA backend: launchers of the fused, deterministic kernels of a
+// GPT step (everything but matrix products and attention). Every launcher enqueues
+// on `stream` and returns the launch error (cudaSuccess when it was enqueued).
+// No kernel uses atomics: every reduction runs in a fixed order, so the same
+// inputs give the same bits on every run.
+//
+//   size_t need = layernorm_backward_scratch_bytes(N, C);   // caller owns scratch
+//   cudaError_t e = launch_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd,
+//                                             N, C, scratch, stream);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "optim/adamw.h"
+
+namespace spillway::cuda_detail {
+
+// out[B,T,C] = wte[tokens[b,t]] + wpe[t]; wte[V,C], wpe[T_max,C], tokens[B,T].
+cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe,
+                                     int B, int T, int C, cudaStream_t stream);
+
+// Scratch for launch_embedding_backward: the sorted (token, position) pairs and CUB's
+// temporary storage. Fails only if CUB cannot size its storage.
+cudaError_t embedding_backward_scratch_bytes(int N, size_t* bytes);
+// dwte[V,C] += Σ over positions with that token of dout (in position order);
+// dwpe[T_max,C] += Σ_b dout[b,t] (b in order). dout[B,T,C], tokens[B,T].
+cudaError_t launch_embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int32_t* tokens,
+                                      int B, int T, int C, void* scratch, size_t scratch_bytes,
+                                      cudaStream_t stream);
+
+// out[N,C] = (inp - mean) * rstd * weight + bias; mean[N], rstd[N] (F32, may be null).
+cudaError_t launch_layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                     const bf16* weight, const bf16* bias, int N, int C,
+                                     cudaStream_t stream);
+
+size_t layernorm_backward_scratch_bytes(int N, int C);
+// dinp[N,C] += ..., dweight[C] += ..., dbias[C] += ...; dout[N,C], inp[N,C],
+// weight[C], mean[N], rstd[N].
+cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout,
+                                      const bf16* inp, const bf16* weight, const float* mean,
+                                      const float* rstd, int N, int C, void* scratch,
+                                      cudaStream_t stream);
+
+size_t bias_backward_scratch_bytes(int N, int OC);
+// dbias[OC] += Σ_n dout[n, :]; dout[N,OC].
+cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, void* scratch,
+                                 cudaStream_t stream);
+
+// out[n] = gelu(inp[n]) (tanh approximation); dinp[n] = gelu'(inp[n]) * dout[n].
+cudaError_t launch_gelu_forward(bf16* out, const bf16* inp, size_t n, cudaStream_t stream);
+cudaError_t launch_gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, size_t n,
+                                 cudaStream_t stream);
+// out[n] = a[n] + b[n]
+cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, size_t n,
+                                    cudaStream_t stream);
+
+// losses[N] = -log softmax(logits[N,V])[targets[N]]. With `backward`, logits is
+// overwritten with (softmax - onehot) * dlogits_scale (else only read).
+cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V,
+                                bool backward, float dlogits_scale, cudaStream_t stream);
+
+size_t squared_norm_scratch_bytes();
+// out_sq[0] = Σ grad[i]²; grad[n]. Two passes: fixed-size partials, then one block.
+cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void* scratch,
+                                cudaStream_t stream);
+
+// scale_norm[2] from sq[P], exactly as clip_scale_host.
+cudaError_t launch_clip_scale(float* scale_norm, const float* sq, int P, float max_norm,
+                              cudaStream_t stream);
+
+// The AdamW update of optim/adamw.h, bit for bit. param[n], grad[n] bf16; master[n],
+// m[n], v[n] F32; scale_norm[2].
+cudaError_t launch_adamw(bf16* param, float* master, float* m, float* v, const bf16* grad,
+                         const float* scale_norm, size_t n, const AdamWHyper& hyper,
+                         cudaStream_t stream);
+
+}  // namespace spillway::cuda_detail

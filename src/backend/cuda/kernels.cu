@@ -1,0 +1,679 @@
+// Fused deterministic kernels of the CUDA backend (see cuda_kernels.cuh).
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cmath>
+
+#include "backend/cuda/cuda_kernels.cuh"
+
+namespace spillway::cuda_detail {
+namespace {
+
+constexpr float kLnEps = 1e-5f;
+constexpr int kThreads = 256;
+
+cudaError_t launched() { return cudaGetLastError(); }
+
+// Grid size for an element-wise kernel over `items` work items, capped so that the
+// grid-stride loop never needs more blocks than CUDA allows.
+unsigned grid_for(size_t items, int threads = kThreads) {
+  size_t g = (items + threads - 1) / threads;
+  if (g < 1) g = 1;
+  if (g > 65535u * 32u) g = 65535u * 32u;
+  return static_cast<unsigned>(g);
+}
+
+// ---------------------------------------------------------------- embedding
+
+// out[N,C], tokens[N], wte[V,C], wpe[T_max,C]; one thread per 8 columns (VEC=8) or 1.
+template <int VEC>
+__global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* wte,
+                                         const bf16* wpe, int N, int T, int C) {
+  const size_t per_row = C / VEC;
+  const size_t total = static_cast<size_t>(N) * per_row;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int n = static_cast<int>(i / per_row);
+    const int c = static_cast<int>(i % per_row) * VEC;
+    const int t = n % T;
+    const size_t tok = static_cast<size_t>(tokens[n]);
+    if constexpr (VEC == 8) {
+      float a[8], b[8];
+      unpack8(load8(wte + tok * C + c), a);
+      unpack8(load8(wpe + static_cast<size_t>(t) * C + c), b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) a[k] += b[k];
+      store8(out + static_cast<size_t>(n) * C + c, pack8(a));
+    } else {
+      float a = __bfloat162float(wte[tok * C + c]) + __bfloat162float(wpe[static_cast<size_t>(t) * C + c]);
+      out[static_cast<size_t>(n) * C + c] = __float2bfloat16_rn(a);
+    }
+  }
+}
+
+__global__ void iota_kernel(int32_t* v, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v[i] = i;
+}
+
+// dwte[V,C] += Σ dout[pos, :] over each run of equal tokens in keys[N] (sorted,
+// stable, so positions pos = vals[N] ascend within a run). One warp per sorted
+// element; only the warp at the start of a run works, on columns
+// [blockIdx.y * 32 * VEC, +32 * VEC).
+template <int VEC>
+__global__ void embedding_dwte_kernel(bf16* dwte, const bf16* dout, const int32_t* keys,
+                                      const int32_t* vals, int N, int C) {
+  const int warps = blockDim.x / 32;
+  const int i = blockIdx.x * warps + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (i >= N) return;
+  const int key = keys[i];
+  if (key < 0) return;  // not a token
+  if (i > 0 && keys[i - 1] == key) return;
+  const int c = (blockIdx.y * 32 + lane) * VEC;
+  if (c >= C) return;
+  float acc[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] = 0.0f;
+  for (int j = i; j < N && keys[j] == key; ++j) {
+    const bf16* row = dout + static_cast<size_t>(vals[j]) * C + c;
+    if constexpr (VEC == 8) {
+      float f[8];
+      unpack8(load8(row), f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[k] += f[k];
+    } else {
+      acc[0] += __bfloat162float(row[0]);
+    }
+  }
+  bf16* dst = dwte + static_cast<size_t>(key) * C + c;
+  if constexpr (VEC == 8) {
+    float f[8];
+    unpack8(load8(dst), f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] += acc[k];
+    store8(dst, pack8(f));
+  } else {
+    dst[0] = __float2bfloat16_rn(__bfloat162float(dst[0]) + acc[0]);
+  }
+}
+
+// dwpe[T_max,C] += Σ_b dout[b,t,:]; one thread per (t, c); dout[B,T,C].
+__global__ void embedding_dwpe_kernel(bf16* dwpe, const bf16* dout, int B, int T, int C) {
+  const size_t total = static_cast<size_t>(T) * C;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.0f;
+    for (int b = 0; b < B; ++b) acc += __bfloat162float(dout[static_cast<size_t>(b) * total + i]);
+    dwpe[i] = __float2bfloat16_rn(__bfloat162float(dwpe[i]) + acc);
+  }
+}
+
+// ---------------------------------------------------------------- layernorm
+
+// One warp per row. out[N,C], mean[N], rstd[N], inp[N,C], weight[C], bias[C].
+template <int VEC>
+__global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                         const bf16* weight, const bf16* bias, int N, int C) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const bf16* x = inp + static_cast<size_t>(row) * C;
+  float sum = 0.0f;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float f[8];
+      unpack8(load8(x + c), f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sum += f[k];
+    } else {
+      sum += __bfloat162float(x[c]);
+    }
+  }
+  const float mu = warp_sum(sum) / C;
+  float sq = 0.0f;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float f[8];
+      unpack8(load8(x + c), f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sq += (f[k] - mu) * (f[k] - mu);
+    } else {
+      float d = __bfloat162float(x[c]) - mu;
+      sq += d * d;
+    }
+  }
+  const float rs = rsqrtf(warp_sum(sq) / C + kLnEps);
+  bf16* o = out + static_cast<size_t>(row) * C;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float f[8], w[8], b[8];
+      unpack8(load8(x + c), f);
+      unpack8(load8(weight + c), w);
+      unpack8(load8(bias + c), b);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = (f[k] - mu) * rs * w[k] + b[k];
+      store8(o + c, pack8(f));
+    } else {
+      float f = (__bfloat162float(x[c]) - mu) * rs * __bfloat162float(weight[c]) + __bfloat162float(bias[c]);
+      o[c] = __float2bfloat16_rn(f);
+    }
+  }
+  if (lane == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = rs;
+  }
+}
+
+// dinp[N,C] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm =
+// dout * weight. One warp per row.
+template <int VEC>
+__global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight,
+                                      const float* mean, const float* rstd, int N, int C) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const size_t off = static_cast<size_t>(row) * C;
+  const float mu = mean[row], rs = rstd[row];
+  float s1 = 0.0f, s2 = 0.0f;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float x[8], d[8], w[8];
+      unpack8(load8(inp + off + c), x);
+      unpack8(load8(dout + off + c), d);
+      unpack8(load8(weight + c), w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        float dn = d[k] * w[k];
+        s1 += dn;
+        s2 += dn * (x[k] - mu) * rs;
+      }
+    } else {
+      float dn = __bfloat162float(dout[off + c]) * __bfloat162float(weight[c]);
+      s1 += dn;
+      s2 += dn * (__bfloat162float(inp[off + c]) - mu) * rs;
+    }
+  }
+  const float m1 = warp_sum(s1) / C, m2 = warp_sum(s2) / C;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float x[8], d[8], w[8], g[8];
+      unpack8(load8(inp + off + c), x);
+      unpack8(load8(dout + off + c), d);
+      unpack8(load8(weight + c), w);
+      unpack8(load8(dinp + off + c), g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[k] += rs * (d[k] * w[k] - m1 - (x[k] - mu) * rs * m2);
+      store8(dinp + off + c, pack8(g));
+    } else {
+      float x = (__bfloat162float(inp[off + c]) - mu) * rs;
+      float dn = __bfloat162float(dout[off + c]) * __bfloat162float(weight[c]);
+      float g = __bfloat162float(dinp[off + c]) + rs * (dn - m1 - x * m2);
+      dinp[off + c] = __float2bfloat16_rn(g);
+    }
+  }
+}
+
+// Row chunks of the column reductions: a function of N alone, never of the device.
+struct Chunks {
+  int count;  // P
+  int rows;   // rows per chunk
+};
+Chunks column_chunks(int N) {
+  int p = (N + 31) / 32;
+  if (p > 256) p = 256;
+  if (p < 1) p = 1;
+  return {p, (N + p - 1) / p};
+}
+
+// Per-chunk column sums: partial_b[P,C] = Σ_{rows of chunk} x[r,c]; with LN, also
+// partial_w[P,C] = Σ dout[r,c] * (inp[r,c] - mean[r]) * rstd[r] (x = dout).
+// grid (ceil(C/256), P), one thread per column, rows in order.
+template <bool LN>
+__global__ void column_partials_kernel(float* partial_w, float* partial_b, const bf16* x, const bf16* inp,
+                                       const float* mean, const float* rstd, int N, int C, int rows) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = blockIdx.y;
+  if (c >= C) return;
+  const int r0 = p * rows;
+  const int r1 = min(N, r0 + rows);
+  float acc_w = 0.0f, acc_b = 0.0f;
+  for (int r = r0; r < r1; ++r) {
+    const size_t i = static_cast<size_t>(r) * C + c;
+    const float d = __bfloat162float(x[i]);
+    acc_b += d;
+    if constexpr (LN) acc_w += d * (__bfloat162float(inp[i]) - mean[r]) * rstd[r];
+  }
+  partial_b[static_cast<size_t>(p) * C + c] = acc_b;
+  if constexpr (LN) partial_w[static_cast<size_t>(p) * C + c] = acc_w;
+}
+
+// out[C] += Σ_p partial[p, c], p in order (out may be null: nothing to do).
+__global__ void column_finish_kernel(bf16* out_w, const float* partial_w, bf16* out_b, const float* partial_b,
+                                     int P, int C) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  if (out_b) {
+    float s = 0.0f;
+    for (int p = 0; p < P; ++p) s += partial_b[static_cast<size_t>(p) * C + c];
+    out_b[c] = __float2bfloat16_rn(__bfloat162float(out_b[c]) + s);
+  }
+  if (out_w) {
+    float s = 0.0f;
+    for (int p = 0; p < P; ++p) s += partial_w[static_cast<size_t>(p) * C + c];
+    out_w[c] = __float2bfloat16_rn(__bfloat162float(out_w[c]) + s);
+  }
+}
+
+// ---------------------------------------------------------------- element-wise
+
+constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2/pi)
+
+__device__ __forceinline__ float gelu_f(float x) {
+  float cube = 0.044715f * x * x * x;
+  return 0.5f * x * (1.0f + tanhf(kGeluS * (x + cube)));
+}
+
+__device__ __forceinline__ float gelu_grad_f(float x) {
+  float cube = 0.044715f * x * x * x;
+  float t = tanhf(kGeluS * (x + cube));
+  float sech2 = 1.0f - t * t;
+  return 0.5f * (1.0f + t) + x * 0.5f * sech2 * kGeluS * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+enum class Ew { Gelu, GeluBackward, Add };
+
+// out[n] = f(a[n], b[n]); 8 elements per thread when VEC == 8 (then n % 8 == 0).
+template <Ew OP, int VEC>
+__global__ void elementwise_kernel(bf16* out, const bf16* a, const bf16* b, size_t n) {
+  const size_t items = n / VEC;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float x[VEC], y[VEC];
+    if constexpr (VEC == 8) {
+      unpack8(load8(a + i * 8), x);
+      if constexpr (OP != Ew::Gelu) unpack8(load8(b + i * 8), y);
+    } else {
+      x[0] = __bfloat162float(a[i]);
+      if constexpr (OP != Ew::Gelu) y[0] = __bfloat162float(b[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if constexpr (OP == Ew::Gelu) x[k] = gelu_f(x[k]);
+      else if constexpr (OP == Ew::GeluBackward) x[k] = gelu_grad_f(x[k]) * y[k];
+      else x[k] = x[k] + y[k];
+    }
+    if constexpr (VEC == 8) store8(out + i * 8, pack8(x));
+    else out[i] = __float2bfloat16_rn(x[0]);
+  }
+}
+
+template <Ew OP>
+cudaError_t launch_elementwise(bf16* out, const bf16* a, const bf16* b, size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const bool vec = n % 8 == 0 && aligned16(out) && aligned16(a) && (b == nullptr || aligned16(b));
+  if (vec) elementwise_kernel<OP, 8><<<grid_for(n / 8), kThreads, 0, stream>>>(out, a, b, n);
+  else elementwise_kernel<OP, 1><<<grid_for(n), kThreads, 0, stream>>>(out, a, b, n);
+  return launched();
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+// One block per row. losses[N], logits[N,V], targets[N]. With `backward`,
+// logits[n,:] is overwritten with (softmax - onehot) * scale.
+template <int VEC>
+__global__ void crossentropy_kernel(float* losses, bf16* logits, const int32_t* targets, int V,
+                                    bool backward, float scale) {
+  __shared__ float red[32];
+  const int n = blockIdx.x;
+  bf16* row = logits + static_cast<size_t>(n) * V;
+  const int target = targets[n];
+  const bool valid = target >= 0 && target < V;
+  const float xt = valid ? __bfloat162float(row[target]) : NAN;  // read before any write
+  float m = -INFINITY, s = 0.0f;
+  for (int c = threadIdx.x * VEC; c < V; c += blockDim.x * VEC) {
+    float f[VEC];
+    if constexpr (VEC == 8) unpack8(load8(row + c), f);
+    else f[0] = __bfloat162float(row[c]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if (f[k] > m) {
+        s = s * __expf(m - f[k]) + 1.0f;
+        m = f[k];
+      } else {
+        s += __expf(f[k] - m);
+      }
+    }
+  }
+  const float M = block_max(m, red);
+  const float S = block_sum(m == -INFINITY ? 0.0f : s * __expf(m - M), red);
+  if (threadIdx.x == 0) losses[n] = logf(S) + M - xt;
+  if (!backward) return;
+  const float inv = 1.0f / S;
+  for (int c = threadIdx.x * VEC; c < V; c += blockDim.x * VEC) {
+    float f[VEC];
+    if constexpr (VEC == 8) unpack8(load8(row + c), f);
+    else f[0] = __bfloat162float(row[c]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      float p = __expf(f[k] - M) * inv;
+      f[k] = (p - (c + k == target ? 1.0f : 0.0f)) * scale;
+    }
+    if constexpr (VEC == 8) store8(row + c, pack8(f));
+    else row[c] = __float2bfloat16_rn(f[0]);
+  }
+}
+
+// ---------------------------------------------------------------- norms, AdamW
+
+constexpr int kNormBlocks = 256;
+
+unsigned norm_blocks(size_t n) {
+  size_t g = (n + 8 * kThreads * 4 - 1) / (8 * kThreads * 4);
+  if (g < 1) g = 1;
+  if (g > kNormBlocks) g = kNormBlocks;
+  return static_cast<unsigned>(g);
+}
+
+// partial[gridDim.x] = per-block Σ grad² (grid-stride, fixed grid); grad[n].
+template <int VEC>
+__global__ void squared_norm_partial_kernel(float* partial, const bf16* grad, size_t n) {
+  __shared__ float red[32];
+  float acc = 0.0f;
+  const size_t items = n / VEC;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    if constexpr (VEC == 8) {
+      float f[8];
+      unpack8(load8(grad + i * 8), f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc += f[k] * f[k];
+    } else {
+      float f = __bfloat162float(grad[i]);
+      acc += f * f;
+    }
+  }
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// out[0] = Σ partial[P] + Σ tail grad² (tail = elements past the last full vector).
+__global__ void squared_norm_finish_kernel(float* out, const float* partial, int P, const bf16* tail,
+                                           int tail_n) {
+  __shared__ float red[32];
+  float acc = 0.0f;
+  for (int i = threadIdx.x; i < P; i += blockDim.x) acc += partial[i];
+  if (threadIdx.x < tail_n) {
+    float f = __bfloat162float(tail[threadIdx.x]);
+    acc += f * f;
+  }
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) out[0] = acc;
+}
+
+// scale_norm[2] from sq[P]: the double sum of clip_scale_host, in index order.
+__global__ void clip_scale_kernel(float* scale_norm, const float* sq, int P, float max_norm) {
+  double sum = 0.0;
+  for (int i = 0; i < P; ++i) sum += static_cast<double>(sq[i]);
+  const double norm = sqrt(sum);
+  float scale = 1.0f;
+  if (norm > static_cast<double>(max_norm))
+    scale = static_cast<float>(static_cast<double>(max_norm) / (norm + 1e-6));
+  scale_norm[0] = scale;
+  scale_norm[1] = static_cast<float>(norm);
+}
+
+// bf16 of optim's round_bf16: nearest even; NaN keeps sign and top payload, made quiet.
+__device__ __forceinline__ bf16 round_bf16(float f) {
+  const uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u)
+    return __ushort_as_bfloat16(static_cast<unsigned short>((bits >> 16) | 0x0040u));
+  return __float2bfloat16_rn(f);
+}
+
+__device__ __forceinline__ void adamw_one(float gin, float scale, float& m, float& v, float& w,
+                                          const AdamWHyper& h) {
+  const float g = __fmul_rn(gin, scale);
+  m = __fmaf_rn(h.beta1, m, __fmul_rn(h.one_minus_beta1, g));
+  v = __fmaf_rn(h.beta2, v, __fmul_rn(__fmul_rn(h.one_minus_beta2, g), g));
+  const float mhat = __fdiv_rn(m, h.bias_correction1);
+  const float vhat = __fdiv_rn(v, h.bias_correction2);
+  const float upd = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), h.eps));
+  w = __fmaf_rn(-h.lr, __fmaf_rn(h.weight_decay, w, upd), w);
+}
+
+// param[n], master[n], m[n], v[n], grad[n]; VEC = 4 elements per thread (16-byte
+// F32 accesses) or 1.
+template <int VEC>
+__global__ void adamw_kernel(bf16* param, float* master, float* m, float* v, const bf16* grad,
+                             const float* scale_norm, size_t n, AdamWHyper h) {
+  const float scale = scale_norm[0];
+  const size_t items = n / VEC;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    if constexpr (VEC == 4) {
+      float4 mm = reinterpret_cast<const float4*>(m)[i];
+      float4 vv = reinterpret_cast<const float4*>(v)[i];
+      float4 ww = reinterpret_cast<const float4*>(master)[i];
+      uint2 graw = reinterpret_cast<const uint2*>(grad)[i];
+      const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&graw);
+      float2 g01 = __bfloat1622float2(g2[0]), g23 = __bfloat1622float2(g2[1]);
+      adamw_one(g01.x, scale, mm.x, vv.x, ww.x, h);
+      adamw_one(g01.y, scale, mm.y, vv.y, ww.y, h);
+      adamw_one(g23.x, scale, mm.z, vv.z, ww.z, h);
+      adamw_one(g23.y, scale, mm.w, vv.w, ww.w, h);
+      reinterpret_cast<float4*>(m)[i] = mm;
+      reinterpret_cast<float4*>(v)[i] = vv;
+      reinterpret_cast<float4*>(master)[i] = ww;
+      __nv_bfloat162 p[2];
+      p[0].x = round_bf16(ww.x);
+      p[0].y = round_bf16(ww.y);
+      p[1].x = round_bf16(ww.z);
+      p[1].y = round_bf16(ww.w);
+      reinterpret_cast<uint2*>(param)[i] = *reinterpret_cast<const uint2*>(p);
+    } else {
+      float mm = m[i], vv = v[i], ww = master[i];
+      adamw_one(__bfloat162float(grad[i]), scale, mm, vv, ww, h);
+      m[i] = mm;
+      v[i] = vv;
+      master[i] = ww;
+      param[i] = round_bf16(ww);
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- launchers
+
+cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe,
+                                     int B, int T, int C, cudaStream_t stream) {
+  const int N = B * T;
+  if (N == 0 || C == 0) return cudaSuccess;
+  if (C % 8 == 0 && aligned16(out) && aligned16(wte) && aligned16(wpe))
+    embedding_forward_kernel<8><<<grid_for(static_cast<size_t>(N) * C / 8), kThreads, 0, stream>>>(
+        out, tokens, wte, wpe, N, T, C);
+  else
+    embedding_forward_kernel<1><<<grid_for(static_cast<size_t>(N) * C), kThreads, 0, stream>>>(
+        out, tokens, wte, wpe, N, T, C);
+  return launched();
+}
+
+namespace {
+size_t round_up(size_t x) { return (x + 255) / 256 * 256; }
+}  // namespace
+
+cudaError_t embedding_backward_scratch_bytes(int N, size_t* bytes) {
+  size_t temp = 0;
+  cudaError_t e = cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const int32_t*>(nullptr),
+                                                  static_cast<int32_t*>(nullptr),
+                                                  static_cast<const int32_t*>(nullptr),
+                                                  static_cast<int32_t*>(nullptr), N);
+  *bytes = 3 * round_up(static_cast<size_t>(N) * 4) + round_up(temp);
+  return e;
+}
+
+cudaError_t launch_embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int32_t* tokens,
+                                      int B, int T, int C, void* scratch, size_t scratch_bytes,
+                                      cudaStream_t stream) {
+  const int N = B * T;
+  if (N == 0 || C == 0) return cudaSuccess;
+  char* s = static_cast<char*>(scratch);
+  const size_t vec_bytes = round_up(static_cast<size_t>(N) * 4);
+  int32_t* vals_in = reinterpret_cast<int32_t*>(s);
+  int32_t* keys_out = reinterpret_cast<int32_t*>(s + vec_bytes);
+  int32_t* vals_out = reinterpret_cast<int32_t*>(s + 2 * vec_bytes);
+  void* temp = s + 3 * vec_bytes;
+  size_t temp_bytes = scratch_bytes - 3 * vec_bytes;
+  iota_kernel<<<grid_for(N), kThreads, 0, stream>>>(vals_in, N);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+  e = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens, keys_out, vals_in, vals_out, N, 0,
+                                      static_cast<int>(sizeof(int32_t) * 8), stream);
+  if (e != cudaSuccess) return e;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(dwte) && aligned16(dout)) {
+    dim3 grid(ceil_div(N, warps), ceil_div(C, 32 * 8));
+    embedding_dwte_kernel<8><<<grid, kThreads, 0, stream>>>(dwte, dout, keys_out, vals_out, N, C);
+  } else {
+    dim3 grid(ceil_div(N, warps), ceil_div(C, 32));
+    embedding_dwte_kernel<1><<<grid, kThreads, 0, stream>>>(dwte, dout, keys_out, vals_out, N, C);
+  }
+  e = launched();
+  if (e != cudaSuccess) return e;
+  embedding_dwpe_kernel<<<grid_for(static_cast<size_t>(T) * C), kThreads, 0, stream>>>(dwpe, dout, B, T, C);
+  return launched();
+}
+
+cudaError_t launch_layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                     const bf16* weight, const bf16* bias, int N, int C,
+                                     cudaStream_t stream) {
+  if (N == 0 || C == 0) return cudaSuccess;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias))
+    layernorm_forward_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(out, mean, rstd, inp, weight,
+                                                                            bias, N, C);
+  else
+    layernorm_forward_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(out, mean, rstd, inp, weight,
+                                                                            bias, N, C);
+  return launched();
+}
+
+size_t layernorm_backward_scratch_bytes(int N, int C) {
+  return 2 * static_cast<size_t>(column_chunks(N).count) * C * sizeof(float);
+}
+
+cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout,
+                                      const bf16* inp, const bf16* weight, const float* mean,
+                                      const float* rstd, int N, int C, void* scratch,
+                                      cudaStream_t stream) {
+  if (N == 0 || C == 0) return cudaSuccess;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
+    layernorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
+                                                                         rstd, N, C);
+  else
+    layernorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
+                                                                         rstd, N, C);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+  const Chunks ch = column_chunks(N);
+  float* pw = static_cast<float*>(scratch);
+  float* pb = pw + static_cast<size_t>(ch.count) * C;
+  dim3 grid(ceil_div(C, kThreads), ch.count);
+  column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, ch.rows);
+  e = launched();
+  if (e != cudaSuccess) return e;
+  column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
+  return launched();
+}
+
+size_t bias_backward_scratch_bytes(int N, int OC) {
+  return static_cast<size_t>(column_chunks(N).count) * OC * sizeof(float);
+}
+
+cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, void* scratch,
+                                 cudaStream_t stream) {
+  if (N == 0 || OC == 0 || dbias == nullptr) return cudaSuccess;
+  const Chunks ch = column_chunks(N);
+  float* pb = static_cast<float*>(scratch);
+  dim3 grid(ceil_div(OC, kThreads), ch.count);
+  column_partials_kernel<false><<<grid, kThreads, 0, stream>>>(nullptr, pb, dout, nullptr, nullptr, nullptr,
+                                                               N, OC, ch.rows);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+  column_finish_kernel<<<ceil_div(OC, kThreads), kThreads, 0, stream>>>(nullptr, nullptr, dbias, pb, ch.count,
+                                                                        OC);
+  return launched();
+}
+
+cudaError_t launch_gelu_forward(bf16* out, const bf16* inp, size_t n, cudaStream_t stream) {
+  return launch_elementwise<Ew::Gelu>(out, inp, nullptr, n, stream);
+}
+
+cudaError_t launch_gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, size_t n,
+                                 cudaStream_t stream) {
+  return launch_elementwise<Ew::GeluBackward>(dinp, inp, dout, n, stream);
+}
+
+cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, size_t n,
+                                    cudaStream_t stream) {
+  return launch_elementwise<Ew::Add>(out, a, b, n, stream);
+}
+
+cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V,
+                                bool backward, float dlogits_scale, cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  if (V % 8 == 0 && aligned16(logits))
+    crossentropy_kernel<8><<<N, 512, 0, stream>>>(losses, logits, targets, V, backward, dlogits_scale);
+  else
+    crossentropy_kernel<1><<<N, 512, 0, stream>>>(losses, logits, targets, V, backward, dlogits_scale);
+  return launched();
+}
+
+size_t squared_norm_scratch_bytes() { return kNormBlocks * sizeof(float); }
+
+cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void* scratch,
+                                cudaStream_t stream) {
+  float* partial = static_cast<float*>(scratch);
+  const bool vec = aligned16(grad);
+  const size_t body = vec ? n / 8 * 8 : n;
+  const unsigned blocks = norm_blocks(n);
+  if (vec) squared_norm_partial_kernel<8><<<blocks, kThreads, 0, stream>>>(partial, grad, body);
+  else squared_norm_partial_kernel<1><<<blocks, kThreads, 0, stream>>>(partial, grad, body);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+  squared_norm_finish_kernel<<<1, kThreads, 0, stream>>>(out_sq, partial, static_cast<int>(blocks),
+                                                         grad + body, static_cast<int>(n - body));
+  return launched();
+}
+
+cudaError_t launch_clip_scale(float* scale_norm, const float* sq, int P, float max_norm,
+                              cudaStream_t stream) {
+  clip_scale_kernel<<<1, 1, 0, stream>>>(scale_norm, sq, P, max_norm);
+  return launched();
+}
+
+cudaError_t launch_adamw(bf16* param, float* master, float* m, float* v, const bf16* grad,
+                         const float* scale_norm, size_t n, const AdamWHyper& hyper,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const bool vec = aligned16(master) && aligned16(m) && aligned16(v) &&
+                   (reinterpret_cast<uintptr_t>(param) & 7u) == 0 &&
+                   (reinterpret_cast<uintptr_t>(grad) & 7u) == 0;
+  size_t body = 0;
+  if (vec && n >= 4) {
+    body = n / 4 * 4;
+    adamw_kernel<4><<<grid_for(body / 4), kThreads, 0, stream>>>(param, master, m, v, grad, scale_norm, body,
+                                                                 hyper);
+    cudaError_t e = launched();
+    if (e != cudaSuccess) return e;
+  }
+  if (body < n) {
+    adamw_kernel<1><<<grid_for(n - body), kThreads, 0, stream>>>(param + body, master + body, m + body,
+                                                                 v + body, grad + body, scale_norm,
+                                                                 n - body, hyper);
+    return launched();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace spillway::cuda_detail

@@ -1,0 +1,153 @@
+// cuBLASLt matrix products of the CUDA backend (see matmul.cuh).
+#include "backend/cuda/matmul.cuh"
+
+namespace spillway::cuda_detail {
+
+std::string cublas_error_text(const char* what, cublasStatus_t s) {
+  return std::string(what) + ": " + cublasLtGetStatusName(s) + " (" + cublasLtGetStatusString(s) + ")";
+}
+
+namespace {
+
+Status lt_status(const char* what, cublasStatus_t s) {
+  if (s == CUBLAS_STATUS_SUCCESS) return Status::ok();
+  if (s == CUBLAS_STATUS_ALLOC_FAILED) return Status::out_of_memory(cublas_error_text(what, s));
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED) return Status::unsupported(cublas_error_text(what, s));
+  if (s == CUBLAS_STATUS_INVALID_VALUE) return Status::invalid_argument(cublas_error_text(what, s));
+  return Status::internal(cublas_error_text(what, s));
+}
+
+#define LT_RETURN_IF_ERROR(what, expr)                      \
+  do {                                                      \
+    cublasStatus_t lt_s__ = (expr);                         \
+    if (lt_s__ != CUBLAS_STATUS_SUCCESS) return lt_status(what, lt_s__); \
+  } while (0)
+
+constexpr uint32_t kAlign = 256;  // every tensor is 256-byte aligned (Backend::alignment)
+
+}  // namespace
+
+LtMatmul::~LtMatmul() {
+  for (auto& [key, p] : plans_) {
+    // Destruction: nothing to report to, and the descriptors are host objects.
+    if (p.a) (void)cublasLtMatrixLayoutDestroy(p.a);
+    if (p.b) (void)cublasLtMatrixLayoutDestroy(p.b);
+    if (p.c) (void)cublasLtMatrixLayoutDestroy(p.c);
+    if (p.desc) (void)cublasLtMatmulDescDestroy(p.desc);
+  }
+  if (handle_) (void)cublasLtDestroy(handle_);
+}
+
+Status LtMatmul::init(cudaStream_t stream, void* workspace, size_t workspace_bytes) {
+  LT_RETURN_IF_ERROR("cublasLtCreate", cublasLtCreate(&handle_));
+  stream_ = stream;
+  workspace_ = workspace;
+  workspace_bytes_ = workspace_bytes;
+  return Status::ok();
+}
+
+Status LtMatmul::plan_for(const Key& key, Plan** out) {
+  auto it = plans_.find(key);
+  if (it != plans_.end()) {
+    *out = &it->second;
+    return Status::ok();
+  }
+  Plan p;
+  // Destroys the partial plan on any early return.
+  struct Guard {
+    Plan* p;
+    bool armed = true;
+    ~Guard() {
+      if (!armed) return;
+      if (p->a) (void)cublasLtMatrixLayoutDestroy(p->a);
+      if (p->b) (void)cublasLtMatrixLayoutDestroy(p->b);
+      if (p->c) (void)cublasLtMatrixLayoutDestroy(p->c);
+      if (p->desc) (void)cublasLtMatmulDescDestroy(p->desc);
+    }
+  } guard{&p};
+
+  LT_RETURN_IF_ERROR("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LT_RETURN_IF_ERROR("set TRANSA", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  LT_RETURN_IF_ERROR("set TRANSB", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (key.bias) {
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    LT_RETURN_IF_ERROR("set EPILOGUE", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    cudaDataType_t bt = CUDA_R_16BF;
+    LT_RETURN_IF_ERROR("set BIAS_DATA_TYPE",
+                       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+    // The heuristic reads the bias pointer's alignment: give it a 256-aligned one.
+    const void* bias = workspace_;
+    LT_RETURN_IF_ERROR("set BIAS_POINTER",
+                       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  const uint64_t a_rows = key.ta ? key.k : key.m, a_cols = key.ta ? key.m : key.k;
+  const uint64_t b_rows = key.tb ? key.n : key.k, b_cols = key.tb ? key.k : key.n;
+  LT_RETURN_IF_ERROR("layout A", cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, a_rows, a_cols, static_cast<int64_t>(a_rows)));
+  LT_RETURN_IF_ERROR("layout B", cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_rows, b_cols, static_cast<int64_t>(b_rows)));
+  LT_RETURN_IF_ERROR("layout C", cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, key.m, key.n, key.m));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  LT_RETURN_IF_ERROR("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
+  } pref_guard{pref};
+  uint64_t ws = workspace_bytes_;
+  LT_RETURN_IF_ERROR("pref workspace", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    LT_RETURN_IF_ERROR("pref alignment", cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlign, sizeof(kAlign)));
+  }
+  // Split-K only with a reduction through the workspace in a fixed order; never
+  // in place in the output.
+  uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                     CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+  LT_RETURN_IF_ERROR("pref reduction scheme",
+                     cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  LT_RETURN_IF_ERROR("cublasLtMatmulAlgoGetHeuristic",
+                     cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
+  if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+    return Status::unsupported("cuBLASLt has no algorithm for a bf16 product of m=" + std::to_string(key.m) +
+                               " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k));
+  p.algo = result.algo;
+  guard.armed = false;
+  auto [pos, inserted] = plans_.emplace(key, p);
+  *out = &pos->second;
+  return Status::ok();
+}
+
+Status LtMatmul::run(const Key& key, const void* A, const void* B, void* D, const void* bias) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Plan* p = nullptr;
+  SPILLWAY_RETURN_IF_ERROR(plan_for(key, &p));
+  if (key.bias)
+    LT_RETURN_IF_ERROR("set BIAS_POINTER",
+                       cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  const float alpha = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
+  LT_RETURN_IF_ERROR("cublasLtMatmul", cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->c,
+                                                      D, p->c, &p->algo, workspace_, workspace_bytes_, stream_));
+  return Status::ok();
+}
+
+Status LtMatmul::forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC) {
+  if (N == 0 || OC == 0) return Status::ok();
+  Key key{true, false, OC, N, C, bias != nullptr, false};
+  return run(key, weight, inp, out, bias);
+}
+
+Status LtMatmul::backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC) {
+  if (N == 0 || C == 0) return Status::ok();
+  Key key{false, false, C, N, OC, false, false};
+  return run(key, weight, dout, dinp, nullptr);
+}
+
+Status LtMatmul::backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC) {
+  if (OC == 0 || C == 0 || N == 0) return Status::ok();
+  Key key{false, true, C, OC, N, false, true};
+  return run(key, inp, dout, dweight, nullptr);
+}
+
+}  // namespace spillway::cuda_detail

@@ -1,0 +1,287 @@
+// `spillway bench ops`: the time of each op of a GPT step on a backend, at one
+// model shape (gpt2-124m by default), and matrix-product and attention rates.
+//
+//   spillway bench ops --backend cuda --B 16 --T 1024 --C 768 --NH 12 --V 50304
+//   spillway bench ops --backend cpu --B 1 --T 256 --reps 2
+//
+// Inputs are pseudo-random (never zeros). Each op runs once untimed (warm-up,
+// algorithm choice), then `rounds` times `reps` back to back; a round is timed
+// from a synchronize() to a synchronize(), and the median round gives the time.
+// The last lines estimate one training step (L layers, fwd + bwd + AdamW) as the
+// sum of its ops.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "cli/command.h"
+#include "core/size.h"
+#include "optim/adamw.h"
+
+namespace spillway::cli {
+namespace {
+
+struct Options {
+  std::string backend = "cuda";
+  int B = 16, T = 1024, C = 768, NH = 12, V = 50304, L = 12;
+  int reps = 10, rounds = 5;
+  int threads = 0;
+};
+
+class Bench {
+ public:
+  Bench(Backend& b, const Options& o) : b_(b), o_(o), act_bytes_(dtype_size(b.activation_dtype())) {}
+  ~Bench() {
+    (void)b_.synchronize();  // nothing to report to on the way out
+    for (void* p : allocs_) b_.device_free(p);
+  }
+
+  // A device tensor of n activation-dtype (or 4-byte) elements with pseudo-random
+  // values of magnitude ~scale.
+  Result<void*> tensor(size_t n, bool f32 = false, float scale = 1.0f) {
+    const size_t esize = f32 ? 4 : act_bytes_;
+    SPILLWAY_ASSIGN_OR_RETURN(void* p, b_.device_alloc(std::max<size_t>(n * esize, 1)));
+    allocs_.push_back(p);
+    // A 4 MiB random pattern tiled over the tensor.
+    const size_t chunk_elems = std::min<size_t>(n, size_t{1} << 20);
+    std::vector<uint8_t> pattern(chunk_elems * esize);
+    uint64_t z = 0x9e3779b97f4a7c15ull * (allocs_.size() + 1);
+    for (size_t i = 0; i < chunk_elems; ++i) {
+      z ^= z >> 12;
+      z ^= z << 25;
+      z ^= z >> 27;
+      const float u = static_cast<float>((z * 0x2545f4914f6cdd1dull) >> 40) / 16777216.0f;  // [0, 1)
+      const float x = (2.0f * u - 1.0f) * scale;
+      if (esize == 4) {
+        std::memcpy(&pattern[i * 4], &x, 4);
+      } else {
+        const uint16_t h = float_to_bf16(x);
+        std::memcpy(&pattern[i * 2], &h, 2);
+      }
+    }
+    for (size_t done = 0; done < n; done += chunk_elems) {
+      const size_t count = std::min(chunk_elems, n - done);
+      SPILLWAY_RETURN_IF_ERROR(b_.upload(static_cast<uint8_t*>(p) + done * esize, pattern.data(), count * esize));
+    }
+    return p;
+  }
+
+  Result<int32_t*> tokens(size_t n) {
+    SPILLWAY_ASSIGN_OR_RETURN(void* p, b_.device_alloc(n * 4));
+    allocs_.push_back(p);
+    std::vector<int32_t> t(n);
+    uint64_t z = 88172645463325252ull;
+    for (auto& x : t) {
+      z ^= z << 13;
+      z ^= z >> 7;
+      z ^= z << 17;
+      x = static_cast<int32_t>(z % static_cast<uint64_t>(o_.V));
+    }
+    SPILLWAY_RETURN_IF_ERROR(b_.upload(p, t.data(), n * 4));
+    return static_cast<int32_t*>(p);
+  }
+
+  // Median milliseconds of one call of `op`.
+  Result<double> time(const std::function<void()>& op) {
+    op();
+    SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+    std::vector<double> ms;
+    for (int r = 0; r < o_.rounds; ++r) {
+      SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+      auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < o_.reps; ++i) op();
+      SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+      auto t1 = std::chrono::steady_clock::now();
+      ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count() / o_.reps);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  }
+
+  // Prints one row: name, ms, and the rate when flops > 0 (and bytes > 0).
+  Status row(const std::string& name, double flops, double bytes, const std::function<void()>& op,
+             double* ms_out = nullptr) {
+    SPILLWAY_ASSIGN_OR_RETURN(double ms, time(op));
+    std::printf("%-34s %10.3f ms", name.c_str(), ms);
+    if (flops > 0) std::printf("  %8.1f TFLOP/s", flops / (ms * 1e-3) / 1e12);
+    if (bytes > 0) std::printf("  %8.1f GB/s", bytes / (ms * 1e-3) / 1e9);
+    std::printf("\n");
+    std::fflush(stdout);
+    if (ms_out) *ms_out = ms;
+    return Status::ok();
+  }
+
+ private:
+  Backend& b_;
+  const Options& o_;
+  size_t act_bytes_;
+  std::vector<void*> allocs_;
+};
+
+Status run_ops(Backend& b, const Options& o) {
+  const int B = o.B, T = o.T, C = o.C, NH = o.NH, V = o.V, L = o.L;
+  const size_t N = static_cast<size_t>(B) * T;
+  const double a = static_cast<double>(dtype_size(b.activation_dtype()));
+  std::printf("backend %s: %s\nshape B=%d T=%d C=%d NH=%d V=%d (L=%d for the step estimate); %d rounds x %d reps, median\n\n",
+              b.name().c_str(), b.description().c_str(), B, T, C, NH, V, L, o.rounds, o.reps);
+  Bench bench(b, o);
+  SPILLWAY_ASSIGN_OR_RETURN(int32_t* tok, bench.tokens(N));
+  SPILLWAY_ASSIGN_OR_RETURN(void* x, bench.tensor(N * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* y, bench.tensor(N * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dx, bench.tensor(N * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* big, bench.tensor(N * 4 * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* big2, bench.tensor(N * 4 * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* qkv, bench.tensor(N * 3 * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dqkv, bench.tensor(N * 3 * C));
+  SPILLWAY_ASSIGN_OR_RETURN(void* stat, bench.tensor(N * NH, true));
+  SPILLWAY_ASSIGN_OR_RETURN(void* mean, bench.tensor(N, true));
+  SPILLWAY_ASSIGN_OR_RETURN(void* rstd, bench.tensor(N, true));
+  SPILLWAY_ASSIGN_OR_RETURN(void* losses, bench.tensor(N, true));
+  SPILLWAY_ASSIGN_OR_RETURN(void* logits, bench.tensor(N * static_cast<size_t>(V), false, 4.0f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* wte, bench.tensor(static_cast<size_t>(V) * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dwte, bench.tensor(static_cast<size_t>(V) * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* wpe, bench.tensor(static_cast<size_t>(T) * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dwpe, bench.tensor(static_cast<size_t>(T) * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* w, bench.tensor(static_cast<size_t>(4) * C * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dw, bench.tensor(static_cast<size_t>(4) * C * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* bias, bench.tensor(static_cast<size_t>(4) * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dbias, bench.tensor(static_cast<size_t>(4) * C, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* sq, bench.tensor(2, true));
+
+  // Per-layer and per-step sums for the estimate.
+  double layer_ms = 0, once_ms = 0, ms = 0;
+  auto add = [&](double& acc, double times = 1.0) { acc += ms * times; };
+
+  struct Mm {
+    const char* name;
+    int C, OC;
+    bool bias, per_layer;
+  };
+  const Mm mms[] = {{"qkv", C, 3 * C, true, true},
+                    {"attn proj", C, C, true, true},
+                    {"fc", C, 4 * C, true, true},
+                    {"fc proj", 4 * C, C, true, true},
+                    {"lm head", C, V, false, false}};
+  std::printf("%-34s %10s\n", "op", "time");
+  for (const Mm& m : mms) {
+    const double flops = 2.0 * N * m.C * m.OC;
+    const void* wt = m.OC == V ? wte : w;
+    void* dwt = m.OC == V ? dwte : dw;
+    void* out = m.OC == V ? logits : (m.OC == C ? y : big);  // also the dout of the backward
+    const void* in = m.C == 4 * C ? big2 : x;
+    void* din = m.C == 4 * C ? big : dx;
+    SPILLWAY_RETURN_IF_ERROR(bench.row(std::string("matmul fwd ") + m.name, flops, 0,
+                                       [&] { b.matmul_forward(out, in, wt, m.bias ? bias : nullptr, N, m.C, m.OC); }, &ms));
+    add(m.per_layer ? layer_ms : once_ms);
+    SPILLWAY_RETURN_IF_ERROR(bench.row(std::string("matmul bwd ") + m.name, 2 * flops, 0,
+                                       [&] { b.matmul_backward(din, dwt, m.bias ? dbias : nullptr, out, in, wt, N, m.C, m.OC); },
+                                       &ms));
+    add(m.per_layer ? layer_ms : once_ms);
+  }
+  const double HD = static_cast<double>(C) / NH;
+  const double attn_flops = 4.0 * B * NH * HD * T * (T + 1) / 2.0;  // causal QKᵀ and PV
+  SPILLWAY_RETURN_IF_ERROR(bench.row("attention fwd", attn_flops, 0,
+                                     [&] { b.attention_forward(y, static_cast<float*>(stat), qkv, B, T, C, NH); }, &ms));
+  add(layer_ms);
+  SPILLWAY_RETURN_IF_ERROR(bench.row("attention bwd (2.5x fwd flops)", 2.5 * attn_flops, 0,
+                                     [&] {
+                                       b.attention_backward(dqkv, dx, qkv, y, static_cast<float*>(stat), B, T, C, NH);
+                                     },
+                                     &ms));
+  add(layer_ms);
+  const double nc = static_cast<double>(N) * C;
+  SPILLWAY_RETURN_IF_ERROR(bench.row("layernorm fwd", 0, nc * a * 2, [&] {
+    b.layernorm_forward(y, static_cast<float*>(mean), static_cast<float*>(rstd), x, w, bias, N, C);
+  }, &ms));
+  add(layer_ms, 2);
+  add(once_ms);
+  SPILLWAY_RETURN_IF_ERROR(bench.row("layernorm bwd", 0, nc * a * 4, [&] {
+    b.layernorm_backward(dx, dw, dbias, y, x, w, static_cast<float*>(mean), static_cast<float*>(rstd), N, C);
+  }, &ms));
+  add(layer_ms, 2);
+  add(once_ms);
+  SPILLWAY_RETURN_IF_ERROR(bench.row("gelu fwd", 0, 4 * nc * a * 2, [&] { b.gelu_forward(big2, big, N * 4 * C); }, &ms));
+  add(layer_ms);
+  SPILLWAY_RETURN_IF_ERROR(
+      bench.row("gelu bwd", 0, 4 * nc * a * 3, [&] { b.gelu_backward(big2, big, big2, N * 4 * C); }, &ms));
+  add(layer_ms);
+  SPILLWAY_RETURN_IF_ERROR(bench.row("residual", 0, nc * a * 3, [&] { b.residual_forward(y, x, dx, N * C); }, &ms));
+  add(layer_ms, 2);
+  SPILLWAY_RETURN_IF_ERROR(
+      bench.row("embedding fwd", 0, nc * a * 2, [&] { b.embedding_forward(y, tok, wte, wpe, B, T, C); }, &ms));
+  add(once_ms);
+  SPILLWAY_RETURN_IF_ERROR(
+      bench.row("embedding bwd", 0, nc * a * 3, [&] { b.embedding_backward(dwte, dwpe, dx, tok, B, T, C); }, &ms));
+  add(once_ms);
+  const double nv = static_cast<double>(N) * V;
+  SPILLWAY_RETURN_IF_ERROR(bench.row("crossentropy fwd", 0, nv * a, [&] {
+    b.crossentropy_forward(static_cast<float*>(losses), logits, tok, N, V);
+  }, &ms));
+  SPILLWAY_RETURN_IF_ERROR(bench.row("crossentropy fwd+bwd (fused)", 0, nv * a * 3, [&] {
+    b.crossentropy_backward(static_cast<float*>(losses), logits, tok, N, V, 1.0f / N);
+  }, &ms));
+  add(once_ms);
+
+  // The optimizer over every parameter of the model, as one tensor.
+  const size_t P = static_cast<size_t>(V) * C + static_cast<size_t>(T) * C +
+                   static_cast<size_t>(L) * (12 * static_cast<size_t>(C) * C + 13 * static_cast<size_t>(C)) + 2 * C;
+  SPILLWAY_ASSIGN_OR_RETURN(void* param, bench.tensor(P, false, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* grad, bench.tensor(P, false, 0.001f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* master, bench.tensor(P, true, 0.02f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* mom, bench.tensor(P, true, 0.001f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* var, bench.tensor(P, true, 0.0f));
+  SPILLWAY_ASSIGN_OR_RETURN(void* scale_norm, bench.tensor(2, true, 0.0f));
+  const float one[2] = {1.0f, 1.0f};
+  SPILLWAY_RETURN_IF_ERROR(b.upload(scale_norm, one, sizeof(one)));
+  const double pa = static_cast<double>(P);
+  SPILLWAY_RETURN_IF_ERROR(bench.row("squared_norm (all params)", 0, pa * a,
+                                     [&] { b.squared_norm(static_cast<float*>(sq), grad, P); }, &ms));
+  add(once_ms);
+  const AdamWHyper h = adamw_hyper(6e-4f, 10, 0.1f);
+  SPILLWAY_RETURN_IF_ERROR(bench.row("adamw (all params)", 0, pa * (2 * a + 24), [&] {
+    b.adamw(param, static_cast<float*>(master), static_cast<float*>(mom), static_cast<float*>(var), grad,
+            static_cast<float*>(scale_norm), P, h);
+  }, &ms));
+  add(once_ms);
+
+  const double step_ms = L * layer_ms + once_ms;
+  const double step_flops = 6.0 * static_cast<double>(P) * N + L * 3.5 * attn_flops;
+  std::printf("\nper layer (fwd+bwd)                %10.3f ms\n", layer_ms);
+  std::printf("step estimate (%zu params)   %10.3f ms  %8.1f TFLOP/s  %8.0f tok/s\n", P, step_ms,
+              step_flops / (step_ms * 1e-3) / 1e12, static_cast<double>(N) / (step_ms * 1e-3));
+  return b.synchronize();
+}
+
+int run(const Options& o) {
+  if (o.B < 1 || o.T < 1 || o.C < 1 || o.NH < 1 || o.V < 1 || o.L < 1 || o.C % o.NH != 0)
+    return fail(Status::invalid_argument("bench ops: B, T, C, NH, V, L must be positive and C a multiple of NH"));
+  if (o.reps < 1 || o.rounds < 1) return fail(Status::invalid_argument("bench ops: --reps and --rounds must be >= 1"));
+  auto backend = make_backend(o.backend, {.threads = o.threads});
+  if (!backend) return fail(backend.status());
+  Status s = run_ops(**backend, o);
+  if (!s.is_ok()) return fail(s);
+  return 0;
+}
+
+CommandRegistration reg("bench ops", "time each op of a GPT step on a backend", [](CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  app.add_option("--backend", o->backend, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--B", o->B, "batch size")->capture_default_str();
+  app.add_option("--T", o->T, "sequence length")->capture_default_str();
+  app.add_option("--C", o->C, "model width")->capture_default_str();
+  app.add_option("--NH", o->NH, "attention heads")->capture_default_str();
+  app.add_option("--V", o->V, "vocabulary size")->capture_default_str();
+  app.add_option("--L", o->L, "layers, for the step estimate")->capture_default_str();
+  app.add_option("--reps", o->reps, "calls per timed round")->capture_default_str();
+  app.add_option("--rounds", o->rounds, "timed rounds (the median is reported)")->capture_default_str();
+  app.add_option("--threads", o->threads, "CPU backend threads (0 = all cores)")->capture_default_str();
+  return [o]() -> int { return run(*o); };
+});
+
+}  // namespace
+}  // namespace spillway::cli
