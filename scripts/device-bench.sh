@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on the lent H200: build, check exactness on CUDA, and time what
+# bench/RESULTS.md records, Spillway and its PyTorch peer side by side.
+# Usage (device tool, carry .deps): scripts/device-bench.sh   (results in $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+log() { echo "== $*" | tee -a "$out/summary.txt"; }
+t0=$(date +%s)
+scripts/device-build.sh spillway > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+log "build $(( $(date +%s) - t0 )) s"
+bin=build-device/spillway
+mkdir -p /tmp/spill
+# Exactness on CUDA: tiny resident vs planned/paging under a small budget, same seed.
+$bin train --backend cuda --model tiny --steps 30 --batch 8 --eval-every 0 --metrics "$out/tiny_resident.jsonl" --quiet > "$out/exact.log" 2>&1
+for p in planned paging; do
+  $bin train --backend cuda --model tiny --steps 30 --batch 8 --eval-every 0 --device-budget 6MiB --policy $p \
+    --metrics "$out/tiny_$p.jsonl" --quiet >> "$out/exact.log" 2>&1
+done
+python3 - "$out" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+o = sys.argv[1]
+def losses(n):
+    try: return [json.loads(l)["loss"] for l in open(f"{o}/tiny_{n}.jsonl")]
+    except Exception as e: return str(e)
+r = losses("resident")
+for p in ("planned", "paging"):
+    x = losses(p)
+    print(f"cuda exactness {p} vs resident: {'IDENTICAL' if x == r else 'DIFFERENT'} ({len(r) if isinstance(r, list) else r} steps)")
+PY
+log "copy and storage bandwidth"
+timeout 60 $bin bench io --dir /tmp/spill --size 1GiB --engines uring,threads --depths 1,32 --backend cuda --copy-size 2GiB 2>&1 | tee -a "$out/summary.txt"
+log "host AdamW"
+timeout 60 $bin bench adam --params 5e8 --dtype bf16 2>&1 | tee -a "$out/summary.txt"
+log "resident training, gpt2-124m"
+timeout 90 $bin bench train --backend cuda --model gpt2-124m --batch 16 --steps 4 2>&1 | tee -a "$out/summary.txt"
+log "24 GiB budget, gpt2-1.5b, planned"
+timeout 150 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 2 --steps 3 --device-budget 24GiB --policy planned 2>&1 | tee -a "$out/summary.txt"
+log "PyTorch peer, same machine"
+NMEAS=3 timeout 120 python3 bench/peers/torch_gpt.py 124M:eager:16 2>&1 | tail -2 | tee -a "$out/summary.txt"
+log "total $(( $(date +%s) - t0 )) s"

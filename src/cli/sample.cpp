@@ -1,0 +1,80 @@
+// `spillway sample`: text from a byte-level (vocab 256) checkpoint.
+//
+//   spillway sample --load build/tiny.safetensors --prompt "ROMEO:" --tokens 200 --temperature 0.8 --context 64
+//
+// --context should be the context the model was trained with: positions beyond it
+// have untrained position embeddings.
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "cli/command.h"
+#include "cli/train_flags.h"
+#include "model/safetensors.h"
+#include "train/data.h"
+#include "train/sampler.h"
+
+namespace spillway::cli {
+namespace {
+
+struct SampleFlags {
+  std::string load;
+  std::string prompt = "\n";
+  int tokens = 200;
+  int context = 0;  // tokens the model sees per prediction; 0 = its context
+  float temperature = 0.8f;
+  uint64_t seed = 1337;
+  std::string backend = "auto";
+  int threads = 0;
+};
+
+Status run_sample(const SampleFlags& f) {
+  if (f.tokens < 0) return Status::invalid_argument("--tokens must be 0 or more, got " + std::to_string(f.tokens));
+  if (!(f.temperature >= 0) || !std::isfinite(f.temperature))
+    return Status::invalid_argument("--temperature must be 0 (greedy) or more, got " + std::to_string(f.temperature));
+  if (f.prompt.empty()) return Status::invalid_argument("--prompt is empty; give at least one character");
+  auto cfg = infer_gpt_config(f.load);
+  if (!cfg.ok()) return cfg.status().with_context("--load");
+  if (cfg->vocab != kByteVocab)
+    return Status::unsupported("--load " + f.load + ": the model's vocabulary has " + std::to_string(cfg->vocab) +
+                               " tokens; sample reads the prompt with the byte tokenizer, so it needs a vocab " +
+                               std::to_string(kByteVocab) + " model");
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.backend, f.threads));
+  const std::vector<int32_t> prompt = byte_encode(f.prompt);
+  if (f.context < 0 || f.context > cfg->context)
+    return Status::invalid_argument("--context " + std::to_string(f.context) + " must be between 1 and the model's context " +
+                                    std::to_string(cfg->context));
+  const size_t limit = static_cast<size_t>(f.context ? f.context : cfg->context);
+  const int window = static_cast<int>(std::min<size_t>(limit, prompt.size() + static_cast<size_t>(f.tokens)));
+  SamplerOptions options;
+  options.window = window;
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Sampler> sampler, Sampler::create(*backend, *cfg, options));
+  SPILLWAY_RETURN_IF_ERROR(sampler->load(f.load).with_context("--load"));
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<int32_t> out,
+                            sampler->generate(prompt, f.tokens, {.temperature = f.temperature, .seed = f.seed}));
+  std::cout << f.prompt << byte_decode(out.data(), out.size()) << "\n";
+  std::cout.flush();
+  if (!std::cout) return Status::io_error("writing the sample to standard output failed");
+  return Status::ok();
+}
+
+CommandRegistration sample_command("sample", "generate text from a trained byte-level model", [](CLI::App& app) -> CommandRun {
+  auto f = std::make_shared<SampleFlags>();
+  app.add_option("--load", f->load, "weights (safetensors) to sample from")->required();
+  app.add_option("--prompt", f->prompt, "text to continue");
+  app.add_option("--tokens", f->tokens, "tokens (bytes) to generate")->capture_default_str();
+  app.add_option("--context", f->context,
+                 "tokens the model sees per prediction (default: its context; use the training --context)");
+  app.add_option("--temperature", f->temperature, "softmax temperature; 0 = always the likeliest token")->capture_default_str();
+  app.add_option("--seed", f->seed, "random seed of the sampling")->capture_default_str();
+  app.add_option("--backend", f->backend, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--threads", f->threads, "CPU backend threads (0 = all cores)");
+  return [f]() -> int {
+    Status s = run_sample(*f);
+    return s.is_ok() ? 0 : fail(s);
+  };
+});
+
+}  // namespace
+}  // namespace spillway::cli

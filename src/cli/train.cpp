@@ -1,0 +1,281 @@
+// `spillway train`: trains a GPT model on a text or token file under memory
+// budgets, with a progress line, per-step JSON metrics, evaluation, checkpoints and
+// an optional Perfetto trace of one step.
+//
+//   spillway train                                     # tiny on the bundled corpus
+//   spillway train --device-budget 4MiB --policy planned --metrics m.jsonl --save tiny.safetensors
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "cli/command.h"
+#include "cli/train_flags.h"
+#include "core/size.h"
+#include "exec/trace.h"
+#include "model/safetensors.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+namespace spillway::cli {
+namespace {
+
+struct TrainFlags {
+  ModelFlags model;
+  MemoryFlags memory;
+  std::string data;
+  int steps = 300, batch = 8, context = 0, accum = 1;
+  float lr = 0;  // 0: 4e-3 for models up to 10M parameters, else 6e-4
+  int warmup = 20;
+  uint64_t seed = 1337;
+  int eval_every = 100, eval_batches = 20;
+  std::string save, load, metrics, trace;
+  bool quiet = false;
+};
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) s = 0;
+  const auto total = static_cast<long long>(s + 0.5);
+  char buf[32];
+  if (total >= 3600) std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", total / 3600, total / 60 % 60, total % 60);
+  else std::snprintf(buf, sizeof buf, "%lld:%02lld", total / 60, total % 60);
+  return buf;
+}
+
+// The progress line on stderr: redrawn in place on a terminal, else one line every
+// `interval` steps (and on evaluation steps and the last step).
+class Progress {
+ public:
+  Progress(int steps, bool quiet) : steps_(steps), quiet_(quiet), tty_(::isatty(STDERR_FILENO) == 1) {
+    interval_ = std::max(1, steps / 20);
+  }
+  void update(const StepResult& r, double elapsed_s) {
+    if (quiet_) return;
+    const bool last = r.step == steps_;
+    if (!tty_ && !last && !r.val_loss && r.step != 1 && r.step % interval_ != 0) return;
+    const double per_step = elapsed_s / static_cast<double>(r.step);
+    char line[256];
+    std::snprintf(line, sizeof line, "step %lld/%d  loss %.4f%s  %s tok/s  ETA %s", static_cast<long long>(r.step),
+                  steps_, r.loss, val_text(r).c_str(), format_count(r.tokens_per_s).c_str(),
+                  format_duration(per_step * static_cast<double>(steps_ - r.step)).c_str());
+    // On a terminal the line is redrawn; evaluation results stay on screen.
+    if (tty_) std::fprintf(stderr, "\r%-90s%s", line, last || r.val_loss ? "\n" : "");
+    else std::fprintf(stderr, "%s\n", line);
+    std::fflush(stderr);
+  }
+  // Ends a redrawn line before other output.
+  void interrupt() {
+    if (tty_ && !quiet_) std::fprintf(stderr, "\n");
+  }
+
+ private:
+  static std::string val_text(const StepResult& r) {
+    if (!r.val_loss) return "";
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "  val %.4f", *r.val_loss);
+    return buf;
+  }
+  int steps_;
+  bool quiet_;
+  bool tty_;
+  int interval_ = 1;
+};
+
+Status check_positive(int value, const char* flag, int minimum = 1) {
+  if (value < minimum)
+    return Status::invalid_argument(std::string(flag) + " must be at least " + std::to_string(minimum) + ", got " +
+                                    std::to_string(value));
+  return Status::ok();
+}
+
+Status run_train(const TrainFlags& f) {
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.steps, "--steps"));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.batch, "--batch"));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.accum, "--accum"));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.context, "--context", 0));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.warmup, "--warmup", 0));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.eval_every, "--eval-every", 0));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.eval_batches, "--eval-batches"));
+  if (!(f.lr >= 0) || !std::isfinite(f.lr))
+    return Status::invalid_argument("--lr must be a positive number, got " + std::to_string(f.lr));
+
+  // Model: from the checkpoint with --load, else the preset and explicit sizes.
+  GPTConfig cfg;
+  if (!f.load.empty()) {
+    auto loaded = infer_gpt_config(f.load);
+    if (!loaded.ok()) return loaded.status().with_context("--load");
+    cfg = *loaded;
+    if (f.model.explicit_sizes()) {
+      SPILLWAY_ASSIGN_OR_RETURN(GPTConfig asked, resolve_model(f.model, &cfg));
+      if (!(asked == cfg))
+        return Status::invalid_argument("--load " + f.load + " holds a model with " + cfg.to_string() +
+                                        ", but the flags ask for " + asked.to_string());
+    }
+  } else {
+    SPILLWAY_ASSIGN_OR_RETURN(cfg, resolve_model(f.model));
+  }
+  const int T = f.context ? f.context : cfg.context;
+  if (T > cfg.context)
+    return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
+                                    std::to_string(cfg.context) + " (" + cfg.to_string() + ")");
+
+  // Data.
+  std::string data_path = f.data;
+  if (data_path.empty()) {
+    SPILLWAY_ASSIGN_OR_RETURN(data_path, find_default_data());
+  }
+  auto data = load_dataset(data_path, cfg.vocab);
+  if (!data.ok()) return data.status().with_context("--data");
+  auto train_loader = DataLoader::create(data->train, f.batch, T, LoaderMode::Random, f.seed);
+  if (!train_loader.ok()) return train_loader.status().with_context("--data");
+  auto val_loader = DataLoader::create(data->val, f.batch, T, LoaderMode::Sequential);
+  if (!val_loader.ok()) return val_loader.status().with_context("--data (validation split)");
+
+  // Backend and memory.
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
+  SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
+
+  TrainerOptions o;
+  o.model = cfg;
+  o.shape = {.B = f.batch, .T = T, .accum = f.accum};
+  const float lr = f.lr > 0 ? f.lr : (cfg.num_parameters() <= 10'000'000 ? 4e-3f : 6e-4f);
+  o.schedule = {.peak = lr, .warmup_steps = f.warmup, .total_steps = f.steps};
+  o.seed = f.seed;
+  o.budgets = mem.budgets;
+  o.planner = mem.planner;
+  o.machine = machine_for(*backend);
+  o.spill_dir = mem.spill_dir;
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
+  if (!f.load.empty()) {
+    SPILLWAY_RETURN_IF_ERROR(trainer->load_parameters(f.load).with_context("--load"));
+  } else {
+    SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
+  }
+
+  std::ofstream metrics;
+  if (!f.metrics.empty()) {
+    metrics.open(f.metrics, std::ios::out | std::ios::trunc);
+    if (!metrics) return errno_status("--metrics: open " + f.metrics, errno);
+  }
+
+  const auto& plan = trainer->plan();
+  if (!f.quiet)
+    std::cerr << "spillway train: " << cfg.to_string() << " (" << format_count(static_cast<double>(cfg.num_parameters()))
+            << " parameters) on " << backend->description() << "\n"
+            << "  data " << data_path << ": " << format_count(static_cast<double>(data->train.size())) << " train, "
+            << format_count(static_cast<double>(data->val.size())) << " val tokens; batch " << f.batch << "x" << T
+            << ", accum " << f.accum << ", " << f.steps << " steps, lr " << lr << "\n"
+            << "  budgets: device "
+            << (o.budgets.device == UINT64_MAX ? std::string("unlimited") : format_size(o.budgets.device)) << ", host "
+            << format_size(o.budgets.host) << ", storage "
+            << (o.budgets.storage ? format_size(o.budgets.storage) : std::string("none")) << "\n"
+            << "  plan: " << plan.description << "\n";
+
+  Progress progress(f.steps, f.quiet);
+  const int trace_step = f.steps >= 2 ? 2 : 1;  // step 1 warms up
+  Trace trace;
+  StepResult last;
+  std::optional<float> last_val;
+  double elapsed = 0, timed_s = 0;
+  int64_t timed_tokens = 0;
+  StepMetrics peaks;
+  const auto loop_start = std::chrono::steady_clock::now();
+  for (int s = 1; s <= f.steps; ++s) {
+    if (!f.trace.empty() && s == trace_step) trainer->trace_next_step(&trace);
+    auto r = trainer->step(*train_loader);
+    if (!r.ok()) {
+      progress.interrupt();
+      return r.status().with_context("step " + std::to_string(s));
+    }
+    elapsed += r->step_s;
+    if (s > 1 || f.steps == 1) {
+      timed_s += r->step_s;
+      timed_tokens += r->tokens;
+    }
+    if (f.eval_every > 0 && (s % f.eval_every == 0 || s == f.steps)) {
+      val_loader->seek(0);
+      auto v = trainer->evaluate(*val_loader, f.eval_batches);
+      if (!v.ok()) {
+        progress.interrupt();
+        return v.status().with_context("evaluation after step " + std::to_string(s));
+      }
+      r->val_loss = *v;
+      last_val = *v;
+    }
+    peaks.peak_device_bytes = std::max(peaks.peak_device_bytes, r->exec.peak_device_bytes);
+    peaks.peak_host_bytes = std::max(peaks.peak_host_bytes, r->exec.peak_host_bytes);
+    peaks.peak_storage_bytes = std::max(peaks.peak_storage_bytes, r->exec.peak_storage_bytes);
+    peaks.h2d_bytes += r->exec.h2d_bytes;
+    peaks.d2h_bytes += r->exec.d2h_bytes;
+    peaks.stall_s += r->exec.stall_s;
+    if (metrics.is_open()) {
+      metrics << metrics_json(*r) << "\n";
+      metrics.flush();
+      if (!metrics) return errno_status("--metrics: write " + f.metrics, errno);
+    }
+    progress.update(*r, std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count());
+    last = *r;
+    if (!f.trace.empty() && s == trace_step) {
+      SPILLWAY_RETURN_IF_ERROR(trace.write(f.trace).with_context("--trace"));
+    }
+  }
+  if (metrics.is_open()) {
+    metrics.close();
+    if (!metrics) return errno_status("--metrics: close " + f.metrics, errno);
+  }
+  if (!f.save.empty()) SPILLWAY_RETURN_IF_ERROR(trainer->save(f.save).with_context("--save"));
+
+  const double tps = timed_s > 0 ? static_cast<double>(timed_tokens) / timed_s : 0;
+  std::printf("final train loss %.4f", last.loss);
+  if (last_val) std::printf(", val loss %.4f", *last_val);
+  std::printf(" after %d steps (%s tokens)\n", f.steps,
+              format_count(static_cast<double>(trainer->tokens_per_step()) * f.steps).c_str());
+  std::printf("throughput %s tokens/s, %.3f s/step; stalled %.1f%% of the time\n", format_count(tps).c_str(),
+              timed_s > 0 ? timed_s / std::max(1, f.steps > 1 ? f.steps - 1 : 1) : 0.0,
+              elapsed > 0 ? 100.0 * peaks.stall_s / elapsed : 0.0);
+  std::printf("peaks: device %s, host %s, storage %s; moved %s host->device, %s device->host\n",
+              format_size(peaks.peak_device_bytes).c_str(), format_size(peaks.peak_host_bytes).c_str(),
+              format_size(peaks.peak_storage_bytes).c_str(), format_size(peaks.h2d_bytes).c_str(),
+              format_size(peaks.d2h_bytes).c_str());
+  if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());
+  if (!f.trace.empty()) std::printf("trace of step %d: %s (open in https://ui.perfetto.dev)\n", trace_step, f.trace.c_str());
+  std::fflush(stdout);
+  return Status::ok();
+}
+
+CommandRegistration train_command("train", "train a GPT model under memory budgets", [](CLI::App& app) -> CommandRun {
+  auto f = std::make_shared<TrainFlags>();
+  add_model_flags(app, f->model);
+  app.add_option("--data", f->data, "text file (bytes are tokens) or llm.c token file (default: the bundled tinyshakespeare)");
+  app.add_option("--steps", f->steps, "optimizer steps")->capture_default_str();
+  app.add_option("--batch", f->batch, "sequences per micro-batch")->capture_default_str();
+  app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
+  app.add_option("--accum", f->accum, "micro-batches per step (gradient accumulation)")->capture_default_str();
+  app.add_option("--lr", f->lr,
+                 "peak learning rate, linear warmup then cosine decay to 10% (default: 4e-3 for models of up to "
+                 "10M parameters, else 6e-4)");
+  app.add_option("--warmup", f->warmup, "warmup steps")->capture_default_str();
+  app.add_option("--seed", f->seed, "parameter initialization and batch order")->capture_default_str();
+  app.add_option("--eval-every", f->eval_every, "evaluate every N steps and after the last (0 = never)")->capture_default_str();
+  app.add_option("--eval-batches", f->eval_batches, "validation batches per evaluation")->capture_default_str();
+  app.add_option("--save", f->save, "write the trained weights (safetensors, Hugging Face GPT-2 names)");
+  app.add_option("--load", f->load, "start from these weights (safetensors; the model's sizes come from it)");
+  app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
+  app.add_option("--trace", f->trace, "write a Perfetto trace of step 2 (step 1 with --steps 1)");
+  app.add_flag("--quiet", f->quiet, "no banner or progress line on stderr (the summary still goes to stdout)");
+  add_memory_flags(app, f->memory);
+  return [f]() -> int {
+    Status s = run_train(*f);
+    return s.is_ok() ? 0 : fail(s);
+  };
+});
+
+}  // namespace
+}  // namespace spillway::cli

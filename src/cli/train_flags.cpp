@@ -1,0 +1,190 @@
+#include "cli/train_flags.h"
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "core/size.h"
+#include "core/thread_pool.h"
+
+namespace spillway::cli {
+
+void add_model_flags(CLI::App& app, ModelFlags& f) {
+  std::string presets;
+  for (const std::string& name : gpt_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
+  app.add_option("--model", f.model, "model preset: " + presets)->capture_default_str();
+  app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)");
+  app.add_option("--width", f.width, "channels (overrides the preset)");
+  app.add_option("--heads", f.heads, "attention heads (overrides the preset)");
+  app.add_option("--model-context", f.model_context, "the model's maximum sequence length (overrides the preset)");
+  app.add_option("--vocab", f.vocab, "vocabulary size (overrides the preset)");
+}
+
+Result<GPTConfig> resolve_model(const ModelFlags& f, const GPTConfig* base) {
+  GPTConfig cfg;
+  if (base) {
+    cfg = *base;
+  } else {
+    auto preset = gpt_preset(f.model);
+    if (!preset.ok()) return preset.status().with_context("--model");
+    cfg = *preset;
+  }
+  auto apply = [](int value, int& field, const char* flag) -> Status {
+    if (value < 0) return Status::invalid_argument(std::string(flag) + " must be positive, got " + std::to_string(value));
+    if (value > 0) field = value;
+    return Status::ok();
+  };
+  SPILLWAY_RETURN_IF_ERROR(apply(f.layers, cfg.layers, "--layers"));
+  SPILLWAY_RETURN_IF_ERROR(apply(f.width, cfg.width, "--width"));
+  SPILLWAY_RETURN_IF_ERROR(apply(f.heads, cfg.heads, "--heads"));
+  SPILLWAY_RETURN_IF_ERROR(apply(f.model_context, cfg.context, "--model-context"));
+  SPILLWAY_RETURN_IF_ERROR(apply(f.vocab, cfg.vocab, "--vocab"));
+  Status s = cfg.validate();
+  if (!s.is_ok()) return s.with_context("model " + cfg.to_string());
+  return cfg;
+}
+
+void add_memory_flags(CLI::App& app, MemoryFlags& f) {
+  app.add_option("--backend", f.backend, "cpu, cuda or auto (cuda when a GPU is present)")->capture_default_str();
+  app.add_option("--threads", f.threads, "CPU backend threads (0 = all cores)");
+  app.add_option("--device-budget", f.device_budget,
+                 "device bytes the step may use, e.g. 512MiB (default: the device's memory; unlimited on cpu)");
+  app.add_option("--host-budget", f.host_budget, "host bytes for tensors (default: 80% of available RAM)");
+  app.add_option("--storage-budget", f.storage_budget,
+                 "bytes of spill files (default with --spill-dir: 90% of its free space)");
+  app.add_option("--spill-dir", f.spill_dir, "folder for spill files (enables the storage tier)");
+  app.add_option("--policy", f.policy, "resident, paging, planned or auto")->capture_default_str();
+  app.add_option("--prefetch", f.prefetch, "paging policy: none or learned")->capture_default_str();
+}
+
+Result<uint64_t> available_host_memory() {
+  std::ifstream in("/proc/meminfo");
+  if (!in) return errno_status("open /proc/meminfo", errno);
+  std::string line;
+  while (std::getline(in, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return kib * 1024ull;
+  }
+  return Status::not_found("/proc/meminfo has no MemAvailable line; give --host-budget");
+}
+
+Result<uint64_t> default_host_budget() {
+  SPILLWAY_ASSIGN_OR_RETURN(uint64_t available, available_host_memory());
+  return available / 10 * 8;
+}
+
+Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backend) {
+  ResolvedMemory r;
+  auto policy = parse_policy(f.policy);
+  if (!policy.ok()) return policy.status();  // its message names --policy
+  r.planner.policy = *policy;
+  r.planner.alignment = backend.alignment();
+  if (f.prefetch == "learned") r.planner.learned_prefetch = true;
+  else if (f.prefetch != "none")
+    return Status::invalid_argument("--prefetch: expected none or learned, got '" + f.prefetch + "'");
+
+  if (!f.device_budget.empty()) {
+    SPILLWAY_ASSIGN_OR_RETURN(r.budgets.device, parse_budget(f.device_budget, "--device-budget"));
+  } else {
+    const size_t capacity = backend.device_capacity();
+    r.budgets.device = capacity == SIZE_MAX ? UINT64_MAX : capacity;
+  }
+  if (!f.host_budget.empty()) {
+    SPILLWAY_ASSIGN_OR_RETURN(r.budgets.host, parse_budget(f.host_budget, "--host-budget"));
+  } else {
+    SPILLWAY_ASSIGN_OR_RETURN(r.budgets.host, default_host_budget());
+  }
+  if (!f.storage_budget.empty() && f.spill_dir.empty())
+    return Status::invalid_argument("--storage-budget needs --spill-dir (the folder for the spill files)");
+  if (!f.spill_dir.empty()) {
+    struct stat st {};
+    if (::stat(f.spill_dir.c_str(), &st) != 0)
+      return errno_status("--spill-dir " + f.spill_dir, errno);
+    if (!S_ISDIR(st.st_mode)) return Status::invalid_argument("--spill-dir " + f.spill_dir + " is not a folder");
+    r.spill_dir = f.spill_dir;
+    if (!f.storage_budget.empty()) {
+      SPILLWAY_ASSIGN_OR_RETURN(r.budgets.storage, parse_budget(f.storage_budget, "--storage-budget"));
+    } else {
+      struct statvfs vfs {};
+      if (::statvfs(f.spill_dir.c_str(), &vfs) != 0) return errno_status("statvfs --spill-dir " + f.spill_dir, errno);
+      const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      r.budgets.storage = free_bytes / 10 * 9;
+      if (r.budgets.storage == 0)
+        return Status::no_space("--spill-dir " + f.spill_dir + " has no free space for spill files");
+    }
+  }
+  return r;
+}
+
+Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads) {
+  if (threads < 0) return Status::invalid_argument("--threads must be 0 (all cores) or more, got " + std::to_string(threads));
+  // The host AdamW runs on the process-wide pool; give it the same thread count.
+  if (threads > 0) set_global_thread_count(threads);
+  auto b = make_backend(name, {.threads = threads});
+  if (!b.ok()) return b.status().with_context("--backend " + name);
+  return b;
+}
+
+namespace {
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool is_dir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string binary_dir() {
+  std::vector<char> buf(4096);
+  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
+  if (n <= 0) return "";
+  std::string exe(buf.data(), static_cast<size_t>(n));
+  auto slash = exe.rfind('/');
+  return slash == std::string::npos ? "" : exe.substr(0, slash);
+}
+
+}  // namespace
+
+Result<std::string> find_default_data() {
+  const std::string file = "tinyshakespeare.txt";
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("SPILLWAY_DATA"); env && *env) {
+    std::string e = env;
+    candidates.push_back(is_dir(e) ? e + "/" + file : e);
+  }
+  const std::string bin = binary_dir();
+  if (!bin.empty()) {
+    candidates.push_back(bin + "/../data/" + file);
+    candidates.push_back(bin + "/data/" + file);
+  }
+  candidates.push_back("data/" + file);
+  for (const std::string& c : candidates)
+    if (is_file(c)) return std::filesystem::path(c).lexically_normal().string();
+  std::string looked;
+  for (const std::string& c : candidates) looked += (looked.empty() ? "" : ", ") + c;
+  return Status::not_found("the bundled corpus " + file + " was not found (looked at " + looked +
+                           "); give --data FILE or set SPILLWAY_DATA");
+}
+
+std::string format_count(double n) {
+  char buf[32];
+  if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2fG", n / 1e9);
+  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
+  else if (n >= 1e4) std::snprintf(buf, sizeof buf, "%.1fk", n / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", n);
+  return buf;
+}
+
+}  // namespace spillway::cli

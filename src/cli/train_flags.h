@@ -1,0 +1,71 @@
+// Flags shared by `spillway train`, `spillway sample` and `spillway bench train`:
+// the model's sizes, the backend, the memory budgets and the planner policy, and
+// where the bundled corpus is.
+//
+//   auto model = std::make_shared<ModelFlags>();
+//   auto memory = std::make_shared<MemoryFlags>();
+//   add_model_flags(app, *model);
+//   add_memory_flags(app, *memory);
+//   ... after parsing:
+//   auto cfg = resolve_model(*model);                  // preset + explicit sizes
+//   auto backend = open_backend(memory->backend, memory->threads);
+//   auto mem = resolve_memory(*memory, **backend);     // Budgets, PlannerOptions, spill dir
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+
+namespace spillway::cli {
+
+struct ModelFlags {
+  std::string model = "tiny";
+  int layers = 0, width = 0, heads = 0, model_context = 0, vocab = 0;  // 0 = the preset's
+  bool explicit_sizes() const { return layers || width || heads || model_context || vocab; }
+};
+void add_model_flags(CLI::App& app, ModelFlags& f);
+// The preset named by --model (or `base`, when given) with any explicit sizes
+// applied, validated.
+Result<GPTConfig> resolve_model(const ModelFlags& f, const GPTConfig* base = nullptr);
+
+struct MemoryFlags {
+  std::string backend = "auto";
+  int threads = 0;
+  std::string device_budget, host_budget, storage_budget, spill_dir;
+  std::string policy = "planned";
+  std::string prefetch = "none";
+};
+void add_memory_flags(CLI::App& app, MemoryFlags& f);
+
+struct ResolvedMemory {
+  Budgets budgets;
+  PlannerOptions planner;
+  std::string spill_dir;
+};
+// Defaults: device = the backend's capacity (unlimited on the CPU), host = 80% of
+// MemAvailable, storage = only with --spill-dir (90% of its file system's free
+// space unless --storage-budget). Errors name the flag.
+Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backend);
+
+// make_backend with the flag's name in the error.
+Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads);
+
+// MemAvailable from /proc/meminfo, and 80% of it (the default host budget).
+Result<uint64_t> available_host_memory();
+Result<uint64_t> default_host_budget();
+
+// The bundled corpus data/tinyshakespeare.txt: $SPILLWAY_DATA (a file, or a folder
+// holding it), then ../data and ./data beside the binary, then ./data. The first
+// candidate that exists; else an error listing where it looked.
+Result<std::string> find_default_data();
+
+// "12.3k" style counts for messages.
+std::string format_count(double n);
+
+}  // namespace spillway::cli

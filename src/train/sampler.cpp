@@ -1,0 +1,115 @@
+#include "train/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "model/safetensors.h"
+#include "train/trainer.h"
+
+namespace spillway {
+
+namespace {
+
+uint64_t splitmix64_next(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+int32_t pick_token(const std::vector<float>& logits, float temperature, double u) {
+  if (logits.empty()) return 0;
+  size_t best = 0;
+  for (size_t i = 1; i < logits.size(); ++i)
+    if (logits[i] > logits[best]) best = i;
+  if (temperature <= 0) return static_cast<int32_t>(best);
+  const double max_logit = logits[best];
+  std::vector<double> p(logits.size());
+  double total = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    p[i] = std::exp((static_cast<double>(logits[i]) - max_logit) / temperature);
+    total += p[i];
+  }
+  double target = u * total, acc = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    acc += p[i];
+    if (target < acc) return static_cast<int32_t>(i);
+  }
+  return static_cast<int32_t>(best);
+}
+
+Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConfig& cfg, const SamplerOptions& options) {
+  SPILLWAY_RETURN_IF_ERROR(cfg.validate());
+  std::unique_ptr<Sampler> s(new Sampler(backend, cfg));
+  s->window_ = options.window > 0 ? std::min(options.window, cfg.context) : cfg.context;
+  SPILLWAY_ASSIGN_OR_RETURN(s->program_, build_forward_program(cfg, 1, s->window_, backend.activation_dtype(), false));
+  PlannerOptions planner = options.planner;
+  planner.alignment = backend.alignment();
+  SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend), options.budgets, planner));
+  ExecutorOptions eo;
+  eo.host_budget = options.budgets.host;
+  eo.spill_dir = options.spill_dir;
+  eo.storage_budget = options.budgets.storage;
+  SPILLWAY_ASSIGN_OR_RETURN(s->executor_, Executor::create(backend, s->program_, s->plan_, eo));
+  s->tokens_ = s->program_.tensors.find("mb0.tokens");
+  s->logits_ = s->program_.tensors.find("mb0.logits");
+  if (s->tokens_ == kNoTensor || s->logits_ == kNoTensor)
+    return Status::internal("the forward program lacks mb0.tokens or mb0.logits");
+  return s;
+}
+
+Status Sampler::set_parameter(const std::string& name, const std::vector<float>& values) {
+  TensorId id = program_.tensors.find(name);
+  if (id == kNoTensor) return Status::not_found("the model has no parameter '" + name + "'");
+  const TensorInfo& info = program_.tensors.info(id);
+  if (static_cast<int64_t>(values.size()) != info.shape.numel())
+    return Status::invalid_argument("parameter " + name + " has " + std::to_string(info.shape.numel()) +
+                                    " elements, got " + std::to_string(values.size()));
+  std::vector<uint8_t> bytes = encode_values(info.dtype, values);
+  return executor_->write_tensor(id, bytes.data(), bytes.size());
+}
+
+Status Sampler::load(const std::string& path) {
+  return import_gpt2(path, cfg_, [&](const ParamSpec& p, std::vector<float>&& values) {
+    return set_parameter(p.name, values);
+  });
+}
+
+Result<std::vector<float>> Sampler::next_logits(const std::vector<int32_t>& context) {
+  if (context.empty()) return Status::invalid_argument("the prompt is empty; give at least one token");
+  const size_t len = std::min(context.size(), static_cast<size_t>(window_));
+  std::vector<int32_t> row(static_cast<size_t>(window_), 0);
+  std::copy(context.end() - static_cast<std::ptrdiff_t>(len), context.end(), row.begin());
+  for (int32_t t : row)
+    if (t < 0 || t >= cfg_.vocab)
+      return Status::invalid_argument("token " + std::to_string(t) + " is outside the model's vocabulary of " +
+                                      std::to_string(cfg_.vocab));
+  SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(tokens_, row.data(), row.size() * sizeof(int32_t)));
+  SPILLWAY_RETURN_IF_ERROR(executor_->run_step({.step = 1, .lr = 0}));
+  const TensorInfo& info = program_.tensors.info(logits_);
+  std::vector<uint8_t> bytes(info.bytes());
+  SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(logits_, bytes.data(), bytes.size()));
+  const size_t V = static_cast<size_t>(cfg_.vocab);
+  return decode_values(info.dtype, bytes.data() + (len - 1) * V * dtype_size(info.dtype), V);
+}
+
+Result<std::vector<int32_t>> Sampler::generate(const std::vector<int32_t>& prompt, int count,
+                                               const SampleOptions& options) {
+  if (prompt.empty()) return Status::invalid_argument("the prompt is empty; give at least one token");
+  if (count < 0) return Status::invalid_argument("cannot generate a negative number of tokens");
+  std::vector<int32_t> text = prompt;
+  std::vector<int32_t> out;
+  uint64_t rng = options.seed;
+  for (int i = 0; i < count; ++i) {
+    SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> logits, next_logits(text));
+    const double u = static_cast<double>(splitmix64_next(rng) >> 11) * 0x1.0p-53;
+    const int32_t next = pick_token(logits, options.temperature, u);
+    text.push_back(next);
+    out.push_back(next);
+  }
+  return out;
+}
+
+}  // namespace spillway

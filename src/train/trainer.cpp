@@ -1,0 +1,312 @@
+#include "train/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "core/size.h"
+#include "model/safetensors.h"
+#include "optim/adamw.h"
+
+namespace spillway {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void append_number(std::string& out, const char* key, double v, const char* format) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  out += ",\"";
+  out += key;
+  out += "\":";
+  out += buf;
+}
+
+void append_integer(std::string& out, const char* key, uint64_t v) {
+  out += ",\"";
+  out += key;
+  out += "\":";
+  out += std::to_string(v);
+}
+
+}  // namespace
+
+std::string metrics_json(const StepResult& r) {
+  std::string s = "{\"step\":" + std::to_string(r.step);
+  append_number(s, "loss", r.loss, "%.9g");
+  append_number(s, "lr", r.lr, "%.9g");
+  append_number(s, "grad_norm", r.grad_norm, "%.9g");
+  append_integer(s, "tokens", static_cast<uint64_t>(r.tokens));
+  append_number(s, "step_s", r.step_s, "%.6f");
+  append_number(s, "tokens_per_s", r.tokens_per_s, "%.1f");
+  append_integer(s, "h2d_bytes", r.exec.h2d_bytes);
+  append_integer(s, "d2h_bytes", r.exec.d2h_bytes);
+  append_integer(s, "storage_read_bytes", r.exec.storage_read_bytes);
+  append_integer(s, "storage_write_bytes", r.exec.storage_write_bytes);
+  append_integer(s, "recomputed_ops", static_cast<uint64_t>(std::max(r.exec.recomputed_ops, 0)));
+  append_number(s, "stall_s", r.exec.stall_s, "%.6f");
+  append_integer(s, "peak_device_bytes", r.exec.peak_device_bytes);
+  append_integer(s, "peak_host_bytes", r.exec.peak_host_bytes);
+  append_integer(s, "peak_storage_bytes", r.exec.peak_storage_bytes);
+  if (r.val_loss) append_number(s, "val_loss", *r.val_loss, "%.9g");
+  s += "}";
+  return s;
+}
+
+Machine machine_for(const Backend& backend) {
+  if (backend.name() == "cuda") {
+    Machine m = Machine::h200();
+    m.device_bytes = backend.device_capacity();
+    return m;
+  }
+  return Machine::cpu_dev_box();
+}
+
+std::vector<uint8_t> encode_values(DType dtype, const std::vector<float>& values) {
+  std::vector<uint8_t> out(values.size() * dtype_size(dtype));
+  if (dtype == DType::BF16) {
+    auto* dst = reinterpret_cast<uint16_t*>(out.data());
+    for (size_t i = 0; i < values.size(); ++i) dst[i] = float_to_bf16(values[i]);
+  } else {
+    std::memcpy(out.data(), values.data(), values.size() * sizeof(float));
+  }
+  return out;
+}
+
+std::vector<float> decode_values(DType dtype, const void* bytes, size_t count) {
+  std::vector<float> out(count);
+  if (dtype == DType::BF16) {
+    const auto* src = static_cast<const uint16_t*>(bytes);
+    for (size_t i = 0; i < count; ++i) out[i] = bf16_to_float(src[i]);
+  } else {
+    std::memcpy(out.data(), bytes, count * sizeof(float));
+  }
+  return out;
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const TrainerOptions& options) {
+  std::unique_ptr<Trainer> t(new Trainer(backend, options));
+  SPILLWAY_RETURN_IF_ERROR(t->setup());
+  return t;
+}
+
+int64_t Trainer::tokens_per_step() const {
+  return int64_t{options_.shape.B} * options_.shape.T * options_.shape.accum;
+}
+
+Result<TensorId> Trainer::find(const std::string& name) const {
+  TensorId id = program_.tensors.find(name);
+  if (id == kNoTensor) return Status::not_found("the training program has no tensor '" + name + "'");
+  return id;
+}
+
+Status Trainer::setup() {
+  const GPTConfig& cfg = options_.model;
+  SPILLWAY_RETURN_IF_ERROR(cfg.validate());
+  const StepShape& shape = options_.shape;
+  if (shape.B <= 0 || shape.T <= 0 || shape.accum <= 0)
+    return Status::invalid_argument("batch, context and accumulation steps must be positive (got B=" +
+                                    std::to_string(shape.B) + " T=" + std::to_string(shape.T) +
+                                    " accum=" + std::to_string(shape.accum) + ")");
+  if (shape.T > cfg.context)
+    return Status::invalid_argument("context " + std::to_string(shape.T) + " is longer than the model's context " +
+                                    std::to_string(cfg.context));
+  options_.planner.alignment = backend_.alignment();
+  SPILLWAY_ASSIGN_OR_RETURN(program_, build_training_program(cfg, shape, backend_.activation_dtype(),
+                                                             options_.max_grad_norm, options_.weight_decay));
+  auto plan = make_plan(program_, options_.machine, options_.budgets, options_.planner);
+  if (!plan.ok()) return plan.status().with_context("planning the training step");
+  plan_ = std::move(*plan);
+  ExecutorOptions eo;
+  eo.host_budget = options_.budgets.host;
+  eo.spill_dir = options_.spill_dir;
+  eo.storage_budget = options_.budgets.storage;
+  auto executor = Executor::create(backend_, program_, plan_, eo);
+  if (!executor.ok()) return executor.status().with_context("creating the training executor");
+  executor_ = std::move(*executor);
+  params_ = parameter_specs(cfg);
+  for (int k = 0; k < shape.accum; ++k) {
+    const std::string mb = "mb" + std::to_string(k) + ".";
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId tok, find(mb + "tokens"));
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId tgt, find(mb + "targets"));
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId los, find(mb + "losses"));
+    tokens_.push_back(tok);
+    targets_.push_back(tgt);
+    losses_.push_back(los);
+  }
+  SPILLWAY_ASSIGN_OR_RETURN(scale_norm_, find("clip.scale_norm"));
+  return Status::ok();
+}
+
+Status Trainer::zero_moments(const ParamSpec& p) {
+  const std::vector<float> zeros(static_cast<size_t>(p.shape.numel()), 0.0f);
+  for (const char* prefix : {"adam_m.", "adam_v."}) {
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId id, find(prefix + p.name));
+    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(id, zeros.data(), zeros.size() * sizeof(float)));
+  }
+  return Status::ok();
+}
+
+Status Trainer::write_parameter(const std::string& name, const std::vector<float>& values) {
+  SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
+  SPILLWAY_ASSIGN_OR_RETURN(TensorId master, find("master." + name));
+  const TensorInfo& info = program_.tensors.info(param);
+  if (static_cast<int64_t>(values.size()) != info.shape.numel())
+    return Status::invalid_argument("parameter " + name + " has " + std::to_string(info.shape.numel()) +
+                                    " elements " + info.shape.to_string() + ", got " +
+                                    std::to_string(values.size()));
+  SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(master, values.data(), values.size() * sizeof(float)));
+  std::vector<uint8_t> bytes = encode_values(info.dtype, values);
+  return executor_->write_tensor(param, bytes.data(), bytes.size());
+}
+
+Status Trainer::init_parameters() {
+  for (const ParamSpec& p : params_) {
+    SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, init_parameter(options_.model, p, options_.seed)));
+    SPILLWAY_RETURN_IF_ERROR(zero_moments(p));
+  }
+  return Status::ok();
+}
+
+Status Trainer::load_parameters(const std::string& path) {
+  return import_gpt2(path, options_.model, [&](const ParamSpec& p, std::vector<float>&& values) -> Status {
+    SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values));
+    return zero_moments(p);
+  });
+}
+
+Status Trainer::save(const std::string& path) {
+  return export_gpt2(path, options_.model, [&](const ParamSpec& p) -> Result<std::vector<float>> {
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId master, find("master." + p.name));
+    std::vector<float> values(static_cast<size_t>(p.shape.numel()));
+    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(master, values.data(), values.size() * sizeof(float)));
+    return values;
+  });
+}
+
+Result<std::vector<float>> Trainer::read_floats(const std::string& tensor_name) {
+  SPILLWAY_ASSIGN_OR_RETURN(TensorId id, find(tensor_name));
+  const TensorInfo& info = program_.tensors.info(id);
+  if (info.dtype != DType::F32 && info.dtype != DType::BF16)
+    return Status::invalid_argument("tensor " + tensor_name + " is " + dtype_name(info.dtype) + ", not a float tensor");
+  std::vector<uint8_t> bytes(info.bytes());
+  SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(id, bytes.data(), bytes.size()));
+  return decode_values(info.dtype, bytes.data(), static_cast<size_t>(info.shape.numel()));
+}
+
+Result<StepResult> Trainer::step(DataLoader& loader) {
+  const StepShape& shape = options_.shape;
+  if (loader.B() != shape.B || loader.T() != shape.T)
+    return Status::invalid_argument("the data loader gives [" + std::to_string(loader.B()) + "," +
+                                    std::to_string(loader.T()) + "] batches; the step takes [" +
+                                    std::to_string(shape.B) + "," + std::to_string(shape.T) + "]");
+  std::vector<TokenBatch> batches(static_cast<size_t>(shape.accum));
+  for (TokenBatch& b : batches) {
+    b.tokens.resize(static_cast<size_t>(shape.B) * shape.T);
+    b.targets.resize(b.tokens.size());
+    loader.next(b.tokens.data(), b.targets.data());
+  }
+  return step(batches);
+}
+
+Result<StepResult> Trainer::step(const std::vector<TokenBatch>& micro_batches) {
+  const auto t0 = Clock::now();
+  const StepShape& shape = options_.shape;
+  const size_t n = static_cast<size_t>(shape.B) * shape.T;
+  if (micro_batches.size() != static_cast<size_t>(shape.accum))
+    return Status::invalid_argument("a step takes " + std::to_string(shape.accum) + " micro-batches, got " +
+                                    std::to_string(micro_batches.size()));
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
+    const TokenBatch& b = micro_batches[k];
+    if (b.tokens.size() != n || b.targets.size() != n)
+      return Status::invalid_argument("micro-batch " + std::to_string(k) + " has " + std::to_string(b.tokens.size()) +
+                                      " tokens and " + std::to_string(b.targets.size()) + " targets; expected " +
+                                      std::to_string(n) + " of each");
+    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(tokens_[k], b.tokens.data(), n * sizeof(int32_t)));
+    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(targets_[k], b.targets.data(), n * sizeof(int32_t)));
+  }
+  StepResult r;
+  r.step = step_ + 1;
+  r.lr = options_.schedule.at(r.step);
+  SPILLWAY_RETURN_IF_ERROR(executor_->run_step({.step = r.step, .lr = r.lr}));
+  step_ = r.step;
+  r.exec = executor_->metrics();
+
+  std::vector<float> losses(n);
+  double sum = 0;
+  for (TensorId id : losses_) {
+    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(id, losses.data(), n * sizeof(float)));
+    for (float l : losses) sum += l;
+  }
+  r.tokens = tokens_per_step();
+  r.loss_f64 = sum / static_cast<double>(r.tokens);
+  r.loss = static_cast<float>(r.loss_f64);
+  float scale_norm[2] = {0, 0};
+  SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(scale_norm_, scale_norm, sizeof scale_norm));
+  r.grad_norm = scale_norm[1];
+  r.step_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.tokens_per_s = r.step_s > 0 ? static_cast<double>(r.tokens) / r.step_s : 0;
+  return r;
+}
+
+Status Trainer::plan_evaluation(int B, int T) {
+  eval_B_ = eval_T_ = 0;
+  if (T > options_.model.context)
+    return Status::invalid_argument("evaluation context " + std::to_string(T) + " is longer than the model's context " +
+                                    std::to_string(options_.model.context));
+  SPILLWAY_ASSIGN_OR_RETURN(eval_program_,
+                            build_forward_program(options_.model, B, T, backend_.activation_dtype(), true));
+  eval_budgets_ = options_.budgets;
+  // The evaluation arena comes on top of the training arena.
+  const size_t free_bytes = backend_.device_free_bytes();
+  if (free_bytes != SIZE_MAX) eval_budgets_.device = std::min<uint64_t>(eval_budgets_.device, free_bytes);
+  auto plan = make_plan(eval_program_, options_.machine, eval_budgets_, options_.planner);
+  if (!plan) return plan.status().with_context("planning the evaluation program");
+  eval_plan_ = std::move(*plan);
+  eval_B_ = B;
+  eval_T_ = T;
+  return Status::ok();
+}
+
+Result<float> Trainer::evaluate(DataLoader& loader, int batches) {
+  if (batches <= 0) return Status::invalid_argument("evaluation needs at least one batch, got " + std::to_string(batches));
+  if (eval_B_ != loader.B() || eval_T_ != loader.T()) SPILLWAY_RETURN_IF_ERROR(plan_evaluation(loader.B(), loader.T()));
+  ExecutorOptions eo;
+  eo.host_budget = eval_budgets_.host;
+  eo.spill_dir = options_.spill_dir;
+  eo.storage_budget = eval_budgets_.storage;
+  auto created = Executor::create(backend_, eval_program_, eval_plan_, eo);
+  if (!created) return created.status().with_context("creating the evaluation executor");
+  Executor& ex = **created;
+  std::vector<uint8_t> buffer;
+  for (const ParamSpec& p : params_) {
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId src, find(p.name));
+    TensorId dst = eval_program_.tensors.find(p.name);
+    if (dst == kNoTensor) return Status::internal("the evaluation program has no parameter " + p.name);
+    buffer.resize(program_.tensors.info(src).bytes());
+    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(src, buffer.data(), buffer.size()));
+    SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(dst, buffer.data(), buffer.size()));
+  }
+  const TensorId tokens = eval_program_.tensors.find("mb0.tokens");
+  const TensorId targets = eval_program_.tensors.find("mb0.targets");
+  const TensorId losses = eval_program_.tensors.find("mb0.losses");
+  if (tokens == kNoTensor || targets == kNoTensor || losses == kNoTensor)
+    return Status::internal("the evaluation program lacks mb0.tokens, mb0.targets or mb0.losses");
+  const size_t n = static_cast<size_t>(loader.B()) * loader.T();
+  std::vector<int32_t> tok(n), tgt(n);
+  std::vector<float> loss(n);
+  double sum = 0;
+  for (int i = 0; i < batches; ++i) {
+    loader.next(tok.data(), tgt.data());
+    SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(tokens, tok.data(), n * sizeof(int32_t)));
+    SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(targets, tgt.data(), n * sizeof(int32_t)));
+    SPILLWAY_RETURN_IF_ERROR(ex.run_step({.step = 1, .lr = 0}));
+    SPILLWAY_RETURN_IF_ERROR(ex.read_tensor(losses, loss.data(), n * sizeof(float)));
+    for (float l : loss) sum += l;
+  }
+  return static_cast<float>(sum / (static_cast<double>(n) * batches));
+}
+
+}  // namespace spillway

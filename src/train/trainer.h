@@ -1,0 +1,170 @@
+// Trainer: builds, plans and runs the training step of a GPT model on a backend,
+// under memory budgets, and evaluates, saves and loads it.
+//
+//   auto data = load_dataset("data/tinyshakespeare.txt", 256);
+//   auto backend = make_backend("cpu");
+//   TrainerOptions o;
+//   o.model = *gpt_preset("tiny");
+//   o.shape = {.B = 8, .T = 128, .accum = 1};
+//   o.schedule = {.peak = 2e-3f, .warmup_steps = 20, .total_steps = 300};
+//   o.budgets = {.device = 8 << 20};                      // forces spilling
+//   o.planner = {.policy = Policy::Planned};
+//   o.machine = machine_for(**backend);
+//   auto trainer = Trainer::create(**backend, o);
+//   if (!trainer) die(trainer.status());
+//   SPILLWAY_RETURN_IF_ERROR((*trainer)->init_parameters());
+//   auto loader = DataLoader::create(data->train, 8, 128, LoaderMode::Random, o.seed);
+//   auto val = DataLoader::create(data->val, 8, 128, LoaderMode::Sequential);
+//   for (int s = 0; s < 300; ++s) {
+//     auto r = (*trainer)->step(*loader);          // r->loss, r->grad_norm, r->exec.h2d_bytes
+//     std::puts(metrics_json(*r).c_str());
+//   }
+//   auto v = (*trainer)->evaluate(*val, 20);       // mean validation loss
+//   SPILLWAY_RETURN_IF_ERROR((*trainer)->save("tiny.safetensors"));
+//
+// The loss of a step is the mean of every token's loss over all micro-batches: the
+// per-micro-batch `losses` tensors are read back and summed on the host in index
+// order (micro-batch 0 first) in double, divided by the token count, and rounded
+// to float once. That float is the number two runs compare bit for bit.
+//
+// Parameters: the master copy (F32) holds the values; the parameter in the step's
+// activation dtype is the master converted (F32 copy, or BF16 rounded to nearest
+// even). Adam moments start at zero; gradients are zeroed by the step itself.
+//
+// Evaluation runs a forward-only program (build_forward_program with loss), planned
+// once with the same policy and budgets (the device budget capped by the backend's
+// free memory), on an executor that exists only during evaluate(): parameters are
+// copied into it from the training executor, and its memory is returned after.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/status.h"
+#include "exec/executor.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+#include "train/data.h"
+#include "train/schedule.h"
+
+namespace spillway {
+
+struct TrainerOptions {
+  GPTConfig model;
+  StepShape shape{.B = 8, .T = 128, .accum = 1};
+  LrSchedule schedule;           // peak learning rate, warmup, total steps
+  float weight_decay = 0.1f;
+  float max_grad_norm = 1.0f;
+  uint64_t seed = 1337;          // parameter initialization
+  Budgets budgets;
+  PlannerOptions planner;
+  Machine machine;
+  std::string spill_dir;         // needed when the plan uses storage
+};
+
+// One micro-batch: tokens and next-token targets, [B·T] each.
+struct TokenBatch {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> targets;
+};
+
+struct StepResult {
+  int64_t step = 0;          // 1-based
+  float loss = 0;            // mean training loss (see the header comment)
+  double loss_f64 = 0;       // the same mean before rounding to float
+  float lr = 0;
+  float grad_norm = 0;       // global gradient norm before clipping
+  int64_t tokens = 0;        // tokens of this step (B·T·accum)
+  double step_s = 0;         // wall time of the whole step, inputs and read-back included
+  double tokens_per_s = 0;
+  StepMetrics exec;          // the executor's counters of this step
+  std::optional<float> val_loss;  // set by the caller on evaluation steps
+};
+
+// One JSON object (no newline) with step, loss (%.9g: enough digits to round-trip
+// the float), lr, grad_norm, tokens, step_s, tokens_per_s, h2d_bytes, d2h_bytes,
+// storage_read_bytes, storage_write_bytes, recomputed_ops, stall_s,
+// peak_device_bytes, peak_host_bytes, peak_storage_bytes, and val_loss when set.
+std::string metrics_json(const StepResult& r);
+
+// The planner's cost model for a backend: Machine::h200() figures for CUDA (device
+// memory set to the backend's capacity), Machine::cpu_dev_box() for the CPU.
+Machine machine_for(const Backend& backend);
+
+// Values as bytes of `dtype` (F32: copied; BF16: rounded to nearest even), and back.
+std::vector<uint8_t> encode_values(DType dtype, const std::vector<float>& values);
+std::vector<float> decode_values(DType dtype, const void* bytes, size_t count);
+
+class Trainer {
+ public:
+  // Builds the training program for options.model and options.shape in the
+  // backend's activation dtype, plans it and creates its executor. Parameters are
+  // zero until init_parameters() or load_parameters().
+  static Result<std::unique_ptr<Trainer>> create(Backend& backend, const TrainerOptions& options);
+
+  // GPT-2 initial values from options.seed (init_parameter); moments zeroed.
+  Status init_parameters();
+  // Parameters from a safetensors checkpoint whose config equals options.model
+  // (use infer_gpt_config first); moments zeroed. Importer errors name the file
+  // and the missing or mis-shaped tensor.
+  Status load_parameters(const std::string& path);
+  // Writes the master weights (F32) with Hugging Face GPT-2 names.
+  Status save(const std::string& path);
+
+  // One optimizer step over accum micro-batches drawn from `loader` (its B and T
+  // must match the step shape). The step number advances by one.
+  Result<StepResult> step(DataLoader& loader);
+  // The same with the micro-batches given ([accum], each [B·T]).
+  Result<StepResult> step(const std::vector<TokenBatch>& micro_batches);
+
+  // Mean loss over `batches` batches from `loader` (read from its current position;
+  // seek(0) first for the same batches every time), summed in double in order.
+  Result<float> evaluate(DataLoader& loader, int batches);
+
+  // A parameter (by ParamSpec name) or its gradient ("grad." + name), as floats.
+  Result<std::vector<float>> read_floats(const std::string& tensor_name);
+  // Sets parameter `name` (ParamSpec name): master = values, param = values in the
+  // activation dtype.
+  Status write_parameter(const std::string& name, const std::vector<float>& values);
+
+  // Records the next step into `trace` (exec/trace.h).
+  void trace_next_step(Trace* trace) { executor_->trace_next_step(trace); }
+
+  const TrainerOptions& options() const { return options_; }
+  const Program& program() const { return program_; }
+  const Plan& plan() const { return plan_; }
+  Executor& executor() { return *executor_; }
+  Backend& backend() { return backend_; }
+  int64_t steps_done() const { return step_; }
+  int64_t tokens_per_step() const;
+
+ private:
+  Trainer(Backend& backend, const TrainerOptions& options) : backend_(backend), options_(options) {}
+  Status setup();
+  Status zero_moments(const ParamSpec& p);
+  Result<TensorId> find(const std::string& name) const;
+  Status plan_evaluation(int B, int T);
+
+  Backend& backend_;
+  TrainerOptions options_;
+  Program program_;
+  Plan plan_;
+  std::unique_ptr<Executor> executor_;
+  std::vector<ParamSpec> params_;
+  std::vector<TensorId> tokens_, targets_, losses_;  // [accum]
+  TensorId scale_norm_ = kNoTensor;
+  int64_t step_ = 0;
+
+  // Evaluation: planned on first use, for one B and T.
+  Program eval_program_;
+  Plan eval_plan_;
+  Budgets eval_budgets_;
+  int eval_B_ = 0, eval_T_ = 0;
+};
+
+}  // namespace spillway

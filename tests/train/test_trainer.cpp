@@ -1,0 +1,367 @@
+// Trainer, schedule, metrics, checkpoints and sampling on the CPU backend.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/safetensors.h"
+#include "train/data.h"
+#include "train/sampler.h"
+#include "train/schedule.h"
+#include "train/trainer.h"
+
+namespace spillway {
+namespace {
+
+std::unique_ptr<Backend> cpu_backend() {
+  auto b = make_backend("cpu", {.threads = 2});
+  EXPECT_TRUE(b.ok()) << b.status().to_string();
+  return std::move(*b);
+}
+
+GPTConfig micro_config() { return {.layers = 2, .width = 32, .heads = 2, .context = 8, .vocab = 256}; }
+
+TrainerOptions micro_options() {
+  TrainerOptions o;
+  o.model = micro_config();
+  o.shape = {.B = 2, .T = 8, .accum = 2};
+  o.schedule = {.peak = 1e-2f, .warmup_steps = 2, .total_steps = 6};
+  o.seed = 7;
+  o.machine = Machine::cpu_dev_box();
+  return o;
+}
+
+std::vector<TokenBatch> random_batches(int accum, int B, int T, uint64_t seed) {
+  std::vector<TokenBatch> out(static_cast<size_t>(accum));
+  uint64_t s = seed;
+  auto next = [&] {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int32_t>((s >> 33) % 256);
+  };
+  for (TokenBatch& b : out) {
+    for (int i = 0; i < B * T; ++i) {
+      b.tokens.push_back(next());
+      b.targets.push_back(next());
+    }
+  }
+  return out;
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("spillway_test_trainer_" + name)).string();
+}
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+std::vector<StepResult> run_steps(Backend& backend, const TrainerOptions& o, int steps) {
+  auto t = Trainer::create(backend, o);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  if (!t.ok()) return {};
+  EXPECT_TRUE((*t)->init_parameters().is_ok());
+  std::vector<StepResult> out;
+  for (int s = 0; s < steps; ++s) {
+    auto r = (*t)->step(random_batches(o.shape.accum, o.shape.B, o.shape.T, 100 + s));
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    if (!r.ok()) break;
+    out.push_back(*r);
+  }
+  return out;
+}
+
+TEST(LrSchedule, WarmupThenCosineToTenPercent) {
+  LrSchedule s{.peak = 1e-3f, .warmup_steps = 10, .total_steps = 110};
+  const double peak = 1e-3f;  // the float peak, widened: the schedule computes in double
+  EXPECT_EQ(s.at(1), static_cast<float>(peak * 1 / 10));
+  EXPECT_EQ(s.at(5), static_cast<float>(peak * 5 / 10));
+  EXPECT_EQ(s.at(10), 1e-3f);
+  // Halfway through the decay: min + (peak - min) / 2 = 0.55 * peak.
+  EXPECT_FLOAT_EQ(s.at(60), 0.55e-3f);
+  EXPECT_FLOAT_EQ(s.at(110), 1e-4f);
+  EXPECT_FLOAT_EQ(s.at(500), 1e-4f);
+  for (int64_t i = 11; i < 110; ++i) EXPECT_LE(s.at(i + 1), s.at(i)) << "step " << i;
+  LrSchedule flat{.peak = 2e-3f, .warmup_steps = 0, .total_steps = 1};
+  EXPECT_FLOAT_EQ(flat.at(1), 2e-4f);  // the only step is the last: the minimum
+  LrSchedule all_warmup{.peak = 2e-3f, .warmup_steps = 5, .total_steps = 5};
+  EXPECT_EQ(all_warmup.at(5), 2e-3f);
+  EXPECT_EQ(all_warmup.at(7), 2e-3f);
+}
+
+TEST(Trainer, SameSeedGivesIdenticalLosses) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  auto a = run_steps(*backend, o, 5);
+  auto b = run_steps(*backend, o, 5);
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), 5u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(bits(a[i].loss), bits(b[i].loss)) << "step " << i + 1;
+    EXPECT_EQ(bits(a[i].grad_norm), bits(b[i].grad_norm)) << "step " << i + 1;
+    EXPECT_EQ(a[i].lr, o.schedule.at(static_cast<int64_t>(i + 1)));
+    EXPECT_EQ(a[i].tokens, 2 * 8 * 2);
+  }
+  // A different seed gives different initial values, hence a different loss.
+  o.seed = 8;
+  auto c = run_steps(*backend, o, 1);
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_NE(bits(c[0].loss), bits(a[0].loss));
+}
+
+TEST(Trainer, SpillingBudgetGivesIdenticalLosses) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  auto resident = run_steps(*backend, o, 4);
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  const uint64_t full = (*t)->plan().device_bytes;
+  o.planner.policy = Policy::Planned;
+  o.budgets.device = full / 2;
+  auto spilled = run_steps(*backend, o, 4);
+  ASSERT_EQ(resident.size(), 4u);
+  ASSERT_EQ(spilled.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(bits(resident[i].loss), bits(spilled[i].loss)) << "step " << i + 1;
+    EXPECT_LE(spilled[i].exec.peak_device_bytes, o.budgets.device);
+  }
+  EXPECT_GT(spilled[0].exec.h2d_bytes, 0u);
+}
+
+TEST(Trainer, LossIsTheMeanOfEveryTokensLoss) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  o.schedule.peak = 0;
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  auto r = (*t)->step(random_batches(2, 2, 8, 1));
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  // Untrained GPT-2 init: every token about equally likely, loss near ln(256).
+  EXPECT_NEAR(r->loss, std::log(256.0), 0.1);
+  EXPECT_EQ(r->loss, static_cast<float>(r->loss_f64));
+  EXPECT_GT(r->grad_norm, 0.0f);
+  EXPECT_EQ(r->step, 1);
+  EXPECT_EQ((*t)->steps_done(), 1);
+  // Wrong batch shapes are errors that say what was expected.
+  auto bad = (*t)->step(random_batches(1, 2, 8, 1));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("takes 2 micro-batches"), std::string::npos) << bad.status().message();
+}
+
+// The gradient the executor leaves in grad.<p> against central finite differences
+// of the step's loss, for the entries with the largest gradients of several
+// parameters. lr = 0 keeps the parameters fixed across the probing steps.
+TEST(Trainer, GradientMatchesFiniteDifferences) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  o.schedule = {.peak = 0, .warmup_steps = 0, .total_steps = 1};
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  Trainer& tr = **t;
+  ASSERT_TRUE(tr.init_parameters().is_ok());
+  const auto batches = random_batches(2, 2, 8, 42);
+  auto base = tr.step(batches);
+  ASSERT_TRUE(base.ok()) << base.status().to_string();
+
+  const std::vector<std::string> names = {
+      "transformer.wte.weight",           "transformer.wpe.weight",
+      "transformer.h.0.ln_1.weight",      "transformer.h.0.attn.c_attn.weight",
+      "transformer.h.0.attn.c_attn.bias", "transformer.h.1.attn.c_proj.weight",
+      "transformer.h.1.mlp.c_fc.weight",  "transformer.h.1.mlp.c_proj.bias",
+      "transformer.ln_f.bias"};
+  const double eps = 1e-2;
+  int checked = 0;
+  for (const std::string& name : names) {
+    auto grad = tr.read_floats("grad." + name);
+    auto value = tr.read_floats(name);
+    ASSERT_TRUE(grad.ok()) << grad.status().to_string();
+    ASSERT_TRUE(value.ok()) << value.status().to_string();
+    std::vector<size_t> order(grad->size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 2, order.end(),
+                      [&](size_t a, size_t b) { return std::fabs((*grad)[a]) > std::fabs((*grad)[b]); });
+    for (int k = 0; k < 2; ++k) {
+      const size_t j = order[static_cast<size_t>(k)];
+      double loss[2];
+      for (int side = 0; side < 2; ++side) {
+        std::vector<float> v = *value;
+        v[j] = static_cast<float>(static_cast<double>(v[j]) + (side == 0 ? eps : -eps));
+        ASSERT_TRUE(tr.write_parameter(name, v).is_ok());
+        auto r = tr.step(batches);
+        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        loss[side] = r->loss_f64;
+      }
+      ASSERT_TRUE(tr.write_parameter(name, *value).is_ok());
+      const double fd = (loss[0] - loss[1]) / (2 * eps);
+      const double g = (*grad)[j];
+      EXPECT_NEAR(fd, g, 2e-2 * std::fabs(g) + 1e-4) << name << "[" << j << "]";
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 18);
+  // The restored parameters give the first loss again, bit for bit.
+  auto again = tr.step(batches);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(bits(again->loss), bits(base->loss));
+}
+
+TEST(Trainer, MetricsLineHasEveryKeyAndRoundTripsTheLoss) {
+  StepResult r;
+  r.step = 3;
+  r.loss = 2.34567891f;
+  r.lr = 1e-3f;
+  r.grad_norm = 0.5f;
+  r.tokens = 1024;
+  r.step_s = 0.25;
+  r.tokens_per_s = 4096;
+  r.exec.h2d_bytes = 11;
+  r.exec.peak_device_bytes = 12345;
+  auto j = nlohmann::json::parse(metrics_json(r));
+  for (const char* key : {"step", "loss", "lr", "grad_norm", "tokens", "step_s", "tokens_per_s", "h2d_bytes",
+                          "d2h_bytes", "storage_read_bytes", "storage_write_bytes", "recomputed_ops", "stall_s",
+                          "peak_device_bytes", "peak_host_bytes", "peak_storage_bytes"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_FALSE(j.contains("val_loss"));
+  EXPECT_EQ(static_cast<float>(j["loss"].get<double>()), r.loss);
+  EXPECT_EQ(j["h2d_bytes"].get<uint64_t>(), 11u);
+  r.val_loss = 2.5f;
+  j = nlohmann::json::parse(metrics_json(r));
+  EXPECT_EQ(static_cast<float>(j["val_loss"].get<double>()), 2.5f);
+}
+
+TEST(Trainer, SaveAndLoadRoundTrip) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  const std::string path = temp_path("roundtrip.safetensors");
+  auto a = Trainer::create(*backend, o);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE((*a)->init_parameters().is_ok());
+  for (int s = 0; s < 3; ++s) ASSERT_TRUE((*a)->step(random_batches(2, 2, 8, s)).ok());
+  ASSERT_TRUE((*a)->save(path).is_ok());
+
+  auto cfg = infer_gpt_config(path);
+  ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
+  EXPECT_EQ(*cfg, o.model);
+  auto b = Trainer::create(*backend, o);
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE((*b)->load_parameters(path).is_ok());
+  for (const ParamSpec& p : parameter_specs(o.model)) {
+    auto va = (*a)->read_floats("master." + p.name);
+    auto vb = (*b)->read_floats(p.name);
+    ASSERT_TRUE(va.ok() && vb.ok());
+    EXPECT_EQ(*va, *vb) << p.name;
+  }
+  // Same weights and moments reset on both: the next step agrees bit for bit only
+  // if a's moments were reset too, so compare evaluation instead.
+  auto data = random_batches(1, 2, 8, 99);
+  std::vector<uint16_t> stream;
+  for (int32_t tok : data[0].tokens) stream.push_back(static_cast<uint16_t>(tok));
+  TokenSplit split{.source = "test", .tokens = std::make_shared<const std::vector<uint16_t>>(stream)};
+  auto la = DataLoader::create(split, 1, 8, LoaderMode::Sequential);
+  auto lb = DataLoader::create(split, 1, 8, LoaderMode::Sequential);
+  ASSERT_TRUE(la.ok() && lb.ok());
+  auto ea = (*a)->evaluate(*la, 2);
+  auto eb = (*b)->evaluate(*lb, 2);
+  ASSERT_TRUE(ea.ok()) << ea.status().to_string();
+  ASSERT_TRUE(eb.ok()) << eb.status().to_string();
+  EXPECT_EQ(bits(*ea), bits(*eb));
+
+  // A checkpoint of another shape is refused with the importer's error.
+  TrainerOptions wide = o;
+  wide.model.width = 64;
+  auto c = Trainer::create(*backend, wide);
+  ASSERT_TRUE(c.ok());
+  Status s = (*c)->load_parameters(path);
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find(path), std::string::npos) << s.message();
+  std::filesystem::remove(path);
+}
+
+TEST(Sampler, GreedyIsDeterministicAndSeedsMatter) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  const std::string path = temp_path("sampler.safetensors");
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  ASSERT_TRUE((*t)->save(path).is_ok());
+  auto s = Sampler::create(*backend, o.model);
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_TRUE((*s)->load(path).is_ok());
+  const auto prompt = byte_encode("To be");
+  auto g1 = (*s)->generate(prompt, 12, {.temperature = 0, .seed = 1});
+  auto g2 = (*s)->generate(prompt, 12, {.temperature = 0, .seed = 2});
+  ASSERT_TRUE(g1.ok()) << g1.status().to_string();
+  ASSERT_TRUE(g2.ok());
+  EXPECT_EQ(g1->size(), 12u);
+  EXPECT_EQ(*g1, *g2);  // greedy ignores the seed
+  auto r1 = (*s)->generate(prompt, 12, {.temperature = 1, .seed = 1});
+  auto r2 = (*s)->generate(prompt, 12, {.temperature = 1, .seed = 1});
+  auto r3 = (*s)->generate(prompt, 12, {.temperature = 1, .seed = 3});
+  ASSERT_TRUE(r1.ok() && r2.ok() && r3.ok());
+  EXPECT_EQ(*r1, *r2);
+  EXPECT_NE(*r1, *r3);
+  // Greedy picks the argmax of the logits of the last prompt position.
+  auto logits = (*s)->next_logits(prompt);
+  ASSERT_TRUE(logits.ok());
+  EXPECT_EQ((*g1)[0], static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin()));
+  EXPECT_FALSE((*s)->generate({}, 3, {}).ok());
+  std::filesystem::remove(path);
+}
+
+TEST(Sampler, PickToken) {
+  std::vector<float> logits = {0.0f, 3.0f, 1.0f, 3.0f};
+  EXPECT_EQ(pick_token(logits, 0, 0.5), 1);  // ties: the lowest index
+  EXPECT_EQ(pick_token(logits, 1, 0.0), 0);
+  EXPECT_EQ(pick_token(logits, 1, 0.999999), 3);
+  // At a tiny temperature all mass is on the two maxima.
+  EXPECT_EQ(pick_token(logits, 1e-3f, 0.25), 1);
+  EXPECT_EQ(pick_token(logits, 1e-3f, 0.75), 3);
+}
+
+// The default tiny model on the bundled corpus gets below the bigram entropy of
+// the text (2.45 nats/byte) on the validation split: 300 steps of 16x64 tokens,
+// about 30-45 s on two cores; it reaches about 2.25.
+TEST(TrainerConvergence, TinyBeatsBigramEntropy) {
+  const std::string data_path = std::string(SPILLWAY_SOURCE_DIR) + "/data/tinyshakespeare.txt";
+  auto data = load_dataset(data_path, 256);
+  ASSERT_TRUE(data.ok()) << data.status().to_string();
+  auto backend = cpu_backend();
+  TrainerOptions o;
+  o.model = *gpt_preset("tiny");
+  o.shape = {.B = 16, .T = 64, .accum = 1};
+  const int steps = 300;
+  o.schedule = {.peak = 4e-3f, .warmup_steps = 20, .total_steps = steps};
+  o.machine = Machine::cpu_dev_box();
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  auto train = DataLoader::create(data->train, 16, 64, LoaderMode::Random, o.seed);
+  auto val = DataLoader::create(data->val, 16, 64, LoaderMode::Sequential);
+  ASSERT_TRUE(train.ok() && val.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  float last = 0;
+  for (int s = 0; s < steps; ++s) {
+    auto r = (*t)->step(*train);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    last = r->loss;
+  }
+  auto v = (*t)->evaluate(*val, 20);
+  ASSERT_TRUE(v.ok()) << v.status().to_string();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("tiny after %d steps: train loss %.4f, val loss %.4f (%.1f s)\n", steps, last, *v, secs);
+  EXPECT_LT(*v, 2.45f);
+}
+
+}  // namespace
+}  // namespace spillway
