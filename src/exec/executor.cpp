@@ -41,10 +41,8 @@ class PlanExecutor final : public Executor {
     (void)b_.synchronize();
     (void)b_.copy_engine().wait_all();
     if (spill_) (void)spill_->wait_all();
-    for (auto& s : slots_) {
-      if (s.host) (void)host_->free(s.host);
-    }
-    host_.reset();
+    host_arena_.reset();
+    if (host_memory_) b_.host_free(host_memory_);
     arena_.reset();
     if (arena_memory_) b_.device_free(arena_memory_);
   }
@@ -53,9 +51,14 @@ class PlanExecutor final : public Executor {
     const uint64_t arena_bytes = std::max<uint64_t>(plan_.device_bytes, b_.alignment());
     SPILLWAY_ASSIGN_OR_RETURN(arena_memory_, b_.device_alloc(arena_bytes));
     arena_ = std::make_unique<DeviceArena>(arena_memory_, arena_bytes, b_.alignment());
-    HostAllocator pinned{[this](size_t n) { return b_.host_alloc(n); }, [this](void* p, size_t) { b_.host_free(p); }};
-    // 4096: host buffers are read and written by O_DIRECT storage I/O.
-    host_ = std::make_unique<HostPool>(opt_.host_budget, pinned, 4096);
+    // The host arena: one pinned allocation holding every host buffer at the offset
+    // the plan gave it (4096-aligned: storage I/O uses O_DIRECT).
+    const uint64_t host_bytes = std::max<uint64_t>(align_up(plan_.host_bytes, 4096), 4096);
+    if (host_bytes > opt_.host_budget)
+      return Status::out_of_memory("the plan needs " + format_size(host_bytes) + " of host memory, above the host budget " +
+                                   format_size(opt_.host_budget));
+    SPILLWAY_ASSIGN_OR_RETURN(host_memory_, b_.host_alloc(host_bytes));
+    host_arena_ = std::make_unique<DeviceArena>(host_memory_, host_bytes, 4096);
     bool uses_storage = plan_.storage_bytes > 0;
     if (uses_storage) {
       if (opt_.spill_dir.empty())
@@ -78,7 +81,7 @@ class PlanExecutor final : public Executor {
           break;
         }
         case Tier::Host: {
-          SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
+          SPILLWAY_RETURN_IF_ERROR(place_host(t, plan_.home_host_offset[i]));
           std::memset(slots_[i].host, 0, bytes);
           table_.mark_written(t, Tier::Host);
           break;
@@ -133,7 +136,7 @@ class PlanExecutor final : public Executor {
     metrics_ = StepMetrics();
     step_ = OptimizerStep{ctx.step, ctx.lr};
     arena_->reset_peak();
-    host_->reset_peak();
+    host_arena_->reset_peak();
     const uint64_t h2d0 = b_.copy_engine().bytes_copied(CopyDirection::HostToDevice);
     const uint64_t d2h0 = b_.copy_engine().bytes_copied(CopyDirection::DeviceToHost);
     const uint64_t sr0 = spill_ ? spill_->bytes_read() : 0, sw0 = spill_ ? spill_->bytes_written() : 0;
@@ -157,10 +160,10 @@ class PlanExecutor final : public Executor {
       metrics_.peak_storage_bytes = spill_->peak_bytes();
     }
     metrics_.peak_device_bytes = arena_->peak();
-    metrics_.peak_host_bytes = host_->peak();
+    metrics_.peak_host_bytes = host_arena_->peak();
     if (trace_) {
       trace_->counter("device bytes", metrics_.step_s, static_cast<double>(arena_->in_use()));
-      trace_->counter("host bytes", metrics_.step_s, static_cast<double>(host_->in_use()));
+      trace_->counter("host bytes", metrics_.step_s, static_cast<double>(host_arena_->in_use()));
       trace_ = nullptr;
     }
     return Status::ok();
@@ -178,7 +181,7 @@ class PlanExecutor final : public Executor {
     std::optional<CopyTicket> to_host;       // D2H into `host` in flight
     std::optional<SpillTicket> from_storage; // storage → `host` in flight
     std::optional<SpillTicket> to_storage;   // `host` → storage in flight
-    bool free_host_after_store = false;
+    uint64_t host_offset = 0;
   };
   // A device range whose last occupant still has a copy in flight that reads or
   // writes it; the range is not reused before the copy is done.
@@ -205,7 +208,7 @@ class PlanExecutor final : public Executor {
     if (!trace_) return;
     double t = now_s();
     trace_->counter("device bytes", t, static_cast<double>(arena_->in_use()));
-    trace_->counter("host bytes", t, static_cast<double>(host_->in_use()));
+    trace_->counter("host bytes", t, static_cast<double>(host_arena_->in_use()));
     if (spill_) trace_->counter("storage bytes", t, static_cast<double>(spill_->bytes_in_use()));
   }
 
@@ -264,26 +267,22 @@ class PlanExecutor final : public Executor {
     return Status::ok();
   }
 
-  Status ensure_host(TensorId t) {
-    Slot& s = slots_[t];
-    if (s.host) return Status::ok();
-    const size_t bytes = std::max<size_t>(1, p_.tensors.info(t).bytes());
-    auto r = host_->allocate(bytes);
-    if (!r.ok() && !pending_host_frees_.empty()) {
-      // Buffers whose store to storage is still running are freed once it is done.
-      for (TensorId f : pending_host_frees_) {
-        Slot& fs = slots_[f];
-        if (fs.to_storage) {
-          SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*fs.to_storage, "wait store", f));
-          fs.to_storage.reset();
-        }
-        if (fs.free_host_after_store) SPILLWAY_RETURN_IF_ERROR(free_host(f));
+  size_t host_buffer_bytes(TensorId t) const { return align_up(std::max<size_t>(1, p_.tensors.info(t).bytes()), 4096); }
+
+  Status place_host(TensorId t, uint64_t offset) {
+    const uint64_t end = offset + host_buffer_bytes(t);
+    for (auto it = host_busy_.begin(); it != host_busy_.end();) {
+      if (it->begin < end && offset < it->end) {  // a store still reads the last occupant
+        SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(it->ticket, "host reuse", t));
+        it = host_busy_.erase(it);
+      } else {
+        ++it;
       }
-      pending_host_frees_.clear();
-      r = host_->allocate(bytes);
     }
-    if (!r.ok()) return r.status().with_context("host buffer for " + p_.tensors.info(t).name);
-    s.host = *r;
+    auto ptr = host_arena_->place(offset, host_buffer_bytes(t));
+    if (!ptr.ok()) return ptr.status().with_context("host buffer for " + p_.tensors.info(t).name);
+    slots_[t].host = *ptr;
+    slots_[t].host_offset = offset;
     count_memory();
     return Status::ok();
   }
@@ -309,7 +308,6 @@ class PlanExecutor final : public Executor {
     if (s.to_storage) {
       SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.to_storage, "wait store", t));
       s.to_storage.reset();
-      if (s.free_host_after_store) SPILLWAY_RETURN_IF_ERROR(free_host(t));
     }
     // An H2D copy out of this buffer may still be running.
     for (auto& [ticket, id] : h2d_sources_)
@@ -318,15 +316,17 @@ class PlanExecutor final : public Executor {
     return Status::ok();
   }
 
+  // Ends t's host buffer; a store still reading it keeps the range busy.
   Status free_host(TensorId t) {
     Slot& s = slots_[t];
-    s.free_host_after_store = false;
     if (!s.host) return Status::ok();
-    SPILLWAY_RETURN_IF_ERROR(host_->free(s.host));
+    if (s.to_storage) host_busy_.push_back({s.host_offset, s.host_offset + host_buffer_bytes(t), *s.to_storage});
+    SPILLWAY_RETURN_IF_ERROR(host_arena_->release_placed(s.host_offset, host_buffer_bytes(t)));
     s.host = nullptr;
     count_memory();
     return Status::ok();
   }
+
 
   Status run_instructions() {
     const auto& ins = plan_.instructions;
@@ -372,7 +372,7 @@ class PlanExecutor final : public Executor {
           if (!table_.state(t).valid(Tier::Device))
             return Status::internal("write-back of " + p_.tensors.info(t).name + " which is not valid on device");
           SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
-          SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
+          if (!s.host) return Status::internal("write-back of " + p_.tensors.info(t).name + " without a host buffer");
           if (s.to_device) {  // copies of the two directions are not ordered with each other
             SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_device, "wait h2d", t));
             s.to_device.reset();
@@ -397,7 +397,7 @@ class PlanExecutor final : public Executor {
       case InstrKind::Load: {
         if (!spill_) return Status::internal("load of " + p_.tensors.info(t).name + " without a storage tier");
         SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
-        SPILLWAY_RETURN_IF_ERROR(ensure_host(t));
+        if (!slots_[t].host) return Status::internal("load of " + p_.tensors.info(t).name + " without a host buffer");
         SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->read(t, slots_[t].host, p_.tensors.info(t).bytes()));
         slots_[t].from_storage = k;
         table_.mark_copied(t, Tier::Host);
@@ -414,15 +414,16 @@ class PlanExecutor final : public Executor {
         }
         SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->write(t, s.host, p_.tensors.info(t).bytes()));
         s.to_storage = k;
-        s.free_host_after_store = in.free_host;
         table_.mark_copied(t, Tier::Storage);
         if (in.free_host) {
+          SPILLWAY_RETURN_IF_ERROR(free_host(t));
           SPILLWAY_RETURN_IF_ERROR(table_.mark_dropped(t, Tier::Host, true));
-          pending_host_frees_.push_back(t);
         }
         if (trace_) trace_->slice("storage write", p_.tensors.info(t).name, now_s(), now_s());
         return Status::ok();
       }
+      case InstrKind::HostAllocate:
+        return place_host(t, in.offset);
       case InstrKind::HostRelease: {
         SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
         SPILLWAY_RETURN_IF_ERROR(free_host(t));
@@ -480,7 +481,7 @@ class PlanExecutor final : public Executor {
           return Status::internal("host op " + op.name + ": " + info.name + " is not valid on host (plan bug)");
         if (o.access == Access::Read) SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(o.tensor));
         else SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(o.tensor));
-        if (o.access == Access::Write) SPILLWAY_RETURN_IF_ERROR(ensure_host(o.tensor));
+        if (!s.host) return Status::internal("host op " + op.name + ": " + info.name + " has no host buffer (plan bug)");
         ptrs_.push_back(s.host);
       }
     }
@@ -515,9 +516,7 @@ class PlanExecutor final : public Executor {
         s.to_storage.reset();
       }
     }
-    for (TensorId t : pending_host_frees_)
-      if (slots_[t].free_host_after_store) SPILLWAY_RETURN_IF_ERROR(free_host(t));
-    pending_host_frees_.clear();
+    host_busy_.clear();
     // Every persistent tensor must be back home (the plan promised it).
     for (size_t i = 0; i < slots_.size(); ++i) {
       auto t = static_cast<TensorId>(i);
@@ -536,11 +535,16 @@ class PlanExecutor final : public Executor {
   std::vector<Slot> slots_;      // [tensors]
   void* arena_memory_ = nullptr; // one device allocation of the arena's bytes
   std::unique_ptr<DeviceArena> arena_;
-  std::unique_ptr<HostPool> host_;
+  void* host_memory_ = nullptr;  // one pinned allocation of the host arena's bytes
+  std::unique_ptr<DeviceArena> host_arena_;  // the same planned-offset arena as the device's
   std::unique_ptr<SpillStore> spill_;
   std::vector<BusyRange> busy_;
   std::vector<std::pair<CopyTicket, TensorId>> h2d_sources_;  // H2D copies reading host buffers
-  std::vector<TensorId> pending_host_frees_;
+  struct HostBusyRange {
+    uint64_t begin, end;
+    SpillTicket ticket;
+  };
+  std::vector<HostBusyRange> host_busy_;  // host ranges a store still reads
   std::vector<void*> ptrs_;
   std::vector<OpenSlice> open_slices_;
   StepMetrics metrics_;

@@ -15,6 +15,7 @@ const char* instr_kind_name(InstrKind k) {
     case InstrKind::Evict: return "evict";
     case InstrKind::Flush: return "flush";
     case InstrKind::Release: return "release";
+    case InstrKind::HostAllocate: return "host-allocate";
     case InstrKind::Load: return "load";
     case InstrKind::Store: return "store";
     case InstrKind::HostRelease: return "host-release";
@@ -187,6 +188,10 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
           return Status::internal(where + ": release of " + name(t) + " which has no device region");
         unplace(t);
         break;
+      case InstrKind::HostAllocate:
+        if (host_buffer[t]) return Status::internal(where + ": " + name(t) + " already has a host buffer");
+        host_alloc(t);
+        break;
       case InstrKind::Load:
         if (!in_storage[t]) return Status::internal(where + ": load of " + name(t) + " which is not in storage");
         host_alloc(t);
@@ -219,6 +224,9 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
     if (runs[i] != 1)
       return Status::internal("plan: op " + program.ops[i].name + " runs " + std::to_string(runs[i]) + " times in a step");
   for (size_t t = 0; t < n; ++t) {
+    bool host_home = is_persistent(program, static_cast<TensorId>(t)) && home[t] == Tier::Host;
+    if (host_buffer[t] && !host_home)
+      return Status::internal("plan: " + name(static_cast<TensorId>(t)) + " still holds a host buffer at the end of the step");
     if (!is_persistent(program, static_cast<TensorId>(t))) {
       if (on_device[t] && regions.count(offset[t]) && regions[offset[t]].second == static_cast<TensorId>(t))
         return Status::internal("plan: " + name(t) + " still holds a device region at the end of the step");

@@ -28,6 +28,10 @@
 // - Flush(t): start the device→host copy of t; the device copy stays valid and keeps
 //   its region (for a host op reading a device-homed tensor, or early cleaning).
 // - Release(t): free t's device region with no copy (t is dead, or valid elsewhere).
+// - HostAllocate(t, offset): t gets host buffer [offset, offset + bytes(t) rounded up
+//   to 4096) in the executor's host arena. Before the range is used, any storage write
+//   still reading an earlier occupant must complete. Evict, Flush, Load and host ops
+//   that write t use this buffer; HostRelease and a freeing Store end it.
 // - Load(t): start the storage→host read of t into its host buffer.
 // - Store(t): start the host→storage write of t; if `free_host`, its host buffer is
 //   freed once the write is done.
@@ -44,14 +48,14 @@
 
 namespace spillway {
 
-enum class InstrKind : uint8_t { Run, Allocate, Fetch, Evict, Flush, Release, Load, Store, HostRelease };
+enum class InstrKind : uint8_t { Run, Allocate, Fetch, Evict, Flush, Release, HostAllocate, Load, Store, HostRelease };
 const char* instr_kind_name(InstrKind k);
 
 struct Instruction {
   InstrKind kind = InstrKind::Run;
   int32_t op = -1;              // Run: index into Program::ops
   TensorId tensor = kNoTensor;  // every kind but Run
-  uint64_t offset = 0;          // Allocate, Fetch: device offset (aligned)
+  uint64_t offset = 0;          // Allocate, Fetch: device offset (aligned); HostAllocate: host offset
   bool write_back = true;       // Evict (Flush always copies)
   bool free_host = false;       // Store
   bool recompute = false;       // Run
@@ -73,10 +77,11 @@ struct Plan {
   std::vector<Instruction> instructions;    // one step, in issue order
   std::vector<Tier> home;                   // [tensors] where each persistent tensor rests between steps
   std::vector<uint64_t> home_offset;        // [tensors] device offset, for tensors homed on device
+  std::vector<uint64_t> home_host_offset;   // [tensors] host arena offset, for tensors homed on host
   std::vector<Place> op_place;              // [ops] where each op runs under this plan (the
                                             // optimizer runs where its state lives)
   uint64_t device_bytes = 0;                // arena bytes the plan uses (≤ budget)
-  uint64_t host_bytes = 0;                  // peak host bytes (≤ budget)
+  uint64_t host_bytes = 0;                  // host arena bytes the plan uses (≤ budget)
   uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)
   size_t alignment = 64;                    // device offsets are multiples of this
   // Checks the plan against the program: every op runs once per step (plus

@@ -54,7 +54,8 @@ class Scheduler {
   Scheduler(const Program& program, const Machine& machine, const Budgets& budgets, const Config& config,
             size_t alignment)
       : p_(program), machine_(machine), budgets_(budgets), c_(config), align_(alignment),
-        device_(budgets.device == UINT64_MAX ? (uint64_t{1} << 52) : budgets.device, alignment, false) {
+        device_(budgets.device == UINT64_MAX ? (uint64_t{1} << 52) : budgets.device, alignment, false),
+        host_(budgets.host == UINT64_MAX ? (uint64_t{1} << 52) : budgets.host / 4096 * 4096, 4096) {
     const size_t n = p_.tensors.size();
     uses_.resize(n);
     producer_.assign(n, -1);
@@ -93,20 +94,23 @@ class Scheduler {
         s.offset = c_.home_offset[t];
         s.device_valid = true;
       } else if (c_.home[t] == Tier::Host) {
+        auto off = host_.allocate(host_bytes(id));
+        if (!off.ok()) {
+          std::string hint = budgets_.storage == 0 ? "; give --spill-dir so that state can live in storage" : "";
+          return Status::out_of_memory("host budget " + format_size(budgets_.host) +
+                                       " cannot hold the training state this plan keeps on host (" + name(id) +
+                                       " does not fit)" + hint);
+        }
         s.host_buffer = true;
+        s.host_offset = *off;
         s.host_valid = true;
-        host_used_ += host_bytes(id);
+        home_host_offset_[t] = *off;
+        host_end_ = std::max(host_end_, *off + host_bytes(id));
       } else {
         s.storage_valid = true;
         storage_extent_[t] = true;
         storage_used_ += bytes(id);
       }
-    }
-    host_peak_ = host_used_;
-    if (host_used_ > host_limit()) {
-      std::string hint = budgets_.storage == 0 ? "; give --spill-dir so that state can live in storage" : "";
-      return Status::out_of_memory("host budget " + format_size(budgets_.host) + " cannot hold the " +
-                                   format_size(host_used_) + " of training state this plan keeps on host" + hint);
     }
     for (size_t i = 0; i < p_.ops.size(); ++i) SPILLWAY_RETURN_IF_ERROR(schedule_op(static_cast<int>(i)));
     SPILLWAY_RETURN_IF_ERROR(finish_step());
@@ -116,7 +120,8 @@ class Scheduler {
     plan.home = c_.home;
     plan.home_offset = c_.home_offset;
     plan.device_bytes = max_end_;
-    plan.host_bytes = host_peak_;
+    plan.host_bytes = std::max(host_end_, host_.peak());
+    plan.home_host_offset = home_host_offset_;
     plan.storage_bytes = storage_used_;
     plan.alignment = align_;
     return plan;
@@ -130,6 +135,7 @@ class Scheduler {
     uint64_t offset = 0;
     bool device_valid = false;   // device region holds the newest value
     bool host_buffer = false;
+    uint64_t host_offset = 0;    // of the host buffer in the host arena
     bool host_valid = false;
     bool storage_valid = false;
     bool recompute_pending = false;  // released; its producer re-runs before the next use
@@ -166,49 +172,44 @@ class Scheduler {
   }
 
   // ---- host tier ----
-  // The executor's host pool packs buffers into slabs; an eighth of the budget is
-  // left as slack for its fragmentation.
-  uint64_t host_limit() const { return budgets_.host == UINT64_MAX ? UINT64_MAX : budgets_.host - budgets_.host / 8; }
-
-  Status host_room(uint64_t need, int now) {
-    while (host_used_ + need > host_limit()) {
-      // Victim: a host buffer not needed by the current op, furthest next use.
-      TensorId best = kNoTensor;
-      int best_use = -1;
-      for (size_t t = 0; t < st_.size(); ++t) {
-        auto id = static_cast<TensorId>(t);
-        const State& s = st_[t];
-        if (!s.host_buffer || locked_.count(id)) continue;
-        if (persistent(id) && c_.home[t] == Tier::Host) continue;  // lives there
-        bool dead = !persistent(id) && next_use(id, now) == kNever;
-        bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
-        if (only_copy && !dead && budgets_.storage == 0) continue;
-        int use = dead ? kNever : next_use(id, now);
-        if (use > best_use) {
-          best_use = use;
-          best = id;
-        }
-      }
-      if (best == kNoTensor) {
-        std::string hint = budgets_.storage == 0 ? "; give --spill-dir (and a storage budget) so that state can spill to storage"
-                                                 : "";
-        return Status::out_of_memory("host budget " + format_size(budgets_.host) + " is too small: " +
-                                     format_size(host_used_) + " in use, " + format_size(need) + " more needed" + hint);
-      }
-      State& s = st_[best];
-      bool dead = !persistent(best) && next_use(best, now) == kNever;
+  // Frees one host buffer (the one needed furthest ahead), storing it first when it
+  // is the only copy of a live value. False when none can go.
+  Result<bool> free_one_host_buffer(int now) {
+    TensorId best = kNoTensor;
+    int best_use = -1;
+    for (size_t t = 0; t < st_.size(); ++t) {
+      auto id = static_cast<TensorId>(t);
+      const State& s = st_[t];
+      if (!s.host_buffer || locked_.count(id)) continue;
+      if (persistent(id) && c_.home[t] == Tier::Host) continue;  // lives there
+      bool dead = !persistent(id) && next_use(id, now) == kNever;
       bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
-      if (only_copy && !dead) {
-        store(best);
-        emit(InstrKind::Store, best, 0, true, /*free_host=*/true);
-      } else {
-        emit(InstrKind::HostRelease, best);
+      if (only_copy && !dead && budgets_.storage == 0) continue;
+      int use = dead ? kNever : next_use(id, now);
+      if (use > best_use) {
+        best_use = use;
+        best = id;
       }
-      s.host_buffer = false;
-      s.host_valid = false;
-      host_used_ -= host_bytes(best);
     }
-    return Status::ok();
+    if (best == kNoTensor) return false;
+    State& s = st_[best];
+    bool dead = !persistent(best) && next_use(best, now) == kNever;
+    bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
+    if (only_copy && !dead) {
+      store(best);
+      emit(InstrKind::Store, best, 0, true, /*free_host=*/true);
+    } else {
+      emit(InstrKind::HostRelease, best);
+    }
+    SPILLWAY_RETURN_IF_ERROR(release_host(best));
+    return true;
+  }
+
+  Status release_host(TensorId t) {
+    State& s = st_[t];
+    s.host_buffer = false;
+    s.host_valid = false;
+    return host_.free(s.host_offset);
   }
 
   void store(TensorId t) {
@@ -219,14 +220,35 @@ class Scheduler {
     st_[t].storage_valid = true;
   }
 
+  // A host buffer for t at a static offset, freeing others (furthest need first)
+  // until one fits.
   Status ensure_host_buffer(TensorId t, int now) {
     State& s = st_[t];
     if (s.host_buffer) return Status::ok();
-    SPILLWAY_RETURN_IF_ERROR(host_room(host_bytes(t), now));
-    s.host_buffer = true;
-    host_used_ += host_bytes(t);
-    host_peak_ = std::max(host_peak_, host_used_);
-    return Status::ok();
+    for (;;) {
+      auto off = host_.allocate(host_bytes(t));
+      if (off.ok()) {
+        s.host_buffer = true;
+        s.host_offset = *off;
+        host_end_ = std::max(host_end_, *off + host_bytes(t));
+        Instruction in;
+        in.kind = InstrKind::HostAllocate;
+        in.tensor = t;
+        in.offset = *off;
+        out_.push_back(in);
+        return Status::ok();
+      }
+      SPILLWAY_ASSIGN_OR_RETURN(bool freed, free_one_host_buffer(now));
+      if (!freed) {
+        std::string hint = budgets_.storage == 0
+                               ? "; give --spill-dir (and a storage budget) so that state can spill to storage"
+                               : "";
+        return Status::out_of_memory("host budget " + format_size(budgets_.host) + " is too small: " +
+                                     format_size(host_.in_use()) + " in use, largest free block " +
+                                     format_size(host_.largest_free_block()) + ", " + name(t) + " needs " +
+                                     format_size(host_bytes(t)) + hint);
+      }
+    }
   }
 
   // Makes t valid on host (Load from storage when needed).
@@ -523,9 +545,7 @@ class Scheduler {
           }
           if (s.host_buffer) {
             emit(InstrKind::HostRelease, t);
-            s.host_buffer = false;
-            s.host_valid = false;
-            host_used_ -= host_bytes(t);
+            SPILLWAY_RETURN_IF_ERROR(release_host(t));
           }
         } else if (s.region && !pinned_home(t)) {
           SPILLWAY_RETURN_IF_ERROR(evict(t, i));
@@ -548,12 +568,17 @@ class Scheduler {
         }
         if (s.host_buffer) {
           emit(InstrKind::HostRelease, id);
-          s.host_buffer = false;
-          host_used_ -= host_bytes(id);
+          SPILLWAY_RETURN_IF_ERROR(release_host(id));
         }
         continue;
       }
-      if (pinned_home(id)) continue;
+      if (pinned_home(id)) {
+        if (s.host_buffer) {  // a host copy made for a host op; the device holds it
+          emit(InstrKind::HostRelease, id);
+          SPILLWAY_RETURN_IF_ERROR(release_host(id));
+        }
+        continue;
+      }
       if (s.region) {
         if (s.device_valid && !s.host_valid && !s.storage_valid) {
           SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(id, end));
@@ -575,14 +600,10 @@ class Scheduler {
           if (!s.host_valid) return Status::internal("planner: " + name(id) + " lost its value at the end of the step");
           store(id);
           emit(InstrKind::Store, id, 0, true, /*free_host=*/true);
-          s.host_buffer = false;
-          s.host_valid = false;
-          host_used_ -= host_bytes(id);
+          SPILLWAY_RETURN_IF_ERROR(release_host(id));
         } else if (s.host_buffer) {
           emit(InstrKind::HostRelease, id);
-          s.host_buffer = false;
-          s.host_valid = false;
-          host_used_ -= host_bytes(id);
+          SPILLWAY_RETURN_IF_ERROR(release_host(id));
         }
       }
     }
@@ -595,6 +616,7 @@ class Scheduler {
   const Config& c_;
   size_t align_;
   RangeAllocator device_;
+  RangeAllocator host_;  // host buffers: static offsets in the executor's host arena
   std::vector<std::vector<int>> uses_;  // [tensors] op indices that touch it, ascending
   std::vector<std::vector<bool>> overwrites_;  // [tensors][uses] that op only writes it
   std::vector<int> producer_;           // [tensors] forward op that writes it, or -1
@@ -603,7 +625,8 @@ class Scheduler {
   std::set<TensorId> locked_;
   std::vector<Instruction> out_;
   uint64_t max_end_ = 0;
-  uint64_t host_used_ = 0, host_peak_ = 0, storage_used_ = 0;
+  uint64_t host_end_ = 0, storage_used_ = 0;
+  std::vector<uint64_t> home_host_offset_ = std::vector<uint64_t>(p_.tensors.size(), 0);  // [tensors]
   int recomputes_ = 0;
 };
 

@@ -335,6 +335,12 @@ class Sim {
         }
         return true;
       }
+      case InstrKind::HostAllocate:
+        // The executor's host arena places the buffer at a planned offset; a wait
+        // for a store still reading that range is not modelled.
+        if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
+        s.host_buffer = true;
+        return true;
       case InstrKind::HostRelease:
         if (s.host_buffer) mem(1, -static_cast<int64_t>(bytes), s.host_users);
         s.host_buffer = false;
