@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli/command.h"
+#include "cli/train_flags.h"
 #include "core/size.h"
 #include "exec/trace.h"
 #include "model/gpt.h"
@@ -16,7 +17,7 @@ namespace spillway::cli {
 namespace {
 
 struct PlanFlags {
-  std::string model = "gpt2-124m";
+  ModelFlags model;
   int batch = 8, context = 0, accum = 1;
   std::string machine = "h200";
   std::string device_budget, host_budget, storage_budget;
@@ -27,8 +28,8 @@ struct PlanFlags {
 };
 
 int run_plan(const PlanFlags& f) {
-  auto cfg = gpt_preset(f.model);
-  if (!cfg.ok()) return fail(cfg.status().with_context("--model"));
+  auto cfg = resolve_model(f.model);
+  if (!cfg.ok()) return fail(cfg.status());
   int T = f.context ? f.context : cfg->context;
   if (T > cfg->context)
     return fail(Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
@@ -75,7 +76,7 @@ int run_plan(const PlanFlags& f) {
   for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
   SimResult sim = simulate(placed, *plan, machine);
   PlanReport report = summarize(placed, *plan, sim);
-  std::cout << "model " << f.model << " (" << cfg->to_string() << "), batch " << f.batch << "×" << T << ", accum "
+  std::cout << "model " << f.model.model << " (" << cfg->to_string() << "), batch " << f.batch << "×" << T << ", accum "
             << f.accum << ", machine " << machine.name << "\n"
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
@@ -94,7 +95,8 @@ int run_plan(const PlanFlags& f) {
 
 CommandSetup setup = [](CLI::App& app) -> CommandRun {
   auto f = std::make_shared<PlanFlags>();
-  app.add_option("--model", f->model, "preset: tiny, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b, gpt-2.7b, gpt-4b, gpt-6.7b, gpt-13b");
+  f->model.model = "gpt2-124m";
+  add_model_flags(app, f->model);
   app.add_option("--batch", f->batch, "sequences per micro-batch");
   app.add_option("--context", f->context, "tokens per sequence (default: the model's)");
   app.add_option("--accum", f->accum, "micro-batches per step");

@@ -806,7 +806,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
   if (budgets.device < minimum) {
     return Status::out_of_memory("device budget " + format_size(budgets.device) + " is below the minimum " +
                                  format_size(minimum) + " that the largest op (" + largest_op_name(program, alignment) +
-                                 ") needs; give --device-budget " + std::to_string(minimum) + " or more");
+                                 ") needs; give --device-budget " + std::to_string((minimum + (1 << 20) - 1) >> 20) + "MiB or more");
   }
   switch (options.policy) {
     case Policy::Resident: {

@@ -3,6 +3,8 @@
 // count.
 #include <gtest/gtest.h>
 
+#include "support/test_support.h"
+
 #include <unistd.h>
 
 #include <cstring>
@@ -154,21 +156,8 @@ struct Output {
   std::vector<uint32_t> bits;
 };
 
-std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-std::vector<int32_t> random_ints(size_t n, uint32_t seed, int32_t hi) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> d(0, hi - 1);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using testing_support::random_floats;
+using testing_support::random_ints;
 
 // Runs every op once on shapes that span several blocks of each kernel.
 std::vector<Output> run_every_op(Backend& b, size_t shift) {

@@ -4,6 +4,8 @@
 // conventions of backend/backend.h.
 #include <gtest/gtest.h>
 
+#include "support/test_support.h"
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -22,21 +24,8 @@ namespace {
 using Vec = std::vector<double>;
 using Fn = std::function<Vec(const Vec&)>;
 
-std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-std::vector<int32_t> random_ints(size_t n, uint32_t seed, int32_t hi) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> d(0, hi - 1);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using testing_support::random_floats;
+using testing_support::random_ints;
 
 Vec to_double(const std::vector<float>& v) { return Vec(v.begin(), v.end()); }
 

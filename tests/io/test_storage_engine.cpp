@@ -14,30 +14,13 @@
 
 #include "io/fault_storage_engine.h"
 #include "io/storage_engine.h"
+#include "support/test_support.h"
 
 namespace spillway {
 namespace {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/storage-test-XXXXXX";
-    std::vector<char> buf(pattern.begin(), pattern.end());
-    buf.push_back('\0');
-    if (::mkdtemp(buf.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << ": " << std::strerror(errno);
-    path_ = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
+using testing_support::TempDir;
 
- private:
-  std::string path_;
-};
 
 AlignedBuffer random_buffer(size_t bytes, uint64_t seed) {
   auto b = AlignedBuffer::allocate(bytes);

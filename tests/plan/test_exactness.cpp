@@ -12,6 +12,7 @@
 #include "model/gpt.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "support/test_support.h"
 
 using namespace spillway;
 
@@ -36,11 +37,7 @@ ModelCase small_model(int width = 32) {
   return s;
 }
 
-std::string temp_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("spillway-test-" + name + "-" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  return dir.string();
-}
+using testing_support::TempDir;
 
 RunResult train(const ModelCase& s, const Budgets& budgets, const PlannerOptions& options, int steps,
                 const ExecutorOptions& exec_options = {}) {
@@ -157,7 +154,8 @@ TEST(Exactness, StorageTierMatchesResident) {
   ModelCase s = small_model(32);
   RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
-  std::string dir = temp_dir("exact");
+  TempDir spill;
+  const std::string& dir = spill.path();
   for (Policy p : {Policy::Planned, Policy::Paging}) {
     Budgets b;
     b.device = ref.plan.device_bytes / 4;
@@ -169,7 +167,6 @@ TEST(Exactness, StorageTierMatchesResident) {
     EXPECT_GT(r.metrics.back().storage_write_bytes + r.metrics.back().storage_read_bytes, 0u);
     EXPECT_LE(r.metrics.back().peak_host_bytes, b.host);
   }
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Exactness, PlannedRecomputesWhereItChose) {
@@ -225,7 +222,8 @@ TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
   ModelCase s = small_model(32);
   RunResult ref = train(s, {}, {.policy = Policy::Resident}, 5);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
-  std::string dir = temp_dir("faults");
+  TempDir spill;
+  const std::string& dir = spill.path();
   int failures = 0;
   for (uint64_t seed = 1; seed <= 6; ++seed) {
     Budgets b;
@@ -244,5 +242,4 @@ TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
     }
   }
   EXPECT_GT(failures, 0) << "the fault injector never fired";
-  std::filesystem::remove_all(dir);
 }
