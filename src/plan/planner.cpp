@@ -43,6 +43,10 @@ struct Config {
   bool drop_dead = true;       // free dead tensors without write-back
   bool write_only_hint = true; // Write access needs no fetch, even for persistent tensors
   bool recompute = false;
+  // Early write-back: right after an activation's last use before a gap of more
+  // than this many ops, start its device→host copy (Flush), so that its later
+  // eviction is clean and the region it leaves can be reused at once. 0 = off.
+  int flush_gap = 0;
   bool optimizer_on_host = false;
   std::vector<Tier> home;            // [tensors]
   std::vector<uint64_t> home_offset; // [tensors]
@@ -552,6 +556,29 @@ class Scheduler {
         }
       }
     }
+    if (c_.flush_gap > 0 && op.place == Place::Device) {
+      for (const Operand& o : op.operands) {
+        TensorId t = o.tensor;
+        State& s = st_[t];
+        if (persistent(t) || !s.region || !s.device_valid || s.host_valid) continue;
+        int use = next_use(t, i);
+        if (use == kNever || use - i <= c_.flush_gap) continue;
+        if (!s.host_buffer) {
+          auto off = host_.allocate(host_bytes(t));
+          if (!off.ok()) continue;  // no host room to spare: the copy waits for eviction, if any
+          s.host_buffer = true;
+          s.host_offset = *off;
+          host_end_ = std::max(host_end_, *off + host_bytes(t));
+          Instruction in;
+          in.kind = InstrKind::HostAllocate;
+          in.tensor = t;
+          in.offset = *off;
+          out_.push_back(in);
+        }
+        emit(InstrKind::Flush, t);
+        s.host_valid = true;
+      }
+    }
     return Status::ok();
   }
 
@@ -758,7 +785,8 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
   for (const Op& op : program.ops) plan.op_place.push_back(op.place);
   std::ostringstream d;
   d << policy_name(c.policy) << ": state on device " << format_size(c.pinned_end) << ", optimizer on "
-    << (c.optimizer_on_host ? "host" : "device") << ", recompute " << (c.recompute ? "on" : "off") << ", "
+    << (c.optimizer_on_host ? "host" : "device") << ", recompute " << (c.recompute ? "on" : "off")
+    << ", early write-back " << (c.flush_gap > 0 ? "on" : "off") << ", "
     << s.recomputes() << " recomputed ops per step";
   plan.description = d.str();
   return plan;
@@ -767,13 +795,17 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
 }  // namespace
 
 
+// Ops between an activation's last forward use and its next use past which the
+// planned policy writes it back early.
+constexpr int kFlushGap = 16;
+
 // One planned-policy candidate: state offloaded to `level`, with or without
 // recomputation, fetches up to `prefetch` ops ahead (-1: as memory allows). With
 // `roomy`, reports whether the state kept on device leaves room to work (and plans
 // nothing when it does not).
 Result<Plan> plan_offload_level(const Program& program, const Machine& machine, const Budgets& budgets,
                                 const PlannerOptions& options, int level, bool recompute, int prefetch,
-                                size_t alignment, bool* roomy) {
+                                int flush_gap, size_t alignment, bool* roomy) {
   Config c = make_config(program, budgets, level, alignment);
   c.policy = options.policy;
   c.belady = true;
@@ -781,6 +813,7 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
   c.drop_dead = true;
   c.write_only_hint = true;
   c.recompute = recompute;
+  c.flush_gap = flush_gap;
   const uint64_t minimum = minimum_device_budget(program, alignment);
   uint64_t free_after_state = c.pinned_end < budgets.device ? budgets.device - c.pinned_end : 0;
   if (free_after_state < minimum) {
@@ -844,11 +877,16 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       if (options.optimizer_on_host == 1) levels = {1, 2};
       else if (options.optimizer_on_host == 0) levels = {0};
       else levels = {0, 1, 2};
+      // Early write-back of every activation saturates the device→host link when
+      // only some must leave (the simulator shows it), so planned leaves it off;
+      // auto tries both.
+      const int flush_gap = 0;
       Status last = Status::ok();
       for (int level : levels) {
         bool roomy = true;
         auto plan = plan_offload_level(program, machine, budgets, options, level, options.recompute != 0,
-                                       options.prefetch_distance, alignment, level == levels.back() ? nullptr : &roomy);
+                                       options.prefetch_distance, flush_gap, alignment,
+                                       level == levels.back() ? nullptr : &roomy);
         if (!roomy) continue;
         if (plan.ok()) return plan;
         last = plan.status();
@@ -868,9 +906,10 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
         if (options.optimizer_on_host == 1 && level == 0) continue;
         for (bool recompute : {false, true}) {
           if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
-          for (int prefetch : {-1, 2}) {
-            if (options.prefetch_distance >= 0 && prefetch != options.prefetch_distance) continue;
-            auto plan = plan_offload_level(program, machine, budgets, options, level, recompute, prefetch, alignment, nullptr);
+          for (int flush_gap : {0, kFlushGap}) {
+            const int prefetch = options.prefetch_distance;
+            auto plan = plan_offload_level(program, machine, budgets, options, level, recompute, prefetch, flush_gap,
+                                           alignment, nullptr);
             if (!plan.ok()) {
               last = plan.status();
               continue;
