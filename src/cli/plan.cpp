@@ -81,7 +81,7 @@ int run_plan(const PlanFlags& f) {
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
             << (budgets.storage ? format_size(budgets.storage) : "none") << "\n"
-            << "plan: " << plan->description << "\n\n"
+            << "\n"
             << format_report(report);
   const double tokens = static_cast<double>(f.batch) * T * f.accum;
   std::cout << "predicted throughput: " << static_cast<int64_t>(tokens / sim.step_s) << " tokens/s\n";

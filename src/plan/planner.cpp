@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <optional>
 #include <set>
@@ -920,7 +921,9 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
             if (!best || sim.step_s < best_s) {
               best_s = sim.step_s;
               plan->policy = Policy::Auto;
-              plan->description = "auto: " + plan->description + " (predicted " + std::to_string(sim.step_s) + " s/step)";
+              char predicted[64];
+              std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, the best of the candidates)", sim.step_s);
+              plan->description += predicted;
               best = std::move(*plan);
             }
           }
