@@ -116,6 +116,7 @@ Machine Machine::cpu_dev_box() {
   m.h2d_bytes_per_s = 5e9;      // memcpy by the copy engine's worker thread
   m.d2h_bytes_per_s = 5e9;
   m.duplex_factor = 0.6;        // two memcpy threads share one memory bus
+  m.compute_share_while_copying = 0.7;  // copy threads take cores and memory bandwidth
   m.storage_read_bytes_per_s = 1e9;
   m.storage_write_bytes_per_s = 1e9;
   m.matmul_flops_per_s = 50e9;  // OpenBLAS sgemm on 2 cores

@@ -23,6 +23,8 @@ struct Machine {
   double h2d_bytes_per_s = 25e9;        // host → device link, one direction alone
   double d2h_bytes_per_s = 25e9;        // device → host link, one direction alone
   double duplex_factor = 0.9;           // each direction's share of its rate while both run
+  double compute_share_while_copying = 1.0;  // device compute speed while a host⇄device copy
+                                             // runs (below 1 on the CPU backend: shared cores)
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
   double matmul_flops_per_s = 100e12;   // device matrix products
