@@ -133,6 +133,9 @@ class PlanExecutor final : public Executor {
   }
 
   Status run_step(const StepContext& ctx) override {
+    // A failed step leaves tensors half moved: the state is no longer trustworthy.
+    if (!failure_.is_ok())
+      return Status(failure_.code(), "a previous step failed, so the training state is not run again: " + failure_.message());
     metrics_ = StepMetrics();
     step_ = OptimizerStep{ctx.step, ctx.lr};
     arena_->reset_peak();
@@ -144,7 +147,7 @@ class PlanExecutor final : public Executor {
     Status st = run_instructions();
     if (st.is_ok()) st = finish();
     if (!st.is_ok()) {
-      failed_ = true;
+      failure_ = st;
       // Let in-flight work drain so that no copy writes into freed memory.
       (void)b_.synchronize();
       (void)b_.copy_engine().wait_all();
@@ -551,7 +554,7 @@ class PlanExecutor final : public Executor {
   OptimizerStep step_;
   Clock::time_point step_start_;
   Trace* trace_ = nullptr;
-  bool failed_ = false;
+  Status failure_;  // of the step that failed, if one did
 };
 
 }  // namespace
