@@ -225,24 +225,23 @@ class Scheduler {
     st_[t].storage_valid = true;
   }
 
+  // A host buffer for t at a static offset, if one fits now.
+  bool try_host_buffer(TensorId t) {
+    auto off = host_.allocate(host_bytes(t));
+    if (!off.ok()) return false;
+    State& s = st_[t];
+    s.host_buffer = true;
+    s.host_offset = *off;
+    host_end_ = std::max(host_end_, *off + host_bytes(t));
+    emit(InstrKind::HostAllocate, t, *off);
+    return true;
+  }
+
   // A host buffer for t at a static offset, freeing others (furthest need first)
   // until one fits.
   Status ensure_host_buffer(TensorId t, int now) {
-    State& s = st_[t];
-    if (s.host_buffer) return Status::ok();
-    for (;;) {
-      auto off = host_.allocate(host_bytes(t));
-      if (off.ok()) {
-        s.host_buffer = true;
-        s.host_offset = *off;
-        host_end_ = std::max(host_end_, *off + host_bytes(t));
-        Instruction in;
-        in.kind = InstrKind::HostAllocate;
-        in.tensor = t;
-        in.offset = *off;
-        out_.push_back(in);
-        return Status::ok();
-      }
+    if (st_[t].host_buffer) return Status::ok();
+    while (!try_host_buffer(t)) {
       SPILLWAY_ASSIGN_OR_RETURN(bool freed, free_one_host_buffer(now));
       if (!freed) {
         std::string hint = budgets_.storage == 0
@@ -254,6 +253,7 @@ class Scheduler {
                                      format_size(host_bytes(t)) + hint);
       }
     }
+    return Status::ok();
   }
 
   // Makes t valid on host (Load from storage when needed).
@@ -564,18 +564,8 @@ class Scheduler {
         if (persistent(t) || !s.region || !s.device_valid || s.host_valid) continue;
         int use = next_use(t, i);
         if (use == kNever || use - i <= c_.flush_gap) continue;
-        if (!s.host_buffer) {
-          auto off = host_.allocate(host_bytes(t));
-          if (!off.ok()) continue;  // no host room to spare: the copy waits for eviction, if any
-          s.host_buffer = true;
-          s.host_offset = *off;
-          host_end_ = std::max(host_end_, *off + host_bytes(t));
-          Instruction in;
-          in.kind = InstrKind::HostAllocate;
-          in.tensor = t;
-          in.offset = *off;
-          out_.push_back(in);
-        }
+        // No host room to spare: the copy waits for the eviction, if any comes.
+        if (!s.host_buffer && !try_host_buffer(t)) continue;
         emit(InstrKind::Flush, t);
         s.host_valid = true;
       }

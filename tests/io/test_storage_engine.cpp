@@ -15,6 +15,7 @@
 #include "io/fault_storage_engine.h"
 #include "io/storage_engine.h"
 #include "support/test_support.h"
+#include "support/storage_support.h"
 
 namespace spillway {
 namespace {
@@ -22,13 +23,6 @@ namespace {
 using testing_support::TempDir;
 
 
-AlignedBuffer random_buffer(size_t bytes, uint64_t seed) {
-  auto b = AlignedBuffer::allocate(bytes);
-  EXPECT_TRUE(b.ok()) << b.status().to_string();
-  std::mt19937_64 rng(seed);
-  for (size_t i = 0; i < bytes; ++i) b->data()[i] = static_cast<char>(rng());
-  return std::move(*b);
-}
 
 // A buffer of `bytes` plus guard bytes after it, all set to 0xEE.
 AlignedBuffer guarded_buffer(size_t bytes, size_t guard) {

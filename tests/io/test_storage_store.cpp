@@ -17,6 +17,7 @@
 #include "io/fault_storage_engine.h"
 #include "memory/storage_store.h"
 #include "support/test_support.h"
+#include "support/storage_support.h"
 
 namespace spillway {
 namespace {
@@ -24,13 +25,6 @@ namespace {
 using testing_support::TempDir;
 
 
-AlignedBuffer random_buffer(size_t bytes, uint64_t seed) {
-  auto b = AlignedBuffer::allocate(bytes);
-  EXPECT_TRUE(b.ok()) << b.status().to_string();
-  std::mt19937_64 rng(seed);
-  for (size_t i = 0; i < bytes; ++i) b->data()[i] = static_cast<char>(rng());
-  return std::move(*b);
-}
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+
+#include "support/test_support.h"
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -17,20 +19,7 @@ namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string t = ::testing::TempDir() + "spillway_st_XXXXXX";
-    char* p = ::mkdtemp(t.data());
-    EXPECT_NE(p, nullptr);
-    dir_ = t;
-  }
-  ~TempDir() { std::system(("rm -rf '" + dir_ + "'").c_str()); }
-  std::string file(const std::string& name) const { return dir_ + "/" + name; }
-
- private:
-  std::string dir_;
-};
+using spillway::testing_support::TempDir;
 
 // A tensor to put in a hand-made safetensors file: raw little-endian bytes.
 struct Raw {

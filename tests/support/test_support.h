@@ -1,6 +1,7 @@
 // Helpers shared by the test binaries.
 //
 //   TempDir dir;                                   // $TMPDIR/spillway-test-XXXXXX, removed at scope end
+//   std::string f = dir.file("a.bin");              // a path inside it
 //   std::vector<float> x = random_floats(n, /*seed=*/7);
 //   std::vector<int32_t> t = random_ints(n, 8, /*hi=*/vocab);
 #pragma once
@@ -37,6 +38,7 @@ class TempDir {
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
 
  private:
   std::string path_;
