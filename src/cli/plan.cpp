@@ -23,6 +23,7 @@ struct PlanFlags {
   std::string device_budget, host_budget, storage_budget;
   std::string policy = "auto";
   std::string prefetch = "none";
+  std::string order = "auto";
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;
 };
@@ -69,6 +70,10 @@ int run_plan(const PlanFlags& f) {
   PlannerOptions options;
   options.policy = *policy;
   options.learned_prefetch = f.prefetch == "learned";
+  if (f.order == "layer") options.layer_major = 1;
+  else if (f.order == "micro-batch") options.layer_major = 0;
+  else if (f.order != "auto")
+    return fail(Status::invalid_argument("--order: expected micro-batch, layer or auto, got '" + f.order + "'"));
   options.alignment = alignment;
   auto plan = make_plan(*program, machine, budgets, options);
   if (!plan.ok()) return fail(plan.status());
@@ -108,6 +113,7 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--storage-budget", f->storage_budget, "storage bytes (default: none)");
   app.add_option("--policy", f->policy, "resident, paging, planned or auto");
   app.add_option("--prefetch", f->prefetch, "paging: none or learned");
+  app.add_option("--order", f->order, "forward order with --accum: micro-batch, layer or auto");
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
   return [f]() { return run_plan(*f); };
 };

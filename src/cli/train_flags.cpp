@@ -64,6 +64,10 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
   app.add_option("--spill-dir", f.spill_dir, "folder for spill files (enables the storage tier)");
   app.add_option("--policy", f.policy, "resident, paging, planned or auto")->capture_default_str();
   app.add_option("--prefetch", f.prefetch, "paging policy: none or learned")->capture_default_str();
+  app.add_option("--order", f.order,
+                 "forward order with --accum: micro-batch, layer (each layer for every micro-batch, so "
+                 "streamed parameters cross the link once), or auto (the auto policy tries both)")
+      ->capture_default_str();
 }
 
 Result<uint64_t> available_host_memory() {
@@ -88,6 +92,10 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   if (!policy.ok()) return policy.status();  // its message names --policy
   r.planner.policy = *policy;
   r.planner.alignment = backend.alignment();
+  if (f.order == "layer") r.planner.layer_major = 1;
+  else if (f.order == "micro-batch") r.planner.layer_major = 0;
+  else if (f.order != "auto")
+    return Status::invalid_argument("--order: expected micro-batch, layer or auto, got '" + f.order + "'");
   if (f.prefetch == "learned") r.planner.learned_prefetch = true;
   else if (f.prefetch != "none")
     return Status::invalid_argument("--prefetch: expected none or learned, got '" + f.prefetch + "'");

@@ -40,6 +40,7 @@ struct MemoryFlags {
   std::string device_budget, host_budget, storage_budget, spill_dir;
   std::string policy = "planned";
   std::string prefetch = "none";
+  std::string order = "auto";  // planned/auto: micro-batch, layer, or auto (planned: micro-batch)
 };
 void add_memory_flags(CLI::App& app, MemoryFlags& f);
 

@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <limits>
 #include <optional>
+#include <queue>
+#include <tuple>
 #include <set>
 #include <sstream>
 
@@ -768,16 +770,89 @@ std::string largest_op_name(const Program& program, size_t alignment) {
   return name;
 }
 
+// Layer-major order (DESIGN.md planned step 9): with gradient accumulation, each
+// layer's forward runs for every micro-batch before the next layer, so a streamed
+// parameter crosses the link once per step rather than once per micro-batch. The
+// reorder is a topological sort that keeps, for every tensor, the order of the ops
+// that write it and of reads against writes: each gradient still accumulates in
+// micro-batch order, so the bits are unchanged. (With tied embeddings the LM head
+// and the embedding both add into wte's gradient, which keeps the backward in
+// micro-batch order; only the forward changes.) Returns new position → op index.
+std::vector<int> layer_major_order(const Program& p) {
+  const size_t n = p.ops.size();
+  std::vector<std::vector<int>> successors(n);
+  std::vector<int> pending(n, 0);
+  std::vector<int> last_writer(p.tensors.size(), -1);
+  std::vector<std::vector<int>> readers(p.tensors.size());  // since the last write
+  auto edge = [&](int from, int to) {
+    if (from < 0 || from == to) return;
+    successors[from].push_back(to);
+    pending[to]++;
+  };
+  for (size_t j = 0; j < n; ++j) {
+    const int op = static_cast<int>(j);
+    for (const Operand& o : p.ops[j].operands) {
+      edge(last_writer[o.tensor], op);
+      if (o.access != Access::Read)
+        for (int r : readers[o.tensor]) edge(r, op);
+    }
+    for (const Operand& o : p.ops[j].operands) {
+      if (o.access == Access::Read) {
+        readers[o.tensor].push_back(op);
+      } else {
+        last_writer[o.tensor] = op;
+        readers[o.tensor].clear();
+      }
+    }
+  }
+  // Among ready ops: the forward by (layer, micro-batch), everything else in program order.
+  auto key = [&](int i) {
+    const Op& op = p.ops[i];
+    if (op.phase == Phase::Forward) return std::tuple<int, int, int, int>(0, op.layer, op.micro_batch, i);
+    return std::tuple<int, int, int, int>(op.phase == Phase::Backward ? 1 : 2, 0, 0, i);
+  };
+  auto later = [&](int a, int b) { return key(a) > key(b); };
+  std::priority_queue<int, std::vector<int>, decltype(later)> ready(later);
+  for (size_t i = 0; i < n; ++i)
+    if (pending[i] == 0) ready.push(static_cast<int>(i));
+  std::vector<int> order;
+  order.reserve(n);
+  while (!ready.empty()) {
+    int i = ready.top();
+    ready.pop();
+    order.push_back(i);
+    for (int s : successors[i])
+      if (--pending[s] == 0) ready.push(s);
+  }
+  return order;
+}
+
+// Schedules `program` in the given op order (position → op index; empty = program
+// order); the plan's Run instructions and op_place refer to the program's own
+// op indices.
 Result<Plan> schedule(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
-                      size_t alignment) {
-  Scheduler s(program, machine, budgets, c, alignment);
+                      size_t alignment, const std::vector<int>& order = {}) {
+  Program ordered;
+  const Program* run = &program;
+  if (!order.empty()) {
+    ordered.tensors = program.tensors;
+    ordered.inputs = program.inputs;
+    ordered.outputs = program.outputs;
+    for (int i : order) ordered.ops.push_back(program.ops[i]);
+    run = &ordered;
+  }
+  Scheduler s(*run, machine, budgets, c, alignment);
   SPILLWAY_ASSIGN_OR_RETURN(Plan plan, s.run());
+  if (!order.empty())
+    for (Instruction& in : plan.instructions)
+      if (in.kind == InstrKind::Run) in.op = order[in.op];
   plan.op_place.clear();
   for (const Op& op : program.ops) plan.op_place.push_back(op.place);
   std::ostringstream d;
   d << policy_name(c.policy) << ": state on device " << format_size(c.pinned_end) << ", optimizer on "
     << (c.optimizer_on_host ? "host" : "device") << ", recompute " << (c.recompute ? "on" : "off")
     << ", early write-back " << (c.flush_gap > 0 ? "on" : "off") << ", "
+    << (order.empty() ? "micro-batch-major" : "layer-major") << " order, "
     << s.recomputes() << " recomputed ops per step";
   plan.description = d.str();
   return plan;
@@ -796,7 +871,7 @@ constexpr int kFlushGap = 16;
 // nothing when it does not).
 Result<Plan> plan_offload_level(const Program& program, const Machine& machine, const Budgets& budgets,
                                 const PlannerOptions& options, int level, bool recompute, int prefetch,
-                                int flush_gap, size_t alignment, bool* roomy) {
+                                int flush_gap, bool layer_major, size_t alignment, bool* roomy) {
   Config c = make_config(program, budgets, level, alignment);
   c.policy = options.policy;
   c.belady = true;
@@ -818,7 +893,10 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
     return Status::out_of_memory("state kept on device takes more than half the budget");
   }
   Program candidate = with_optimizer_on_host(program, c.optimizer_on_host);
-  return schedule(candidate, machine, budgets, c, alignment);
+  if (!layer_major) return schedule(candidate, machine, budgets, c, alignment);
+  std::vector<int> order = layer_major_order(candidate);
+  if (order.size() != candidate.ops.size()) return Status::internal("planner: the program's ops have a dependency cycle");
+  return schedule(candidate, machine, budgets, c, alignment, order);
 }
 
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
@@ -876,7 +954,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       for (int level : levels) {
         bool roomy = true;
         auto plan = plan_offload_level(program, machine, budgets, options, level, options.recompute != 0,
-                                       options.prefetch_distance, flush_gap, alignment,
+                                       options.prefetch_distance, flush_gap, options.layer_major == 1, alignment,
                                        level == levels.back() ? nullptr : &roomy);
         if (!roomy) continue;
         if (plan.ok()) return plan;
@@ -889,34 +967,46 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
     case Policy::Auto: {
       // Elixir-style search: every planned-policy candidate that fits, ranked by the
       // simulator's predicted step time on this machine.
+      bool has_accumulation = false;
+      for (const Op& op : program.ops) has_accumulation |= op.micro_batch > 0;
+      struct Candidate {
+        int level;
+        bool recompute;
+        int flush_gap;
+        bool layer_major;
+      };
+      std::vector<Candidate> candidates;
+      for (int level : {0, 1, 2})
+        for (bool recompute : {false, true})
+          for (int flush_gap : {0, kFlushGap})
+            for (bool layer_major : {false, true}) {
+              if (options.optimizer_on_host == 0 && level > 0) continue;
+              if (options.optimizer_on_host == 1 && level == 0) continue;
+              if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
+              if (options.layer_major >= 0 && layer_major != (options.layer_major == 1)) continue;
+              if (layer_major && !has_accumulation) continue;
+              candidates.push_back({level, recompute, flush_gap, layer_major});
+            }
       std::optional<Plan> best;
       double best_s = 0;
       Status last = Status::ok();
-      for (int level : {0, 1, 2}) {
-        if (options.optimizer_on_host == 0 && level > 0) continue;
-        if (options.optimizer_on_host == 1 && level == 0) continue;
-        for (bool recompute : {false, true}) {
-          if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
-          for (int flush_gap : {0, kFlushGap}) {
-            const int prefetch = options.prefetch_distance;
-            auto plan = plan_offload_level(program, machine, budgets, options, level, recompute, prefetch, flush_gap,
-                                           alignment, nullptr);
-            if (!plan.ok()) {
-              last = plan.status();
-              continue;
-            }
-            Program placed = program;
-            for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
-            SimResult sim = simulate(placed, *plan, machine);
-            if (!best || sim.step_s < best_s) {
-              best_s = sim.step_s;
-              plan->policy = Policy::Auto;
-              char predicted[64];
-              std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, the best of the candidates)", sim.step_s);
-              plan->description += predicted;
-              best = std::move(*plan);
-            }
-          }
+      for (const Candidate& k : candidates) {
+        auto plan = plan_offload_level(program, machine, budgets, options, k.level, k.recompute,
+                                       options.prefetch_distance, k.flush_gap, k.layer_major, alignment, nullptr);
+        if (!plan.ok()) {
+          last = plan.status();
+          continue;
+        }
+        Program placed = program;
+        for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
+        SimResult sim = simulate(placed, *plan, machine);
+        if (!best || sim.step_s < best_s) {
+          best_s = sim.step_s;
+          plan->policy = Policy::Auto;
+          char predicted[64];
+          std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, the best of the candidates)", sim.step_s);
+          plan->description += predicted;
+          best = std::move(*plan);
         }
       }
       if (best) return std::move(*best);

@@ -29,6 +29,7 @@ struct PlannerOptions {
   int optimizer_on_host = -1;     // 1 = master/moments live on host and AdamW runs there
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
+  int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)
   size_t alignment = 64;          // the backend's alignment (Backend::alignment())
 };
 

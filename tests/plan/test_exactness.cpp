@@ -249,3 +249,29 @@ TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
   }
   EXPECT_GT(failures, 0) << "the fault injector never fired";
 }
+
+TEST(Exactness, LayerMajorOrderMatchesResidentAndRunsLayersAcrossMicroBatches) {
+  ModelCase s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  for (int divisor : {1, 4}) {
+    Budgets b;
+    b.device = ref.plan.device_bytes / divisor;
+    RunResult r = train(s, b, {.policy = Policy::Planned, .layer_major = 1}, kSteps);
+    ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+    expect_same_bits(r.losses, ref.losses, "layer-major, budget 1/" + std::to_string(divisor));
+    // Micro-batch 1's first layer runs before micro-batch 0's last layer.
+    auto program = build_training_program(s.cfg, s.shape, DType::F32);
+    ASSERT_TRUE(program.ok());
+    int mb1_first = -1, mb0_last = -1, at = 0;
+    for (const Instruction& in : r.plan.instructions) {
+      if (in.kind != InstrKind::Run) continue;
+      const Op& op = program->ops[in.op];
+      if (op.phase == Phase::Forward && op.micro_batch == 1 && op.layer == 0 && mb1_first < 0) mb1_first = at;
+      if (op.phase == Phase::Forward && op.micro_batch == 0 && op.layer == s.cfg.layers - 1) mb0_last = at;
+      ++at;
+    }
+    EXPECT_GE(mb1_first, 0);
+    EXPECT_LT(mb1_first, mb0_last);
+  }
+}
