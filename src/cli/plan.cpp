@@ -1,6 +1,8 @@
 // `spillway plan`: where every class of tensor goes for a model under budgets, the
 // peaks of each tier, the bytes each link moves per step and the predicted step
-// time — without training. `spillway simulate` is the same on a described machine.
+// time — without training. `spillway simulate` is the same command, named for its
+// what-if use: describe a machine that does not exist (--machine, --h2d-gbps,
+// --storage-gbps, budgets) and ask how a model would train there.
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -118,6 +120,7 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   return [f]() { return run_plan(*f); };
 };
 CommandRegistration plan_command("plan", "report where tensors go and the predicted step time, without training", setup);
+CommandRegistration simulate_command("simulate", "what if: predict a step on a described machine (same flags as plan)", setup);
 
 }  // namespace
 }  // namespace spillway::cli

@@ -177,4 +177,18 @@ TEST(BenchTrainCli, ReportsThroughput) {
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
 }
 
+TEST(PlanCli, ReportsPlacementPeaksLinksAndPredictedStep) {
+  for (const char* command : {"plan", "simulate"}) {
+    CliRun r = run(std::string(command) + " --model tiny --machine cpu --batch 4 --device-budget 8MiB --policy planned");
+    ASSERT_EQ(r.code, 0) << r.output;
+    for (const char* needle : {"param", "optstate", "activation", "memory peak", "per step: h2d", "predicted step"})
+      EXPECT_NE(r.output.find(needle), std::string::npos) << command << ": " << needle << " not in: " << r.output;
+  }
+  CliRun what_if = run("simulate --model gpt2-124m --machine h200 --h2d-gbps 5 --device-budget 2GiB");
+  ASSERT_EQ(what_if.code, 0) << what_if.output;
+  expect_rejected("plan --model tiny --machine tpu", {"--machine", "tpu"});
+  expect_rejected("plan --model tiny --machine cpu --device-budget 1KiB --policy planned", {"minimum", "--device-budget"});
+  expect_rejected("plan --model tiny --order sideways", {"--order"});
+}
+
 }  // namespace
