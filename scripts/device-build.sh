@@ -2,8 +2,15 @@
 # Builds Spillway on the lent GPU machine (Ubuntu, no liburing/xxhash headers):
 # unpacks the Debian packages carried in .deps/ into .deps/prefix, then configures
 # and builds with ninja into build-device/. Usage: scripts/device-build.sh [targets...]
+# .deps/ is not committed: on the dev box, before the device call, run
+#   mkdir -p .deps && (cd .deps && apt-get download liburing-dev liburing2 libxxhash-dev libxxhash0)
+# and name .deps in the device tool's carry list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! ls .deps/*.deb >/dev/null 2>&1; then
+  echo "device-build: .deps/*.deb missing; see the comment at the top of $0" >&2
+  exit 1
+fi
 prefix=$PWD/.deps/prefix
 if [ ! -d "$prefix/usr/include" ]; then
   for f in .deps/*.deb; do dpkg -x "$f" "$prefix"; done
