@@ -402,8 +402,8 @@ class Scheduler {
       State& s = st_[o.tensor];
       s.device_valid = true;
       s.recompute_pending = false;
-      if (s.host_buffer && !s.host_valid) {
-      }
+      // Recomputed values are the same bits, but the executor's residency table marks
+      // only the device copy valid after a write; the planner follows it.
       s.host_valid = false;
       s.storage_valid = false;
     }
@@ -438,7 +438,6 @@ class Scheduler {
   void prefetch(int now) {
     if (c_.prefetch == 0) return;
     int horizon = c_.prefetch > 0 ? c_.prefetch : 64;
-    double budget_s = 0;
     for (int j = now + 1; j < static_cast<int>(p_.ops.size()) && j <= now + horizon; ++j) {
       const Op& op = p_.ops[j];
       if (op.place != Place::Device) continue;
@@ -456,7 +455,6 @@ class Scheduler {
         s.last_touch = now;
         emit(InstrKind::Fetch, t, *off);
       }
-      budget_s += machine_.op_seconds(p_, static_cast<size_t>(j));
     }
   }
 
