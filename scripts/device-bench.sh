@@ -2,6 +2,7 @@
 # One call on the lent H200: build, check exactness on CUDA, and time what
 # bench/RESULTS.md records, Spillway and its PyTorch peer side by side.
 # Usage (device tool, carry .deps): scripts/device-bench.sh   (results in $OUT)
+# It needs about 6 device minutes with a warm build; run it early in a session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -36,6 +37,9 @@ log "resident training, gpt2-124m"
 timeout 90 $bin bench train --backend cuda --model gpt2-124m --batch 16 --steps 4 2>&1 | tee -a "$out/summary.txt"
 log "24 GiB budget, gpt2-1.5b, planned"
 timeout 150 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 2 --steps 3 --device-budget 24GiB --policy planned 2>&1 | tee -a "$out/summary.txt"
-log "PyTorch peer, same machine"
+log "ops at gpt2-124m shapes, Spillway then PyTorch"
+timeout 60 $bin bench ops 2>&1 | tail -25 | tee -a "$out/summary.txt"
+timeout 90 python3 bench/peers/torch_reference_step.py --no-step 2>&1 | tail -25 | tee -a "$out/summary.txt"
+log "PyTorch peer training step, same machine"
 NMEAS=3 timeout 120 python3 bench/peers/torch_gpt.py 124M:eager:16 2>&1 | tail -2 | tee -a "$out/summary.txt"
 log "total $(( $(date +%s) - t0 )) s"
