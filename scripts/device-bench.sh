@@ -29,6 +29,13 @@ for p in ("planned", "paging"):
     x = losses(p)
     print(f"cuda exactness {p} vs resident: {'IDENTICAL' if x == r else 'DIFFERENT'} ({len(r) if isinstance(r, list) else r} steps)")
 PY
+log "one gpt2-124m step against PyTorch: loss and every gradient"
+gc=/tmp/gradcheck
+python3 bench/peers/torch_gradient_check.py prepare $gc --T 1024 > "$out/gradcheck.log" 2>&1
+$bin train --backend cuda --data $gc/gc_train.bin --load $gc/init.safetensors --steps 1 --batch 4 --context 1024 \
+  --eval-every 0 --quiet --metrics $gc/m.jsonl --save-grads $gc/grads.safetensors >> "$out/gradcheck.log" 2>&1
+python3 bench/peers/torch_gradient_check.py compare $gc --B 4 --T 1024 >> "$out/gradcheck.log" 2>&1
+tail -1 "$out/gradcheck.log" | tee -a "$out/summary.txt"
 log "copy and storage bandwidth"
 timeout 60 $bin bench io --dir /tmp/spill --size 1GiB --engines uring,threads --depths 1,32 --backend cuda --copy-size 2GiB 2>&1 | tee -a "$out/summary.txt"
 log "host AdamW"

@@ -36,7 +36,7 @@ struct TrainFlags {
   int warmup = 20;
   uint64_t seed = 1337;
   int eval_every = 100, eval_batches = 20;
-  std::string save, load, metrics, trace;
+  std::string save, save_grads, load, metrics, trace;
   bool quiet = false;
 };
 
@@ -231,6 +231,8 @@ Status run_train(const TrainFlags& f) {
     if (!metrics) return errno_status("--metrics: close " + f.metrics, errno);
   }
   if (!f.save.empty()) SPILLWAY_RETURN_IF_ERROR(trainer->save(f.save).with_context("--save"));
+  if (!f.save_grads.empty())
+    SPILLWAY_RETURN_IF_ERROR(trainer->save_gradients(f.save_grads).with_context("--save-grads"));
 
   const double tps = timed_s > 0 ? static_cast<double>(timed_tokens) / timed_s : 0;
   std::printf("final train loss %.4f", last.loss);
@@ -266,6 +268,8 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   app.add_option("--eval-every", f->eval_every, "evaluate every N steps and after the last (0 = never)")->capture_default_str();
   app.add_option("--eval-batches", f->eval_batches, "validation batches per evaluation")->capture_default_str();
   app.add_option("--save", f->save, "write the trained weights (safetensors, Hugging Face GPT-2 names)");
+  app.add_option("--save-grads", f->save_grads,
+                 "write the last step's gradients (safetensors, the same names and layout), to compare with PyTorch");
   app.add_option("--load", f->load, "start from these weights (safetensors; the model's sizes come from it)");
   app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
   app.add_option("--trace", f->trace, "write a Perfetto trace of step 2 (step 1 with --steps 1)");

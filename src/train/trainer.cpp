@@ -186,6 +186,11 @@ Status Trainer::save(const std::string& path) {
   });
 }
 
+Status Trainer::save_gradients(const std::string& path) {
+  return export_gpt2(path, options_.model,
+                     [&](const ParamSpec& p) -> Result<std::vector<float>> { return read_floats("grad." + p.name); });
+}
+
 Result<std::vector<float>> Trainer::read_floats(const std::string& tensor_name) {
   SPILLWAY_ASSIGN_OR_RETURN(TensorId id, find(tensor_name));
   const TensorInfo& info = program_.tensors.info(id);

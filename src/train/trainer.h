@@ -115,6 +115,9 @@ class Trainer {
   Status load_parameters(const std::string& path);
   // Writes the master weights (F32) with Hugging Face GPT-2 names.
   Status save(const std::string& path);
+  // Writes the gradients of the last step (F32, the same names and layout as
+  // save()), e.g. to compare them with another framework's.
+  Status save_gradients(const std::string& path);
 
   // One optimizer step over accum micro-batches drawn from `loader` (its B and T
   // must match the step shape). The step number advances by one.

@@ -239,6 +239,30 @@ TEST(Trainer, MetricsLineHasEveryKeyAndRoundTripsTheLoss) {
   EXPECT_EQ(static_cast<float>(j["val_loss"].get<double>()), 2.5f);
 }
 
+TEST(Trainer, SavedGradientsAreTheStepsGradients) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  const std::string path = temp_path("grads.safetensors");
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  ASSERT_TRUE((*t)->step(random_batches(o.shape.accum, o.shape.B, o.shape.T, 7)).ok());
+  ASSERT_TRUE((*t)->save_gradients(path).is_ok());
+  auto saved = import_gpt2(path, o.model);  // back to our [out,in] layout
+  ASSERT_TRUE(saved.ok()) << saved.status().to_string();
+  int nonzero = 0;
+  for (const ParamSpec& p : parameter_specs(o.model)) {
+    auto grad = (*t)->read_floats("grad." + p.name);
+    ASSERT_TRUE(grad.ok());
+    const std::vector<float>& file = saved->at(p.name);
+    ASSERT_EQ(file.size(), grad->size()) << p.name;
+    for (size_t i = 0; i < file.size(); ++i) ASSERT_EQ(bits(file[i]), bits((*grad)[i])) << p.name << "[" << i << "]";
+    for (float g : *grad) nonzero += g != 0.0f;
+  }
+  EXPECT_GT(nonzero, 0);
+  std::filesystem::remove(path);
+}
+
 TEST(Trainer, SaveAndLoadRoundTrip) {
   auto backend = cpu_backend();
   TrainerOptions o = micro_options();
