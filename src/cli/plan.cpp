@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <tuple>
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
@@ -48,36 +49,20 @@ int run_plan(const PlanFlags& f) {
   Budgets budgets;
   budgets.device = machine.device_bytes ? machine.device_bytes : UINT64_MAX;
   budgets.host = machine.host_bytes ? machine.host_bytes : UINT64_MAX;
-  if (!f.device_budget.empty()) {
-    auto b = parse_budget(f.device_budget, "--device-budget");
+  for (auto [text, flag, budget] : {std::tuple{&f.device_budget, "--device-budget", &budgets.device},
+                                    std::tuple{&f.host_budget, "--host-budget", &budgets.host},
+                                    std::tuple{&f.storage_budget, "--storage-budget", &budgets.storage}}) {
+    if (text->empty()) continue;
+    auto b = parse_budget(*text, flag);
     if (!b.ok()) return fail(b.status());
-    budgets.device = *b;
+    *budget = *b;
   }
-  if (!f.host_budget.empty()) {
-    auto b = parse_budget(f.host_budget, "--host-budget");
-    if (!b.ok()) return fail(b.status());
-    budgets.host = *b;
-  }
-  if (!f.storage_budget.empty()) {
-    auto b = parse_budget(f.storage_budget, "--storage-budget");
-    if (!b.ok()) return fail(b.status());
-    budgets.storage = *b;
-  }
-  auto policy = parse_policy(f.policy);
-  if (!policy.ok()) return fail(policy.status());
-  if (f.prefetch != "none" && f.prefetch != "learned")
-    return fail(Status::invalid_argument("--prefetch: expected none or learned, got '" + f.prefetch + "'"));
+  auto options = resolve_planner_options(f.policy, f.prefetch, f.order);
+  if (!options.ok()) return fail(options.status());
+  options->alignment = alignment;
   auto program = build_training_program(*cfg, {f.batch, T, f.accum}, act);
   if (!program.ok()) return fail(program.status());
-  PlannerOptions options;
-  options.policy = *policy;
-  options.learned_prefetch = f.prefetch == "learned";
-  if (f.order == "layer") options.layer_major = 1;
-  else if (f.order == "micro-batch") options.layer_major = 0;
-  else if (f.order != "auto")
-    return fail(Status::invalid_argument("--order: expected micro-batch, layer or auto, got '" + f.order + "'"));
-  options.alignment = alignment;
-  auto plan = make_plan(*program, machine, budgets, options);
+  auto plan = make_plan(*program, machine, budgets, *options);
   if (!plan.ok()) return fail(plan.status());
   Program placed = *program;
   for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];

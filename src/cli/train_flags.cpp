@@ -86,19 +86,24 @@ Result<uint64_t> default_host_budget() {
   return available / 10 * 8;
 }
 
+Result<PlannerOptions> resolve_planner_options(const std::string& policy, const std::string& prefetch,
+                                               const std::string& order) {
+  PlannerOptions o;
+  SPILLWAY_ASSIGN_OR_RETURN(o.policy, parse_policy(policy));  // its message names --policy
+  if (order == "layer") o.layer_major = 1;
+  else if (order == "micro-batch") o.layer_major = 0;
+  else if (order != "auto")
+    return Status::invalid_argument("--order: expected micro-batch, layer or auto, got '" + order + "'");
+  if (prefetch == "learned") o.learned_prefetch = true;
+  else if (prefetch != "none")
+    return Status::invalid_argument("--prefetch: expected none or learned, got '" + prefetch + "'");
+  return o;
+}
+
 Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backend) {
   ResolvedMemory r;
-  auto policy = parse_policy(f.policy);
-  if (!policy.ok()) return policy.status();  // its message names --policy
-  r.planner.policy = *policy;
+  SPILLWAY_ASSIGN_OR_RETURN(r.planner, resolve_planner_options(f.policy, f.prefetch, f.order));
   r.planner.alignment = backend.alignment();
-  if (f.order == "layer") r.planner.layer_major = 1;
-  else if (f.order == "micro-batch") r.planner.layer_major = 0;
-  else if (f.order != "auto")
-    return Status::invalid_argument("--order: expected micro-batch, layer or auto, got '" + f.order + "'");
-  if (f.prefetch == "learned") r.planner.learned_prefetch = true;
-  else if (f.prefetch != "none")
-    return Status::invalid_argument("--prefetch: expected none or learned, got '" + f.prefetch + "'");
 
   if (!f.device_budget.empty()) {
     SPILLWAY_ASSIGN_OR_RETURN(r.budgets.device, parse_budget(f.device_budget, "--device-budget"));

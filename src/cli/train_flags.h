@@ -49,6 +49,10 @@ struct ResolvedMemory {
   PlannerOptions planner;
   std::string spill_dir;
 };
+// --policy, --prefetch and --order as PlannerOptions (alignment left to the caller).
+Result<PlannerOptions> resolve_planner_options(const std::string& policy, const std::string& prefetch,
+                                               const std::string& order);
+
 // Defaults: device = the backend's capacity (unlimited on the CPU), host = 80% of
 // MemAvailable, storage = only with --spill-dir (90% of its file system's free
 // space unless --storage-budget). Errors name the flag.

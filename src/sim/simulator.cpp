@@ -188,22 +188,27 @@ class Sim {
     return {};
   }
 
+  // A task that moves all of `tensor`'s bytes on `server` at `rate`, after `deps`.
+  int add_transfer(Server server, SimResource resource, double rate, TensorId tensor, std::vector<int> deps) {
+    Task t;
+    t.server = server;
+    t.resource = resource;
+    t.work = static_cast<double>(bytes_of(tensor));
+    t.rate = rate;
+    t.deps = std::move(deps);
+    t.name = program_.tensors.info(tensor).name;
+    t.tensor = tensor;
+    t.bytes = bytes_of(tensor);
+    return add_task(std::move(t));
+  }
+
   // Starts the D2H copy of t (after every device Run issued so far) into its host
   // buffer, which appears now if t had none; t's device region may not be reused
   // before the copy ends. Returns the copy's task.
   int copy_to_host(TensorId tensor) {
     TensorState& s = tensors_[tensor];
     const uint64_t bytes = bytes_of(tensor);
-    Task t;
-    t.server = kD2H;
-    t.resource = SimResource::D2H;
-    t.work = static_cast<double>(bytes);
-    t.rate = machine_.d2h_bytes_per_s;
-    t.deps = after_compute();
-    t.name = program_.tensors.info(tensor).name;
-    t.tensor = tensor;
-    t.bytes = bytes;
-    const int id = add_task(std::move(t));
+    const int id = add_transfer(kD2H, SimResource::D2H, machine_.d2h_bytes_per_s, tensor, after_compute());
     if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
     s.host_buffer = true;
     s.host_arrival = id;
@@ -220,7 +225,6 @@ class Sim {
     if (!valid_tensor(in.tensor)) return true;
     TensorState& s = tensors_[in.tensor];
     const uint64_t bytes = bytes_of(in.tensor);
-    const std::string& name = program_.tensors.info(in.tensor).name;
     switch (in.kind) {
       case InstrKind::Allocate:
       case InstrKind::Fetch: {
@@ -238,16 +242,7 @@ class Sim {
         s.offset = in.offset;
         s.fetch_task = -1;
         if (in.kind == InstrKind::Fetch) {
-          Task t;
-          t.server = kH2D;
-          t.resource = SimResource::H2D;
-          t.work = static_cast<double>(bytes);
-          t.rate = machine_.h2d_bytes_per_s;
-          t.deps = after_compute();
-          t.name = name;
-          t.tensor = in.tensor;
-          t.bytes = bytes;
-          s.fetch_task = add_task(std::move(t));
+          s.fetch_task = add_transfer(kH2D, SimResource::H2D, machine_.h2d_bytes_per_s, in.tensor, after_compute());
           s.host_users.push_back(s.fetch_task);
           result_.h2d_bytes += bytes;
         }
@@ -290,15 +285,7 @@ class Sim {
           block_on({s.store_task}, true, in.tensor);
           return false;
         }
-        Task t;
-        t.server = kStorage;
-        t.resource = SimResource::StorageRead;
-        t.work = static_cast<double>(bytes);
-        t.rate = machine_.storage_read_bytes_per_s;
-        t.name = name;
-        t.tensor = in.tensor;
-        t.bytes = bytes;
-        const int id = add_task(std::move(t));
+        const int id = add_transfer(kStorage, SimResource::StorageRead, machine_.storage_read_bytes_per_s, in.tensor, {});
         if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
         s.host_buffer = true;
         s.host_arrival = id;
@@ -311,15 +298,7 @@ class Sim {
           block_on({s.host_arrival}, true, in.tensor);
           return false;
         }
-        Task t;
-        t.server = kStorage;
-        t.resource = SimResource::StorageWrite;
-        t.work = static_cast<double>(bytes);
-        t.rate = machine_.storage_write_bytes_per_s;
-        t.name = name;
-        t.tensor = in.tensor;
-        t.bytes = bytes;
-        const int id = add_task(std::move(t));
+        const int id = add_transfer(kStorage, SimResource::StorageWrite, machine_.storage_write_bytes_per_s, in.tensor, {});
         if (!s.in_storage) mem(2, static_cast<int64_t>(bytes));
         s.in_storage = true;
         s.store_task = id;
