@@ -42,6 +42,9 @@ struct BackendOptions {
 
 class Backend {
  public:
+  // vocab_rows of an embedding op that covers every token.
+  static constexpr int kAllRows = 0x7fffffff;
+
   virtual ~Backend() = default;
   virtual std::string name() const = 0;         // "cpu" or "cuda"
   virtual std::string description() const = 0;  // "NVIDIA H200, 139.8 GiB" / "CPU, 2 threads"
@@ -66,12 +69,24 @@ class Backend {
   virtual void copy_device(void* dst, const void* src, size_t bytes) = 0;
 
   // ---- ops (N = B*T rows) ----
-  // out[B,T,C] = wte[tokens[b,t]] + wpe[t]
+  // out[B,T,C] = wte[tokens[b,t] - vocab_begin] + wpe[t] for the positions whose token
+  // is in [vocab_begin, vocab_begin + vocab_rows); other positions are left as they
+  // are. wte holds those vocab_rows rows (one vocab tile of the table, or all of it).
   virtual void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
-                                 int B, int T, int C) = 0;
-  // dwte[V,C] += scatter of dout by token; dwpe[T_max,C] += sum over b of dout[b,t]
+                                 int B, int T, int C, int vocab_begin, int vocab_rows) = 0;
+  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
+                         int C) {
+    embedding_forward(out, tokens, wte, wpe, B, T, C, 0, kAllRows);
+  }
+  // dwte[vocab_rows,C] += dout[b,t] at row tokens[b,t] - vocab_begin, for the tokens in
+  // range, each row's additions in token order; dwpe[T_max,C] += Σ_b dout[b,t] unless
+  // dwpe is null.
   virtual void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens,
-                                  int B, int T, int C) = 0;
+                                  int B, int T, int C, int vocab_begin, int vocab_rows) = 0;
+  void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T,
+                          int C) {
+    embedding_backward(dwte, dwpe, dout, tokens, B, T, C, 0, kAllRows);
+  }
   // out[N,C] = (inp - mean) * rstd * weight + bias; mean[N], rstd[N] saved (F32)
   virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* inp,
                                  const void* weight, const void* bias, int N, int C) = 0;
@@ -79,12 +94,24 @@ class Backend {
   virtual void layernorm_backward(void* dinp, void* dweight, void* dbias, const void* dout,
                                   const void* inp, const void* weight, const float* mean,
                                   const float* rstd, int N, int C) = 0;
-  // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null)
+  // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null). Rows of out
+  // are ld_out ≥ OC elements apart (out may be a block of columns of a wider matrix).
   virtual void matmul_forward(void* out, const void* inp, const void* weight, const void* bias,
-                              int N, int C, int OC) = 0;
-  // dinp[N,C] = dout · weight; dweight[OC,C] += doutᵀ · inp; dbias[OC] += Σ_n dout (if not null)
+                              int N, int C, int OC, int ld_out) = 0;
+  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
+                      int OC) {
+    matmul_forward(out, inp, weight, bias, N, C, OC, OC);
+  }
+  // dinp[N,C] = dout · weight (added into dinp when accumulate_dinp);
+  // dweight[OC,C] += doutᵀ · inp; dbias[OC] += Σ_n dout (if not null). Rows of dout are
+  // ld_dout ≥ OC elements apart.
   virtual void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout,
-                               const void* inp, const void* weight, int N, int C, int OC) = 0;
+                               const void* inp, const void* weight, int N, int C, int OC, int ld_dout,
+                               bool accumulate_dinp) = 0;
+  void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
+                       const void* weight, int N, int C, int OC) {
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
+  }
   // Causal self-attention. qkv[B,T,3C] holds q, k, v side by side, each split into NH
   // heads of C/NH. out[B,T,C]; lse[B,NH,T] = log-sum-exp of each scaled score row.
   virtual void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) = 0;

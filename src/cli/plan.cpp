@@ -14,6 +14,7 @@
 #include "exec/trace.h"
 #include "model/gpt.h"
 #include "plan/planner.h"
+#include "train/trainer.h"
 #include "sim/simulator.h"
 
 namespace spillway::cli {
@@ -60,8 +61,14 @@ int run_plan(const PlanFlags& f) {
   auto options = resolve_planner_options(f.policy, f.prefetch, f.order);
   if (!options.ok()) return fail(options.status());
   options->alignment = alignment;
-  auto program = build_training_program(*cfg, {f.batch, T, f.accum}, act);
+  StepShape shape{f.batch, T, f.accum};
+  auto program = build_training_program(*cfg, shape, act);
   if (!program.ok()) return fail(program.status());
+  if (vocab_tiles_for_budget(*program, budgets.device, alignment)) {
+    shape.tile_vocab = true;
+    program = build_training_program(*cfg, shape, act);
+    if (!program.ok()) return fail(program.status());
+  }
   auto plan = make_plan(*program, machine, budgets, *options);
   if (!plan.ok()) return fail(plan.status());
   Program placed = *program;
@@ -73,6 +80,9 @@ int run_plan(const PlanFlags& f) {
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
             << (budgets.storage ? format_size(budgets.storage) : "none") << "\n"
+            << (shape.tile_vocab ? "the embedding and LM head run in vocab tiles of " + std::to_string(kVocabBlock) +
+                                       " rows (the untiled ops do not fit half the budget)\n"
+                                 : "")
             << "\n"
             << format_report(report);
   const double tokens = static_cast<double>(f.batch) * T * f.accum;

@@ -1,5 +1,7 @@
 #include "exec/dispatch.h"
 
+#include <algorithm>
+
 #include "optim/adamw.h"
 
 namespace spillway {
@@ -14,13 +16,42 @@ Status check_count(const Op& op, const std::vector<void*>& ptrs, size_t lo, size
 const float* f32(void* p) { return static_cast<const float*>(p); }
 float* f32w(void* p) { return static_cast<float*>(p); }
 const int32_t* i32(void* p) { return static_cast<const int32_t*>(p); }
+void* advance(void* p, int64_t elements, size_t element_size) {
+  return p == nullptr ? nullptr : static_cast<char*>(p) + elements * static_cast<int64_t>(element_size);
+}
+
+// A matrix product over output channels [0, OC) of the op, in blocks of attrs.block
+// channels (one block when 0): out/dout columns from attrs.begin of rows attrs.ld
+// apart. dinp is overwritten by the first block of an op whose dinp is Write and
+// accumulated by every other block, so the whole op and its tiles made of whole blocks
+// make the same backend calls in the same order.
+Status run_matmul(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x) {
+  const OpAttrs& a = op.attrs;
+  const bool forward = op.kind == OpKind::MatmulForward;
+  const size_t elem = dtype_size(program.tensors.info(op.operands[forward ? 0 : 2].tensor).dtype);
+  const int64_t ld = a.ld == 0 ? a.OC : a.ld, block = a.block == 0 ? a.OC : a.block;
+  const int N = static_cast<int>(a.N), C = static_cast<int>(a.C);
+  for (int64_t o0 = 0; o0 < a.OC; o0 += block) {
+    const int oc = static_cast<int>(std::min(block, a.OC - o0));
+    void* weight = advance(x[forward ? 2 : 4], o0 * C, elem);
+    if (forward) {
+      b.matmul_forward(advance(x[0], a.begin + o0, elem), x[1], weight, x.size() > 3 ? advance(x[3], o0, elem) : nullptr,
+                       N, C, oc, static_cast<int>(ld));
+    } else {
+      const bool accumulate = o0 > 0 || op.operands[0].access == Access::Update;
+      b.matmul_backward(x[0], advance(x[1], o0 * C, elem), x.size() > 5 ? advance(x[5], o0, elem) : nullptr,
+                        advance(x[2], a.begin + o0, elem), x[3], weight, N, C, oc, static_cast<int>(ld), accumulate);
+    }
+  }
+  return Status::ok();
+}
 }  // namespace
 
 Status run_device_op(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
                      const OptimizerStep& step) {
   const OpAttrs& a = op.attrs;
   const int B = static_cast<int>(a.B), T = static_cast<int>(a.T), C = static_cast<int>(a.C);
-  const int N = static_cast<int>(a.N), OC = static_cast<int>(a.OC), NH = static_cast<int>(a.NH);
+  const int N = static_cast<int>(a.N), NH = static_cast<int>(a.NH);
   const int V = static_cast<int>(a.V);
   const size_t n = static_cast<size_t>(a.n);
   switch (op.kind) {
@@ -30,11 +61,13 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
       return Status::ok();
     case OpKind::EmbeddingForward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 4, 4));
-      b.embedding_forward(x[0], i32(x[1]), x[2], x[3], B, T, C);
+      b.embedding_forward(x[0], i32(x[1]), x[2], x[3], B, T, C, static_cast<int>(a.begin),
+                          a.V > 0 ? V : Backend::kAllRows);
       return Status::ok();
     case OpKind::EmbeddingBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 4, 4));
-      b.embedding_backward(x[0], x[1], x[2], i32(x[3]), B, T, C);
+      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 4));
+      b.embedding_backward(x[0], x.size() > 3 ? x[3] : nullptr, x[1], i32(x[2]), B, T, C,
+                           static_cast<int>(a.begin), a.V > 0 ? V : Backend::kAllRows);
       return Status::ok();
     case OpKind::LayerNormForward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 6, 6));
@@ -46,12 +79,10 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
       return Status::ok();
     case OpKind::MatmulForward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 4));
-      b.matmul_forward(x[0], x[1], x[2], x.size() > 3 ? x[3] : nullptr, N, C, OC);
-      return Status::ok();
+      return run_matmul(b, program, op, x);
     case OpKind::MatmulBackward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 5, 6));
-      b.matmul_backward(x[0], x[1], x.size() > 5 ? x[5] : nullptr, x[2], x[3], x[4], N, C, OC);
-      return Status::ok();
+      return run_matmul(b, program, op, x);
     case OpKind::AttentionForward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
       b.attention_forward(x[0], f32w(x[1]), x[2], B, T, C, NH);
@@ -81,9 +112,16 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
       b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), N, V, a.scale);
       return Status::ok();
     case OpKind::SquaredNorm:
+    {
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 2, 2));
-      b.squared_norm(f32w(x[0]) + a.index, x[1], n);
+      // One element of out_sq per segment of attrs.block elements (one when 0).
+      const size_t elem = dtype_size(program.tensors.info(op.operands[1].tensor).dtype);
+      const size_t segment = a.block > 0 ? static_cast<size_t>(a.block) : n;
+      for (size_t s0 = 0, k = 0; s0 < n; s0 += segment, ++k)
+        b.squared_norm(f32w(x[0]) + a.index + k, advance(x[1], static_cast<int64_t>(s0), elem),
+                       std::min(segment, n - s0));
       return Status::ok();
+    }
     case OpKind::ClipScale: {
       // (scale_norm W, sq_0 R, ..., sq_{P-1} R) or (scale_norm W, sq[P] R)
       if (x.size() < 2) return check_count(op, x, 2, 2);

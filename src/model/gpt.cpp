@@ -152,13 +152,16 @@ std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, 
 
 namespace {
 
-// The parameter tensors of a Program, by ParamSpec order.
+// The tensors of one parameter, or of one vocab tile of wte (rows [row_begin,
+// row_begin + rows) of the table): shape = the piece's shape.
 struct ParamTensors {
-  TensorId param = kNoTensor;   // spec.shape, act dtype
-  TensorId grad = kNoTensor;    // spec.shape, act dtype (training only)
-  TensorId master = kNoTensor;  // spec.shape, F32 (training only)
-  TensorId m = kNoTensor;       // spec.shape, F32 (training only)
-  TensorId v = kNoTensor;       // spec.shape, F32 (training only)
+  TensorId param = kNoTensor;   // [rows, ...] act dtype
+  TensorId grad = kNoTensor;    // [rows, ...] act dtype (training only)
+  TensorId master = kNoTensor;  // [rows, ...] F32 (training only)
+  TensorId m = kNoTensor;       // [rows, ...] F32 (training only)
+  TensorId v = kNoTensor;       // [rows, ...] F32 (training only)
+  int64_t row_begin = 0;
+  int64_t rows = 0;
 };
 
 // Indices into the ParamSpec list of one block's parameters.
@@ -202,8 +205,9 @@ struct LayerScratch {
 
 class Builder {
  public:
-  Builder(const GPTConfig& cfg, int B, int T, DType act, bool training)
-      : cfg_(cfg), B_(B), T_(T), act_(act), training_(training), specs_(parameter_specs(cfg)) {
+  Builder(const GPTConfig& cfg, int B, int T, DType act, bool training, bool tile_vocab)
+      : cfg_(cfg), B_(B), T_(T), act_(act), training_(training), tile_vocab_(tile_vocab),
+        specs_(parameter_specs(cfg)) {
     C_ = cfg.width;
     V_ = cfg.vocab;
     N_ = int64_t{B} * T;
@@ -220,17 +224,31 @@ class Builder {
     return Status::ok();
   }
 
+  // Every parameter is one piece, except wte when tiled: one piece per kVocabBlock rows,
+  // named "<name>#<j>" (Program::pieces finds them).
   void add_params() {
-    for (const ParamSpec& s : specs_) {
-      ParamTensors t;
-      t.param = add(s.name, act_, s.shape, Role::Param);
-      if (training_) {
-        t.grad = add("grad." + s.name, act_, s.shape, Role::Grad);
-        t.master = add("master." + s.name, DType::F32, s.shape, Role::Master);
-        t.m = add("adam_m." + s.name, DType::F32, s.shape, Role::OptState);
-        t.v = add("adam_v." + s.name, DType::F32, s.shape, Role::OptState);
+    for (size_t p = 0; p < specs_.size(); ++p) {
+      const ParamSpec& s = specs_[p];
+      std::vector<ParamTensors> pieces;
+      const int64_t rows = s.shape.dims[0];
+      const bool tiled = p == 0 && tile_vocab_ && rows > kVocabBlock;
+      for (int64_t r0 = 0, j = 0; r0 < rows; r0 += tiled ? kVocabBlock : rows, ++j) {
+        ParamTensors t;
+        t.row_begin = r0;
+        t.rows = tiled ? std::min<int64_t>(kVocabBlock, rows - r0) : rows;
+        Shape shape = s.shape;
+        shape.dims[0] = t.rows;
+        const std::string name = tiled ? s.name + "#" + std::to_string(j) : s.name;
+        t.param = add(name, act_, shape, Role::Param);
+        if (training_) {
+          t.grad = add("grad." + name, act_, shape, Role::Grad);
+          t.master = add("master." + name, DType::F32, shape, Role::Master);
+          t.m = add("adam_m." + name, DType::F32, shape, Role::OptState);
+          t.v = add("adam_v." + name, DType::F32, shape, Role::OptState);
+        }
+        pieces.push_back(t);
       }
-      params_.push_back(t);
+      params_.push_back(std::move(pieces));
     }
   }
 
@@ -297,17 +315,22 @@ class Builder {
 
   void zero_grads() {
     for (size_t p = 0; p < specs_.size(); ++p)
-      op(OpKind::Zero, "zero." + p_.tensors.info(params_[p].grad).name, {w(params_[p].grad)}, {}, Phase::Forward,
-         specs_[p].layer, 0);
+      for (const ParamTensors& t : params_[p])
+        op(OpKind::Zero, "zero." + p_.tensors.info(t.grad).name, {w(t.grad)}, {}, Phase::Forward, specs_[p].layer, 0);
   }
 
   // Forward of micro-batch k up to the logits.
   void forward(int k, const MicroBatch& m) {
     const int64_t C = C_;
     std::string mb = "mb" + std::to_string(k) + ".";
-    OpAttrs btc{.B = B_, .T = T_, .C = C};
-    op(OpKind::EmbeddingForward, mb + "embedding.forward",
-       {w(m.encoded), r(m.tokens), r(param(0)), r(param(1))}, btc, Phase::Forward, -1, k);
+    // One op per vocab tile: each writes the positions whose token is in its tile.
+    for (const ParamTensors& t : params_[0]) {
+      OpAttrs a{.B = B_, .T = T_, .C = C, .V = t.rows};
+      a.begin = t.row_begin;
+      op(OpKind::EmbeddingForward, mb + "embedding.forward" + tile_suffix(t),
+         {t.row_begin == 0 ? w(m.encoded) : u(m.encoded), r(m.tokens), r(t.param), r(param(1))}, a, Phase::Forward,
+         -1, k);
+    }
     TensorId x = m.encoded;  // the residual stream entering block i
     for (int i = 0; i < cfg_.layers; ++i) {
       const LayerActs& a = m.layers[i];
@@ -340,8 +363,11 @@ class Builder {
     op(OpKind::LayerNormForward, mb + "ln_f.forward",
        {w(m.lnf_out), w(m.lnf_mean), w(m.lnf_rstd), r(x), r(param(lnf_w)), r(param(lnf_b))}, nc(), Phase::Forward,
        -1, k);
-    op(OpKind::MatmulForward, mb + "lm_head.forward", {w(m.logits), r(m.lnf_out), r(param(0))}, mm(C, V_),
-       Phase::Forward, -1, k);
+    // The LM head in blocks of kVocabBlock output channels (vocab rows), one op per
+    // vocab tile: logits columns [row_begin, row_begin + rows).
+    for (const ParamTensors& t : params_[0])
+      op(OpKind::MatmulForward, mb + "lm_head.forward" + tile_suffix(t),
+         {t.row_begin == 0 ? w(m.logits) : u(m.logits), r(m.lnf_out), r(t.param)}, lm_head(t), Phase::Forward, -1, k);
   }
 
   void loss(int k, const MicroBatch& m, int accum, bool backward) {
@@ -364,8 +390,10 @@ class Builder {
     auto bwd = [&](const std::string& name, OpKind kind, std::vector<Operand> ops, OpAttrs attrs, int layer) {
       op(kind, name, std::move(ops), attrs, Phase::Backward, layer, k);
     };
-    bwd(mb + "lm_head.backward", OpKind::MatmulBackward,
-        {w(d_lnf_out_), u(grad(0)), r(m.logits), r(m.lnf_out), r(param(0))}, mm(C, V_), -1);
+    for (const ParamTensors& t : params_[0])
+      bwd(mb + "lm_head.backward" + tile_suffix(t), OpKind::MatmulBackward,
+          {t.row_begin == 0 ? w(d_lnf_out_) : u(d_lnf_out_), u(t.grad), r(m.logits), r(m.lnf_out), r(t.param)},
+          lm_head(t), -1);
     bwd(mb + "dres.zero", OpKind::Zero, {w(dres)}, {}, -1);
     size_t lnf_w = specs_.size() - 2, lnf_b = specs_.size() - 1;
     TensorId last = cfg_.layers > 0 ? m.layers.back().res_mlp : m.encoded;
@@ -406,19 +434,32 @@ class Builder {
           r(a.ln1_rstd)},
          nc());
     }
-    bwd(mb + "embedding.backward", OpKind::EmbeddingBackward, {u(grad(0)), u(grad(1)), r(dres), r(m.tokens)},
-        {.B = B_, .T = T_, .C = C}, -1);
+    for (const ParamTensors& t : params_[0]) {
+      OpAttrs a{.B = B_, .T = T_, .C = C, .V = t.rows};
+      a.begin = t.row_begin;
+      std::vector<Operand> ops{u(t.grad), r(dres), r(m.tokens)};
+      if (t.row_begin == 0) ops.push_back(u(grad(1)));  // wpe's gradient, once
+      bwd(mb + "embedding.backward" + tile_suffix(t), OpKind::EmbeddingBackward, std::move(ops), a, -1);
+    }
   }
 
   void optimizer(float max_grad_norm, float weight_decay) {
-    // One F32 element per parameter tensor: SquaredNorm p updates element p (the
-    // packed form of program.h), so ClipScale reads one contiguous [P] tensor.
-    const auto P = static_cast<int64_t>(specs_.size());
+    // One F32 element per parameter tensor, and wte one per kVocabBlock rows whether
+    // tiled or not: the packed form of program.h, so ClipScale reads one contiguous [P]
+    // tensor and a tiled run sums the same norms in the same order.
+    const int64_t wte_segments = (V_ + kVocabBlock - 1) / kVocabBlock;
+    const auto P = static_cast<int64_t>(specs_.size()) - 1 + wte_segments;
     TensorId sq = add("grad_sqnorms", DType::F32, {P}, Role::Scratch);
     op(OpKind::Zero, "grad_sqnorms.zero", {w(sq)}, {}, Phase::Optimizer, -1, -1);
+    int64_t element = 0;
     for (size_t p = 0; p < specs_.size(); ++p) {
-      op(OpKind::SquaredNorm, "sqnorm." + specs_[p].name, {u(sq), r(grad(p))},
-         {.n = numel(p), .index = static_cast<int64_t>(p)}, Phase::Optimizer, specs_[p].layer, -1);
+      for (const ParamTensors& t : params_[p]) {
+        OpAttrs a{.n = p_.tensors.info(t.grad).shape.numel(), .index = element};
+        if (p == 0) a.block = kVocabBlock * C_;
+        op(OpKind::SquaredNorm, "sqnorm." + p_.tensors.info(t.param).name, {u(sq), r(t.grad)}, a, Phase::Optimizer,
+           specs_[p].layer, -1);
+        element += a.block > 0 ? (a.n + a.block - 1) / a.block : 1;
+      }
     }
     TensorId scale_norm = add("clip.scale_norm", DType::F32, {2}, Role::Activation);
     p_.outputs.push_back(scale_norm);
@@ -427,12 +468,13 @@ class Builder {
     clip.scale = max_grad_norm;
     op(OpKind::ClipScale, "clip", std::move(clip_ops), clip, Phase::Optimizer, -1, -1);
     for (size_t p = 0; p < specs_.size(); ++p) {
-      const ParamTensors& t = params_[p];
-      OpAttrs a{.n = numel(p), .index = static_cast<int64_t>(p)};
-      a.scale = specs_[p].decay ? weight_decay : 0.0f;
-      op(OpKind::AdamW, "adamw." + specs_[p].name,
-         {w(t.param), u(t.master), u(t.m), u(t.v), r(t.grad), r(scale_norm)}, a, Phase::Optimizer, specs_[p].layer,
-         -1);
+      for (const ParamTensors& t : params_[p]) {
+        OpAttrs a{.n = p_.tensors.info(t.param).shape.numel(), .index = static_cast<int64_t>(p)};
+        a.scale = specs_[p].decay ? weight_decay : 0.0f;
+        op(OpKind::AdamW, "adamw." + p_.tensors.info(t.param).name,
+           {w(t.param), u(t.master), u(t.m), u(t.v), r(t.grad), r(scale_norm)}, a, Phase::Optimizer,
+           specs_[p].layer, -1);
+      }
     }
   }
 
@@ -457,9 +499,22 @@ class Builder {
   static Operand r(TensorId t) { return {t, Access::Read}; }
   static Operand u(TensorId t) { return {t, Access::Update}; }
   static Operand w(TensorId t) { return {t, Access::Write}; }
-  TensorId param(size_t p) const { return params_[p].param; }
-  TensorId grad(size_t p) const { return params_[p].grad; }
-  int64_t numel(size_t p) const { return specs_[p].shape.numel(); }
+  // The only piece of a parameter that is never tiled.
+  TensorId param(size_t p) const { return params_[p].front().param; }
+  TensorId grad(size_t p) const { return params_[p].front().grad; }
+  // "" for the whole table, "#j" for vocab tile j.
+  std::string tile_suffix(const ParamTensors& t) const {
+    return params_[0].size() == 1 ? "" : "#" + std::to_string(t.row_begin / kVocabBlock);
+  }
+  // LM head over one vocab piece: logits columns [row_begin, row_begin + rows) of rows
+  // V apart, in blocks of kVocabBlock channels.
+  OpAttrs lm_head(const ParamTensors& t) const {
+    OpAttrs a = mm(C_, t.rows);
+    a.ld = V_;
+    a.begin = t.row_begin;
+    a.block = kVocabBlock;
+    return a;
+  }
   OpAttrs nc() const { return {.C = C_, .N = N_}; }
   OpAttrs mm(int64_t C, int64_t OC) const { return {.C = C, .OC = OC, .N = N_}; }
 
@@ -467,10 +522,11 @@ class Builder {
   int64_t B_, T_;
   DType act_;
   bool training_;
+  bool tile_vocab_;
   std::vector<ParamSpec> specs_;
   int64_t C_ = 0, V_ = 0, N_ = 0;
   Program p_;
-  std::vector<ParamTensors> params_;   // by ParamSpec index
+  std::vector<std::vector<ParamTensors>> params_;  // by ParamSpec index: its pieces in row order
   std::vector<LayerScratch> scratch_;  // by layer
   TensorId d_lnf_out_ = kNoTensor;     // [B,T,C] scratch
 };
@@ -485,7 +541,7 @@ Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DT
                                     "; must be positive");
   if (!(max_grad_norm > 0))
     return Status::invalid_argument("max gradient norm is " + std::to_string(max_grad_norm) + "; must be positive");
-  Builder b(cfg, shape.B, shape.T, act_dtype, /*training=*/true);
+  Builder b(cfg, shape.B, shape.T, act_dtype, /*training=*/true, shape.tile_vocab);
   b.add_params();
   b.add_scratch();
   std::vector<MicroBatch> mbs;
@@ -502,9 +558,10 @@ Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DT
   return p;
 }
 
-Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss) {
+Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss,
+                                      bool tile_vocab) {
   SPILLWAY_RETURN_IF_ERROR(Builder::check(cfg, B, T, act_dtype));
-  Builder b(cfg, B, T, act_dtype, /*training=*/false);
+  Builder b(cfg, B, T, act_dtype, /*training=*/false, tile_vocab);
   b.add_params();
   b.add_scratch();
   MicroBatch m = b.add_micro_batch(0, with_loss, /*logits_output=*/!with_loss);

@@ -35,7 +35,12 @@
 //   scratch     h{i}.attn_proj, h{i}.mlp_proj [B,T,C] (projection before the residual add);
 //               gradients d_lnf_out [B,T,C], h{i}.{d_fch_gelu, d_fch [B,T,4C], d_ln2_out,
 //               d_atty [B,T,C], d_qkv [B,T,3C], d_ln1_out [B,T,C]} — shared by micro-batches,
-//               each written before it is read; grad_sqnorms [P] F32 (element p: Σ grad.<p>²)
+//               each written before it is read; grad_sqnorms [P] F32 (one element per
+//               parameter, wte one per kVocabBlock rows: Σ grad² of each)
+//   vocab tiles (StepShape::tile_vocab, V > kVocabBlock): wte and its grad/master/adam_m/
+//               adam_v are "<name>#j" [≤kVocabBlock, C] for rows from j·kVocabBlock, and
+//               the embedding, LM-head, SquaredNorm and AdamW ops of wte are one per tile
+//               (names "...#j"); Program::pieces("<name>") finds the tiles in order
 //   outputs     mb{k}.losses ..., clip.scale_norm [2] F32 {clip scale, global grad norm}
 //
 // Op order: Zero of every grad; per micro-batch k: forward (embedding; per layer ln1,
@@ -102,10 +107,21 @@ std::vector<ParamSpec> parameter_specs(const GPTConfig& cfg);
 //   value = float(std · z), rounded once.
 std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed);
 
+// Rows of wte per block of the LM head and of its gradient norm, and per vocab tile.
+// The LM head is always computed in blocks of this many vocab rows (its dinp summed
+// block by block) and wte's gradient norm is one per block, so a tiled program (one op
+// and one tensor per block) gives the same bits as the untiled one. A multiple of the
+// CPU backend's matmul tiles (256 columns, 128 rows).
+inline constexpr int64_t kVocabBlock = 8192;
+
 struct StepShape {
   int B = 0;      // sequences per micro-batch
   int T = 0;      // tokens per sequence (≤ context)
   int accum = 1;  // micro-batches per step (gradient accumulation)
+  // Split wte, its gradient, master copy and moments into vocab tiles of kVocabBlock
+  // rows ("<name>#0", "#1", ...), with one embedding and LM-head op per tile (DESIGN
+  // step 8: an op too big for the budget is split). Same losses bit for bit.
+  bool tile_vocab = false;
 };
 
 // The Program of one training step (see the names and op order above).
@@ -117,6 +133,7 @@ Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DT
 // Forward pass only (eval, sampling), one batch, param names as above. Inputs
 // mb0.tokens (and mb0.targets with_loss) [B,T] I32. with_loss: CrossEntropyForward
 // into output mb0.losses [B·T] F32; without: output mb0.logits [B,T,V].
-Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss);
+Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss,
+                                      bool tile_vocab = false);
 
 }  // namespace spillway

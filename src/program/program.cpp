@@ -37,6 +37,7 @@ struct Slot {
   const char* name;
   Access access;
   Elem elem;
+  bool write_or_update = false;  // a Write slot that a tile after the first may Update
 };
 
 // The operand slots of each kind, in order, as documented in program.h.
@@ -49,14 +50,15 @@ struct KindSpec {
 const KindSpec& kind_spec(OpKind k) {
   using A = Access;
   static const KindSpec zero{{{"t", A::Write, Elem::Act}}};
-  static const KindSpec emb_fwd{{{"out", A::Write, Elem::Act},
+  static const KindSpec emb_fwd{{{"out", A::Write, Elem::Act, true},
                                  {"tokens", A::Read, Elem::I32},
                                  {"wte", A::Read, Elem::Act},
                                  {"wpe", A::Read, Elem::Act}}};
   static const KindSpec emb_bwd{{{"dwte", A::Update, Elem::Act},
-                                 {"dwpe", A::Update, Elem::Act},
                                  {"dout", A::Read, Elem::Act},
-                                 {"tokens", A::Read, Elem::I32}}};
+                                 {"tokens", A::Read, Elem::I32},
+                                 {"dwpe", A::Update, Elem::Act}},
+                                1};
   static const KindSpec ln_fwd{{{"out", A::Write, Elem::Act},
                                 {"mean", A::Write, Elem::F32},
                                 {"rstd", A::Write, Elem::F32},
@@ -71,12 +73,12 @@ const KindSpec& kind_spec(OpKind k) {
                                 {"weight", A::Read, Elem::Act},
                                 {"mean", A::Read, Elem::F32},
                                 {"rstd", A::Read, Elem::F32}}};
-  static const KindSpec mm_fwd{{{"out", A::Write, Elem::Act},
+  static const KindSpec mm_fwd{{{"out", A::Write, Elem::Act, true},
                                 {"inp", A::Read, Elem::Act},
                                 {"weight", A::Read, Elem::Act},
                                 {"bias", A::Read, Elem::Act}},
                                1};
-  static const KindSpec mm_bwd{{{"dinp", A::Write, Elem::Act},
+  static const KindSpec mm_bwd{{{"dinp", A::Write, Elem::Act, true},
                                 {"dweight", A::Update, Elem::Act},
                                 {"dout", A::Read, Elem::Act},
                                 {"inp", A::Read, Elem::Act},
@@ -191,7 +193,7 @@ class OpChecker {
       for (size_t j = 0; j < i; ++j)
         if (op_.operands[j].tensor == o.tensor)
           return fail_operand(i, "is the same tensor as operand " + std::to_string(j));
-      if (o.access != s.access)
+      if (o.access != s.access && !(s.write_or_update && o.access == Access::Update))
         return fail_operand(i, std::string("has access ") + access_name(o.access) + "; " + op_kind_name(op_.kind) +
                                    " needs " + access_name(s.access));
       const TensorInfo& t = p_.tensors.info(o.tensor);
@@ -253,17 +255,20 @@ class OpChecker {
     switch (op_.kind) {
       case OpKind::Zero: return Status::ok();
       case OpKind::EmbeddingForward:
+      case OpKind::EmbeddingBackward: {
         SPILLWAY_RETURN_IF_ERROR(positive({{"B", a.B}, {"T", a.T}, {"C", a.C}}));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(0, a.B * a.T * a.C, "B*T*C"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(1, a.B * a.T, "B*T"));
-        SPILLWAY_RETURN_IF_ERROR(rows_of(2, a.C, 1, "rows of C"));
-        return rows_of(3, a.C, a.T, "at least T rows of C");
-      case OpKind::EmbeddingBackward:
-        SPILLWAY_RETURN_IF_ERROR(positive({{"B", a.B}, {"T", a.T}, {"C", a.C}}));
-        SPILLWAY_RETURN_IF_ERROR(rows_of(0, a.C, 1, "rows of C"));
-        SPILLWAY_RETURN_IF_ERROR(rows_of(1, a.C, a.T, "at least T rows of C"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(2, a.B * a.T * a.C, "B*T*C"));
-        return numel_is(3, a.B * a.T, "B*T");
+        if (a.V < 0 || a.begin < 0)
+          return fail("attrs.V " + std::to_string(a.V) + " and attrs.begin " + std::to_string(a.begin) +
+                      " must not be negative");
+        const bool fwd = op_.kind == OpKind::EmbeddingForward;
+        const size_t act = fwd ? 0 : 1, tokens = fwd ? 1 : 2, wte = fwd ? 2 : 0, wpe = fwd ? 3 : 3;
+        SPILLWAY_RETURN_IF_ERROR(numel_is(act, a.B * a.T * a.C, "B*T*C"));
+        SPILLWAY_RETURN_IF_ERROR(numel_is(tokens, a.B * a.T, "B*T"));
+        if (a.V > 0) SPILLWAY_RETURN_IF_ERROR(numel_is(wte, a.V * a.C, "V*C (rows of the vocab tile)"));
+        SPILLWAY_RETURN_IF_ERROR(rows_of(wte, a.C, 1, "rows of C"));
+        if (wpe < op_.operands.size()) return rows_of(wpe, a.C, a.T, "at least T rows of C");
+        return Status::ok();
+      }
       case OpKind::LayerNormForward:
         SPILLWAY_RETURN_IF_ERROR(positive({{"N", a.N}, {"C", a.C}}));
         SPILLWAY_RETURN_IF_ERROR(numel_is(0, a.N * a.C, "N*C"));
@@ -283,19 +288,22 @@ class OpChecker {
         SPILLWAY_RETURN_IF_ERROR(numel_is(6, a.N, "N"));
         return numel_is(7, a.N, "N");
       case OpKind::MatmulForward:
+      case OpKind::MatmulBackward: {
         SPILLWAY_RETURN_IF_ERROR(positive({{"N", a.N}, {"C", a.C}, {"OC", a.OC}}));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(0, a.N * a.OC, "N*OC"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(1, a.N * a.C, "N*C"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(2, a.OC * a.C, "OC*C"));
-        return numel_is(3, a.OC, "OC");
-      case OpKind::MatmulBackward:
-        SPILLWAY_RETURN_IF_ERROR(positive({{"N", a.N}, {"C", a.C}, {"OC", a.OC}}));
+        const int64_t ld = a.ld == 0 ? a.OC : a.ld;
+        if (a.begin < 0 || a.block < 0 || a.begin + a.OC > ld)
+          return fail("columns [" + std::to_string(a.begin) + ", " + std::to_string(a.begin + a.OC) +
+                      ") with block " + std::to_string(a.block) + " do not fit rows of ld = " + std::to_string(ld));
+        const bool fwd = op_.kind == OpKind::MatmulForward;
+        // A column block of out/dout: a Write of the first tile leaves the other columns.
+        SPILLWAY_RETURN_IF_ERROR(numel_is(fwd ? 0 : 2, a.N * ld, "N*ld (ld = OC unless given)"));
+        SPILLWAY_RETURN_IF_ERROR(numel_is(fwd ? 1 : 3, a.N * a.C, "N*C"));
+        SPILLWAY_RETURN_IF_ERROR(numel_is(fwd ? 2 : 4, a.OC * a.C, "OC*C"));
+        if (fwd) return numel_is(3, a.OC, "OC");
         SPILLWAY_RETURN_IF_ERROR(numel_is(0, a.N * a.C, "N*C"));
         SPILLWAY_RETURN_IF_ERROR(numel_is(1, a.OC * a.C, "OC*C"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(2, a.N * a.OC, "N*OC"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(3, a.N * a.C, "N*C"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(4, a.OC * a.C, "OC*C"));
         return numel_is(5, a.OC, "OC");
+      }
       case OpKind::AttentionForward:
       case OpKind::AttentionBackward: {
         SPILLWAY_RETURN_IF_ERROR(positive({{"B", a.B}, {"T", a.T}, {"C", a.C}, {"NH", a.NH}}));
@@ -327,14 +335,18 @@ class OpChecker {
         return numel_is(2, a.N, "N");
       case OpKind::SquaredNorm: {
         SPILLWAY_RETURN_IF_ERROR(positive({{"n", a.n}}));
+        if (a.block < 0) return fail("attrs.block is " + std::to_string(a.block) + "; must not be negative");
+        const int64_t segments = a.block > 0 ? (a.n + a.block - 1) / a.block : 1;
         if (op_.operands[0].access == Access::Write) {
           SPILLWAY_RETURN_IF_ERROR(numel_is(0, 1, "1"));
-          if (a.index != 0) return fail("attrs.index is " + std::to_string(a.index) + "; a written out_sq has one element");
+          if (a.index != 0 || segments != 1)
+            return fail("attrs.index is " + std::to_string(a.index) + " with " + std::to_string(segments) +
+                        " segments; a written out_sq has one element");
         } else {
           int64_t len = p_.tensors.info(op_.operands[0].tensor).shape.numel();
-          if (a.index < 0 || a.index >= len)
-            return fail("attrs.index " + std::to_string(a.index) + " is outside out_sq's " + std::to_string(len) +
-                        " elements");
+          if (a.index < 0 || a.index + segments > len)
+            return fail("elements [" + std::to_string(a.index) + ", " + std::to_string(a.index + segments) +
+                        ") are outside out_sq's " + std::to_string(len) + " elements");
         }
         return numel_is(1, a.n, "n");
       }
@@ -392,6 +404,18 @@ Status Program::validate() const {
 // - AttentionForward: Q·Kᵀ and P·V are 2·B·T²·C each without a mask; the causal
 //   mask halves the work actually needed, so 4·B·T²·C / 2 = 2·B·T²·C.
 // - AttentionBackward: twice the forward, 4·B·T²·C (dQ, dK from dS; dV, dP).
+std::vector<TensorId> Program::pieces(const std::string& name) const {
+  TensorId whole = tensors.find(name);
+  if (whole != kNoTensor) return {whole};
+  std::vector<TensorId> out;
+  for (int j = 0;; ++j) {
+    TensorId t = tensors.find(name + "#" + std::to_string(j));
+    if (t == kNoTensor) break;
+    out.push_back(t);
+  }
+  return out;
+}
+
 double Program::flops() const {
   double total = 0;
   for (const Op& op : ops) {

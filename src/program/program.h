@@ -26,12 +26,20 @@ enum class Access : uint8_t { Read, Update, Write };
 // Operand order for each kind, matching the Backend call of the same name.
 enum class OpKind : uint8_t {
   Zero,                  // (t W)
-  EmbeddingForward,      // (out W, tokens R, wte R, wpe R)                      attrs B T C
-  EmbeddingBackward,     // (dwte U, dwpe U, dout R, tokens R)                   attrs B T C
+  EmbeddingForward,      // (out W|U, tokens R, wte R, wpe R)                    attrs B T C [V begin]
+  EmbeddingBackward,     // (dwte U, dout R, tokens R [, dwpe U])                attrs B T C [V begin]
+                         //   wte/dwte may be one vocab tile: V rows from row `begin` (V = 0: the
+                         //   whole table); only tokens in the tile are gathered/scattered, so
+                         //   the forward's out is Write for the first tile and Update after
   LayerNormForward,      // (out W, mean W, rstd W, inp R, weight R, bias R)     attrs N C
   LayerNormBackward,     // (dinp U, dweight U, dbias U, dout R, inp R, weight R, mean R, rstd R)  attrs N C
-  MatmulForward,         // (out W, inp R, weight R [, bias R])                  attrs N C OC
-  MatmulBackward,        // (dinp W, dweight U, dout R, inp R, weight R [, dbias U])  attrs N C OC
+  MatmulForward,         // (out W|U, inp R, weight R [, bias R])                attrs N C OC [ld begin block]
+  MatmulBackward,        // (dinp W|U, dweight U, dout R, inp R, weight R [, dbias U])  attrs N C OC [ld begin block]
+                         //   out/dout may be OC columns from column `begin` of an [N, ld]
+                         //   matrix (a tile of the output channels); dinp Update adds into it.
+                         //   block > 0: computed as consecutive blocks of `block` output
+                         //   channels, dinp summed block by block in order, so tiles made of
+                         //   whole blocks give the same bits as the whole op
   AttentionForward,      // (out W, lse W, qkv R)                                attrs B T C NH
   AttentionBackward,     // (dqkv W, dout R, qkv R, out R, lse R)                attrs B T C NH
   GeluForward,           // (out W, inp R)                                       attrs n
@@ -41,7 +49,9 @@ enum class OpKind : uint8_t {
   CrossEntropyBackward,  // (losses W, logits U→dlogits, targets R)              attrs N V, scale
   SquaredNorm,           // (out_sq W, grad R)                                   attrs n
                          //   or packed (the GPT builder's form): (out_sq[P] U, grad R), writing
-                         //   element attrs.index of a P-element F32 tensor zeroed before
+                         //   element attrs.index of a P-element F32 tensor zeroed before;
+                         //   with attrs.block > 0, one element per segment of `block` elements
+                         //   (index, index+1, ...), so a tiled gradient gives the same norms
   ClipScale,             // (scale_norm W, squared_norms[P] R)                   attrs P, scale=max_norm
                          //   or gathered: (scale_norm W, sq_0 R, ..., sq_{P-1} R), each sq_i
                          //   the 1-element F32 output of one SquaredNorm, read in operand order
@@ -60,7 +70,10 @@ struct Operand {
 struct OpAttrs {
   int64_t B = 0, T = 0, C = 0, OC = 0, NH = 0, N = 0, V = 0, P = 0;
   int64_t n = 0;
-  int64_t index = 0;  // AdamW: which parameter
+  int64_t index = 0;  // AdamW: which parameter; SquaredNorm: element of out_sq
+  int64_t ld = 0;     // Matmul*: row stride of out/dout in elements (0: OC)
+  int64_t begin = 0;  // Matmul*: first column of out/dout; Embedding*: first vocab row of wte
+  int64_t block = 0;  // Matmul*: output channels per block; SquaredNorm: elements per segment
   float scale = 0;    // CrossEntropyBackward: dloss scale; ClipScale: max norm; AdamW: weight decay
 };
 
@@ -93,6 +106,9 @@ struct Program {
   // operand's access, dtype (act = F32 or BF16; stats F32; tokens I32) and element
   // count match its kind's slot and attrs; no tensor appears twice in one op.
   Status validate() const;
+  // The tensor called `name`, or when it was split into row tiles, the tiles
+  // "<name>#0", "<name>#1", ... in row order; empty when neither exists.
+  std::vector<TensorId> pieces(const std::string& name) const;
   // Total floating-point operations of the step (for MFU): matrix products only.
   // MatmulForward 2·N·C·OC, MatmulBackward 4·N·C·OC, AttentionForward 2·B·T²·C
   // (causal: half of 4·B·T²·C), AttentionBackward 4·B·T²·C.

@@ -48,7 +48,7 @@ double op_bytes(const Program& program, const Op& op) {
     // out/dout [B,T,C] written or read once, the selected wte rows and wpe rows once
     // each (updated in place for the backward).
     const double rows = static_cast<double>(op.attrs.B * op.attrs.T * op.attrs.C);
-    const TensorId act = op.operands.empty() ? kNoTensor : op.operands[op.kind == OpKind::EmbeddingForward ? 0 : 2].tensor;
+    const TensorId act = op.operands.empty() ? kNoTensor : op.operands[op.kind == OpKind::EmbeddingForward ? 0 : 1].tensor;
     const double elem = rows > 0 ? tensor_bytes(program, act) / rows : 0;
     const double factor = op.kind == OpKind::EmbeddingForward ? 3 : 5;
     return factor * rows * elem + 4 * static_cast<double>(op.attrs.B * op.attrs.T);

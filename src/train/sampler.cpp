@@ -45,6 +45,10 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
   std::unique_ptr<Sampler> s(new Sampler(backend, cfg));
   s->window_ = options.window > 0 ? std::min(options.window, cfg.context) : cfg.context;
   SPILLWAY_ASSIGN_OR_RETURN(s->program_, build_forward_program(cfg, 1, s->window_, backend.activation_dtype(), false));
+  if (vocab_tiles_for_budget(s->program_, options.budgets.device, backend.alignment())) {
+    SPILLWAY_ASSIGN_OR_RETURN(s->program_,
+                              build_forward_program(cfg, 1, s->window_, backend.activation_dtype(), false, true));
+  }
   PlannerOptions planner = options.planner;
   planner.alignment = backend.alignment();
   SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend), options.budgets, planner));
@@ -61,14 +65,7 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
 }
 
 Status Sampler::set_parameter(const std::string& name, const std::vector<float>& values) {
-  TensorId id = program_.tensors.find(name);
-  if (id == kNoTensor) return Status::not_found("the model has no parameter '" + name + "'");
-  const TensorInfo& info = program_.tensors.info(id);
-  if (static_cast<int64_t>(values.size()) != info.shape.numel())
-    return Status::invalid_argument("parameter " + name + " has " + std::to_string(info.shape.numel()) +
-                                    " elements, got " + std::to_string(values.size()));
-  std::vector<uint8_t> bytes = encode_values(info.dtype, values);
-  return executor_->write_tensor(id, bytes.data(), bytes.size());
+  return write_named_floats(*executor_, program_, name, values);
 }
 
 Status Sampler::load(const std::string& path) {

@@ -116,6 +116,11 @@ Status Trainer::setup() {
   options_.planner.alignment = backend_.alignment();
   SPILLWAY_ASSIGN_OR_RETURN(program_, build_training_program(cfg, shape, backend_.activation_dtype(),
                                                              options_.max_grad_norm, options_.weight_decay));
+  if (!shape.tile_vocab && vocab_tiles_for_budget(program_, options_.budgets.device, backend_.alignment())) {
+    options_.shape.tile_vocab = true;
+    SPILLWAY_ASSIGN_OR_RETURN(program_, build_training_program(cfg, options_.shape, backend_.activation_dtype(),
+                                                               options_.max_grad_norm, options_.weight_decay));
+  }
   auto plan = make_plan(program_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
@@ -140,26 +145,58 @@ Status Trainer::setup() {
   return Status::ok();
 }
 
-Status Trainer::zero_moments(const ParamSpec& p) {
-  const std::vector<float> zeros(static_cast<size_t>(p.shape.numel()), 0.0f);
-  for (const char* prefix : {"adam_m.", "adam_v."}) {
-    SPILLWAY_ASSIGN_OR_RETURN(TensorId id, find(prefix + p.name));
-    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(id, zeros.data(), zeros.size() * sizeof(float)));
+Result<std::vector<float>> read_named_floats(Executor& executor, const Program& program, const std::string& name) {
+  const std::vector<TensorId> pieces = program.pieces(name);
+  if (pieces.empty()) return Status::not_found("the program has no tensor '" + name + "'");
+  std::vector<float> values;
+  for (TensorId id : pieces) {
+    const TensorInfo& info = program.tensors.info(id);
+    if (info.dtype != DType::F32 && info.dtype != DType::BF16)
+      return Status::invalid_argument("tensor " + info.name + " is " + dtype_name(info.dtype) + ", not a float tensor");
+    std::vector<uint8_t> bytes(info.bytes());
+    SPILLWAY_RETURN_IF_ERROR(executor.read_tensor(id, bytes.data(), bytes.size()));
+    std::vector<float> part = decode_values(info.dtype, bytes.data(), static_cast<size_t>(info.shape.numel()));
+    values.insert(values.end(), part.begin(), part.end());
+  }
+  return values;
+}
+
+Status write_named_floats(Executor& executor, const Program& program, const std::string& name,
+                          const std::vector<float>& values) {
+  const std::vector<TensorId> pieces = program.pieces(name);
+  if (pieces.empty()) return Status::not_found("the program has no tensor '" + name + "'");
+  int64_t total = 0;
+  for (TensorId id : pieces) total += program.tensors.info(id).shape.numel();
+  if (static_cast<int64_t>(values.size()) != total)
+    return Status::invalid_argument("tensor " + name + " has " + std::to_string(total) + " elements, got " +
+                                    std::to_string(values.size()));
+  size_t offset = 0;
+  for (TensorId id : pieces) {
+    const TensorInfo& info = program.tensors.info(id);
+    const size_t count = static_cast<size_t>(info.shape.numel());
+    std::vector<float> part(values.begin() + static_cast<std::ptrdiff_t>(offset),
+                            values.begin() + static_cast<std::ptrdiff_t>(offset + count));
+    std::vector<uint8_t> bytes = encode_values(info.dtype, part);
+    SPILLWAY_RETURN_IF_ERROR(executor.write_tensor(id, bytes.data(), bytes.size()));
+    offset += count;
   }
   return Status::ok();
 }
 
+bool vocab_tiles_for_budget(const Program& untiled, uint64_t device_budget, size_t alignment) {
+  return minimum_device_budget(untiled, alignment) > device_budget / 2;
+}
+
+Status Trainer::zero_moments(const ParamSpec& p) {
+  const std::vector<float> zeros(static_cast<size_t>(p.shape.numel()), 0.0f);
+  for (const char* prefix : {"adam_m.", "adam_v."})
+    SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, prefix + p.name, zeros));
+  return Status::ok();
+}
+
 Status Trainer::write_parameter(const std::string& name, const std::vector<float>& values) {
-  SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
-  SPILLWAY_ASSIGN_OR_RETURN(TensorId master, find("master." + name));
-  const TensorInfo& info = program_.tensors.info(param);
-  if (static_cast<int64_t>(values.size()) != info.shape.numel())
-    return Status::invalid_argument("parameter " + name + " has " + std::to_string(info.shape.numel()) +
-                                    " elements " + info.shape.to_string() + ", got " +
-                                    std::to_string(values.size()));
-  SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(master, values.data(), values.size() * sizeof(float)));
-  std::vector<uint8_t> bytes = encode_values(info.dtype, values);
-  return executor_->write_tensor(param, bytes.data(), bytes.size());
+  SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, "master." + name, values));
+  return write_named_floats(*executor_, program_, name, values);
 }
 
 Status Trainer::init_parameters() {
@@ -178,12 +215,8 @@ Status Trainer::load_parameters(const std::string& path) {
 }
 
 Status Trainer::save(const std::string& path) {
-  return export_gpt2(path, options_.model, [&](const ParamSpec& p) -> Result<std::vector<float>> {
-    SPILLWAY_ASSIGN_OR_RETURN(TensorId master, find("master." + p.name));
-    std::vector<float> values(static_cast<size_t>(p.shape.numel()));
-    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(master, values.data(), values.size() * sizeof(float)));
-    return values;
-  });
+  return export_gpt2(path, options_.model,
+                     [&](const ParamSpec& p) -> Result<std::vector<float>> { return read_floats("master." + p.name); });
 }
 
 Status Trainer::save_gradients(const std::string& path) {
@@ -192,13 +225,7 @@ Status Trainer::save_gradients(const std::string& path) {
 }
 
 Result<std::vector<float>> Trainer::read_floats(const std::string& tensor_name) {
-  SPILLWAY_ASSIGN_OR_RETURN(TensorId id, find(tensor_name));
-  const TensorInfo& info = program_.tensors.info(id);
-  if (info.dtype != DType::F32 && info.dtype != DType::BF16)
-    return Status::invalid_argument("tensor " + tensor_name + " is " + dtype_name(info.dtype) + ", not a float tensor");
-  std::vector<uint8_t> bytes(info.bytes());
-  SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(id, bytes.data(), bytes.size()));
-  return decode_values(info.dtype, bytes.data(), static_cast<size_t>(info.shape.numel()));
+  return read_named_floats(*executor_, program_, tensor_name);
 }
 
 Result<StepResult> Trainer::step(DataLoader& loader) {
@@ -261,8 +288,8 @@ Status Trainer::plan_evaluation(int B, int T) {
   if (T > options_.model.context)
     return Status::invalid_argument("evaluation context " + std::to_string(T) + " is longer than the model's context " +
                                     std::to_string(options_.model.context));
-  SPILLWAY_ASSIGN_OR_RETURN(eval_program_,
-                            build_forward_program(options_.model, B, T, backend_.activation_dtype(), true));
+  SPILLWAY_ASSIGN_OR_RETURN(eval_program_, build_forward_program(options_.model, B, T, backend_.activation_dtype(),
+                                                                true, options_.shape.tile_vocab));
   eval_budgets_ = options_.budgets;
   // The evaluation arena comes on top of the training arena.
   const size_t free_bytes = backend_.device_free_bytes();
@@ -287,12 +314,15 @@ Result<float> Trainer::evaluate(DataLoader& loader, int batches) {
   Executor& ex = **created;
   std::vector<uint8_t> buffer;
   for (const ParamSpec& p : params_) {
-    SPILLWAY_ASSIGN_OR_RETURN(TensorId src, find(p.name));
-    TensorId dst = eval_program_.tensors.find(p.name);
-    if (dst == kNoTensor) return Status::internal("the evaluation program has no parameter " + p.name);
-    buffer.resize(program_.tensors.info(src).bytes());
-    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(src, buffer.data(), buffer.size()));
-    SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(dst, buffer.data(), buffer.size()));
+    // Both programs have the same pieces (the same tile_vocab); copied as bytes.
+    const std::vector<TensorId> src = program_.pieces(p.name), dst = eval_program_.pieces(p.name);
+    if (src.size() != dst.size() || src.empty())
+      return Status::internal("the evaluation program's pieces of parameter " + p.name + " differ from training's");
+    for (size_t j = 0; j < src.size(); ++j) {
+      buffer.resize(program_.tensors.info(src[j]).bytes());
+      SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(src[j], buffer.data(), buffer.size()));
+      SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(dst[j], buffer.data(), buffer.size()));
+    }
   }
   const TensorId tokens = eval_program_.tensors.find("mb0.tokens");
   const TensorId targets = eval_program_.tensors.find("mb0.targets");

@@ -100,6 +100,17 @@ Machine machine_for(const Backend& backend);
 std::vector<uint8_t> encode_values(DType dtype, const std::vector<float>& values);
 std::vector<float> decode_values(DType dtype, const void* bytes, size_t count);
 
+// A tensor of `program` by name, as floats, through its executor: the tensor itself or
+// the concatenation of its row tiles (Program::pieces), each converted from/to its dtype.
+Result<std::vector<float>> read_named_floats(Executor& executor, const Program& program, const std::string& name);
+Status write_named_floats(Executor& executor, const Program& program, const std::string& name,
+                          const std::vector<float>& values);
+
+// Whether a GPT program for a device budget is built in vocab tiles (StepShape::
+// tile_vocab): when the untiled program's largest op (planner minimum_device_budget)
+// takes more than half the budget. Tiled or not, the losses are the same bits.
+bool vocab_tiles_for_budget(const Program& untiled, uint64_t device_budget, size_t alignment);
+
 class Trainer {
  public:
   // Builds the training program for options.model and options.shape in the

@@ -1,7 +1,8 @@
 // Every op of the CUDA backend against the CPU backend (the fp32 reference) on
 // random inputs drawn fresh each run: relative error ‖gpu − cpu‖ / ‖cpu‖ under 1e-2
 // on bf16 paths; AdamW and clip_scale bit-identical to the host kernels; every op
-// gives the same bits twice; the copy engine's ordering rules; errors as Status.
+// gives the same bits twice; vocab tiles of the embedding and column blocks of a
+// product against the whole op; the copy engine's ordering rules; errors as Status.
 // Skips (GTEST_SKIP) where no GPU is present, as in CI.
 #include <gtest/gtest.h>
 
@@ -172,6 +173,10 @@ class CudaOps : public ::testing::Test {
       EXPECT_TRUE(first[i] == gpu_bytes(outputs[i])) << what << ": output " << i << " differs between runs";
   }
 
+  // Element i of `p` on each backend: a view into a tensor (a vocab tile, a column block).
+  static void* gat(const Pair& p, size_t i) { return static_cast<char*>(p.g) + i * (p.f32 ? 4 : 2); }
+  static void* cat(const Pair& p, size_t i) { return static_cast<char*>(p.c) + i * 4; }
+
   // Saves the GPU contents of `p` and returns a function restoring them.
   std::function<void()> saver(const Pair& p) {
     const size_t bytes = p.n * (p.f32 ? 4 : 2);
@@ -292,6 +297,155 @@ TEST_F(CudaOps, Embedding) {
                          [&] { gpu_->embedding_backward(dwte.g, dwpe.g, dout.g, (int32_t*)tok.g, s.B, s.T, s.C); },
                          "embedding_backward");
   }
+}
+
+// The vocabulary split into tiles of rows [begin, begin + rows), each op run once per
+// tile (the wpe gradient with the first tile only), gives the whole op's result: the
+// same bits as the whole op on the GPU, close to the CPU's whole op. Positions whose
+// token is outside a tile are not written, and dwpe is not touched when null.
+TEST_F(CudaOps, EmbeddingVocabTiles) {
+  struct Shape {
+    int B, T, C, V, split;
+  };
+  // C = 36 takes the scalar kernels; split 500 gives a tile whose rows start 16-byte
+  // but not 256-byte aligned.
+  for (Shape s : {Shape{3, 50, 64, 1000, 512}, Shape{2, 33, 36, 1000, 500}, Shape{4, 64, 768, 1000, 512}}) {
+    SCOPED_TRACE("B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
+                 " V=" + std::to_string(s.V) + " split=" + std::to_string(s.split));
+    const size_t N = size_t(s.B) * s.T;
+    const int tiles[2][2] = {{0, s.split}, {s.split, s.V - s.split}};
+    const std::vector<int32_t> tv = tokens(N, s.V);
+    Pair tok = i32(tv);
+    auto* tg = static_cast<int32_t*>(tok.g);
+    auto* tc = static_cast<int32_t*>(tok.c);
+
+    // Forward: the tiles together write every position, with the whole op's bits.
+    Pair wte = act_random(size_t(s.V) * s.C), wpe = act_random(size_t(s.T) * s.C);
+    Pair whole = act_poison(N * s.C), tiled = act_poison(N * s.C);
+    gpu_->embedding_forward(whole.g, tg, wte.g, wpe.g, s.B, s.T, s.C);
+    for (const auto& t : tiles)
+      gpu_->embedding_forward(tiled.g, tg, gat(wte, size_t(t[0]) * s.C), wpe.g, s.B, s.T, s.C, t[0], t[1]);
+    cpu_->embedding_forward(tiled.c, tc, wte.c, wpe.c, s.B, s.T, s.C);  // the reference: the whole op
+    expect_close(tiled, "embedding_forward in vocab tiles");
+    const std::vector<uint8_t> whole_bytes = gpu_bytes(whole);
+    EXPECT_TRUE(gpu_bytes(tiled) == whole_bytes) << "embedding_forward: tiles differ from the whole op";
+
+    // One tile alone writes its tokens' positions and leaves the others as they were.
+    Pair part = act_random(N * s.C);
+    const std::vector<uint8_t> before = gpu_bytes(part);
+    gpu_->embedding_forward(part.g, tg, gat(wte, size_t(s.split) * s.C), wpe.g, s.B, s.T, s.C, s.split,
+                            s.V - s.split);
+    const std::vector<uint8_t> after = gpu_bytes(part);
+    size_t wrong = 0;
+    for (size_t n = 0; n < N; ++n) {
+      const std::vector<uint8_t>& want = tv[n] >= s.split ? whole_bytes : before;
+      wrong += std::memcmp(after.data() + n * s.C * 2, want.data() + n * s.C * 2, size_t(s.C) * 2) != 0;
+    }
+    EXPECT_EQ(wrong, 0u) << "embedding_forward of one tile: rows written wrongly or outside the tile";
+    // A tile that holds no token writes nothing.
+    gpu_->embedding_forward(part.g, tg, wte.g, wpe.g, s.B, s.T, s.C, s.V, 8);
+    EXPECT_TRUE(gpu_bytes(part) == after) << "embedding_forward of an empty tile wrote";
+
+    // Backward: dwte per tile (rows of the tile only), dwpe with the first tile.
+    const std::vector<float> dwte0 = normal(size_t(s.V) * s.C), dwpe0 = normal(size_t(s.T) * s.C);
+    Pair dout = act_random(N * s.C);
+    Pair dwte = act(dwte0), dwpe = act(dwpe0), dwte_w = act(dwte0), dwpe_w = act(dwpe0);
+    auto r1 = saver(dwte), r2 = saver(dwpe);
+    auto tiles_backward = [&] {
+      for (int k = 0; k < 2; ++k)
+        gpu_->embedding_backward(gat(dwte, size_t(tiles[k][0]) * s.C), k == 0 ? dwpe.g : nullptr, dout.g, tg,
+                                 s.B, s.T, s.C, tiles[k][0], tiles[k][1]);
+    };
+    tiles_backward();
+    gpu_->embedding_backward(dwte_w.g, dwpe_w.g, dout.g, tg, s.B, s.T, s.C);
+    cpu_->embedding_backward(dwte.c, dwpe.c, dout.c, tc, s.B, s.T, s.C);  // the reference: the whole op
+    expect_close(dwte, "embedding_backward dwte in vocab tiles");
+    expect_close(dwpe, "embedding_backward dwpe in vocab tiles");
+    EXPECT_TRUE(gpu_bytes(dwte) == gpu_bytes(dwte_w)) << "embedding_backward: tiles' dwte differs from the whole op";
+    EXPECT_TRUE(gpu_bytes(dwpe) == gpu_bytes(dwpe_w)) << "embedding_backward: tiles' dwpe differs from the whole op";
+    // A tile that holds no token, without dwpe, changes nothing.
+    Pair spare = act_random(size_t(8) * s.C);
+    const std::vector<uint8_t> spare_before = gpu_bytes(spare), dwpe_before = gpu_bytes(dwpe);
+    gpu_->embedding_backward(spare.g, nullptr, dout.g, tg, s.B, s.T, s.C, s.V, 8);
+    EXPECT_TRUE(gpu_bytes(spare) == spare_before) << "embedding_backward of an empty tile wrote";
+    EXPECT_TRUE(gpu_bytes(dwpe) == dwpe_before) << "embedding_backward wrote dwpe";
+    expect_deterministic({dwte, dwpe}, [&] { r1(); r2(); }, tiles_backward, "embedding_backward in vocab tiles");
+  }
+}
+
+// A product written as column blocks of a wider output out[N, V] (rows V apart, as
+// the logits of vocab tiles): each block's forward writes its columns only; each
+// block's backward reads its columns of dout[N, V], the first overwriting dinp and
+// the next adding into it, and together they give the whole product's gradients.
+TEST_F(CudaOps, MatmulColumnBlocks) {
+  struct Shape {
+    int N, C, V, split;
+    bool bias;
+  };
+  // split 500: blocks that start 8-byte aligned; V = 1001: rows an odd number of
+  // elements apart.
+  for (Shape s : {Shape{64, 96, 1000, 512, false}, Shape{300, 256, 1000, 500, true}, Shape{40, 48, 1001, 512, true}}) {
+    SCOPED_TRACE("N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " V=" + std::to_string(s.V) +
+                 " split=" + std::to_string(s.split) + (s.bias ? " bias" : ""));
+    const int blocks[2][2] = {{0, s.split}, {s.split, s.V - s.split}};
+    const size_t NV = size_t(s.N) * s.V;
+    Pair inp = act_random(size_t(s.N) * s.C), w = act_random(size_t(s.V) * s.C, 0.05f), b = act_random(s.V);
+    Pair out = act_poison(NV);
+    for (const auto& k : blocks)
+      gpu_->matmul_forward(gat(out, k[0]), inp.g, gat(w, size_t(k[0]) * s.C), s.bias ? gat(b, k[0]) : nullptr, s.N,
+                           s.C, k[1], s.V);
+    cpu_->matmul_forward(out.c, inp.c, w.c, s.bias ? b.c : nullptr, s.N, s.C, s.V);  // the whole product
+    expect_close(out, "matmul_forward in column blocks");
+
+    // One block alone writes its columns (the same bits as above) and nothing else.
+    Pair part = act_random(NV);
+    const std::vector<uint8_t> before = gpu_bytes(part), full = gpu_bytes(out);
+    gpu_->matmul_forward(gat(part, s.split), inp.g, gat(w, size_t(s.split) * s.C), s.bias ? gat(b, s.split) : nullptr,
+                         s.N, s.C, s.V - s.split, s.V);
+    const std::vector<uint8_t> after = gpu_bytes(part);
+    size_t wrong = 0;
+    for (size_t i = 0; i < NV; ++i) {
+      const std::vector<uint8_t>& want = int(i % s.V) >= s.split ? full : before;
+      wrong += std::memcmp(after.data() + 2 * i, want.data() + 2 * i, 2) != 0;
+    }
+    EXPECT_EQ(wrong, 0u) << "matmul_forward of one column block: wrong elements or outside the block";
+
+    // Backward by blocks against the CPU's whole backward.
+    Pair dout = act_random(NV), dinp = act_poison(size_t(s.N) * s.C);
+    Pair dw = act_random(size_t(s.V) * s.C), db = act_random(s.V);  // added into
+    auto rw = saver(dw), rb = saver(db);
+    auto blocks_backward = [&] {
+      for (int k = 0; k < 2; ++k) {
+        const int v0 = blocks[k][0];
+        gpu_->matmul_backward(dinp.g, gat(dw, size_t(v0) * s.C), gat(db, v0), gat(dout, v0), inp.g,
+                              gat(w, size_t(v0) * s.C), s.N, s.C, blocks[k][1], s.V, /*accumulate_dinp=*/k > 0);
+      }
+    };
+    blocks_backward();
+    cpu_->matmul_backward(dinp.c, dw.c, db.c, dout.c, inp.c, w.c, s.N, s.C, s.V);
+    expect_close(dinp, "matmul_backward dinp in column blocks");
+    expect_close(dw, "matmul_backward dweight in column blocks");
+    expect_close(db, "matmul_backward dbias in column blocks");
+    expect_deterministic({dinp, dw, db}, [&] { rw(); rb(); }, blocks_backward, "matmul_backward in column blocks");
+
+    // dinp added into a gradient that already holds values (as from another branch).
+    Pair dinp2 = act_random(size_t(s.N) * s.C), dw2 = act_random(size_t(s.V) * s.C), db2 = act_random(s.V);
+    gpu_->matmul_backward(dinp2.g, dw2.g, db2.g, dout.g, inp.g, w.g, s.N, s.C, s.V, s.V, true);
+    cpu_->matmul_backward(dinp2.c, dw2.c, db2.c, dout.c, inp.c, w.c, s.N, s.C, s.V, s.V, true);
+    expect_close(dinp2, "matmul_backward dinp accumulated");
+    expect_close(dw2, "matmul_backward dweight (with dinp accumulated)");
+  }
+}
+
+TEST_F(CudaOps, MatmulLeadingDimensionBelowOCIsAnError) {
+  void* x = galloc(1 << 16);
+  gpu_->matmul_forward(x, x, x, nullptr, 4, 8, 16, 8);
+  Status s = gpu_->synchronize();
+  EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.to_string();
+  gpu_->matmul_backward(x, x, nullptr, x, x, x, 4, 8, 16, 15, false);
+  s = gpu_->synchronize();
+  EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.to_string();
+  EXPECT_TRUE(gpu_->synchronize().is_ok());
 }
 
 TEST_F(CudaOps, CrossEntropy) {

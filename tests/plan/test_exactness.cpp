@@ -71,10 +71,17 @@ RunResult train(const ModelCase& s, const Budgets& budgets, const PlannerOptions
   for (const ParamSpec& spec : parameter_specs(s.cfg)) {
     std::vector<float> v = init_parameter(s.cfg, spec, 1234);
     for (std::string name : {spec.name, "master." + spec.name}) {
-      TensorId t = program->tensors.find(name);
-      EXPECT_NE(t, kNoTensor) << name;
-      r.status = e.write_tensor(t, v.data(), v.size() * sizeof(float));
-      if (!r.status.is_ok()) return r;
+      // The tensor, or its vocab tiles in row order.
+      std::vector<TensorId> pieces = program->pieces(name);
+      EXPECT_FALSE(pieces.empty()) << name;
+      size_t offset = 0;
+      for (TensorId t : pieces) {
+        const size_t count = static_cast<size_t>(program->tensors.info(t).shape.numel());
+        r.status = e.write_tensor(t, v.data() + offset, count * sizeof(float));
+        if (!r.status.is_ok()) return r;
+        offset += count;
+      }
+      EXPECT_EQ(offset, v.size()) << name;
     }
   }
   std::mt19937 rng(42);
@@ -154,6 +161,55 @@ TEST(Exactness, BudgetedRunsMatchResidentBitForBit) {
       }
     }
   }
+}
+
+// DESIGN step 8: a model whose embedding and LM head do not fit the budget runs them
+// in vocab tiles (one op and one tensor per kVocabBlock rows), with the whole-table
+// run's losses bit for bit, and a budget the untiled program refuses.
+TEST(Exactness, VocabTilesMatchTheWholeTable) {
+  ModelCase whole;
+  whole.cfg = GPTConfig{2, 32, 2, 16, static_cast<int>(2 * kVocabBlock + 1000)};  // 3 tiles, the last short
+  whole.shape = StepShape{2, 16, 2};
+  RunResult ref = train(whole, {}, {.policy = Policy::Resident}, 10);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  ModelCase tiled = whole;
+  tiled.shape.tile_vocab = true;
+  auto program = build_training_program(tiled.cfg, tiled.shape, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  EXPECT_EQ(program->pieces("transformer.wte.weight").size(), 3u);
+  EXPECT_EQ(program->pieces("adam_v.transformer.wte.weight").size(), 3u);
+  auto untiled = build_training_program(whole.cfg, whole.shape, DType::F32);
+  ASSERT_TRUE(untiled.ok());
+  const uint64_t untiled_minimum = minimum_device_budget(*untiled, 64);
+  const uint64_t tiled_minimum = minimum_device_budget(*program, 64);
+  EXPECT_LT(tiled_minimum, untiled_minimum);
+
+  RunResult resident_tiled = train(tiled, {}, {.policy = Policy::Resident}, 10);
+  ASSERT_TRUE(resident_tiled.status.is_ok()) << resident_tiled.status.to_string();
+  expect_same_bits(resident_tiled.losses, ref.losses, "resident, vocab tiles");
+
+  Budgets b;
+  b.device = (tiled_minimum + untiled_minimum) / 2;  // between the two minimums
+  RunResult refused = train(whole, b, {.policy = Policy::Planned}, 1);
+  EXPECT_EQ(refused.status.code(), StatusCode::OutOfMemory) << refused.status.to_string();
+  TempDir spill;
+  for (Policy p : {Policy::Planned, Policy::Paging}) {
+    RunResult r = train(tiled, b, {.policy = p}, 10);
+    ASSERT_TRUE(r.status.is_ok()) << policy_name(p) << ": " << r.status.to_string();
+    expect_same_bits(r.losses, ref.losses, std::string("vocab tiles, ") + policy_name(p));
+    for (const StepMetrics& m : r.metrics) {
+      EXPECT_LE(m.peak_device_bytes, b.device);
+      EXPECT_GT(m.h2d_bytes, 0u);
+    }
+  }
+  // With storage under a short host budget too.
+  Budgets tight = b;
+  tight.host = 12 << 20;  // below the state: moments and master weights go to storage
+  tight.storage = 256 << 20;
+  RunResult r = train(tiled, tight, {.policy = Policy::Planned}, 10, {.spill_dir = spill.path()});
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  expect_same_bits(r.losses, ref.losses, "vocab tiles, planned, storage");
+  EXPECT_GT(r.metrics.back().storage_read_bytes, 0u);
 }
 
 TEST(Exactness, StorageTierMatchesResident) {

@@ -234,25 +234,29 @@ void check_training_program(const GPTConfig& c, StepShape s, DType act) {
       }
     EXPECT_EQ(p.ops[ce + 4 + 8 * L].name, mb + "embedding.backward");
   }
-  // Squared norms, packed: Zero grad_sqnorms [P], SquaredNorm p updates element p.
+  // Squared norms, packed: Zero grad_sqnorms, SquaredNorm p updates element p, wte's
+  // one element per kVocabBlock rows (7 for 50257), so the others come 6 later.
+  const int64_t wte_blocks = (V + kVocabBlock - 1) / kVocabBlock;
+  const int64_t norms = static_cast<int64_t>(P) - 1 + wte_blocks;
   size_t zero_sq = P + s.accum * per_mb;
   EXPECT_EQ(p.ops[zero_sq].kind, OpKind::Zero);
   TensorId sq = p.ops[zero_sq].operands[0].tensor;
   EXPECT_EQ(p.tensors.info(sq).name, "grad_sqnorms");
-  EXPECT_EQ(p.tensors.info(sq).shape, (Shape{static_cast<int64_t>(P)}));
+  EXPECT_EQ(p.tensors.info(sq).shape, (Shape{norms}));
   EXPECT_EQ(p.tensors.info(sq).dtype, DType::F32);
   size_t opt = zero_sq + 1;
   for (size_t i = 0; i < P; ++i) {
     const Op& op = p.ops[opt + i];
     EXPECT_EQ(op.kind, OpKind::SquaredNorm);
-    EXPECT_EQ(op.attrs.index, static_cast<int64_t>(i));
+    EXPECT_EQ(op.attrs.index, i == 0 ? 0 : static_cast<int64_t>(i) + wte_blocks - 1);
+    EXPECT_EQ(op.attrs.block, i == 0 ? kVocabBlock * C : 0);
     EXPECT_EQ(op.operands[0].tensor, sq);
     EXPECT_EQ(op.operands[0].access, Access::Update);
     EXPECT_EQ(op.phase, Phase::Optimizer);
   }
   const Op& clip = p.ops[opt + P];
   EXPECT_EQ(clip.kind, OpKind::ClipScale);
-  EXPECT_EQ(clip.attrs.P, static_cast<int64_t>(P));
+  EXPECT_EQ(clip.attrs.P, norms);
   ASSERT_EQ(clip.operands.size(), 2u);
   EXPECT_EQ(clip.operands[1].tensor, sq);
   EXPECT_FLOAT_EQ(clip.attrs.scale, 1.0f);

@@ -131,11 +131,17 @@ TEST(Program, UpdateOfUnwrittenActivationIsRejectedButGradIsPersistent) {
 
 TEST(Program, WrongAccessAndDtype) {
   Small s;
-  s.p.ops[0].operands[0].access = Access::Update;
+  s.p.ops[0].operands[1].access = Access::Update;
   Status st = s.p.validate();
   ASSERT_FALSE(st.is_ok());
-  EXPECT_TRUE(contains(st.message(), "operand 0 (out) 'h' has access Update; MatmulForward needs Write"))
+  EXPECT_TRUE(contains(st.message(), "operand 1 (inp) 'inp' has access Update; MatmulForward needs Read"))
       << st.message();
+  // A column block of out after the first may Update it (vocab tiles), but only once written.
+  s = Small();
+  s.p.ops[0].operands[0].access = Access::Update;
+  st = s.p.validate();
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_TRUE(contains(st.message(), "operand 0 (out) 'h' is updated before any earlier op writes it")) << st.message();
 
   Program p;
   TensorId qkv = p.tensors.add({"qkv", DType::BF16, {1, 2, 12}, Role::Input});
@@ -166,7 +172,7 @@ TEST(Program, ElementCountsMustMatchAttrs) {
   s.p.ops[0].attrs.OC = 3;
   Status st = s.p.validate();
   ASSERT_FALSE(st.is_ok());
-  EXPECT_TRUE(contains(st.message(), "operand 0 (out) 'h' has 30 elements; expected N*OC = 18")) << st.message();
+  EXPECT_TRUE(contains(st.message(), "operand 0 (out) 'h' has 30 elements; expected N*ld (ld = OC unless given) = 18")) << st.message();
 
   Small t;
   t.p.ops[1].attrs.n = 0;
@@ -236,7 +242,7 @@ TEST(Program, PackedSquaredNormsAreValidToo) {
   s.p.ops[s.p.ops.size() - 2].attrs.index = 2;
   st = s.p.validate();
   ASSERT_FALSE(st.is_ok());
-  EXPECT_TRUE(contains(st.message(), "attrs.index 2 is outside out_sq's 2 elements")) << st.message();
+  EXPECT_TRUE(contains(st.message(), "elements [2, 3) are outside out_sq's 2 elements")) << st.message();
 }
 
 TEST(Program, OutputNeverWritten) {

@@ -311,6 +311,57 @@ TEST(Trainer, SaveAndLoadRoundTrip) {
   std::filesystem::remove(path);
 }
 
+// A budget below what the whole-table embedding and LM head need: the trainer builds
+// the step in vocab tiles, trains with the resident run's losses bit for bit, and
+// saves and loads the whole table.
+TEST(Trainer, VocabTilesUnderATightBudget) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  o.model.vocab = static_cast<int>(2 * kVocabBlock + 1000);
+  o.shape = {.B = 2, .T = 8, .accum = 1};
+  auto batches = [&](uint64_t seed) {  // tokens from the whole vocabulary, so every tile is used
+    std::vector<TokenBatch> out(1);
+    uint64_t x = seed;
+    for (int i = 0; i < 16; ++i) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      out[0].tokens.push_back(static_cast<int32_t>((x >> 33) % static_cast<uint64_t>(o.model.vocab)));
+      out[0].targets.push_back(static_cast<int32_t>((x >> 13) % static_cast<uint64_t>(o.model.vocab)));
+    }
+    return out;
+  };
+  auto resident = Trainer::create(*backend, o);
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  EXPECT_EQ((*resident)->program().pieces("transformer.wte.weight").size(), 1u);
+  const uint64_t untiled_minimum = minimum_device_budget((*resident)->program(), backend->alignment());
+  TrainerOptions tight = o;
+  tight.planner.policy = Policy::Planned;
+  tight.budgets.device = untiled_minimum * 3 / 4;
+  auto tiled = Trainer::create(*backend, tight);
+  ASSERT_TRUE(tiled.ok()) << tiled.status().to_string();
+  EXPECT_TRUE((*tiled)->options().shape.tile_vocab);
+  EXPECT_EQ((*tiled)->program().pieces("grad.transformer.wte.weight").size(), 3u);
+  ASSERT_TRUE((*resident)->init_parameters().is_ok());
+  ASSERT_TRUE((*tiled)->init_parameters().is_ok());
+  for (int step = 0; step < 3; ++step) {
+    auto a = (*resident)->step(batches(step));
+    auto b = (*tiled)->step(batches(step));
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().to_string() << " / " << b.status().to_string();
+    EXPECT_EQ(bits(a->loss), bits(b->loss)) << "step " << step + 1;
+    EXPECT_EQ(bits(a->grad_norm), bits(b->grad_norm)) << "step " << step + 1;
+    EXPECT_LE(b->exec.peak_device_bytes, tight.budgets.device);
+  }
+  const std::string path = temp_path("tiles.safetensors");
+  ASSERT_TRUE((*tiled)->save(path).is_ok());
+  auto loaded = Trainer::create(*backend, o);
+  ASSERT_TRUE(loaded.ok());
+  ASSERT_TRUE((*loaded)->load_parameters(path).is_ok());
+  auto whole = (*resident)->read_floats("master.transformer.wte.weight");
+  auto back = (*loaded)->read_floats("transformer.wte.weight");
+  ASSERT_TRUE(whole.ok() && back.ok());
+  EXPECT_EQ(*whole, *back);
+  std::filesystem::remove(path);
+}
+
 TEST(Sampler, GreedyIsDeterministicAndSeedsMatter) {
   auto backend = cpu_backend();
   TrainerOptions o = micro_options();

@@ -108,15 +108,19 @@ class CpuBackend final : public Backend {
     if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
   }
 
-  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
-                         int C) override {
+  using Backend::embedding_backward;
+  using Backend::embedding_forward;
+  using Backend::matmul_backward;
+  using Backend::matmul_forward;
+  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T, int C,
+                         int vocab_begin, int vocab_rows) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::embedding_forward(pool_, f(out), tokens, f(wte), f(wpe), B, T, C);
+    cpu::embedding_forward(pool_, f(out), tokens, f(wte), f(wpe), B, T, C, vocab_begin, vocab_rows);
   }
-  void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T,
-                          int C) override {
+  void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T, int C,
+                          int vocab_begin, int vocab_rows) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::embedding_backward(pool_, f(dwte), f(dwpe), f(dout), tokens, B, T, C);
+    cpu::embedding_backward(pool_, f(dwte), f(dwpe), f(dout), tokens, B, T, C, vocab_begin, vocab_rows);
   }
   void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
                          const void* bias, int N, int C) override {
@@ -128,15 +132,16 @@ class CpuBackend final : public Backend {
     std::lock_guard<std::mutex> lock(compute_mu_);
     cpu::layernorm_backward(pool_, f(dinp), f(dweight), f(dbias), f(dout), f(inp), f(weight), mean, rstd, N, C);
   }
-  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
-                      int OC) override {
+  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C, int OC,
+                      int ld_out) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::matmul_forward(pool_, f(out), f(inp), f(weight), f(bias), N, C, OC);
+    cpu::matmul_forward(pool_, f(out), f(inp), f(weight), f(bias), N, C, OC, ld_out);
   }
   void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
-                       const void* weight, int N, int C, int OC) override {
+                       const void* weight, int N, int C, int OC, int ld_dout, bool accumulate_dinp) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::matmul_backward(pool_, f(dinp), f(dweight), f(dbias), f(dout), f(inp), f(weight), N, C, OC);
+    cpu::matmul_backward(pool_, f(dinp), f(dweight), f(dbias), f(dout), f(inp), f(weight), N, C, OC, ld_dout,
+                         accumulate_dinp);
   }
   void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) override {
     std::lock_guard<std::mutex> lock(compute_mu_);

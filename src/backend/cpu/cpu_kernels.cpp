@@ -22,15 +22,15 @@ constexpr int64_t kElementGrain = int64_t{1} << 14;
 // Elements per block of squared_norm.
 constexpr int64_t kNormBlock = int64_t{1} << 16;
 
-// acc[C] += Σ_n x[n, :] over N rows: rows are summed in order within blocks of
-// kRowBlock rows, the block sums are added in block order, then added into acc.
-void column_sums_into(ThreadPool& pool, float* acc, const float* x, int64_t N, int64_t C) {
+// acc[C] += Σ_n x[n, :] over N rows ld floats apart: rows are summed in order within
+// blocks of kRowBlock rows, the block sums are added in block order, then added into acc.
+void column_sums_into(ThreadPool& pool, float* acc, const float* x, int64_t N, int64_t C, int64_t ld) {
   const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
   std::vector<float> partial(static_cast<size_t>(blocks * C), 0.0f);  // [blocks, C]
   pool.parallel_for(blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       float* p = partial.data() + blk * C;
-      for (int64_t n = blk * kRowBlock; n < std::min(N, (blk + 1) * kRowBlock); ++n) add_into(p, x + n * C, C);
+      for (int64_t n = blk * kRowBlock; n < std::min(N, (blk + 1) * kRowBlock); ++n) add_into(p, x + n * ld, C);
     }
   });
   pool.parallel_for((C + 15) / 16, [&](int64_t g0, int64_t g1) {
@@ -43,14 +43,24 @@ void column_sums_into(ThreadPool& pool, float* acc, const float* x, int64_t N, i
 
 }  // namespace
 
+namespace {
+// Row of token in a table holding rows [begin, begin + rows), or -1 when outside.
+inline int64_t vocab_row(int32_t token, int vocab_begin, int vocab_rows) {
+  const int64_t r = int64_t{token} - vocab_begin;
+  return r >= 0 && r < vocab_rows ? r : -1;
+}
+}  // namespace
+
 void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, const float* wte,
-                       const float* wpe, int B, int T, int C) {
+                       const float* wpe, int B, int T, int C, int vocab_begin, int vocab_rows) {
   const int64_t N = int64_t{B} * T;
   pool.parallel_for(
       N,
       [&](int64_t n0, int64_t n1) {
         for (int64_t n = n0; n < n1; ++n) {
-          const float* te = wte + int64_t{tokens[n]} * C;
+          const int64_t row = vocab_row(tokens[n], vocab_begin, vocab_rows);
+          if (row < 0) continue;
+          const float* te = wte + row * C;
           const float* pe = wpe + (n % T) * C;
           map2(out + n * C, te, pe, C, [](auto a, auto b) { return a + b; });
         }
@@ -59,7 +69,7 @@ void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, cons
 }
 
 void embedding_backward(ThreadPool& pool, float* dwte, float* dwpe, const float* dout,
-                        const int32_t* tokens, int B, int T, int C) {
+                        const int32_t* tokens, int B, int T, int C, int vocab_begin, int vocab_rows) {
   const int64_t N = int64_t{B} * T;
   // Each thread owns channels [c0, c1) of both tables and adds every token's row in
   // token order, so each element's sum order is fixed.
@@ -67,8 +77,9 @@ void embedding_backward(ThreadPool& pool, float* dwte, float* dwpe, const float*
     const int64_t c0 = g0 * 16, c1 = std::min<int64_t>(C, g1 * 16);
     for (int64_t n = 0; n < N; ++n) {
       const float* d = dout + n * C + c0;
-      add_into(dwte + int64_t{tokens[n]} * C + c0, d, c1 - c0);
-      add_into(dwpe + (n % T) * C + c0, d, c1 - c0);
+      const int64_t row = vocab_row(tokens[n], vocab_begin, vocab_rows);
+      if (row >= 0) add_into(dwte + row * C + c0, d, c1 - c0);
+      if (dwpe != nullptr) add_into(dwpe + (n % T) * C + c0, d, c1 - c0);
     }
   });
 }
@@ -159,30 +170,32 @@ void use_single_threaded_blas() {
 }
 
 void matmul_forward(ThreadPool& pool, float* out, const float* inp, const float* weight,
-                    const float* bias, int N, int C, int OC) {
+                    const float* bias, int N, int C, int OC, int ld_out) {
   use_single_threaded_blas();
   for_each_tile(pool, N, OC, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(r1 - r0), static_cast<int>(c1 - c0), C,
-                1.0f, inp + r0 * C, C, weight + c0 * C, C, 0.0f, out + r0 * OC + c0, OC);
+                1.0f, inp + r0 * C, C, weight + c0 * C, C, 0.0f, out + r0 * ld_out + c0, ld_out);
     if (bias != nullptr)
-      for (int64_t n = r0; n < r1; ++n) add_into(out + n * OC + c0, bias + c0, c1 - c0);
+      for (int64_t n = r0; n < r1; ++n) add_into(out + n * ld_out + c0, bias + c0, c1 - c0);
   });
 }
 
 void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int N, int C, int OC) {
+                     const float* inp, const float* weight, int N, int C, int OC, int ld_dout,
+                     bool accumulate_dinp) {
   use_single_threaded_blas();
-  // dinp[r0:r1, c0:c1] = dout[r0:r1, :] · weight[:, c0:c1]
+  const float beta = accumulate_dinp ? 1.0f : 0.0f;
+  // dinp[r0:r1, c0:c1] (+)= dout[r0:r1, :] · weight[:, c0:c1]
   for_each_tile(pool, N, C, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(r1 - r0), static_cast<int>(c1 - c0),
-                OC, 1.0f, dout + r0 * OC, OC, weight + c0, C, 0.0f, dinp + r0 * C + c0, C);
+                OC, 1.0f, dout + r0 * ld_dout, ld_dout, weight + c0, C, beta, dinp + r0 * C + c0, C);
   });
   // dweight[o0:o1, c0:c1] += dout[:, o0:o1]ᵀ · inp[:, c0:c1] (the sum over all N rows in one call)
   for_each_tile(pool, OC, C, [&](int64_t o0, int64_t o1, int64_t c0, int64_t c1) {
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(o1 - o0), static_cast<int>(c1 - c0), N,
-                1.0f, dout + o0, OC, inp + c0, C, 1.0f, dweight + o0 * C + c0, C);
+                1.0f, dout + o0, ld_dout, inp + c0, C, 1.0f, dweight + o0 * C + c0, C);
   });
-  if (dbias != nullptr) column_sums_into(pool, dbias, dout, N, OC);
+  if (dbias != nullptr) column_sums_into(pool, dbias, dout, N, OC, ld_dout);
 }
 
 namespace {

@@ -29,13 +29,16 @@ inline constexpr float kLayerNormEps = 1e-5f;
 // every kernel that calls sgemm does this first.
 void use_single_threaded_blas();
 
-// out[B,T,C] = wte[tokens[b,t]] + wpe[t]; tokens[B,T]; wte[V,C]; wpe[T_max,C].
+// out[b,t] = wte[tokens[b,t] - vocab_begin] + wpe[t] where the token is in
+// [vocab_begin, vocab_begin + vocab_rows), other rows of out untouched; tokens[B,T];
+// wte[vocab_rows,C] (a vocab tile or the whole table); wpe[T_max,C]; out[B,T,C].
 void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, const float* wte,
-                       const float* wpe, int B, int T, int C);
-// dwte[V,C] += Σ over (b,t) with tokens[b,t] = v of dout[b,t]; dwpe[T_max,C] += Σ_b dout[b,t].
-// dout[B,T,C]; tokens[B,T]. Each thread owns a channel range and sums the tokens in order.
+                       const float* wpe, int B, int T, int C, int vocab_begin, int vocab_rows);
+// dwte[v - vocab_begin] += Σ over (b,t) with tokens[b,t] = v in range of dout[b,t];
+// dwpe[T_max,C] += Σ_b dout[b,t] unless dwpe is null. dout[B,T,C]; tokens[B,T]. Each
+// thread owns a channel range and sums the tokens in order.
 void embedding_backward(ThreadPool& pool, float* dwte, float* dwpe, const float* dout,
-                        const int32_t* tokens, int B, int T, int C);
+                        const int32_t* tokens, int B, int T, int C, int vocab_begin, int vocab_rows);
 
 // out[N,C] = (inp - mean) * rstd * weight + bias; mean[N], rstd[N] saved; inp[N,C];
 // weight[C]; bias[C]. rstd = 1 / sqrt(variance + 1e-5), variance with divisor C.
@@ -47,13 +50,16 @@ void layernorm_backward(ThreadPool& pool, float* dinp, float* dweight, float* db
                         const float* inp, const float* weight, const float* mean, const float* rstd,
                         int N, int C);
 
-// out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null).
+// out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null); rows of out are
+// ld_out ≥ OC floats apart.
 void matmul_forward(ThreadPool& pool, float* out, const float* inp, const float* weight,
-                    const float* bias, int N, int C, int OC);
-// dinp[N,C] = dout[N,OC] · weight[OC,C]; dweight[OC,C] += doutᵀ · inp[N,C];
-// dbias[OC] += Σ_n dout (when dbias is not null).
+                    const float* bias, int N, int C, int OC, int ld_out);
+// dinp[N,C] = dout[N,OC] · weight[OC,C] (added into dinp when accumulate_dinp);
+// dweight[OC,C] += doutᵀ · inp[N,C]; dbias[OC] += Σ_n dout (when dbias is not null).
+// Rows of dout are ld_dout ≥ OC floats apart.
 void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias, const float* dout,
-                     const float* inp, const float* weight, int N, int C, int OC);
+                     const float* inp, const float* weight, int N, int C, int OC, int ld_dout,
+                     bool accumulate_dinp);
 
 // Causal self-attention, scale 1/sqrt(C/NH). qkv[B,T,3C] (q | k | v, each NH heads of
 // C/NH); out[B,T,C]; lse[B,NH,T] = log Σ_j exp(score) of each query row.

@@ -351,20 +351,28 @@ class CudaBackend final : public Backend {
 
   // ---- ops
 
-  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
-                         int C) override {
+  // The shorter overloads (whole vocabulary, ld = OC, dinp overwritten) of Backend.
+  using Backend::embedding_backward;
+  using Backend::embedding_forward;
+  using Backend::matmul_backward;
+  using Backend::matmul_forward;
+
+  void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T, int C,
+                         int vocab_begin, int vocab_rows) override {
     if (!enter()) return;
-    check(launch_embedding_forward(mb(out), tokens, cb(wte), cb(wpe), B, T, C, compute_), "embedding_forward");
+    check(launch_embedding_forward(mb(out), tokens, cb(wte), cb(wpe), B, T, C, vocab_begin, vocab_rows, compute_),
+          "embedding_forward");
   }
 
-  void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T,
-                          int C) override {
+  void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T, int C,
+                          int vocab_begin, int vocab_rows) override {
     if (!enter()) return;
     size_t need = 0;
     if (!check(embedding_backward_scratch_bytes(B * T, &need), "embedding_backward (CUB sizing)")) return;
     void* s = scratch(need, "embedding_backward");
     if (s == nullptr) return;
-    check(launch_embedding_backward(mb(dwte), mb(dwpe), cb(dout), tokens, B, T, C, s, need, compute_),
+    check(launch_embedding_backward(mb(dwte), mb(dwpe), cb(dout), tokens, B, T, C, vocab_begin, vocab_rows, s,
+                                    need, compute_),
           "embedding_backward");
   }
 
@@ -385,22 +393,26 @@ class CudaBackend final : public Backend {
           "layernorm_backward");
   }
 
-  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
-                      int OC) override {
-    if (!enter()) return;
-    record(mm_.forward(mb(out), cb(inp), cb(weight), cb(bias), N, C, OC), "matmul_forward");
+  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C, int OC,
+                      int ld_out) override {
+    if (!enter() || !leading_dim_ok(ld_out, OC, "matmul_forward")) return;
+    record(mm_.forward(mb(out), cb(inp), cb(weight), cb(bias), N, C, OC, ld_out), "matmul_forward");
   }
 
   void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
-                       const void* weight, int N, int C, int OC) override {
-    if (!enter()) return;
+                       const void* weight, int N, int C, int OC, int ld_dout, bool accumulate_dinp) override {
+    if (!enter() || !leading_dim_ok(ld_dout, OC, "matmul_backward")) return;
     if (dbias != nullptr) {
       void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");
       if (s == nullptr) return;
-      if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, s, compute_), "matmul_backward (dbias)")) return;
+      if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, ld_dout, s, compute_), "matmul_backward (dbias)"))
+        return;
     }
-    if (dweight != nullptr) record(mm_.backward_weight(mb(dweight), cb(dout), cb(inp), N, C, OC), "matmul_backward (dweight)");
-    if (dinp != nullptr) record(mm_.backward_input(mb(dinp), cb(dout), cb(weight), N, C, OC), "matmul_backward (dinp)");
+    if (dweight != nullptr)
+      record(mm_.backward_weight(mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout), "matmul_backward (dweight)");
+    if (dinp != nullptr)
+      record(mm_.backward_input(mb(dinp), cb(dout), cb(weight), N, C, OC, ld_dout, accumulate_dinp),
+             "matmul_backward (dinp)");
   }
 
   void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) override {
@@ -478,6 +490,16 @@ class CudaBackend final : public Backend {
     if (s.is_ok()) return;
     std::lock_guard<std::mutex> lock(err_mu_);
     if (error_.is_ok()) static_cast<void>(error_ = what ? s.with_context(what) : std::move(s));
+  }
+
+  bool leading_dim_ok(int ld, int OC, const char* what) {
+    if (ld < OC) {
+      record(Status::invalid_argument("leading dimension " + std::to_string(ld) + " is below OC=" +
+                                      std::to_string(OC)),
+             what);
+      return false;
+    }
+    return true;
   }
 
   bool attention_shape_ok(int C, int NH, const char* what) {

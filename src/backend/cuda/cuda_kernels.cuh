@@ -17,18 +17,24 @@
 
 namespace spillway::cuda_detail {
 
-// out[B,T,C] = wte[tokens[b,t]] + wpe[t]; wte[V,C], wpe[T_max,C], tokens[B,T].
+// out[b,t,:] = wte[tokens[b,t] - vocab_begin] + wpe[t] where tokens[b,t] is in
+// [vocab_begin, vocab_begin + vocab_rows); other rows of out are not written.
+// wte[vocab_rows,C] (a tile of the table; vocab_rows may be INT_MAX: every token),
+// wpe[T_max,C], tokens[B,T].
 cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe,
-                                     int B, int T, int C, cudaStream_t stream);
+                                     int B, int T, int C, int vocab_begin, int vocab_rows,
+                                     cudaStream_t stream);
 
-// Scratch for launch_embedding_backward: the sorted (token, position) pairs and CUB's
-// temporary storage. Fails only if CUB cannot size its storage.
+// Scratch for launch_embedding_backward: the (row, position) pairs before and after
+// sorting and CUB's temporary storage. Fails only if CUB cannot size its storage.
 cudaError_t embedding_backward_scratch_bytes(int N, size_t* bytes);
-// dwte[V,C] += Σ over positions with that token of dout (in position order);
-// dwpe[T_max,C] += Σ_b dout[b,t] (b in order). dout[B,T,C], tokens[B,T].
+// dwte[row,C] += Σ over the positions whose token is vocab_begin + row of dout (in
+// position order), for the tokens in [vocab_begin, vocab_begin + vocab_rows) only;
+// dwpe[T_max,C] += Σ_b dout[b,t] (b in order) unless dwpe is null. dout[B,T,C],
+// tokens[B,T].
 cudaError_t launch_embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int32_t* tokens,
-                                      int B, int T, int C, void* scratch, size_t scratch_bytes,
-                                      cudaStream_t stream);
+                                      int B, int T, int C, int vocab_begin, int vocab_rows, void* scratch,
+                                      size_t scratch_bytes, cudaStream_t stream);
 
 // out[N,C] = (inp - mean) * rstd * weight + bias; mean[N], rstd[N] (F32, may be null).
 cudaError_t launch_layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp,
@@ -44,8 +50,8 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
                                       cudaStream_t stream);
 
 size_t bias_backward_scratch_bytes(int N, int OC);
-// dbias[OC] += Σ_n dout[n, :]; dout[N,OC].
-cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, void* scratch,
+// dbias[OC] += Σ_n dout[n, :]; dout[N,OC] with rows ld_dout ≥ OC elements apart.
+cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, int ld_dout, void* scratch,
                                  cudaStream_t stream);
 
 // out[n] = gelu(inp[n]) (tanh approximation); dinp[n] = gelu'(inp[n]) * dout[n].

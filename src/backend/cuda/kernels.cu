@@ -24,10 +24,19 @@ unsigned grid_for(size_t items, int threads = kThreads) {
 
 // ---------------------------------------------------------------- embedding
 
-// out[N,C], tokens[N], wte[V,C], wpe[T_max,C]; one thread per 8 columns (VEC=8) or 1.
+// Row of a vocab tile [vocab_begin, vocab_begin + vocab_rows) that holds `token`, or -1
+// when the token is outside it (64-bit arithmetic: vocab_rows may be INT_MAX).
+__device__ __forceinline__ int64_t tile_row(int32_t token, int vocab_begin, int vocab_rows) {
+  const int64_t row = static_cast<int64_t>(token) - vocab_begin;
+  return row >= 0 && row < vocab_rows ? row : -1;
+}
+
+// out[N,C], tokens[N], wte[vocab_rows,C], wpe[T_max,C]; one thread per 8 columns
+// (VEC=8) or 1. Positions whose token is outside the tile are left as they are.
 template <int VEC>
 __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* wte,
-                                         const bf16* wpe, int N, int T, int C) {
+                                         const bf16* wpe, int N, int T, int C, int vocab_begin,
+                                         int vocab_rows) {
   const size_t per_row = C / VEC;
   const size_t total = static_cast<size_t>(N) * per_row;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
@@ -35,7 +44,9 @@ __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const
     const int n = static_cast<int>(i / per_row);
     const int c = static_cast<int>(i % per_row) * VEC;
     const int t = n % T;
-    const size_t tok = static_cast<size_t>(tokens[n]);
+    const int64_t row = tile_row(tokens[n], vocab_begin, vocab_rows);
+    if (row < 0) continue;
+    const size_t tok = static_cast<size_t>(row);
     if constexpr (VEC == 8) {
       float a[8], b[8];
       unpack8(load8(wte + tok * C + c), a);
@@ -50,11 +61,16 @@ __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const
   }
 }
 
-__global__ void iota_kernel(int32_t* v, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v[i] = i;
+// The pairs to sort: keys[i] = the tile row of tokens[i] (-1 outside the tile), vals[i] = i.
+__global__ void embedding_keys_kernel(int32_t* keys, int32_t* vals, const int32_t* tokens, int n,
+                                      int vocab_begin, int vocab_rows) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    keys[i] = static_cast<int32_t>(tile_row(tokens[i], vocab_begin, vocab_rows));
+    vals[i] = i;
+  }
 }
 
-// dwte[V,C] += Σ dout[pos, :] over each run of equal tokens in keys[N] (sorted,
+// dwte[rows,C] += Σ dout[pos, :] over each run of equal rows in keys[N] (sorted,
 // stable, so positions pos = vals[N] ascend within a run). One warp per sorted
 // element; only the warp at the start of a run works, on columns
 // [blockIdx.y * 32 * VEC, +32 * VEC).
@@ -66,7 +82,7 @@ __global__ void embedding_dwte_kernel(bf16* dwte, const bf16* dout, const int32_
   const int lane = threadIdx.x & 31;
   if (i >= N) return;
   const int key = keys[i];
-  if (key < 0) return;  // not a token
+  if (key < 0) return;  // outside the tile
   if (i > 0 && keys[i - 1] == key) return;
   const int c = (blockIdx.y * 32 + lane) * VEC;
   if (c >= C) return;
@@ -226,10 +242,11 @@ Chunks column_chunks(int N) {
 
 // Per-chunk column sums: partial_b[P,C] = Σ_{rows of chunk} x[r,c]; with LN, also
 // partial_w[P,C] = Σ dout[r,c] * (inp[r,c] - mean[r]) * rstd[r] (x = dout).
+// Rows of x are ldx ≥ C elements apart (ldx == C with LN); inp[N,C].
 // grid (ceil(C/256), P), one thread per column, rows in order.
 template <bool LN>
 __global__ void column_partials_kernel(float* partial_w, float* partial_b, const bf16* x, const bf16* inp,
-                                       const float* mean, const float* rstd, int N, int C, int rows) {
+                                       const float* mean, const float* rstd, int N, int C, int ldx, int rows) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   const int p = blockIdx.y;
   if (c >= C) return;
@@ -237,10 +254,9 @@ __global__ void column_partials_kernel(float* partial_w, float* partial_b, const
   const int r1 = min(N, r0 + rows);
   float acc_w = 0.0f, acc_b = 0.0f;
   for (int r = r0; r < r1; ++r) {
-    const size_t i = static_cast<size_t>(r) * C + c;
-    const float d = __bfloat162float(x[i]);
+    const float d = __bfloat162float(x[static_cast<size_t>(r) * ldx + c]);
     acc_b += d;
-    if constexpr (LN) acc_w += d * (__bfloat162float(inp[i]) - mean[r]) * rstd[r];
+    if constexpr (LN) acc_w += d * (__bfloat162float(inp[static_cast<size_t>(r) * C + c]) - mean[r]) * rstd[r];
   }
   partial_b[static_cast<size_t>(p) * C + c] = acc_b;
   if constexpr (LN) partial_w[static_cast<size_t>(p) * C + c] = acc_w;
@@ -485,15 +501,16 @@ __global__ void adamw_kernel(bf16* param, float* master, float* m, float* v, con
 // ---------------------------------------------------------------- launchers
 
 cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe,
-                                     int B, int T, int C, cudaStream_t stream) {
+                                     int B, int T, int C, int vocab_begin, int vocab_rows,
+                                     cudaStream_t stream) {
   const int N = B * T;
-  if (N == 0 || C == 0) return cudaSuccess;
+  if (N == 0 || C == 0 || vocab_rows <= 0) return cudaSuccess;
   if (C % 8 == 0 && aligned16(out) && aligned16(wte) && aligned16(wpe))
     embedding_forward_kernel<8><<<grid_for(static_cast<size_t>(N) * C / 8), kThreads, 0, stream>>>(
-        out, tokens, wte, wpe, N, T, C);
+        out, tokens, wte, wpe, N, T, C, vocab_begin, vocab_rows);
   else
     embedding_forward_kernel<1><<<grid_for(static_cast<size_t>(N) * C), kThreads, 0, stream>>>(
-        out, tokens, wte, wpe, N, T, C);
+        out, tokens, wte, wpe, N, T, C, vocab_begin, vocab_rows);
   return launched();
 }
 
@@ -507,38 +524,46 @@ cudaError_t embedding_backward_scratch_bytes(int N, size_t* bytes) {
                                                   static_cast<int32_t*>(nullptr),
                                                   static_cast<const int32_t*>(nullptr),
                                                   static_cast<int32_t*>(nullptr), N);
-  *bytes = 3 * round_up(static_cast<size_t>(N) * 4) + round_up(temp);
+  *bytes = 4 * round_up(static_cast<size_t>(N) * 4) + round_up(temp);
   return e;
 }
 
 cudaError_t launch_embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int32_t* tokens,
-                                      int B, int T, int C, void* scratch, size_t scratch_bytes,
-                                      cudaStream_t stream) {
+                                      int B, int T, int C, int vocab_begin, int vocab_rows, void* scratch,
+                                      size_t scratch_bytes, cudaStream_t stream) {
   const int N = B * T;
   if (N == 0 || C == 0) return cudaSuccess;
-  char* s = static_cast<char*>(scratch);
-  const size_t vec_bytes = round_up(static_cast<size_t>(N) * 4);
-  int32_t* vals_in = reinterpret_cast<int32_t*>(s);
-  int32_t* keys_out = reinterpret_cast<int32_t*>(s + vec_bytes);
-  int32_t* vals_out = reinterpret_cast<int32_t*>(s + 2 * vec_bytes);
-  void* temp = s + 3 * vec_bytes;
-  size_t temp_bytes = scratch_bytes - 3 * vec_bytes;
-  iota_kernel<<<grid_for(N), kThreads, 0, stream>>>(vals_in, N);
-  cudaError_t e = launched();
-  if (e != cudaSuccess) return e;
-  e = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens, keys_out, vals_in, vals_out, N, 0,
-                                      static_cast<int>(sizeof(int32_t) * 8), stream);
-  if (e != cudaSuccess) return e;
-  const int warps = kThreads / 32;
-  if (C % 8 == 0 && aligned16(dwte) && aligned16(dout)) {
-    dim3 grid(ceil_div(N, warps), ceil_div(C, 32 * 8));
-    embedding_dwte_kernel<8><<<grid, kThreads, 0, stream>>>(dwte, dout, keys_out, vals_out, N, C);
-  } else {
-    dim3 grid(ceil_div(N, warps), ceil_div(C, 32));
-    embedding_dwte_kernel<1><<<grid, kThreads, 0, stream>>>(dwte, dout, keys_out, vals_out, N, C);
+  cudaError_t e = cudaSuccess;
+  if (vocab_rows > 0) {
+    char* s = static_cast<char*>(scratch);
+    const size_t vec_bytes = round_up(static_cast<size_t>(N) * 4);
+    int32_t* keys_in = reinterpret_cast<int32_t*>(s);
+    int32_t* vals_in = reinterpret_cast<int32_t*>(s + vec_bytes);
+    int32_t* keys_out = reinterpret_cast<int32_t*>(s + 2 * vec_bytes);
+    int32_t* vals_out = reinterpret_cast<int32_t*>(s + 3 * vec_bytes);
+    void* temp = s + 4 * vec_bytes;
+    size_t temp_bytes = scratch_bytes - 4 * vec_bytes;
+    // Tokens outside the tile get key -1: they sort first and no warp sums them.
+    embedding_keys_kernel<<<grid_for(N), kThreads, 0, stream>>>(keys_in, vals_in, tokens, N, vocab_begin,
+                                                                vocab_rows);
+    e = launched();
+    if (e != cudaSuccess) return e;
+    // Stable: the positions of one row stay in ascending order.
+    e = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, vals_in, vals_out, N, 0,
+                                        static_cast<int>(sizeof(int32_t) * 8), stream);
+    if (e != cudaSuccess) return e;
+    const int warps = kThreads / 32;
+    if (C % 8 == 0 && aligned16(dwte) && aligned16(dout)) {
+      dim3 grid(ceil_div(N, warps), ceil_div(C, 32 * 8));
+      embedding_dwte_kernel<8><<<grid, kThreads, 0, stream>>>(dwte, dout, keys_out, vals_out, N, C);
+    } else {
+      dim3 grid(ceil_div(N, warps), ceil_div(C, 32));
+      embedding_dwte_kernel<1><<<grid, kThreads, 0, stream>>>(dwte, dout, keys_out, vals_out, N, C);
+    }
+    e = launched();
+    if (e != cudaSuccess) return e;
   }
-  e = launched();
-  if (e != cudaSuccess) return e;
+  if (dwpe == nullptr) return cudaSuccess;
   embedding_dwpe_kernel<<<grid_for(static_cast<size_t>(T) * C), kThreads, 0, stream>>>(dwpe, dout, B, T, C);
   return launched();
 }
@@ -579,7 +604,7 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
   float* pw = static_cast<float*>(scratch);
   float* pb = pw + static_cast<size_t>(ch.count) * C;
   dim3 grid(ceil_div(C, kThreads), ch.count);
-  column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, ch.rows);
+  column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, C, ch.rows);
   e = launched();
   if (e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
@@ -590,14 +615,14 @@ size_t bias_backward_scratch_bytes(int N, int OC) {
   return static_cast<size_t>(column_chunks(N).count) * OC * sizeof(float);
 }
 
-cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, void* scratch,
+cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, int ld_dout, void* scratch,
                                  cudaStream_t stream) {
   if (N == 0 || OC == 0 || dbias == nullptr) return cudaSuccess;
   const Chunks ch = column_chunks(N);
   float* pb = static_cast<float*>(scratch);
   dim3 grid(ceil_div(OC, kThreads), ch.count);
   column_partials_kernel<false><<<grid, kThreads, 0, stream>>>(nullptr, pb, dout, nullptr, nullptr, nullptr,
-                                                               N, OC, ch.rows);
+                                                               N, OC, ld_dout, ch.rows);
   cudaError_t e = launched();
   if (e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(OC, kThreads), kThreads, 0, stream>>>(nullptr, nullptr, dbias, pb, ch.count,

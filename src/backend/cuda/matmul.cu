@@ -76,16 +76,22 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
     cudaDataType_t bt = CUDA_R_16BF;
     LT_RETURN_IF_ERROR("set BIAS_DATA_TYPE",
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
-    // The heuristic reads the bias pointer's alignment: give it a 256-aligned one.
-    const void* bias = workspace_;
+    // The heuristic reads the bias pointer's alignment: give it one with exactly the
+    // alignment of the real bias (the workspace is 256-aligned).
+    const void* bias = static_cast<const char*>(workspace_) + (key.align_bias % kAlign);
     LT_RETURN_IF_ERROR("set BIAS_POINTER",
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
   const uint64_t a_rows = key.ta ? key.k : key.m, a_cols = key.ta ? key.m : key.k;
   const uint64_t b_rows = key.tb ? key.n : key.k, b_cols = key.tb ? key.k : key.n;
-  LT_RETURN_IF_ERROR("layout A", cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, a_rows, a_cols, static_cast<int64_t>(a_rows)));
-  LT_RETURN_IF_ERROR("layout B", cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_rows, b_cols, static_cast<int64_t>(b_rows)));
-  LT_RETURN_IF_ERROR("layout C", cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, key.m, key.n, key.m));
+  if (key.lda < static_cast<int64_t>(a_rows) || key.ldb < static_cast<int64_t>(b_rows) || key.ldc < key.m)
+    return Status::invalid_argument("leading dimension below the rows of a bf16 product (m=" + std::to_string(key.m) +
+                                    " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k) +
+                                    ", lda=" + std::to_string(key.lda) + " ldb=" + std::to_string(key.ldb) +
+                                    " ldc=" + std::to_string(key.ldc) + ")");
+  LT_RETURN_IF_ERROR("layout A", cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, a_rows, a_cols, key.lda));
+  LT_RETURN_IF_ERROR("layout B", cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_rows, b_cols, key.ldb));
+  LT_RETURN_IF_ERROR("layout C", cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, key.m, key.n, key.ldc));
 
   cublasLtMatmulPreference_t pref = nullptr;
   LT_RETURN_IF_ERROR("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&pref));
@@ -95,9 +101,14 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   } pref_guard{pref};
   uint64_t ws = workspace_bytes_;
   LT_RETURN_IF_ERROR("pref workspace", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    LT_RETURN_IF_ERROR("pref alignment", cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlign, sizeof(kAlign)));
+  // C and D are one buffer.
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
+  for (const auto& [attr, align] : aligns) {
+    LT_RETURN_IF_ERROR("pref alignment", cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
   }
   // Split-K only with a reduction through the workspace in a fixed order; never
   // in place in the output.
@@ -111,7 +122,10 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
                      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
     return Status::unsupported("cuBLASLt has no algorithm for a bf16 product of m=" + std::to_string(key.m) +
-                               " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k));
+                               " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k) +
+                               " (lda=" + std::to_string(key.lda) + " ldb=" + std::to_string(key.ldb) +
+                               " ldc=" + std::to_string(key.ldc) + ", alignments " + std::to_string(key.align_a) +
+                               "/" + std::to_string(key.align_b) + "/" + std::to_string(key.align_c) + " bytes)");
   p.algo = result.algo;
   guard.armed = false;
   auto [pos, inserted] = plans_.emplace(key, p);
@@ -132,21 +146,45 @@ Status LtMatmul::run(const Key& key, const void* A, const void* B, void* D, cons
   return Status::ok();
 }
 
-Status LtMatmul::forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC) {
+uint32_t LtMatmul::align_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a == 0) return kAlign;
+  const uintptr_t low = a & (~a + 1);  // lowest set bit
+  return low >= kAlign ? kAlign : static_cast<uint32_t>(low);
+}
+
+Status LtMatmul::forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC,
+                         int ld_out) {
   if (N == 0 || OC == 0) return Status::ok();
-  Key key{true, false, OC, N, C, bias != nullptr, false};
+  // Column-major: D = out as [OC,N] (ld ld_out) = Aᵀ · B, A = weight as [C,OC] (ld C),
+  // B = inp as [C,N] (ld C).
+  Key key{true, false, OC, N, C, C, C, ld_out, bias != nullptr, false,
+          align_of(weight), align_of(inp), align_of(out), align_of(bias)};
   return run(key, weight, inp, out, bias);
 }
 
-Status LtMatmul::backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC) {
+Status LtMatmul::backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC,
+                                int ld_dout, bool accumulate) {
   if (N == 0 || C == 0) return Status::ok();
-  Key key{false, false, C, N, OC, false, false};
+  if (OC == 0) {  // an empty sum: dinp += 0, or dinp = 0
+    if (accumulate) return Status::ok();
+    return cuda_status("cudaMemsetAsync (dinp of an empty product)",
+                       cudaMemsetAsync(dinp, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
+  }
+  // Column-major: D = dinp as [C,N] (ld C) = A · B (+ D), A = weight as [C,OC] (ld C),
+  // B = dout as [OC,N] (ld ld_dout).
+  Key key{false, false, C, N, OC, C, ld_dout, C, false, accumulate,
+          align_of(weight), align_of(dout), align_of(dinp), kAlign};
   return run(key, weight, dout, dinp, nullptr);
 }
 
-Status LtMatmul::backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC) {
+Status LtMatmul::backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC,
+                                 int ld_dout) {
   if (OC == 0 || C == 0 || N == 0) return Status::ok();
-  Key key{false, true, C, OC, N, false, true};
+  // Column-major: D = dweight as [C,OC] (ld C) += A · Bᵀ, A = inp as [C,N] (ld C),
+  // B = dout as [OC,N] (ld ld_dout).
+  Key key{false, true, C, OC, N, C, ld_dout, C, false, true,
+          align_of(inp), align_of(dout), align_of(dweight), kAlign};
   return run(key, inp, dout, dweight, nullptr);
 }
 

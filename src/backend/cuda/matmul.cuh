@@ -1,11 +1,15 @@
 // Internal to the CUDA backend: bf16 matrix products through cuBLASLt with fp32
 // compute, each shape's algorithm chosen once and cached, so the bits never depend
-// on pointer addresses or on what ran before.
+// on pointer addresses or on what ran before. The cache key is the whole problem:
+// shape, transposes, leading dimensions, bias, beta, and each operand's alignment
+// (min(256, largest power of two dividing its address)): every tensor is 256-aligned,
+// so the alignment is one of an offset into a tensor (a column block), which the
+// program fixes, never of where the allocator put it.
 //
 //   LtMatmul mm;
 //   SPILLWAY_RETURN_IF_ERROR(mm.init(stream, workspace, 32 << 20));
 //   // row-major out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC]
-//   Status s = mm.forward(out, inp, weight, bias, N, C, OC);
+//   Status s = mm.forward(out, inp, weight, bias, N, C, OC, /*ld_out=*/OC);
 #pragma once
 
 #include <cublasLt.h>
@@ -31,25 +35,39 @@ class LtMatmul {
   // `workspace` (device, workspace_bytes) is owned by the caller and outlives this.
   Status init(cudaStream_t stream, void* workspace, size_t workspace_bytes);
 
-  // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ (+ bias[OC] when bias is not null).
-  Status forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC);
-  // dinp[N,C] = dout[N,OC] · weight[OC,C] (overwritten).
-  Status backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC);
-  // dweight[OC,C] += dout[N,OC]ᵀ · inp[N,C].
-  Status backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC);
+  // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ (+ bias[OC] when bias is not null); rows of
+  // out are ld_out ≥ OC elements apart.
+  Status forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC,
+                 int ld_out);
+  // dinp[N,C] = dout[N,OC] · weight[OC,C], overwritten, or added into dinp (beta = 1)
+  // when `accumulate`; rows of dout are ld_dout ≥ OC elements apart.
+  Status backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC, int ld_dout,
+                        bool accumulate);
+  // dweight[OC,C] += dout[N,OC]ᵀ · inp[N,C]; rows of dout are ld_dout ≥ OC elements apart.
+  Status backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC, int ld_dout);
 
   size_t cached_shapes() const { return plans_.size(); }
 
  private:
-  // Column-major problem D[m,n] = op(A)[m,k] · op(B)[k,n] (+ beta·C) (+ bias[m]).
+  // Column-major problem D[m,n] = op(A)[m,k] · op(B)[k,n] (+ beta·C) (+ bias[m]),
+  // beta = 1 when `accumulate` (C is D). lda/ldb/ldc: leading dimensions (elements)
+  // of A, B and C = D as stored. align_*: the operands' address alignments in bytes
+  // (2..256; see align_of), given to the heuristic so it picks only algorithms that
+  // can work with them.
   struct Key {
     bool ta, tb;
     int m, n, k;
+    int64_t lda, ldb, ldc;
     bool bias;
     bool accumulate;
-    auto tie() const { return std::tie(ta, tb, m, n, k, bias, accumulate); }
+    uint32_t align_a, align_b, align_c, align_bias;
+    auto tie() const {
+      return std::tie(ta, tb, m, n, k, lda, ldb, ldc, bias, accumulate, align_a, align_b, align_c, align_bias);
+    }
     bool operator<(const Key& o) const { return tie() < o.tie(); }
   };
+  // min(256, the largest power of two dividing p's address); 256 for null.
+  static uint32_t align_of(const void* p);
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
