@@ -8,10 +8,13 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 t0=$(date +%s)
-scripts/device-build.sh spillway > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+scripts/device-build.sh spillway test_backend > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 log "build $(( $(date +%s) - t0 )) s"
 bin=build-device/spillway
 mkdir -p /tmp/spill
+timeout 120 build-device/test_backend --gtest_filter='CudaOps.*' > "$out/cuda_ops.log" 2>&1
+log "CUDA op tests: $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/cuda_ops.log" | tr '\n' ' ')"
+grep -E "Failure|FAILED" -A4 "$out/cuda_ops.log" | head -40
 # Exactness on CUDA: tiny resident vs planned/paging under a small budget, same seed.
 $bin train --backend cuda --model tiny --steps 30 --batch 8 --eval-every 0 --metrics "$out/tiny_resident.jsonl" --quiet > "$out/exact.log" 2>&1
 for p in planned paging; do
@@ -28,6 +31,21 @@ r = losses("resident")
 for p in ("planned", "paging"):
     x = losses(p)
     print(f"cuda exactness {p} vs resident: {'IDENTICAL' if x == r else 'DIFFERENT'} ({len(r) if isinstance(r, list) else r} steps)")
+PY
+# Vocab tiles on CUDA: a budget below the whole-table LM head builds it in tiles.
+for b in unlimited 150MiB; do
+  flags=""; [ "$b" != unlimited ] && flags="--device-budget $b --policy planned"
+  $bin train --backend cuda --model gpt2-124m --context 128 --batch 2 --steps 5 --eval-every 0 $flags \
+    --metrics "$out/tiles_$b.jsonl" --quiet >> "$out/exact.log" 2>&1
+done
+python3 - "$out" <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+o = sys.argv[1]
+def losses(n):
+    try: return [json.loads(l)["loss"] for l in open(f"{o}/tiles_{n}.jsonl")]
+    except Exception as e: return str(e)
+a, b = losses("unlimited"), losses("150MiB")
+print(f"cuda exactness gpt2-124m vocab tiles at 150MiB vs unlimited: {'IDENTICAL' if a == b else 'DIFFERENT'} {a} {b}")
 PY
 log "one gpt2-124m step against PyTorch: loss and every gradient"
 gc=/tmp/gradcheck
