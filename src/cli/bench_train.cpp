@@ -26,7 +26,36 @@ struct BenchTrainFlags {
   MemoryFlags memory;
   int steps = 5, batch = 8, context = 0, accum = 1;
   uint64_t seed = 1337;
+  bool profile = false;
 };
+
+// The time split of one profiled step: matrix products, attention, other kernels of
+// the forward and backward, and the optimizer phase (norms, clipping, AdamW, on
+// device or host), then the slowest ops.
+void print_profile(const Program& program, const StepProfile& profile, double step_s) {
+  double split[4] = {0, 0, 0, 0};
+  const char* names[4] = {"matmul", "attention", "other kernels", "optimizer"};
+  for (const OpTime& t : profile.ops) {
+    const Op& op = program.ops[static_cast<size_t>(t.op)];
+    int k = 2;
+    if (op.phase == Phase::Optimizer) k = 3;
+    else if (op.kind == OpKind::MatmulForward || op.kind == OpKind::MatmulBackward) k = 0;
+    else if (op.kind == OpKind::AttentionForward || op.kind == OpKind::AttentionBackward) k = 1;
+    split[k] += t.seconds;
+  }
+  const double total = split[0] + split[1] + split[2] + split[3];
+  std::printf("time split    one step, each op timed alone (synchronized before and after)\n");
+  for (int k = 0; k < 4; ++k)
+    std::printf("  %-13s %9.2f ms  %5.1f%%\n", names[k], 1e3 * split[k], total > 0 ? 100.0 * split[k] / total : 0.0);
+  std::printf("  %-13s %9.2f ms  (the unprofiled step: %.2f ms; the difference is launch gaps and waits)\n", "sum of ops",
+              1e3 * total, 1e3 * step_s);
+  std::vector<OpTime> slowest = profile.ops;
+  std::sort(slowest.begin(), slowest.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+  if (slowest.size() > 8) slowest.resize(8);
+  for (const OpTime& t : slowest)
+    std::printf("  slowest       %9.3f ms  %s%s\n", 1e3 * t.seconds, t.recompute ? "recompute " : "",
+                program.ops[static_cast<size_t>(t.op)].name.c_str());
+}
 
 uint64_t splitmix64_next(uint64_t& state) {
   uint64_t z = (state += 0x9E3779B97F4A7C15ull);
@@ -67,9 +96,13 @@ Status run_bench(const BenchTrainFlags& f) {
   uint64_t rng = f.seed;
   const size_t n = static_cast<size_t>(f.batch) * T;
   std::vector<TokenBatch> batches(static_cast<size_t>(f.accum));
-  double timed_s = 0, stall_s = 0;
+  double timed_s = 0, stall_s = 0, issue_s = 0;
   StepMetrics last;
-  for (int s = 1; s <= f.steps; ++s) {
+  StepProfile profile;
+  const int last_step = f.steps + (f.profile ? 1 : 0);
+  for (int s = 1; s <= last_step; ++s) {
+    const bool profiled = s > f.steps;
+    if (profiled) trainer->profile_next_step(&profile);
     for (TokenBatch& b : batches) {
       b.tokens.resize(n);
       b.targets.resize(n);
@@ -80,11 +113,14 @@ Status run_bench(const BenchTrainFlags& f) {
     }
     auto r = trainer->step(batches);
     if (!r.ok()) return r.status().with_context("step " + std::to_string(s));
-    std::printf("step %d: %.4f s, loss %.4f%s\n", s, r->step_s, r->loss, s == 1 ? " (warm-up, not timed)" : "");
+    std::printf("step %d: %.4f s, loss %.4f%s\n", s, r->step_s, r->loss,
+                s == 1 ? " (warm-up, not timed)" : profiled ? " (profiled, not timed)" : "");
     std::fflush(stdout);
+    if (profiled) break;
     if (s > 1) {
       timed_s += r->step_s;
       stall_s += r->exec.stall_s;
+      issue_s += r->exec.issue_s;
     }
     last = r->exec;
   }
@@ -95,6 +131,8 @@ Status run_bench(const BenchTrainFlags& f) {
   std::printf("tokens/s      %s\n", format_count(tokens / step_s).c_str());
   std::printf("step time     %.4f s (mean of %d steps)\n", step_s, timed);
   std::printf("stall share   %.1f%%\n", timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
+  std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
+              issue_s / timed);
   if (backend->name() == "cuda")
     std::printf("MFU           %.1f%% (%.1f TFLOP/s of %.0f peak bf16)\n", 100.0 * flops / step_s / kCudaPeakFlops,
                 flops / step_s / 1e12, kCudaPeakFlops / 1e12);
@@ -106,6 +144,7 @@ Status run_bench(const BenchTrainFlags& f) {
               last.recomputed_ops);
   std::printf("peaks         device %s, host %s, storage %s\n", format_size(last.peak_device_bytes).c_str(),
               format_size(last.peak_host_bytes).c_str(), format_size(last.peak_storage_bytes).c_str());
+  if (f.profile) print_profile(trainer->program(), profile, step_s);
   return Status::ok();
 }
 
@@ -113,6 +152,8 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
                                         [](CLI::App& app) -> CommandRun {
   auto f = std::make_shared<BenchTrainFlags>();
   add_model_flags(app, f->model);
+  app.add_flag("--profile", f->profile, "after the timed steps, time each op of one more step alone: the split "
+                                        "into matmul, attention, other kernels and optimizer");
   app.add_option("--steps", f->steps, "steps, the first a warm-up")->capture_default_str();
   app.add_option("--batch", f->batch, "sequences per micro-batch")->capture_default_str();
   app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");

@@ -145,6 +145,7 @@ class PlanExecutor final : public Executor {
     const uint64_t sr0 = spill_ ? spill_->bytes_read() : 0, sw0 = spill_ ? spill_->bytes_written() : 0;
     step_start_ = Clock::now();
     Status st = run_instructions();
+    metrics_.issue_s = seconds_since(step_start_);
     if (st.is_ok()) st = finish();
     if (!st.is_ok()) {
       failure_ = st;
@@ -169,11 +170,16 @@ class PlanExecutor final : public Executor {
       trace_->counter("host bytes", metrics_.step_s, static_cast<double>(host_arena_->in_use()));
       trace_ = nullptr;
     }
+    profile_ = nullptr;
     return Status::ok();
   }
 
   const StepMetrics& metrics() const override { return metrics_; }
   void trace_next_step(Trace* trace) override { trace_ = trace; }
+  void profile_next_step(StepProfile* profile) override {
+    profile_ = profile;
+    if (profile_) profile_->ops.clear();
+  }
 
  private:
   struct Slot {
@@ -488,12 +494,17 @@ class PlanExecutor final : public Executor {
         ptrs_.push_back(s.host);
       }
     }
-    double t0 = trace_ ? now_s() : 0;
+    if (profile_) SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+    double t0 = trace_ || profile_ ? now_s() : 0;
     if (place == Place::Device) {
       SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, p_, op, ptrs_, step_));
     } else {
       // The host op reads data that device ops produced: they must be finished.
       SPILLWAY_RETURN_IF_ERROR(run_host_op(op, ptrs_, b_.activation_dtype(), step_));
+    }
+    if (profile_) {
+      SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+      profile_->ops.push_back({index, recompute, now_s() - t0});
     }
     if (trace_) trace_->slice(place == Place::Device ? "compute" : "host", (recompute ? "recompute " : "") + op.name, t0, now_s());
     if (recompute) metrics_.recomputed_ops++;
@@ -554,6 +565,7 @@ class PlanExecutor final : public Executor {
   OptimizerStep step_;
   Clock::time_point step_start_;
   Trace* trace_ = nullptr;
+  StepProfile* profile_ = nullptr;
   Status failure_;  // of the step that failed, if one did
 };
 

@@ -51,7 +51,19 @@ struct StepMetrics {
   int recomputed_ops = 0;
   double stall_s = 0;   // time the executor waited for data
   double step_s = 0;
+  double issue_s = 0;   // host time to issue every instruction; the rest of step_s waits for the device
   uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;
+};
+
+// One op of a profiled step: the backend is synchronized before and after it, so
+// `seconds` is that op alone (its device work included), not overlapped with others.
+struct OpTime {
+  int op = 0;  // index into Program::ops
+  bool recompute = false;
+  double seconds = 0;
+};
+struct StepProfile {
+  std::vector<OpTime> ops;  // in run order
 };
 
 class Executor {
@@ -67,6 +79,8 @@ class Executor {
   virtual const StepMetrics& metrics() const = 0;
   // Records the next run_step into `trace` (compute, copy and I/O tracks; memory counters).
   virtual void trace_next_step(Trace* trace) = 0;
+  // Times every op of the next run_step into `profile` (slower: one synchronization per op).
+  virtual void profile_next_step(StepProfile* profile) = 0;
 };
 
 }  // namespace spillway

@@ -148,6 +148,8 @@ class Trainer {
 
   // Records the next step into `trace` (exec/trace.h).
   void trace_next_step(Trace* trace) { executor_->trace_next_step(trace); }
+  // Times each op of the next step on its own (exec/executor.h StepProfile).
+  void profile_next_step(StepProfile* profile) { executor_->profile_next_step(profile); }
 
   const TrainerOptions& options() const { return options_; }
   const Program& program() const { return program_; }
