@@ -3,6 +3,7 @@
 # bench/RESULTS.md records, Spillway and its PyTorch peer side by side.
 # Usage (device tool, carry .deps): scripts/device-bench.sh   (results in $OUT)
 # It needs about 6 device minutes with a warm build; run it early in a session.
+# QUICK=1 stops after the correctness checks and the 24 GiB gpt2-1.5b run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -54,14 +55,15 @@ $bin train --backend cuda --data $gc/gc_train.bin --load $gc/init.safetensors --
   --eval-every 0 --quiet --metrics $gc/m.jsonl --save-grads $gc/grads.safetensors >> "$out/gradcheck.log" 2>&1
 python3 bench/peers/torch_gradient_check.py compare $gc --B 4 --T 1024 >> "$out/gradcheck.log" 2>&1
 tail -1 "$out/gradcheck.log" | tee -a "$out/summary.txt"
+log "24 GiB budget, gpt2-1.5b, planned"
+timeout 150 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 2 --steps 3 --device-budget 24GiB --policy planned 2>&1 | tee -a "$out/summary.txt"
+[ "${QUICK:-0}" = 1 ] && { log "total $(( $(date +%s) - t0 )) s"; exit 0; }
 log "copy and storage bandwidth"
 timeout 60 $bin bench io --dir /tmp/spill --size 1GiB --engines uring,threads --depths 1,32 --backend cuda --copy-size 2GiB 2>&1 | tee -a "$out/summary.txt"
 log "host AdamW"
 timeout 60 $bin bench adam --params 5e8 --dtype bf16 2>&1 | tee -a "$out/summary.txt"
 log "resident training, gpt2-124m"
 timeout 90 $bin bench train --backend cuda --model gpt2-124m --batch 16 --steps 4 2>&1 | tee -a "$out/summary.txt"
-log "24 GiB budget, gpt2-1.5b, planned"
-timeout 150 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 2 --steps 3 --device-budget 24GiB --policy planned 2>&1 | tee -a "$out/summary.txt"
 log "ops at gpt2-124m shapes, Spillway then PyTorch"
 timeout 60 $bin bench ops 2>&1 | tail -25 | tee -a "$out/summary.txt"
 timeout 90 python3 bench/peers/torch_reference_step.py --no-step 2>&1 | tail -25 | tee -a "$out/summary.txt"

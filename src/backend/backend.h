@@ -123,13 +123,21 @@ class Backend {
   virtual void gelu_backward(void* dinp, const void* inp, const void* dout, size_t n) = 0;
   // out = a + b
   virtual void residual_forward(void* out, const void* a, const void* b, size_t n) = 0;
-  // losses[N] = -log softmax(logits[N,V])[targets]
+  // losses[N] = -log softmax(logits[N,V])[targets]; rows of logits are ld ≥ V elements
+  // apart (a padded row stride keeps rows aligned; the columns past V are not read).
   virtual void crossentropy_forward(float* losses, const void* logits, const int32_t* targets,
-                                    int N, int V) = 0;
-  // losses as above, and logits is overwritten with dloss/dlogits =
+                                    int N, int V, int ld) = 0;
+  void crossentropy_forward(float* losses, const void* logits, const int32_t* targets, int N, int V) {
+    crossentropy_forward(losses, logits, targets, N, V, V);
+  }
+  // losses as above, and logits[:, :V] is overwritten with dloss/dlogits =
   // (softmax - onehot) * dloss_scale (dloss_scale = 1/(tokens in the step)).
   virtual void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets,
-                                     int N, int V, float dloss_scale) = 0;
+                                     int N, int V, int ld, float dloss_scale) = 0;
+  void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets, int N, int V,
+                             float dloss_scale) {
+    crossentropy_backward(losses, logits_to_dlogits, targets, N, V, V, dloss_scale);
+  }
   // out_sq[0] = Σ grad[i]² (F32, fixed reduction order)
   virtual void squared_norm(float* out_sq, const void* grad, size_t n) = 0;
   // scale_norm[0] = clip scale, scale_norm[1] = global norm, from sq[P] (see optim/adamw.h)

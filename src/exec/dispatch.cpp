@@ -105,11 +105,11 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
       return Status::ok();
     case OpKind::CrossEntropyForward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.crossentropy_forward(f32w(x[0]), x[1], i32(x[2]), N, V);
+      b.crossentropy_forward(f32w(x[0]), x[1], i32(x[2]), N, V, static_cast<int>(a.ld == 0 ? a.V : a.ld));
       return Status::ok();
     case OpKind::CrossEntropyBackward:
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), N, V, a.scale);
+      b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), N, V, static_cast<int>(a.ld == 0 ? a.V : a.ld), a.scale);
       return Status::ok();
     case OpKind::SquaredNorm:
     {

@@ -210,6 +210,7 @@ class Builder {
         specs_(parameter_specs(cfg)) {
     C_ = cfg.width;
     V_ = cfg.vocab;
+    Vpad_ = logits_row_stride(cfg.vocab);
     N_ = int64_t{B} * T;
   }
 
@@ -305,7 +306,7 @@ class Builder {
     m.lnf_out = add(mb + "lnf_out", act_, {B_, T_, C}, Role::Activation);
     m.lnf_mean = add(mb + "lnf_mean", DType::F32, {B_, T_}, Role::Activation);
     m.lnf_rstd = add(mb + "lnf_rstd", DType::F32, {B_, T_}, Role::Activation);
-    m.logits = add(mb + "logits", act_, {B_, T_, V_}, Role::Activation);
+    m.logits = add(mb + "logits", act_, {B_, T_, Vpad_}, Role::Activation);
     m.losses = kNoTensor;
     if (with_targets) m.losses = add(mb + "losses", DType::F32, {N_}, Role::Activation);
     if (logits_output) p_.outputs.push_back(m.logits);
@@ -374,12 +375,13 @@ class Builder {
     std::string mb = "mb" + std::to_string(k) + ".";
     if (backward) {
       OpAttrs a{.N = N_, .V = V_};
+      a.ld = Vpad_;
       a.scale = static_cast<float>(1.0 / (static_cast<double>(N_) * accum));
       op(OpKind::CrossEntropyBackward, mb + "crossentropy", {w(m.losses), u(m.logits), r(m.targets)}, a,
          Phase::Forward, -1, k);
     } else {
       op(OpKind::CrossEntropyForward, mb + "crossentropy.forward", {w(m.losses), r(m.logits), r(m.targets)},
-         {.N = N_, .V = V_}, Phase::Forward, -1, k);
+         ce_forward(), Phase::Forward, -1, k);
     }
   }
 
@@ -510,12 +512,17 @@ class Builder {
   // V apart, in blocks of kVocabBlock channels.
   OpAttrs lm_head(const ParamTensors& t) const {
     OpAttrs a = mm(C_, t.rows);
-    a.ld = V_;
+    a.ld = Vpad_;
     a.begin = t.row_begin;
     a.block = kVocabBlock;
     return a;
   }
   OpAttrs nc() const { return {.C = C_, .N = N_}; }
+  OpAttrs ce_forward() const {
+    OpAttrs a{.N = N_, .V = V_};
+    a.ld = Vpad_;
+    return a;
+  }
   OpAttrs mm(int64_t C, int64_t OC) const { return {.C = C, .OC = OC, .N = N_}; }
 
   const GPTConfig& cfg_;
@@ -525,6 +532,7 @@ class Builder {
   bool tile_vocab_;
   std::vector<ParamSpec> specs_;
   int64_t C_ = 0, V_ = 0, N_ = 0;
+  int64_t Vpad_ = 0;  // row stride of the logits
   Program p_;
   std::vector<std::vector<ParamTensors>> params_;  // by ParamSpec index: its pieces in row order
   std::vector<LayerScratch> scratch_;  // by layer

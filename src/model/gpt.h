@@ -30,7 +30,8 @@
 //               qkv [B,T,3C], atty [B,T,C], att_lse [B,NH,T] F32, res_attn [B,T,C],
 //               ln2_out [B,T,C], ln2_mean/ln2_rstd [B,T] F32, fch/fch_gelu [B,T,4C],
 //               res_mlp [B,T,C]}; mb{k}.lnf_out [B,T,C], mb{k}.lnf_mean/lnf_rstd [B,T] F32,
-//               mb{k}.logits [B,T,V] (becomes dlogits), mb{k}.losses [B·T] F32,
+//               mb{k}.logits [B,T,Vp] (Vp = logits_row_stride(V); becomes dlogits),
+//               mb{k}.losses [B·T] F32,
 //               mb{k}.dres [B,T,C] (residual-stream gradient of the backward pass)
 //   scratch     h{i}.attn_proj, h{i}.mlp_proj [B,T,C] (projection before the residual add);
 //               gradients d_lnf_out [B,T,C], h{i}.{d_fch_gelu, d_fch [B,T,4C], d_ln2_out,
@@ -114,6 +115,11 @@ std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, 
 // CPU backend's matmul tiles (256 columns, 128 rows).
 inline constexpr int64_t kVocabBlock = 8192;
 
+// Row stride of the logits: the vocabulary rounded up to 64, so every row starts
+// 128-byte aligned in bf16 and the LM head and cross-entropy use vectorized,
+// tensor-core paths (50257 → 50304). Columns past the vocabulary are never read.
+inline int64_t logits_row_stride(int64_t vocab) { return (vocab + 63) / 64 * 64; }
+
 struct StepShape {
   int B = 0;      // sequences per micro-batch
   int T = 0;      // tokens per sequence (≤ context)
@@ -132,7 +138,8 @@ Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DT
 
 // Forward pass only (eval, sampling), one batch, param names as above. Inputs
 // mb0.tokens (and mb0.targets with_loss) [B,T] I32. with_loss: CrossEntropyForward
-// into output mb0.losses [B·T] F32; without: output mb0.logits [B,T,V].
+// into output mb0.losses [B·T] F32; without: output mb0.logits [B,T,Vp] (the first V
+// columns of each row are the logits).
 Result<Program> build_forward_program(const GPTConfig& cfg, int B, int T, DType act_dtype, bool with_loss,
                                       bool tile_vocab = false);
 

@@ -330,8 +330,10 @@ class OpChecker {
       case OpKind::CrossEntropyForward:
       case OpKind::CrossEntropyBackward:
         SPILLWAY_RETURN_IF_ERROR(positive({{"N", a.N}, {"V", a.V}}));
+        if (a.ld != 0 && a.ld < a.V)
+          return fail("attrs.ld " + std::to_string(a.ld) + " is below attrs.V " + std::to_string(a.V));
         SPILLWAY_RETURN_IF_ERROR(numel_is(0, a.N, "N"));
-        SPILLWAY_RETURN_IF_ERROR(numel_is(1, a.N * a.V, "N*V"));
+        SPILLWAY_RETURN_IF_ERROR(numel_is(1, a.N * (a.ld == 0 ? a.V : a.ld), "N*ld (ld = V unless given)"));
         return numel_is(2, a.N, "N");
       case OpKind::SquaredNorm: {
         SPILLWAY_RETURN_IF_ERROR(positive({{"n", a.n}}));

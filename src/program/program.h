@@ -45,8 +45,9 @@ enum class OpKind : uint8_t {
   GeluForward,           // (out W, inp R)                                       attrs n
   GeluBackward,          // (dinp W, inp R, dout R)                              attrs n
   ResidualForward,       // (out W, a R, b R)                                    attrs n
-  CrossEntropyForward,   // (losses W, logits R, targets R)                      attrs N V
-  CrossEntropyBackward,  // (losses W, logits U→dlogits, targets R)              attrs N V, scale
+  CrossEntropyForward,   // (losses W, logits R, targets R)                      attrs N V [ld]
+  CrossEntropyBackward,  // (losses W, logits U→dlogits, targets R)              attrs N V [ld], scale
+                         //   logits rows ld ≥ V apart (a padded stride), columns past V unused
   SquaredNorm,           // (out_sq W, grad R)                                   attrs n
                          //   or packed (the GPT builder's form): (out_sq[P] U, grad R), writing
                          //   element attrs.index of a P-element F32 tensor zeroed before;
@@ -71,7 +72,7 @@ struct OpAttrs {
   int64_t B = 0, T = 0, C = 0, OC = 0, NH = 0, N = 0, V = 0, P = 0;
   int64_t n = 0;
   int64_t index = 0;  // AdamW: which parameter; SquaredNorm: element of out_sq
-  int64_t ld = 0;     // Matmul*: row stride of out/dout in elements (0: OC)
+  int64_t ld = 0;     // Matmul*: row stride of out/dout (0: OC); CrossEntropy*: of logits (0: V)
   int64_t begin = 0;  // Matmul*: first column of out/dout; Embedding*: first vocab row of wte
   int64_t block = 0;  // Matmul*: output channels per block; SquaredNorm: elements per segment
   float scale = 0;    // CrossEntropyBackward: dloss scale; ClipScale: max norm; AdamW: weight decay

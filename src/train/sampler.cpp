@@ -88,8 +88,8 @@ Result<std::vector<float>> Sampler::next_logits(const std::vector<int32_t>& cont
   const TensorInfo& info = program_.tensors.info(logits_);
   std::vector<uint8_t> bytes(info.bytes());
   SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(logits_, bytes.data(), bytes.size()));
-  const size_t V = static_cast<size_t>(cfg_.vocab);
-  return decode_values(info.dtype, bytes.data() + (len - 1) * V * dtype_size(info.dtype), V);
+  const size_t V = static_cast<size_t>(cfg_.vocab), stride = static_cast<size_t>(logits_row_stride(cfg_.vocab));
+  return decode_values(info.dtype, bytes.data() + (len - 1) * stride * dtype_size(info.dtype), V);
 }
 
 Result<std::vector<int32_t>> Sampler::generate(const std::vector<int32_t>& prompt, int count,

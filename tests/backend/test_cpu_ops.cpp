@@ -499,6 +499,32 @@ TEST(CpuOps, CrossEntropyForwardAndBackward) {
   expect_close(buf.get(d_logits, N * V), finite_difference_gradient(f, ld, Vec(N, 1.0)), "dlogits");
 }
 
+// A padded row stride (the GPT logits' Vp): the same losses and dlogits as packed rows,
+// and the padding columns are neither read nor written.
+TEST(CpuOps, CrossEntropyWithRowStride) {
+  const int N = 5, V = 13, ld = 16;
+  auto be = cpu_backend(2);
+  Buffers buf(*be);
+  auto packed = random_floats(N * V, 110, -3.0f, 3.0f);
+  auto targets = random_ints(N, 111, V);
+  std::vector<float> padded(N * ld, 1e30f);  // huge padding would change any sum it entered
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < V; ++v) padded[n * ld + v] = packed[n * V + v];
+  float* d_packed = buf.make(packed);
+  float* d_padded = buf.make(padded);
+  int32_t* d_targets = buf.make(targets);
+  float* l_packed = buf.make(std::vector<float>(N, kNaN));
+  float* l_padded = buf.make(std::vector<float>(N, kNaN));
+  be->crossentropy_backward(l_packed, d_packed, d_targets, N, V, 0.5f);
+  be->crossentropy_backward(l_padded, d_padded, d_targets, N, V, ld, 0.5f);
+  EXPECT_EQ(buf.get(l_packed, N), buf.get(l_padded, N));
+  auto a = buf.get(d_packed, N * V), b = buf.get(d_padded, N * ld);
+  for (int n = 0; n < N; ++n) {
+    for (int v = 0; v < V; ++v) EXPECT_EQ(a[n * V + v], b[n * ld + v]) << n << "," << v;
+    for (int v = V; v < ld; ++v) EXPECT_EQ(b[n * ld + v], 1e30f) << "padding written at " << n << "," << v;
+  }
+}
+
 TEST(CpuOps, CrossEntropyIsStableForLargeLogits) {
   const int N = 3, V = 1000;
   auto be = cpu_backend(2);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -449,21 +450,24 @@ TEST_F(CudaOps, MatmulLeadingDimensionBelowOCIsAnError) {
 }
 
 TEST_F(CudaOps, CrossEntropy) {
-  for (auto [N, V] : {std::pair{33, 1000}, std::pair{17, 257}, std::pair{64, 50304}}) {
-    SCOPED_TRACE("N=" + std::to_string(N) + " V=" + std::to_string(V));
-    Pair logits = act_random(size_t(N) * V, 3.0f), tgt = i32(tokens(N, V));
+  // ld > V: a padded row stride (GPT-2's 50257 logits in rows of 50304), the vector
+  // path with a scalar tail; the padding is left as it was on both backends.
+  for (auto [N, V, ld] : {std::tuple{33, 1000, 1000}, std::tuple{17, 257, 257}, std::tuple{64, 50304, 50304},
+                          std::tuple{16, 50257, 50304}, std::tuple{9, 1001, 1008}}) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " V=" + std::to_string(V) + " ld=" + std::to_string(ld));
+    Pair logits = act_random(size_t(N) * ld, 3.0f), tgt = i32(tokens(N, V));
     Pair losses = f32_poison(N), losses2 = f32_poison(N);
-    gpu_->crossentropy_forward((float*)losses.g, logits.g, (int32_t*)tgt.g, N, V);
-    cpu_->crossentropy_forward((float*)losses.c, logits.c, (int32_t*)tgt.c, N, V);
+    gpu_->crossentropy_forward((float*)losses.g, logits.g, (int32_t*)tgt.g, N, V, ld);
+    cpu_->crossentropy_forward((float*)losses.c, logits.c, (int32_t*)tgt.c, N, V, ld);
     expect_close(losses, "crossentropy_forward", 1e-3);
     auto rl = saver(logits);
     const float scale = 1.0f / N;
-    gpu_->crossentropy_backward((float*)losses2.g, logits.g, (int32_t*)tgt.g, N, V, scale);
-    cpu_->crossentropy_backward((float*)losses2.c, logits.c, (int32_t*)tgt.c, N, V, scale);
+    gpu_->crossentropy_backward((float*)losses2.g, logits.g, (int32_t*)tgt.g, N, V, ld, scale);
+    cpu_->crossentropy_backward((float*)losses2.c, logits.c, (int32_t*)tgt.c, N, V, ld, scale);
     expect_close(losses2, "crossentropy_backward losses", 1e-3);
     expect_close(logits, "crossentropy_backward dlogits");
     expect_deterministic({losses2, logits}, rl,
-                         [&] { gpu_->crossentropy_backward((float*)losses2.g, logits.g, (int32_t*)tgt.g, N, V, scale); },
+                         [&] { gpu_->crossentropy_backward((float*)losses2.g, logits.g, (int32_t*)tgt.g, N, V, ld, scale); },
                          "crossentropy_backward");
   }
 }

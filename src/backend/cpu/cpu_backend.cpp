@@ -164,14 +164,17 @@ class CpuBackend final : public Backend {
     std::lock_guard<std::mutex> lock(compute_mu_);
     cpu::residual_forward(pool_, f(out), f(a), f(b), n);
   }
-  void crossentropy_forward(float* losses, const void* logits, const int32_t* targets, int N, int V) override {
+  using Backend::crossentropy_backward;
+  using Backend::crossentropy_forward;
+  void crossentropy_forward(float* losses, const void* logits, const int32_t* targets, int N, int V,
+                            int ld) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::crossentropy_forward(pool_, losses, f(logits), targets, N, V);
+    cpu::crossentropy_forward(pool_, losses, f(logits), targets, N, V, ld);
   }
-  void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets, int N, int V,
+  void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets, int N, int V, int ld,
                              float dloss_scale) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::crossentropy_backward(pool_, losses, f(logits_to_dlogits), targets, N, V, dloss_scale);
+    cpu::crossentropy_backward(pool_, losses, f(logits_to_dlogits), targets, N, V, ld, dloss_scale);
   }
   void squared_norm(float* out_sq, const void* grad, size_t n) override {
     std::lock_guard<std::mutex> lock(compute_mu_);

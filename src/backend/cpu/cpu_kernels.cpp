@@ -240,10 +240,10 @@ void residual_forward(ThreadPool& pool, float* out, const float* a, const float*
 }
 
 void crossentropy_forward(ThreadPool& pool, float* losses, const float* logits, const int32_t* targets,
-                          int N, int V) {
+                          int N, int V, int ld) {
   pool.parallel_for(N, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const float* x = logits + n * V;
+      const float* x = logits + n * ld;
       const float m = row_max(x, V);
       const float sum = exp_shift_sum<false>(nullptr, x, m, V);
       losses[n] = std::log(sum) - (x[targets[n]] - m);
@@ -252,10 +252,10 @@ void crossentropy_forward(ThreadPool& pool, float* losses, const float* logits, 
 }
 
 void crossentropy_backward(ThreadPool& pool, float* losses, float* logits, const int32_t* targets,
-                           int N, int V, float dloss_scale) {
+                           int N, int V, int ld, float dloss_scale) {
   pool.parallel_for(N, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      float* x = logits + n * V;
+      float* x = logits + n * ld;
       const int32_t t = targets[n];
       const float m = row_max(x, V);
       const float xt = x[t];

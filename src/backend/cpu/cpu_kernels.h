@@ -79,11 +79,12 @@ void gelu_backward(ThreadPool& pool, float* dinp, const float* inp, const float*
 void residual_forward(ThreadPool& pool, float* out, const float* a, const float* b, size_t n);
 
 // losses[N] = -log softmax(logits[N,V])[targets[N]] (max-subtracted softmax).
+// Rows of logits are ld ≥ V floats apart.
 void crossentropy_forward(ThreadPool& pool, float* losses, const float* logits, const int32_t* targets,
-                          int N, int V);
+                          int N, int V, int ld);
 // losses[N] as above; logits[N,V] is overwritten with (softmax - onehot(targets)) · dloss_scale.
 void crossentropy_backward(ThreadPool& pool, float* losses, float* logits, const int32_t* targets,
-                           int N, int V, float dloss_scale);
+                           int N, int V, int ld, float dloss_scale);
 
 // out_sq[0] = Σ grad[n]²: squares summed in double within fixed blocks of 65536
 // elements, block sums added in block order, rounded once to F32.

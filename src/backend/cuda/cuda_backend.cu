@@ -444,18 +444,28 @@ class CudaBackend final : public Backend {
     check(launch_residual_forward(mb(out), cb(a), cb(b), n, compute_), "residual_forward");
   }
 
-  void crossentropy_forward(float* losses, const void* logits, const int32_t* targets, int N, int V) override {
+  using Backend::crossentropy_backward;
+  using Backend::crossentropy_forward;
+  void crossentropy_forward(float* losses, const void* logits, const int32_t* targets, int N, int V,
+                            int ld) override {
     if (!enter()) return;
+    if (ld < V) return record_invalid("crossentropy_forward", ld, V);
     // Read-only: the kernel writes logits only when given a scale.
-    check(launch_crossentropy(losses, const_cast<bf16*>(cb(logits)), targets, N, V, false, 0.0f, compute_),
+    check(launch_crossentropy(losses, const_cast<bf16*>(cb(logits)), targets, N, V, ld, false, 0.0f, compute_),
           "crossentropy_forward");
   }
 
-  void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets, int N, int V,
+  void crossentropy_backward(float* losses, void* logits_to_dlogits, const int32_t* targets, int N, int V, int ld,
                              float dloss_scale) override {
     if (!enter()) return;
-    check(launch_crossentropy(losses, mb(logits_to_dlogits), targets, N, V, true, dloss_scale, compute_),
+    if (ld < V) return record_invalid("crossentropy_backward", ld, V);
+    check(launch_crossentropy(losses, mb(logits_to_dlogits), targets, N, V, ld, true, dloss_scale, compute_),
           "crossentropy_backward");
+  }
+  void record_invalid(const char* what, int ld, int V) {
+    record(Status::invalid_argument(std::string(what) + ": row stride " + std::to_string(ld) +
+                                    " is below the row length " + std::to_string(V)),
+           what);
   }
 
   void squared_norm(float* out_sq, const void* grad, size_t n) override {

@@ -62,9 +62,10 @@ cudaError_t launch_gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, 
 cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, size_t n,
                                     cudaStream_t stream);
 
-// losses[N] = -log softmax(logits[N,V])[targets[N]]. With `backward`, logits is
-// overwritten with (softmax - onehot) * dlogits_scale (else only read).
-cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V,
+// losses[N] = -log softmax(logits[N,V])[targets[N]], rows of logits ld ≥ V apart. With
+// `backward`, logits[:, :V] is overwritten with (softmax - onehot) * dlogits_scale
+// (else only read).
+cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V, int ld,
                                 bool backward, float dlogits_scale, cudaStream_t stream);
 
 size_t squared_norm_scratch_bytes();

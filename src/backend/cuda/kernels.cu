@@ -335,36 +335,41 @@ cudaError_t launch_elementwise(bf16* out, const bf16* a, const bf16* b, size_t n
 
 // One block per row. losses[N], logits[N,V], targets[N]. With `backward`,
 // logits[n,:] is overwritten with (softmax - onehot) * scale.
+// VEC = 8: the first V/8·8 columns in vectors of 8, then the tail one per thread.
 template <int VEC>
-__global__ void crossentropy_kernel(float* losses, bf16* logits, const int32_t* targets, int V,
+__global__ void crossentropy_kernel(float* losses, bf16* logits, const int32_t* targets, int V, int ld,
                                     bool backward, float scale) {
   __shared__ float red[32];
   const int n = blockIdx.x;
-  bf16* row = logits + static_cast<size_t>(n) * V;
+  bf16* row = logits + static_cast<size_t>(n) * ld;
   const int target = targets[n];
   const bool valid = target >= 0 && target < V;
   const float xt = valid ? __bfloat162float(row[target]) : NAN;  // read before any write
+  const int body = V / VEC * VEC;
+  const int tail = static_cast<int>(threadIdx.x) + body;  // this thread's tail column, if < V
   float m = -INFINITY, s = 0.0f;
-  for (int c = threadIdx.x * VEC; c < V; c += blockDim.x * VEC) {
+  auto accumulate = [&](float x) {
+    if (x > m) {
+      s = s * __expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      s += __expf(x - m);
+    }
+  };
+  for (int c = threadIdx.x * VEC; c < body; c += blockDim.x * VEC) {
     float f[VEC];
     if constexpr (VEC == 8) unpack8(load8(row + c), f);
     else f[0] = __bfloat162float(row[c]);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      if (f[k] > m) {
-        s = s * __expf(m - f[k]) + 1.0f;
-        m = f[k];
-      } else {
-        s += __expf(f[k] - m);
-      }
-    }
+    for (int k = 0; k < VEC; ++k) accumulate(f[k]);
   }
+  if (VEC > 1 && tail < V) accumulate(__bfloat162float(row[tail]));
   const float M = block_max(m, red);
   const float S = block_sum(m == -INFINITY ? 0.0f : s * __expf(m - M), red);
   if (threadIdx.x == 0) losses[n] = logf(S) + M - xt;
   if (!backward) return;
   const float inv = 1.0f / S;
-  for (int c = threadIdx.x * VEC; c < V; c += blockDim.x * VEC) {
+  for (int c = threadIdx.x * VEC; c < body; c += blockDim.x * VEC) {
     float f[VEC];
     if constexpr (VEC == 8) unpack8(load8(row + c), f);
     else f[0] = __bfloat162float(row[c]);
@@ -375,6 +380,10 @@ __global__ void crossentropy_kernel(float* losses, bf16* logits, const int32_t* 
     }
     if constexpr (VEC == 8) store8(row + c, pack8(f));
     else row[c] = __float2bfloat16_rn(f[0]);
+  }
+  if (VEC > 1 && tail < V) {
+    float p = __expf(__bfloat162float(row[tail]) - M) * inv;
+    row[tail] = __float2bfloat16_rn((p - (tail == target ? 1.0f : 0.0f)) * scale);
   }
 }
 
@@ -644,13 +653,13 @@ cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, siz
   return launch_elementwise<Ew::Add>(out, a, b, n, stream);
 }
 
-cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V,
+cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V, int ld,
                                 bool backward, float dlogits_scale, cudaStream_t stream) {
   if (N == 0) return cudaSuccess;
-  if (V % 8 == 0 && aligned16(logits))
-    crossentropy_kernel<8><<<N, 512, 0, stream>>>(losses, logits, targets, V, backward, dlogits_scale);
+  if (ld % 8 == 0 && aligned16(logits))  // every row starts 16-byte aligned
+    crossentropy_kernel<8><<<N, 512, 0, stream>>>(losses, logits, targets, V, ld, backward, dlogits_scale);
   else
-    crossentropy_kernel<1><<<N, 512, 0, stream>>>(losses, logits, targets, V, backward, dlogits_scale);
+    crossentropy_kernel<1><<<N, 512, 0, stream>>>(losses, logits, targets, V, ld, backward, dlogits_scale);
   return launched();
 }
 
