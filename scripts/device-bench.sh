@@ -55,6 +55,11 @@ $bin train --backend cuda --data $gc/gc_train.bin --load $gc/init.safetensors --
   --eval-every 0 --quiet --metrics $gc/m.jsonl --save-grads $gc/grads.safetensors >> "$out/gradcheck.log" 2>&1
 python3 bench/peers/torch_gradient_check.py compare $gc --B 4 --T 1024 >> "$out/gradcheck.log" 2>&1
 tail -1 "$out/gradcheck.log" | tee -a "$out/summary.txt"
+log "20 steps from the same weights, Spillway and PyTorch"
+$bin train --backend cuda --data $gc/gc_train.bin --load $gc/init.safetensors --steps 20 --batch 4 --context 1024 \
+  --eval-every 0 --quiet --metrics $gc/curve.jsonl > "$out/curve.log" 2>&1
+python3 bench/peers/torch_gradient_check.py curve $gc --B 4 --T 1024 >> "$out/curve.log" 2>&1
+tail -1 "$out/curve.log" | tee -a "$out/summary.txt"
 log "24 GiB budget, gpt2-1.5b, planned"
 timeout 150 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 2 --steps 3 --device-budget 24GiB --policy planned 2>&1 | tee -a "$out/summary.txt"
 [ "${QUICK:-0}" = 1 ] && { log "total $(( $(date +%s) - t0 )) s"; exit 0; }

@@ -6,6 +6,13 @@
 #       --batch 4 --context 1024 --eval-every 0 --metrics DIR/m.jsonl --save-grads DIR/grads.safetensors
 #   python3 torch_gradient_check.py compare DIR --B 4 [--T 1024]
 #
+# And 20 steps of training from there (the loss curve):
+#   spillway train ... --steps 20 --metrics DIR/curve.jsonl   (same data, weights, batch)
+#   python3 torch_gradient_check.py curve DIR --B 4 [--T 1024]
+# PyTorch trains with the same AdamW (β 0.9/0.95, ε 1e-8, weight decay 0.1 on
+# matrices and embeddings), clipping at norm 1 and Spillway's own per-step learning
+# rates (read from curve.jsonl), fp32 master weights under bf16 autocast.
+#
 # The token files hold exactly T+1 tokens, so every row of every batch is tokens
 # [0, T) with targets [1, T+1) whatever the loader's seed. The PyTorch model is
 # written out functionally from the safetensors tensors (Hugging Face GPT-2 names,
@@ -94,9 +101,38 @@ def compare(d, B, T):
     return 0 if ok else 1
 
 
+def curve(d, B, T):
+    w = {k: v.cuda().float().requires_grad_(True) for k, v in load_file(os.path.join(d, "init.safetensors")).items()}
+    tokens = torch.tensor(read_tokens(os.path.join(d, "gc_train.bin")), device="cuda")
+    idx = tokens[:T].unsqueeze(0).repeat(B, 1)
+    tgt = tokens[1:T + 1].unsqueeze(0).repeat(B, 1)
+    ours = [json.loads(line) for line in open(os.path.join(d, "curve.jsonl"))]
+    decay = [t for k, t in w.items() if t.dim() >= 2]
+    plain = [t for k, t in w.items() if t.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    worst = 0.0
+    for m in ours:
+        for g in opt.param_groups:
+            g["lr"] = m["lr"]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(w, idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(w.values()), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rel = abs(m["loss"] - loss.item()) / abs(loss.item())
+        worst = max(worst, rel)
+        print(f"step {m['step']:3d}  lr {m['lr']:.3e}  spillway {m['loss']:.5f}  pytorch {loss.item():.5f}  rel {rel:.2e}")
+    ok = worst < 2e-2
+    print(json.dumps({"steps": len(ours), "first_loss": ours[0]["loss"], "last_loss_spillway": ours[-1]["loss"],
+                      "last_loss_pytorch": loss.item(), "worst_rel_diff": worst, "pass": ok}))
+    return 0 if ok else 1
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["prepare", "compare"])
+    ap.add_argument("mode", choices=["prepare", "compare", "curve"])
     ap.add_argument("dir")
     ap.add_argument("--B", type=int, default=4)
     ap.add_argument("--T", type=int, default=1024)
@@ -104,7 +140,7 @@ def main():
     if a.mode == "prepare":
         prepare(a.dir, a.T)
         return 0
-    return compare(a.dir, a.B, a.T)
+    return compare(a.dir, a.B, a.T) if a.mode == "compare" else curve(a.dir, a.B, a.T)
 
 
 if __name__ == "__main__":
