@@ -23,11 +23,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-bool is_persistent(const Program& program, TensorId t) {
-  Role r = program.tensors.info(t).role;
-  if (r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input) return true;
-  return std::find(program.outputs.begin(), program.outputs.end(), t) != program.outputs.end();
-}
 
 class PlanExecutor final : public Executor {
  public:
@@ -71,7 +66,7 @@ class PlanExecutor final : public Executor {
     // Persistent tensors start at home, zero-filled.
     for (size_t i = 0; i < slots_.size(); ++i) {
       auto t = static_cast<TensorId>(i);
-      if (!is_persistent(p_, t)) continue;
+      if (!p_.is_persistent(t)) continue;
       const size_t bytes = p_.tensors.info(t).bytes();
       switch (plan_.home[i]) {
         case Tier::Device: {
@@ -94,12 +89,19 @@ class PlanExecutor final : public Executor {
         }
       }
     }
+    // Every extent a step will store into is reserved now (the store fallocates it), so
+    // a disk too small is found here, before any step, never halfway through one
+    // with the training state half updated.
+    if (spill_)
+      for (const Instruction& in : plan_.instructions)
+        if (in.kind == InstrKind::Store)
+          SPILLWAY_RETURN_IF_ERROR(spill_->reserve(in.tensor, p_.tensors.info(in.tensor).bytes()));
     return b_.synchronize();
   }
 
   Status write_tensor(TensorId t, const void* src, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(check_tensor(t, bytes, "write_tensor"));
-    if (!is_persistent(p_, t))
+    if (!p_.is_persistent(t))
       return Status::invalid_argument("write_tensor: " + p_.tensors.info(t).name +
                                       " is not an input or state tensor; only those are set between steps");
     Slot& s = slots_[t];
@@ -534,7 +536,7 @@ class PlanExecutor final : public Executor {
     // Every persistent tensor must be back home (the plan promised it).
     for (size_t i = 0; i < slots_.size(); ++i) {
       auto t = static_cast<TensorId>(i);
-      if (is_persistent(p_, t) && !table_.state(t).valid(plan_.home[i]))
+      if (p_.is_persistent(t) && !table_.state(t).valid(plan_.home[i]))
         return Status::internal("executor: " + p_.tensors.info(t).name + " is not valid in its home tier (" +
                                 tier_name(plan_.home[i]) + ") after the step");
     }

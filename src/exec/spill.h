@@ -30,6 +30,8 @@ class SpillStore {
   // Through an aligned bounce buffer: any source or destination.
   Status write_sync(TensorId t, const void* src, size_t bytes);
   Status read_sync(TensorId t, void* dst, size_t bytes);
+  // Reserves t's extent (space on disk included) now rather than at its first write.
+  Status reserve(TensorId t, size_t bytes) { return extent(t, bytes).status(); }
   uint64_t bytes_read() const { return store_->bytes_read(); }
   uint64_t bytes_written() const { return store_->bytes_written(); }
   uint64_t peak_bytes() const { return store_->peak_bytes(); }

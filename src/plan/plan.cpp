@@ -43,11 +43,6 @@ Result<Policy> parse_policy(const std::string& name) {
 }
 
 namespace {
-bool is_persistent(const Program& program, TensorId t) {
-  Role r = program.tensors.info(t).role;
-  if (r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input) return true;
-  return std::find(program.outputs.begin(), program.outputs.end(), t) != program.outputs.end();
-}
 }  // namespace
 
 // A dry run of the instruction semantics of plan.h over residency flags and byte
@@ -97,7 +92,7 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
   // Start-of-step state: persistent tensors at home.
   std::vector<bool> storage_extent(n, false);
   for (size_t t = 0; t < n; ++t) {
-    if (!is_persistent(program, static_cast<TensorId>(t))) continue;
+    if (!program.is_persistent(static_cast<TensorId>(t))) continue;
     switch (home[t]) {
       case Tier::Device:
         SPILLWAY_RETURN_IF_ERROR(place(static_cast<TensorId>(t), home_offset[t], 0));
@@ -224,10 +219,10 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
     if (runs[i] != 1)
       return Status::internal("plan: op " + program.ops[i].name + " runs " + std::to_string(runs[i]) + " times in a step");
   for (size_t t = 0; t < n; ++t) {
-    bool host_home = is_persistent(program, static_cast<TensorId>(t)) && home[t] == Tier::Host;
+    bool host_home = program.is_persistent(static_cast<TensorId>(t)) && home[t] == Tier::Host;
     if (host_buffer[t] && !host_home)
       return Status::internal("plan: " + name(static_cast<TensorId>(t)) + " still holds a host buffer at the end of the step");
-    if (!is_persistent(program, static_cast<TensorId>(t))) {
+    if (!program.is_persistent(static_cast<TensorId>(t))) {
       if (on_device[t] && regions.count(offset[t]) && regions[offset[t]].second == static_cast<TensorId>(t))
         return Status::internal("plan: " + name(t) + " still holds a device region at the end of the step");
       continue;

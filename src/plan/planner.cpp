@@ -33,11 +33,6 @@ namespace {
 
 constexpr int kNever = std::numeric_limits<int>::max();
 
-bool is_persistent(const Program& program, TensorId t) {
-  Role r = program.tensors.info(t).role;
-  if (r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input) return true;
-  return std::find(program.outputs.begin(), program.outputs.end(), t) != program.outputs.end();
-}
 
 struct Config {
   Policy policy = Policy::Resident;
@@ -94,7 +89,7 @@ class Scheduler {
     // Start-of-step state.
     for (size_t t = 0; t < n; ++t) {
       auto id = static_cast<TensorId>(t);
-      if (!is_persistent(p_, id)) continue;
+      if (!p_.is_persistent(id)) continue;
       State& s = st_[t];
       if (c_.home[t] == Tier::Device) {
         s.region = true;
@@ -154,7 +149,7 @@ class Scheduler {
   uint64_t host_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), 4096); }
   uint64_t device_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), align_); }
   const std::string& name(TensorId t) const { return p_.tensors.info(t).name; }
-  bool persistent(TensorId t) const { return is_persistent(p_, t); }
+  bool persistent(TensorId t) const { return p_.is_persistent(t); }
   bool pinned_home(TensorId t) const { return persistent(t) && c_.home[t] == Tier::Device; }
 
   // The next op after `after` that needs t's current value; kNever when the value
@@ -684,7 +679,7 @@ void spill_homes_to_storage(const Program& program, const Budgets& budgets, Conf
   std::vector<std::pair<int, TensorId>> movable;  // (spill priority, tensor)
   for (size_t t = 0; t < c.home.size(); ++t) {
     auto id = static_cast<TensorId>(t);
-    if (!is_persistent(program, id) || c.home[t] != Tier::Host) continue;
+    if (!program.is_persistent(id) || c.home[t] != Tier::Host) continue;
     host_bytes += host_footprint(program, id);
     StateClass k = state_class(program, id);
     if (k == StateClass::OptState) movable.emplace_back(0, id);
@@ -705,7 +700,7 @@ void assign_device_offsets(const Program& program, Config& c, size_t alignment) 
   c.home_offset.assign(program.tensors.size(), 0);
   for (size_t t = 0; t < program.tensors.size(); ++t) {
     auto id = static_cast<TensorId>(t);
-    if (!is_persistent(program, id) || c.home[t] != Tier::Device) continue;
+    if (!program.is_persistent(id) || c.home[t] != Tier::Device) continue;
     c.home_offset[t] = off;
     off += align_up(std::max<uint64_t>(1, program.tensors.info(id).bytes()), alignment);
   }
@@ -722,7 +717,7 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
   c.optimizer_on_host = offload >= 1;
   for (size_t t = 0; t < n; ++t) {
     auto id = static_cast<TensorId>(t);
-    if (!is_persistent(program, id)) continue;
+    if (!program.is_persistent(id)) continue;
     StateClass k = state_class(program, id);
     bool off_device = (offload >= 1 && (k == StateClass::Master || k == StateClass::OptState || k == StateClass::Grad)) ||
                       (offload >= 2 && k == StateClass::Param);

@@ -1,5 +1,6 @@
 #include "program/program.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -406,6 +407,12 @@ Status Program::validate() const {
 // - AttentionForward: Q·Kᵀ and P·V are 2·B·T²·C each without a mask; the causal
 //   mask halves the work actually needed, so 4·B·T²·C / 2 = 2·B·T²·C.
 // - AttentionBackward: twice the forward, 4·B·T²·C (dQ, dK from dS; dV, dP).
+bool Program::is_persistent(TensorId t) const {
+  Role r = tensors.info(t).role;
+  if (r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input) return true;
+  return std::find(outputs.begin(), outputs.end(), t) != outputs.end();
+}
+
 std::vector<TensorId> Program::pieces(const std::string& name) const {
   TensorId whole = tensors.find(name);
   if (whole != kNoTensor) return {whole};

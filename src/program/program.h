@@ -110,6 +110,9 @@ struct Program {
   // The tensor called `name`, or when it was split into row tiles, the tiles
   // "<name>#0", "<name>#1", ... in row order; empty when neither exists.
   std::vector<TensorId> pieces(const std::string& name) const;
+  // Whether t keeps its value from one step to the next, so that it has a home tier:
+  // parameters, gradients, master weights, optimizer state, inputs and outputs.
+  bool is_persistent(TensorId t) const;
   // Total floating-point operations of the step (for MFU): matrix products only.
   // MatmulForward 2·N·C·OC, MatmulBackward 4·N·C·OC, AttentionForward 2·B·T²·C
   // (causal: half of 4·B·T²·C), AttentionBackward 4·B·T²·C.

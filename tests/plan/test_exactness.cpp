@@ -231,6 +231,45 @@ TEST(Exactness, StorageTierMatchesResident) {
   }
 }
 
+// Storage that cannot hold what the plan spills is found when the executor is made —
+// every extent is reserved up front — before any step could leave state half updated.
+TEST(Budgets, StorageTooSmallIsFoundBeforeAnyStep) {
+  ModelCase s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 1);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  auto program = build_training_program(s.cfg, s.shape, DType::F32);
+  ASSERT_TRUE(program.ok());
+  auto extent = [](uint64_t bytes) { return (std::max<uint64_t>(bytes, 1) + 4095) / 4096 * 4096; };
+  // A host budget short enough that the step stores activations, not only state.
+  for (uint64_t host : {512u << 10, 384u << 10, 320u << 10, 256u << 10, 192u << 10, 160u << 10, 128u << 10}) {
+    Budgets b;
+    b.device = ref.plan.device_bytes / 4;
+    b.host = host;
+    b.storage = 64 << 20;
+    auto plan = make_plan(*program, Machine::cpu_dev_box(), b, {.policy = Policy::Planned, .alignment = 64});
+    if (!plan.ok()) continue;
+    // Room for the state that lives in storage, not for the activations a step stores.
+    uint64_t state = 0, stored = 0;
+    std::vector<bool> counted(program->tensors.size(), false);
+    for (size_t t = 0; t < program->tensors.size(); ++t)
+      if (program->is_persistent(static_cast<TensorId>(t)) && plan->home[t] == Tier::Storage)
+        state += extent(program->tensors.info(static_cast<TensorId>(t)).bytes()), counted[t] = true;
+    for (const Instruction& in : plan->instructions)
+      if (in.kind == InstrKind::Store && !counted[in.tensor])
+        stored += extent(program->tensors.info(in.tensor).bytes()), counted[in.tensor] = true;
+    if (stored == 0) continue;
+    TempDir spill;
+    auto created = Executor::create(**backend, *program, *plan,
+                                    {.host_budget = b.host, .spill_dir = spill.path(), .storage_budget = state + stored / 2});
+    ASSERT_FALSE(created.ok()) << "the executor was made; the disk would have filled during a step";
+    EXPECT_NE(created.status().message().find("spill directory"), std::string::npos) << created.status().to_string();
+    return;
+  }
+  FAIL() << "no host budget made the plan store activations";
+}
+
 TEST(Exactness, PlannedRecomputesWhereItChose) {
   ModelCase s = small_model(64);
   RunResult ref = train(s, {}, {.policy = Policy::Resident}, 3);
