@@ -22,32 +22,14 @@ for p in planned paging; do
   $bin train --backend cuda --model tiny --steps 30 --batch 8 --eval-every 0 --device-budget 6MiB --policy $p \
     --metrics "$out/tiny_$p.jsonl" --quiet >> "$out/exact.log" 2>&1
 done
-python3 - "$out" <<'PY' | tee -a "$out/summary.txt"
-import json, sys
-o = sys.argv[1]
-def losses(n):
-    try: return [json.loads(l)["loss"] for l in open(f"{o}/tiny_{n}.jsonl")]
-    except Exception as e: return str(e)
-r = losses("resident")
-for p in ("planned", "paging"):
-    x = losses(p)
-    print(f"cuda exactness {p} vs resident: {'IDENTICAL' if x == r else 'DIFFERENT'} ({len(r) if isinstance(r, list) else r} steps)")
-PY
+scripts/same_losses.py "cuda exactness, tiny" "$out/tiny_resident.jsonl" "$out/tiny_planned.jsonl" "$out/tiny_paging.jsonl" | tee -a "$out/summary.txt"
 # Vocab tiles on CUDA: a budget below the whole-table LM head builds it in tiles.
 for b in unlimited 150MiB; do
   flags=""; [ "$b" != unlimited ] && flags="--device-budget $b --policy planned"
   $bin train --backend cuda --model gpt2-124m --context 128 --batch 2 --steps 5 --eval-every 0 $flags \
     --metrics "$out/tiles_$b.jsonl" --quiet >> "$out/exact.log" 2>&1
 done
-python3 - "$out" <<'PY' | tee -a "$out/summary.txt"
-import json, sys
-o = sys.argv[1]
-def losses(n):
-    try: return [json.loads(l)["loss"] for l in open(f"{o}/tiles_{n}.jsonl")]
-    except Exception as e: return str(e)
-a, b = losses("unlimited"), losses("150MiB")
-print(f"cuda exactness gpt2-124m vocab tiles at 150MiB vs unlimited: {'IDENTICAL' if a == b else 'DIFFERENT'} {a} {b}")
-PY
+scripts/same_losses.py "cuda exactness, gpt2-124m vocab tiles" "$out/tiles_unlimited.jsonl" "$out/tiles_150MiB.jsonl" | tee -a "$out/summary.txt"
 log "one gpt2-124m step against PyTorch: loss and every gradient"
 gc=/tmp/gradcheck
 python3 bench/peers/torch_gradient_check.py prepare $gc --T 1024 > "$out/gradcheck.log" 2>&1
