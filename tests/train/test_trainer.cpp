@@ -394,6 +394,47 @@ TEST(Sampler, GreedyIsDeterministicAndSeedsMatter) {
   std::filesystem::remove(path);
 }
 
+// The logits rows are padded (vocab 100 in rows of 128): the sampler's logits of a
+// position give the same loss as the evaluation program's cross-entropy there.
+TEST(Sampler, LogitsOfAPaddedVocabularyAgreeWithTheLoss) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  o.model.vocab = 100;
+  ASSERT_EQ(logits_row_stride(o.model.vocab), 128);
+  const std::string path = temp_path("padded.safetensors");
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  ASSERT_TRUE((*t)->save(path).is_ok());
+  auto s = Sampler::create(*backend, o.model, {.window = 2});
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  ASSERT_TRUE((*s)->load(path).is_ok());
+  // -log softmax(logits of the prompt's last position)[target]
+  auto loss_of = [&](const std::vector<int32_t>& prompt, int32_t target) -> double {
+    auto logits = (*s)->next_logits(prompt);
+    EXPECT_TRUE(logits.ok()) << logits.status().to_string();
+    if (!logits.ok()) return NAN;
+    EXPECT_EQ(logits->size(), 100u);
+    double m = *std::max_element(logits->begin(), logits->end()), sum = 0;
+    for (float x : *logits) sum += std::exp(static_cast<double>(x) - m);
+    return std::log(sum) - (static_cast<double>((*logits)[static_cast<size_t>(target)]) - m);
+  };
+  for (int32_t a : {3, 57, 99}) {
+    const int32_t c = (a * 17 + 5) % o.model.vocab, b = (a * 31 + 7) % o.model.vocab;
+    // Positions 0 (c → a) and 1 (a → b, read at row 1 of the padded logits).
+    const double expected = (loss_of({c}, a) + loss_of({c, a}, b)) / 2;
+    TokenSplit split{.source = "test",
+                     .tokens = std::make_shared<const std::vector<uint16_t>>(std::vector<uint16_t>{
+                         static_cast<uint16_t>(c), static_cast<uint16_t>(a), static_cast<uint16_t>(b)})};
+    auto loader = DataLoader::create(split, 1, 2, LoaderMode::Sequential);
+    ASSERT_TRUE(loader.ok()) << loader.status().to_string();
+    auto eval = (*t)->evaluate(*loader, 1);
+    ASSERT_TRUE(eval.ok()) << eval.status().to_string();
+    EXPECT_NEAR(*eval, expected, 1e-5) << c << " " << a << " " << b;
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(Sampler, PickToken) {
   std::vector<float> logits = {0.0f, 3.0f, 1.0f, 3.0f};
   EXPECT_EQ(pick_token(logits, 0, 0.5), 1);  // ties: the lowest index
