@@ -111,8 +111,7 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
       b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), N, V, static_cast<int>(a.ld == 0 ? a.V : a.ld), a.scale);
       return Status::ok();
-    case OpKind::SquaredNorm:
-    {
+    case OpKind::SquaredNorm: {
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 2, 2));
       // One element of out_sq per segment of attrs.block elements (one when 0).
       const size_t elem = dtype_size(program.tensors.info(op.operands[1].tensor).dtype);
