@@ -177,6 +177,34 @@ TEST(BenchTrainCli, ReportsThroughput) {
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
 }
 
+TEST(BenchTrainCli, ProfileSplitsOneStep) {
+  CliRun r = run("bench train --steps 2 --profile " + kSmall);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* needle : {"time split", "sum of ops", "slowest", "host issue"})
+    EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
+  // The four shares of the split add up to the whole.
+  double total = 0;
+  for (const char* part : {"matmul", "attention", "other kernels", "optimizer"}) {
+    const size_t at = r.output.find("\n  " + std::string(part));
+    ASSERT_NE(at, std::string::npos) << part << " not in: " << r.output;
+    const size_t line_end = r.output.find('\n', at + 1);
+    const std::string line = r.output.substr(at + 1, line_end - at - 1);
+    const size_t pct = line.rfind('%');
+    ASSERT_NE(pct, std::string::npos) << line;
+    const size_t start = line.find_last_of(' ', pct) + 1;
+    total += std::stod(line.substr(start, pct - start));
+  }
+  EXPECT_NEAR(total, 100.0, 0.5) << r.output;
+}
+
+TEST(PlanCli, TilesTheVocabularyWhenTheBudgetCallsForIt) {
+  CliRun r = run("plan --model gpt2-124m --machine cpu --batch 1 --context 128 --device-budget 100MiB");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("vocab tiles of 8192 rows"), std::string::npos) << r.output;
+  expect_rejected("plan --model gpt2-124m --machine cpu --batch 1 --context 128 --device-budget 60MiB",
+                  {"minimum", "lm_head.backward#0", "--device-budget"});
+}
+
 TEST(PlanCli, ReportsPlacementPeaksLinksAndPredictedStep) {
   for (const char* command : {"plan", "simulate"}) {
     CliRun r = run(std::string(command) + " --model tiny --machine cpu --batch 4 --device-budget 8MiB --policy planned");
