@@ -13,6 +13,7 @@
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
+#include "core/random.h"
 #include "core/size.h"
 #include "train/trainer.h"
 
@@ -57,12 +58,6 @@ void print_profile(const Program& program, const StepProfile& profile, double st
                 program.ops[static_cast<size_t>(t.op)].name.c_str());
 }
 
-uint64_t splitmix64_next(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 Status run_bench(const BenchTrainFlags& f) {
   if (f.steps < 2) return Status::invalid_argument("--steps must be at least 2 (the first step warms up), got " +

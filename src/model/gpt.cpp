@@ -3,6 +3,8 @@
 #include <cmath>
 #include <utility>
 
+#include "core/random.h"
+
 namespace spillway {
 
 // ---------------------------------------------------------------- configuration
@@ -103,14 +105,6 @@ std::vector<ParamSpec> parameter_specs(const GPTConfig& cfg) {
 
 namespace {
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-
-uint64_t splitmix64_mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 uint64_t fnv1a64(std::string_view s) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : s) {
@@ -120,21 +114,18 @@ uint64_t fnv1a64(std::string_view s) {
   return h;
 }
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
 
 }  // namespace
 
 std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed) {
   const size_t n = static_cast<size_t>(param.shape.numel());
   bool layernorm = param.name.find(".ln_") != std::string::npos;
-  if (ends_with(param.name, ".bias")) return std::vector<float>(n, 0.0f);
+  if (std::string_view(param.name).ends_with(".bias")) return std::vector<float>(n, 0.0f);
   if (layernorm) return std::vector<float>(n, 1.0f);
   double std_dev = 0.02;
-  if (ends_with(param.name, "c_proj.weight")) std_dev = 0.02 / std::sqrt(2.0 * cfg.layers);
+  if (std::string_view(param.name).ends_with("c_proj.weight")) std_dev = 0.02 / std::sqrt(2.0 * cfg.layers);
   const uint64_t key = splitmix64_mix(seed ^ fnv1a64(param.name));
-  auto bits = [key](uint64_t c) { return splitmix64_mix(key + (c + 1) * kGolden); };
+  auto bits = [key](uint64_t c) { return splitmix64_mix(key + (c + 1) * kSplitMixGolden); };
   const double two_pi = 6.283185307179586476925286766559;
   const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
   std::vector<float> out(n);

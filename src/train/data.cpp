@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/random.h"
+
 namespace spillway {
 
 static_assert(std::endian::native == std::endian::little, "token files are read on a little-endian host");
@@ -27,18 +29,6 @@ std::string byte_decode(const int32_t* tokens, size_t n) {
 }
 
 namespace {
-
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-
-uint64_t splitmix64_mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
 
 bool file_exists(const std::string& path) {
   struct stat st {};
@@ -109,7 +99,7 @@ Result<std::vector<uint16_t>> parse_token_file(const std::string& path, const st
 Result<std::vector<uint16_t>> load_tokens(const std::string& path, const std::string& what, bool* text) {
   SPILLWAY_ASSIGN_OR_RETURN(std::string bytes, read_file(path, what));
   if (bytes.empty()) return Status::invalid_argument(what + " " + path + ": file is empty");
-  if (has_token_magic(bytes) || ends_with(path, ".bin")) {
+  if (has_token_magic(bytes) || std::string_view(path).ends_with(".bin")) {
     *text = false;
     return parse_token_file(path, bytes);
   }
@@ -177,7 +167,7 @@ Result<Dataset> load_dataset(const std::string& path, int vocab, const std::stri
   SPILLWAY_RETURN_IF_ERROR(check_vocab(path, tokens, vocab, d.text));
 
   std::string val_file = val_path;
-  if (val_file.empty() && !d.text && ends_with(path, "_train.bin")) {
+  if (val_file.empty() && !d.text && std::string_view(path).ends_with("_train.bin")) {
     std::string sibling = path.substr(0, path.size() - std::string_view("_train.bin").size()) + "_val.bin";
     if (file_exists(sibling)) val_file = sibling;
   }
@@ -219,7 +209,7 @@ int64_t DataLoader::row_start(int64_t batch, int row) const {
   const uint64_t n = tokens_->size();
   const uint64_t window = static_cast<uint64_t>(batch) * static_cast<uint64_t>(B_) + static_cast<uint64_t>(row);
   if (mode_ == LoaderMode::Random) {
-    uint64_t r = splitmix64_mix(key_ + (window + 1) * kGolden);
+    uint64_t r = splitmix64_mix(key_ + (window + 1) * kSplitMixGolden);
     unsigned __int128 scaled = static_cast<unsigned __int128>(r) * (n - static_cast<uint64_t>(T_));
     return static_cast<int64_t>(scaled >> 64);
   }

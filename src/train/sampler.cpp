@@ -3,21 +3,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/random.h"
 #include "model/safetensors.h"
 #include "train/trainer.h"
 
 namespace spillway {
-
-namespace {
-
-uint64_t splitmix64_next(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 int32_t pick_token(const std::vector<float>& logits, float temperature, double u) {
   if (logits.empty()) return 0;
