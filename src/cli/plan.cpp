@@ -61,14 +61,13 @@ int run_plan(const PlanFlags& f) {
   auto options = resolve_planner_options(f.policy, f.prefetch, f.order);
   if (!options.ok()) return fail(options.status());
   options->alignment = alignment;
-  StepShape shape{f.batch, T, f.accum};
-  auto program = build_training_program(*cfg, shape, act);
+  bool tiled = false;
+  auto program = build_for_budget(
+      [&](bool tile_vocab) {
+        return build_training_program(*cfg, {.B = f.batch, .T = T, .accum = f.accum, .tile_vocab = tile_vocab}, act);
+      },
+      budgets.device, alignment, &tiled);
   if (!program.ok()) return fail(program.status());
-  if (vocab_tiles_for_budget(*program, budgets.device, alignment)) {
-    shape.tile_vocab = true;
-    program = build_training_program(*cfg, shape, act);
-    if (!program.ok()) return fail(program.status());
-  }
   auto plan = make_plan(*program, machine, budgets, *options);
   if (!plan.ok()) return fail(plan.status());
   Program placed = *program;
@@ -80,7 +79,7 @@ int run_plan(const PlanFlags& f) {
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
             << (budgets.storage ? format_size(budgets.storage) : "none") << "\n"
-            << (shape.tile_vocab ? "the embedding and LM head run in vocab tiles of " + std::to_string(kVocabBlock) +
+            << (tiled ? "the embedding and LM head run in vocab tiles of " + std::to_string(kVocabBlock) +
                                        " rows (the untiled ops do not fit half the budget)\n"
                                  : "")
             << "\n"

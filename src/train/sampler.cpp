@@ -34,11 +34,13 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
   SPILLWAY_RETURN_IF_ERROR(cfg.validate());
   std::unique_ptr<Sampler> s(new Sampler(backend, cfg));
   s->window_ = options.window > 0 ? std::min(options.window, cfg.context) : cfg.context;
-  SPILLWAY_ASSIGN_OR_RETURN(s->program_, build_forward_program(cfg, 1, s->window_, backend.activation_dtype(), false));
-  if (vocab_tiles_for_budget(s->program_, options.budgets.device, backend.alignment())) {
-    SPILLWAY_ASSIGN_OR_RETURN(s->program_,
-                              build_forward_program(cfg, 1, s->window_, backend.activation_dtype(), false, true));
-  }
+  SPILLWAY_ASSIGN_OR_RETURN(s->program_, build_for_budget(
+                                             [&](bool tile_vocab) {
+                                               return build_forward_program(cfg, 1, s->window_,
+                                                                            backend.activation_dtype(), false,
+                                                                            tile_vocab);
+                                             },
+                                             options.budgets.device, backend.alignment()));
   PlannerOptions planner = options.planner;
   planner.alignment = backend.alignment();
   SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend), options.budgets, planner));

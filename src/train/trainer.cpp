@@ -114,13 +114,17 @@ Status Trainer::setup() {
     return Status::invalid_argument("context " + std::to_string(shape.T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
   options_.planner.alignment = backend_.alignment();
-  SPILLWAY_ASSIGN_OR_RETURN(program_, build_training_program(cfg, shape, backend_.activation_dtype(),
-                                                             options_.max_grad_norm, options_.weight_decay));
-  if (!shape.tile_vocab && vocab_tiles_for_budget(program_, options_.budgets.device, backend_.alignment())) {
-    options_.shape.tile_vocab = true;
-    SPILLWAY_ASSIGN_OR_RETURN(program_, build_training_program(cfg, options_.shape, backend_.activation_dtype(),
-                                                               options_.max_grad_norm, options_.weight_decay));
-  }
+  bool tiled = false;
+  SPILLWAY_ASSIGN_OR_RETURN(program_, build_for_budget(
+                                          [&](bool tile_vocab) {
+                                            StepShape s = shape;
+                                            s.tile_vocab = s.tile_vocab || tile_vocab;
+                                            return build_training_program(cfg, s, backend_.activation_dtype(),
+                                                                          options_.max_grad_norm,
+                                                                          options_.weight_decay);
+                                          },
+                                          options_.budgets.device, backend_.alignment(), &tiled));
+  options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
   auto plan = make_plan(program_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
@@ -183,8 +187,13 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
   return Status::ok();
 }
 
-bool vocab_tiles_for_budget(const Program& untiled, uint64_t device_budget, size_t alignment) {
-  return minimum_device_budget(untiled, alignment) > device_budget / 2;
+Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
+                                 uint64_t device_budget, size_t alignment, bool* tiled) {
+  if (tiled) *tiled = false;
+  SPILLWAY_ASSIGN_OR_RETURN(Program untiled, build(false));
+  if (minimum_device_budget(untiled, alignment) <= device_budget / 2) return untiled;
+  if (tiled) *tiled = true;
+  return build(true);
 }
 
 Status Trainer::zero_moments(const ParamSpec& p) {

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -106,10 +107,12 @@ Result<std::vector<float>> read_named_floats(Executor& executor, const Program& 
 Status write_named_floats(Executor& executor, const Program& program, const std::string& name,
                           const std::vector<float>& values);
 
-// Whether a GPT program for a device budget is built in vocab tiles (StepShape::
-// tile_vocab): when the untiled program's largest op (planner minimum_device_budget)
-// takes more than half the budget. Tiled or not, the losses are the same bits.
-bool vocab_tiles_for_budget(const Program& untiled, uint64_t device_budget, size_t alignment);
+// A GPT program for a device budget: build(false), or when that program's largest op
+// (planner minimum_device_budget) takes more than half the budget, build(true) — the
+// same step in vocab tiles (StepShape::tile_vocab). Tiled or not, the losses are the
+// same bits. *tiled (if given) says which was built.
+Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
+                                 uint64_t device_budget, size_t alignment, bool* tiled = nullptr);
 
 class Trainer {
  public:

@@ -406,7 +406,9 @@ TEST(Sampler, LogitsOfAPaddedVocabularyAgreeWithTheLoss) {
   ASSERT_TRUE(t.ok());
   ASSERT_TRUE((*t)->init_parameters().is_ok());
   ASSERT_TRUE((*t)->save(path).is_ok());
-  auto s = Sampler::create(*backend, o.model, {.window = 2});
+  SamplerOptions two_tokens;
+  two_tokens.window = 2;
+  auto s = Sampler::create(*backend, o.model, two_tokens);
   ASSERT_TRUE(s.ok()) << s.status().to_string();
   ASSERT_TRUE((*s)->load(path).is_ok());
   // -log softmax(logits of the prompt's last position)[target]
