@@ -122,14 +122,10 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
       return Status::ok();
     }
     case OpKind::ClipScale: {
-      // (scale_norm W, sq_0 R, ..., sq_{P-1} R) or (scale_norm W, sq[P] R)
-      if (x.size() < 2) return check_count(op, x, 2, 2);
-      if (x.size() == 2) {
-        b.clip_scale(f32w(x[0]), f32(x[1]), static_cast<int>(a.P), a.scale);
-        return Status::ok();
-      }
-      return Status::internal("op " + op.name + ": ClipScale with one operand per parameter runs through "
-                              "run_clip_scale_gathered (executor)");
+      // (scale_norm W, sq[P] R)
+      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 2, 2));
+      b.clip_scale(f32w(x[0]), f32(x[1]), static_cast<int>(a.P), a.scale);
+      return Status::ok();
     }
     case OpKind::AdamW: {
       SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 6, 6));

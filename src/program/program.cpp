@@ -42,7 +42,7 @@ struct Slot {
 };
 
 // The operand slots of each kind, in order, as documented in program.h.
-// `optional` trailing slots may be left off (matmul biases); ClipScale is variadic.
+// `optional` trailing slots may be left off (matmul biases).
 struct KindSpec {
   std::vector<Slot> slots;
   size_t optional = 0;
@@ -108,8 +108,7 @@ const KindSpec& kind_spec(OpKind k) {
                                 {"logits", A::Update, Elem::Act},
                                 {"targets", A::Read, Elem::I32}}};
   static const KindSpec sqnorm{{{"out_sq", A::Write, Elem::F32}, {"grad", A::Read, Elem::Act}}};
-  // Variadic: (scale_norm W, sq_0 R, ..., sq_{P-1} R); the checks below expand it.
-  static const KindSpec clip{{{"scale_norm", A::Write, Elem::F32}}};
+  static const KindSpec clip{{{"scale_norm", A::Write, Elem::F32}, {"squared_norms", A::Read, Elem::F32}}};
   static const KindSpec adamw{{{"param", A::Write, Elem::Act},
                                {"master", A::Update, Elem::F32},
                                {"m", A::Update, Elem::F32},
@@ -163,18 +162,8 @@ class OpChecker {
     const KindSpec& spec = kind_spec(op_.kind);
     std::vector<Slot> slots = spec.slots;
     size_t min_count = slots.size() - spec.optional;
-    if (op_.kind == OpKind::ClipScale) {
-      if (op_.attrs.P < 1) return fail("attrs.P is " + std::to_string(op_.attrs.P) + "; need at least 1");
-      if (packed_clip()) {
-        slots.push_back({"squared_norms", Access::Read, Elem::F32});
-      } else {
-        if (static_cast<uint64_t>(op_.attrs.P) + 1 != op_.operands.size())
-          return fail("has " + std::to_string(op_.operands.size()) + " operands; ClipScale takes 2 or P+1 = " +
-                      std::to_string(op_.attrs.P + 1));
-        for (int64_t i = 0; i < op_.attrs.P; ++i) slots.push_back({"sq", Access::Read, Elem::F32});
-      }
-      min_count = slots.size();
-    }
+    if (op_.kind == OpKind::ClipScale && op_.attrs.P < 1)
+      return fail("attrs.P is " + std::to_string(op_.attrs.P) + "; need at least 1");
     // The packed form: SquaredNorm updates element attrs.index of a P-element tensor.
     if (op_.kind == OpKind::SquaredNorm && !op_.operands.empty() && op_.operands[0].access == Access::Update)
       slots[0].access = Access::Update;
@@ -213,16 +202,12 @@ class OpChecker {
   }
 
  private:
-  // ClipScale (scale_norm W, squared_norms[P] R) rather than one operand per norm.
-  bool packed_clip() const { return op_.operands.size() == 2 && op_.attrs.P > 1; }
-
   std::string op_text() const {
     return "op " + std::to_string(index_) + " '" + op_.name + "' (" + op_kind_name(op_.kind) + ")";
   }
   Status fail(const std::string& what) const { return Status::invalid_argument(op_text() + ": " + what); }
   Status fail_operand(size_t i, const std::string& what) const {
     std::string slot = i < slots_.size() ? slots_[i].name : "extra";
-    if (op_.kind == OpKind::ClipScale && i > 0 && !packed_clip()) slot = "sq_" + std::to_string(i - 1);
     std::string tensor;
     TensorId id = op_.operands[i].tensor;
     if (id >= 0 && static_cast<size_t>(id) < p_.tensors.size()) tensor = " '" + p_.tensors.info(id).name + "'";
@@ -355,9 +340,7 @@ class OpChecker {
       }
       case OpKind::ClipScale:
         SPILLWAY_RETURN_IF_ERROR(numel_is(0, 2, "2 (scale, norm)"));
-        if (packed_clip()) return numel_is(1, a.P, "P");
-        for (size_t i = 1; i < op_.operands.size(); ++i) SPILLWAY_RETURN_IF_ERROR(numel_is(i, 1, "1"));
-        return Status::ok();
+        return numel_is(1, a.P, "P");
       case OpKind::AdamW:
         SPILLWAY_RETURN_IF_ERROR(positive({{"n", a.n}}));
         if (a.index < 0) return fail("attrs.index is " + std::to_string(a.index) + "; must be >= 0");

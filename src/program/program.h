@@ -54,8 +54,6 @@ enum class OpKind : uint8_t {
                          //   with attrs.block > 0, one element per segment of `block` elements
                          //   (index, index+1, ...), so a tiled gradient gives the same norms
   ClipScale,             // (scale_norm W, squared_norms[P] R)                   attrs P, scale=max_norm
-                         //   or gathered: (scale_norm W, sq_0 R, ..., sq_{P-1} R), each sq_i
-                         //   the 1-element F32 output of one SquaredNorm, read in operand order
   AdamW,                 // (param W, master U, m U, v U, grad R, scale_norm R)  attrs n, index=param#, scale=weight_decay
 };
 const char* op_kind_name(OpKind k);

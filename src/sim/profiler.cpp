@@ -71,8 +71,7 @@ std::string shape_key(const Program& program, const Op& op) {
 }
 
 bool has_standalone_form(const Op& op) {
-  if (op.place == Place::Host) return op.kind == OpKind::AdamW;
-  return !(op.kind == OpKind::ClipScale && op.operands.size() > 2);
+  return op.place != Place::Host || op.kind == OpKind::AdamW;
 }
 
 Result<double> time_op(Backend& backend, const Program& program, const Op& op, int repeats) {

@@ -14,9 +14,8 @@
 // performance does not depend on the values), then frees them, so it works for
 // models larger than device memory as long as each single op fits. Ops of the same
 // kind, place, attributes and operand sizes share one measurement. Host ops (host
-// AdamW) run on host buffers. An op with no stand-alone form (a ClipScale gathering
-// one operand per parameter) gets 0, which Machine::op_seconds replaces by its
-// derived time.
+// AdamW) run on host buffers. An op with no stand-alone form (a host op other than
+// AdamW) gets 0, which Machine::op_seconds replaces by its derived time.
 #pragma once
 
 #include <vector>
