@@ -60,7 +60,7 @@ class Scheduler {
         host_(budgets.host == UINT64_MAX ? (uint64_t{1} << 52) : budgets.host / 4096 * 4096, 4096) {
     const size_t n = p_.tensors.size();
     uses_.resize(n);
-    producer_.assign(n, -1);
+    writers_.resize(n);
     overwrites_.resize(n);
     for (size_t i = 0; i < p_.ops.size(); ++i) {
       for (const Operand& o : p_.ops[i].operands) {
@@ -70,8 +70,7 @@ class Scheduler {
           overwrites_[o.tensor].push_back(true);
         }
         if (o.access != Access::Write) overwrites_[o.tensor].back() = false;
-        if (o.access == Access::Write && p_.ops[i].phase == Phase::Forward && producer_[o.tensor] < 0)
-          producer_[o.tensor] = static_cast<int>(i);
+        if (o.access != Access::Read) writers_[o.tensor].push_back(static_cast<int>(i));
       }
     }
     st_.resize(n);
@@ -140,7 +139,8 @@ class Scheduler {
     uint64_t host_offset = 0;    // of the host buffer in the host arena
     bool host_valid = false;
     bool storage_valid = false;
-    bool recompute_pending = false;  // released; its producer re-runs before the next use
+    bool recompute_pending = false;  // released; recompute_op re-runs before the next use
+    int recompute_op = -1;           // the op that wrote the value that was released
     int last_touch = -1;
   };
 
@@ -280,9 +280,10 @@ class Scheduler {
       emit(InstrKind::Release, t);
     } else if (s.host_valid || s.storage_valid) {
       emit(InstrKind::Evict, t, 0, /*write_back=*/false);
-    } else if (c_.recompute && can_recompute(t, now)) {
+    } else if (int prod = c_.recompute ? recompute_source(t, now) : -1; prod >= 0) {
       emit(InstrKind::Release, t);
       s.recompute_pending = true;
+      s.recompute_op = prod;
     } else {
       SPILLWAY_RETURN_IF_ERROR(ensure_host_buffer(t, now));
       emit(InstrKind::Evict, t, 0, /*write_back=*/true);
@@ -294,28 +295,47 @@ class Scheduler {
     return Status::ok();
   }
 
-  // Capuchin's choice for one activation: drop it and re-run its producer before
-  // the next use, when that costs less time than writing it out and reading it back.
-  bool can_recompute(TensorId t, int now) const {
+  // The last op at or before `at` that writes t (Write or Update), or -1.
+  int last_writer(TensorId t, int at) const {
+    const auto& w = writers_[t];
+    auto it = std::upper_bound(w.begin(), w.end(), at);
+    return it == w.begin() ? -1 : *(it - 1);
+  }
+  // Whether some op in (after, before) writes t.
+  bool written_between(TensorId t, int after, int before) const {
+    return last_writer(t, before - 1) > after;
+  }
+
+  // Capuchin's choice for one activation being evicted after op `now`: drop it and
+  // re-run the op that wrote its current value right before the next use, when that
+  // costs less time than writing it out and reading it back. Returns that op, or -1.
+  // The re-run must reproduce the value exactly (Plan::validate checks the same
+  // rule with value versions): the op wrote all of t (Write, not Update: tiled
+  // logits, written by one LM-head tile and added to by the others, then turned into
+  // gradients in place, never qualify), it updates nothing in place, nothing writes
+  // any of its outputs or inputs between its run and the next use, and its inputs
+  // are still held then.
+  int recompute_source(TensorId t, int now) const {
     Role r = p_.tensors.info(t).role;
-    if (r != Role::Activation) return false;
-    int prod = producer_[t];
-    if (prod < 0 || prod > now) return false;
+    if (r != Role::Activation) return -1;
     int use = next_use(t, now);
-    if (use == kNever) return false;
+    if (use == kNever) return -1;
+    int prod = last_writer(t, now);
+    if (prod < 0) return -1;
     const Op& op = p_.ops[prod];
+    if (op.phase != Phase::Forward) return -1;
     for (const Operand& o : op.operands) {
+      if (o.access == Access::Update) return -1;  // a re-run would apply the update twice
+      if (o.tensor == t && o.access != Access::Write) return -1;
+      if (written_between(o.tensor, prod, use)) return -1;
       if (o.access == Access::Write) {
-        if (persistent(o.tensor)) return false;
+        if (persistent(o.tensor)) return -1;
         continue;
       }
       if (persistent(o.tensor)) continue;
-      // The producer's input must still hold the same value at `use`: nothing writes
-      // it in between, and it is needed again at or after `use` (so it is kept).
-      if (next_use(o.tensor, use - 1) == kNever || st_[o.tensor].recompute_pending) return false;
-      for (int j = prod + 1; j < use; ++j)
-        for (const Operand& q : p_.ops[j].operands)
-          if (q.tensor == o.tensor && q.access != Access::Read) return false;
+      // A transient input must still hold its value at `use`: needed again at or after
+      // `use` (so it is kept), and not itself waiting to be recomputed.
+      if (next_use(o.tensor, use - 1) == kNever || st_[o.tensor].recompute_pending) return -1;
     }
     // The producer re-runs right before the consumer: both working sets must fit at once.
     std::set<TensorId> together;
@@ -323,9 +343,9 @@ class Scheduler {
     for (const Op* q : {&op, &p_.ops[use]})
       for (const Operand& o : q->operands)
         if (together.insert(o.tensor).second && !pinned_home(o.tensor)) working += device_bytes(o.tensor);
-    if (working > device_.capacity() - c_.pinned_end) return false;
+    if (working > device_.capacity() - c_.pinned_end) return -1;
     double swap_s = machine_.copy_seconds(bytes(t), false) + machine_.copy_seconds(bytes(t), true);
-    return machine_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s;
+    return machine_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s ? prod : -1;
   }
 
   TensorId choose_victim(int now, int need_before) {
@@ -379,7 +399,7 @@ class Scheduler {
   }
 
   Status recompute(TensorId t, int now) {
-    int prod = producer_[t];
+    int prod = st_[t].recompute_op;
     const Op& op = p_.ops[prod];
     std::vector<TensorId> added;
     for (const Operand& o : op.operands) {
@@ -632,7 +652,7 @@ class Scheduler {
   RangeAllocator host_;  // host buffers: static offsets in the executor's host arena
   std::vector<std::vector<int>> uses_;  // [tensors] op indices that touch it, ascending
   std::vector<std::vector<bool>> overwrites_;  // [tensors][uses] that op only writes it
-  std::vector<int> producer_;           // [tensors] forward op that writes it, or -1
+  std::vector<std::vector<int>> writers_;  // [tensors] op indices that write it (Write or Update), ascending
   std::vector<State> st_;               // [tensors]
   std::vector<bool> storage_extent_ = std::vector<bool>(p_.tensors.size(), false);
   std::set<TensorId> locked_;

@@ -1,0 +1,153 @@
+// Recomputation safety: the planner drops an activation and re-runs its producer only
+// when the re-run reproduces the value the dropped copy held — the producer wrote the
+// whole tensor, nothing has written it since, and the producer's inputs still hold the
+// values it read. Tiled logits are the case that needs it: the first LM-head tile
+// writes them, the other tiles add their columns, and the cross-entropy turns them
+// into gradients in place.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+#include "backend/backend.h"
+#include "exec/executor.h"
+#include "support/test_support.h"
+#include "support/train_support.h"
+
+using namespace spillway;
+
+namespace {
+
+// Copies that cost more than any op: the planner recomputes wherever it may.
+Machine slow_link() {
+  Machine m = Machine::cpu_dev_box();
+  m.h2d_bytes_per_s = 1e6;
+  m.d2h_bytes_per_s = 1e6;
+  return m;
+}
+
+// A hand-built step whose logits have two writers, as tiled logits do:
+//   logits[:, :OC] = a·w0ᵀ (Write); logits[:, OC:] = a·w1ᵀ (Update);
+//   two large scratch ops that need the room the logits hold; losses = CE(logits).
+// Under a budget that holds the scratch but not the logits beside it, the logits are
+// evicted after their second writer, and re-running only the first tile would lose
+// the second tile's columns.
+constexpr int64_t kN = 64, kC = 64, kOC = 64, kBig = 64 * 1024;
+Program two_writer_program() {
+  Program p;
+  auto& t = p.tensors;
+  TensorId a = t.add({"a", DType::F32, {kN, kC}, Role::Input});
+  TensorId targets = t.add({"targets", DType::I32, {kN}, Role::Input});
+  TensorId w0 = t.add({"w0", DType::F32, {kOC, kC}, Role::Param});
+  TensorId w1 = t.add({"w1", DType::F32, {kOC, kC}, Role::Param});
+  TensorId logits = t.add({"logits", DType::F32, {kN, 2 * kOC}, Role::Activation});
+  TensorId big0 = t.add({"big0", DType::F32, {kBig}, Role::Activation});
+  TensorId big1 = t.add({"big1", DType::F32, {kBig}, Role::Activation});
+  TensorId losses = t.add({"losses", DType::F32, {kN}, Role::Activation});
+  p.inputs = {a, targets};
+  p.outputs = {losses};
+  auto op = [&](OpKind kind, const std::string& name, std::vector<Operand> operands, OpAttrs attrs) {
+    p.add_op({.kind = kind, .name = name, .operands = std::move(operands), .attrs = attrs,
+              .phase = Phase::Forward, .micro_batch = 0});
+  };
+  op(OpKind::MatmulForward, "head#0", {{logits, Access::Write}, {a, Access::Read}, {w0, Access::Read}},
+     {.C = kC, .OC = kOC, .N = kN, .ld = 2 * kOC, .begin = 0});
+  op(OpKind::MatmulForward, "head#1", {{logits, Access::Update}, {a, Access::Read}, {w1, Access::Read}},
+     {.C = kC, .OC = kOC, .N = kN, .ld = 2 * kOC, .begin = kOC});
+  op(OpKind::Zero, "scratch.zero", {{big0, Access::Write}}, {.n = kBig});
+  op(OpKind::GeluForward, "scratch.gelu", {{big1, Access::Write}, {big0, Access::Read}}, {.n = kBig});
+  op(OpKind::CrossEntropyForward, "crossentropy", {{losses, Access::Write}, {logits, Access::Read}, {targets, Access::Read}},
+     {.N = kN, .V = 2 * kOC});
+  return p;
+}
+
+// Runs one step of `program` under `plan` on the CPU backend with fixed inputs and
+// weights; returns the losses.
+Result<std::vector<float>> run_two_writer(const Program& program, const Plan& plan) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto backend, make_backend("cpu", {.threads = 2}));
+  SPILLWAY_ASSIGN_OR_RETURN(auto ex, Executor::create(*backend, program, plan, {}));
+  auto floats = [&](const char* name, uint32_t seed) -> Status {
+    TensorId t = program.tensors.find(name);
+    std::vector<float> v = testing_support::random_floats(program.tensors.info(t).shape.numel(), seed);
+    return ex->write_tensor(t, v.data(), v.size() * 4);
+  };
+  SPILLWAY_RETURN_IF_ERROR(floats("a", 1));
+  SPILLWAY_RETURN_IF_ERROR(floats("w0", 2));
+  SPILLWAY_RETURN_IF_ERROR(floats("w1", 3));
+  std::vector<int32_t> targets = testing_support::random_ints(kN, 4, static_cast<int32_t>(2 * kOC));
+  SPILLWAY_RETURN_IF_ERROR(ex->write_tensor(program.tensors.find("targets"), targets.data(), targets.size() * 4));
+  SPILLWAY_RETURN_IF_ERROR(ex->run_step({.step = 1, .lr = 0}));
+  std::vector<float> losses(kN);
+  SPILLWAY_RETURN_IF_ERROR(ex->read_tensor(program.tensors.find("losses"), losses.data(), losses.size() * 4));
+  return losses;
+}
+
+// For each recompute in the plan, whether it overwrites a tensor that an op other than
+// the recomputed one wrote last (a value the re-run does not reproduce). Returns the
+// first such "op -> tensor (last written by op)" or "".
+std::string first_unsafe_recompute(const Program& program, const Plan& plan) {
+  std::vector<int> last_writer(program.tensors.size(), -1);
+  for (const Instruction& in : plan.instructions) {
+    if (in.kind != InstrKind::Run) continue;
+    const Op& op = program.ops[in.op];
+    for (const Operand& o : op.operands) {
+      if (o.access == Access::Read) continue;
+      if (in.recompute && last_writer[o.tensor] != in.op)
+        return op.name + " -> " + program.tensors.info(o.tensor).name + " (last written by " +
+               (last_writer[o.tensor] < 0 ? std::string("no op") : program.ops[last_writer[o.tensor]].name) + ")";
+      if (!in.recompute) last_writer[o.tensor] = in.op;
+    }
+  }
+  return "";
+}
+
+// Whether the plan drops a live value of `t` from the device (Evict or Release between
+// a write and a later read) after a second op has written it.
+bool evicts_after_second_writer(const Program& program, const Plan& plan, TensorId t) {
+  int writers = 0;
+  bool dropped = false;
+  for (const Instruction& in : plan.instructions) {
+    if (in.kind == InstrKind::Run) {
+      for (const Operand& o : program.ops[in.op].operands) {
+        if (o.tensor != t) continue;
+        if (dropped) return true;  // used again after it was dropped: the value was live
+        if (o.access != Access::Read && !in.recompute) writers++;
+      }
+    } else if ((in.kind == InstrKind::Evict || in.kind == InstrKind::Release) && in.tensor == t && writers >= 2) {
+      dropped = true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST(Recompute, ATensorWrittenTwiceIsNeverRecomputedFromItsFirstWriter) {
+  const Program program = two_writer_program();
+  ASSERT_TRUE(program.validate().is_ok()) << program.validate().to_string();
+  const TensorId logits = program.tensors.find("logits");
+  auto resident = make_plan(program, slow_link(), {}, {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  auto ref = run_two_writer(program, *resident);
+  ASSERT_TRUE(ref.ok()) << ref.status().to_string();
+  const uint64_t minimum = minimum_device_budget(program, 64);
+  int forced = 0;
+  for (uint64_t budget = minimum; budget <= resident->device_bytes; budget += 4096) {
+    const std::string what = "device budget " + std::to_string(budget);
+    auto plan = make_plan(program, slow_link(), {.device = budget}, {.policy = Policy::Planned, .recompute = 1, .alignment = 64});
+    if (!plan.ok()) {  // too tight for this program
+      EXPECT_EQ(plan.status().code(), StatusCode::OutOfMemory) << what << ": " << plan.status().to_string();
+      continue;
+    }
+    EXPECT_EQ(first_unsafe_recompute(program, *plan), "") << what;
+    if (!evicts_after_second_writer(program, *plan, logits)) continue;
+    ++forced;
+    auto losses = run_two_writer(program, *plan);
+    ASSERT_TRUE(losses.ok()) << what << ": " << losses.status().to_string();
+    testing_support::expect_same_losses(*losses, *ref, what);
+  }
+  EXPECT_GT(forced, 0) << "no budget made the plan evict the logits after their second writer";
+}
+
