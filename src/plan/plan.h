@@ -85,8 +85,12 @@ struct Plan {
   uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)
   size_t alignment = 64;                    // device offsets are multiples of this
   // Checks the plan against the program: every op runs once per step (plus
-  // recomputes), operands resident where the op runs, no two live device regions
-  // overlap, peaks within the budgets, persistent tensors end where they started.
+  // recomputes), operands resident where the op runs, each recompute reproduces the
+  // value version it replaces (the op wrote the current version of everything it
+  // writes, and what it reads is at the versions it read then), no two live device
+  // regions or host buffers share a byte (sizes rounded as the executor's arenas
+  // round them), arenas and storage extents within the budgets, persistent tensors
+  // end where they started. Errors name the instruction, op, tensor and versions.
   Status validate(const Program& program, const Budgets& budgets) const;
 };
 

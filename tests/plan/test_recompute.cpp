@@ -151,3 +151,50 @@ TEST(Recompute, ATensorWrittenTwiceIsNeverRecomputedFromItsFirstWriter) {
   EXPECT_GT(forced, 0) << "no budget made the plan evict the logits after their second writer";
 }
 
+// Plan::validate models value versions: a recompute of the first writer after the
+// second one wrote the tensor is refused, naming the op, the tensor and the versions.
+TEST(Recompute, ValidateRefusesARecomputeOfATensorModifiedAfterItsProducer) {
+  const Program program = two_writer_program();
+  auto plan = make_plan(program, slow_link(), {}, {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_TRUE(plan->validate(program, {}).is_ok());
+  const TensorId logits = program.tensors.find("logits");
+  int head0 = -1, head1 = -1;
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    if (program.ops[i].name == "head#0") head0 = static_cast<int>(i);
+    if (program.ops[i].name == "head#1") head1 = static_cast<int>(i);
+  }
+  // Release the logits, allocate them again at their offset and re-run head#0.
+  std::vector<Instruction> rerun_after(3);
+  rerun_after[0].kind = InstrKind::Release;
+  rerun_after[0].tensor = logits;
+  rerun_after[1].kind = InstrKind::Allocate;
+  rerun_after[1].tensor = logits;
+  rerun_after[2].kind = InstrKind::Run;
+  rerun_after[2].op = head0;
+  rerun_after[2].recompute = true;
+  Plan bad = *plan;
+  uint64_t offset = 0;
+  for (const Instruction& in : bad.instructions)
+    if (in.kind == InstrKind::Allocate && in.tensor == logits) offset = in.offset;
+  rerun_after[1].offset = offset;
+  // After head#1: the re-run would lose head#1's columns.
+  for (size_t at = 0; at < bad.instructions.size(); ++at) {
+    if (bad.instructions[at].kind != InstrKind::Run || bad.instructions[at].op != head1) continue;
+    bad.instructions.insert(bad.instructions.begin() + static_cast<long>(at) + 1, rerun_after.begin(), rerun_after.end());
+    break;
+  }
+  Status s = bad.validate(program, {});
+  ASSERT_FALSE(s.is_ok()) << "a recompute that loses head#1's columns passed validation";
+  EXPECT_EQ(s.code(), StatusCode::Internal);
+  for (const char* part : {"recompute of op head#0", "logits", "version 2", "head#1", "version 1"})
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " not in: " << s.message();
+  // The same recompute right after head#0, before head#1 wrote the logits, is legal.
+  Plan good = *plan;
+  for (size_t at = 0; at < good.instructions.size(); ++at) {
+    if (good.instructions[at].kind != InstrKind::Run || good.instructions[at].op != head0) continue;
+    good.instructions.insert(good.instructions.begin() + static_cast<long>(at) + 1, rerun_after.begin(), rerun_after.end());
+    break;
+  }
+  EXPECT_TRUE(good.validate(program, {}).is_ok()) << good.validate(program, {}).to_string();
+}
