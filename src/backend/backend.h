@@ -67,6 +67,34 @@ class Backend {
   virtual Status download(void* host, const void* dev, size_t bytes) = 0;
   virtual void fill_zero(void* dev, size_t bytes) = 0;
   virtual void copy_device(void* dst, const void* src, size_t bytes) = 0;
+  // Device memory this process holds beyond the CUDA context: on CUDA, the device's
+  // used bytes (cudaMemGetInfo) now minus right after the context was created, before
+  // the backend allocated anything; on CPU, the bytes device_alloc holds.
+  virtual size_t device_used_bytes() const = 0;
+  // The most device_used_bytes() was, sampled after every device allocation, since
+  // the backend was created or since reset_device_peak().
+  virtual size_t device_peak_bytes() const = 0;
+  virtual void reset_device_peak() = 0;
+
+  // ---- workspace: device memory an op uses besides its operands ----
+  // (reduction partials, sort buffers, the cuBLASLt workspace.) The caller allocates
+  // it once, inside the device budget, and hands it over with set_workspace before
+  // running ops (the executor does this before every step); an op that needs more
+  // than it was given records an Internal error naming the op and both sizes, and no
+  // op allocates memory. Bytes each op needs with these arguments (0 = none):
+  virtual size_t embedding_backward_workspace(int B, int T) const = 0;
+  virtual size_t layernorm_backward_workspace(int N, int C) const = 0;
+  // One matmul_forward / matmul_backward call (dbias: a bias gradient is computed).
+  virtual size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const = 0;
+  virtual size_t attention_backward_workspace(int B, int T, int NH) const = 0;
+  virtual size_t squared_norm_workspace() const = 0;
+  // `bytes` of device memory at `base` (aligned to alignment()), used by every op until
+  // the next call; (nullptr, 0) takes it back.
+  virtual void set_workspace(void* base, size_t bytes) = 0;
+  // For callers that run ops directly (tests, benchmarks): the backend allocates
+  // `bytes` of workspace itself (freeing one it allocated before) and uses it; 0
+  // frees it. The backend frees it when it is destroyed.
+  virtual Status use_own_workspace(size_t bytes) = 0;
 
   // ---- ops (N = B*T rows) ----
   // out[B,T,C] = wte[tokens[b,t] - vocab_begin] + wpe[t] for the positions whose token

@@ -130,6 +130,17 @@ Status run_ops(Backend& b, const Options& o) {
   std::printf("backend %s: %s\nshape B=%d T=%d C=%d NH=%d V=%d (L=%d for the step estimate); %d rounds x %d reps, median\n\n",
               b.name().c_str(), b.description().c_str(), B, T, C, NH, V, L, o.rounds, o.reps);
   Bench bench(b, o);
+  // The ops run outside an executor: the backend holds the workspace the largest needs.
+  size_t workspace = std::max({b.matmul_workspace(static_cast<int>(N), std::max(V, 4 * C), true, true),
+                               b.attention_backward_workspace(B, T, NH),
+                               b.layernorm_backward_workspace(static_cast<int>(N), C),
+                               b.embedding_backward_workspace(B, T), b.squared_norm_workspace()});
+  if (workspace == SIZE_MAX) return Status::internal("the backend cannot size the workspace of the benchmarked ops");
+  SPILLWAY_RETURN_IF_ERROR(b.use_own_workspace(workspace));
+  struct Release {
+    Backend& b;
+    ~Release() { (void)b.use_own_workspace(0); }
+  } release{b};
   SPILLWAY_ASSIGN_OR_RETURN(int32_t* tok, bench.tokens(N));
   SPILLWAY_ASSIGN_OR_RETURN(void* x, bench.tensor(N * C));
   SPILLWAY_ASSIGN_OR_RETURN(void* y, bench.tensor(N * C));

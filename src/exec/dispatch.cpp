@@ -1,6 +1,7 @@
 #include "exec/dispatch.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "optim/adamw.h"
 
@@ -135,6 +136,57 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
     }
   }
   return Status::internal("op " + op.name + ": unknown kind");
+}
+
+Result<uint64_t> op_workspace_bytes(const Backend& b, const Program& program, const Op& op) {
+  const OpAttrs& a = op.attrs;
+  const int B = static_cast<int>(a.B), T = static_cast<int>(a.T), C = static_cast<int>(a.C);
+  const int N = static_cast<int>(a.N), NH = static_cast<int>(a.NH);
+  (void)program;
+  uint64_t need = 0;
+  switch (op.kind) {
+    case OpKind::EmbeddingBackward:
+      need = b.embedding_backward_workspace(B, T);
+      break;
+    case OpKind::LayerNormBackward:
+      need = b.layernorm_backward_workspace(N, C);
+      break;
+    case OpKind::MatmulForward:
+    case OpKind::MatmulBackward: {
+      // The blocks of run_matmul, each one backend call.
+      const bool backward = op.kind == OpKind::MatmulBackward;
+      const bool dbias = backward && op.operands.size() > 5;
+      const int64_t block = a.block == 0 ? a.OC : a.block;
+      for (int64_t o0 = 0; o0 < a.OC; o0 += block) {
+        const int oc = static_cast<int>(std::min(block, a.OC - o0));
+        need = std::max<uint64_t>(need, b.matmul_workspace(N, oc, backward, dbias));
+      }
+      break;
+    }
+    case OpKind::AttentionBackward:
+      need = b.attention_backward_workspace(B, T, NH);
+      break;
+    case OpKind::SquaredNorm:
+      need = b.squared_norm_workspace();
+      break;
+    default:
+      break;
+  }
+  if (need == SIZE_MAX)
+    return Status::internal("the " + b.name() + " backend cannot size the workspace of op " + op.name);
+  return need;
+}
+
+Result<WorkspaceNeed> program_workspace(const Backend& backend, const Program& program) {
+  WorkspaceNeed w;
+  for (const Op& op : program.ops) {
+    SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, op_workspace_bytes(backend, program, op));
+    if (bytes > w.bytes) {
+      w.bytes = bytes;
+      w.op = op.name;
+    }
+  }
+  return w;
 }
 
 Status run_host_op(const Op& op, const std::vector<void*>& x, DType param_dtype, const OptimizerStep& step) {

@@ -3,8 +3,12 @@
 //
 //   std::vector<void*> ptrs = {out_ptr, inp_ptr};           // GeluForward: (out, inp)
 //   SPILLWAY_RETURN_IF_ERROR(run_device_op(backend, program, op, ptrs, step));
+//   auto ws = program_workspace(backend, program);          // device workspace to reserve
+//   if (ws.ok()) planner_options.workspace_bytes = ws->bytes;
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -20,6 +24,18 @@ struct OptimizerStep {
 
 Status run_device_op(Backend& backend, const Program& program, const Op& op, const std::vector<void*>& ptrs,
                      const OptimizerStep& step);
+// Device workspace (Backend::set_workspace) that run_device_op needs for `op`: the
+// most over the backend calls it makes. Internal when the backend cannot size it.
+Result<uint64_t> op_workspace_bytes(const Backend& backend, const Program& program, const Op& op);
+
+// The workspace a whole program needs: the most over its ops (the workspace is
+// reused by every op), and the op that needs it.
+struct WorkspaceNeed {
+  uint64_t bytes = 0;
+  std::string op;  // name of the op that needs the most ("" when none needs any)
+};
+Result<WorkspaceNeed> program_workspace(const Backend& backend, const Program& program);
+
 // Host ops: AdamW (with param in `param_dtype`).
 Status run_host_op(const Op& op, const std::vector<void*>& ptrs, DType param_dtype, const OptimizerStep& step);
 

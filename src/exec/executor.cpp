@@ -39,13 +39,46 @@ class PlanExecutor final : public Executor {
     host_arena_.reset();
     if (host_memory_) b_.host_free(host_memory_);
     arena_.reset();
-    if (arena_memory_) b_.device_free(arena_memory_);
+    if (workspace_) b_.set_workspace(nullptr, 0);
+    if (arena_memory_ && owns_device_) b_.device_free(arena_memory_);
   }
 
   Status init() {
-    const uint64_t arena_bytes = std::max<uint64_t>(plan_.device_bytes, b_.alignment());
-    SPILLWAY_ASSIGN_OR_RETURN(arena_memory_, b_.device_alloc(arena_bytes));
-    arena_ = std::make_unique<DeviceArena>(arena_memory_, arena_bytes, b_.alignment());
+    // Every op's workspace must fit in what the plan reserved inside the budget.
+    SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(b_, p_));
+    if (need.bytes > plan_.workspace_bytes)
+      return Status::invalid_argument("op " + need.op + " needs " + format_size(need.bytes) + " (" +
+                                      std::to_string(need.bytes) + " bytes) of device workspace on the " + b_.name() +
+                                      " backend, but the plan reserves " + format_size(plan_.workspace_bytes) +
+                                      "; plan with PlannerOptions::workspace_bytes = program_workspace(...).bytes");
+    // One block: the arena, then the workspace.
+    const size_t align = b_.alignment();
+    const uint64_t arena_bytes = std::max<uint64_t>(plan_.device_bytes, align);
+    workspace_offset_ = align_up(arena_bytes, align);
+    device_total_ = workspace_offset_ + plan_.workspace_bytes;
+    if (opt_.external_device.base) {
+      if (reinterpret_cast<uintptr_t>(opt_.external_device.base) % align != 0)
+        return Status::invalid_argument("executor: the device region given is not aligned to " + std::to_string(align) +
+                                        " bytes");
+      if (device_total_ > opt_.external_device.bytes)
+        return Status::invalid_argument("executor: the plan needs " + format_size(device_total_) + " (" +
+                                        std::to_string(device_total_) + " bytes: arena " + format_size(arena_bytes) +
+                                        ", workspace " + format_size(plan_.workspace_bytes) +
+                                        ") of device memory; the region given holds " +
+                                        format_size(opt_.external_device.bytes));
+      arena_memory_ = opt_.external_device.base;
+      owns_device_ = false;
+    } else {
+      SPILLWAY_ASSIGN_OR_RETURN(arena_memory_, b_.device_alloc(device_total_));
+      owns_device_ = true;
+    }
+    if (plan_.workspace_bytes > 0) workspace_ = static_cast<char*>(arena_memory_) + workspace_offset_;
+    arena_ = std::make_unique<DeviceArena>(arena_memory_, arena_bytes, align);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      auto t = static_cast<TensorId>(i);
+      if (p_.is_persistent(t) && plan_.home[i] == Tier::Device)
+        home_end_ = std::max<uint64_t>(home_end_, align_up(plan_.home_offset[i] + device_bytes(t), align));
+    }
     // The host arena: one pinned allocation holding every host buffer at the offset
     // the plan gave it (4096-aligned: storage I/O uses O_DIRECT).
     const uint64_t host_bytes = std::max<uint64_t>(align_up(plan_.host_bytes, 4096), 4096);
@@ -140,6 +173,8 @@ class PlanExecutor final : public Executor {
       return Status(failure_.code(), "a previous step failed, so the training state is not run again: " + failure_.message());
     metrics_ = StepMetrics();
     step_ = OptimizerStep{ctx.step, ctx.lr};
+    // Another executor may have used the backend since this one's last step.
+    b_.set_workspace(workspace_, workspace_ ? plan_.workspace_bytes : 0);
     arena_->reset_peak();
     host_arena_->reset_peak();
     const uint64_t h2d0 = b_.copy_engine().bytes_copied(CopyDirection::HostToDevice);
@@ -165,7 +200,7 @@ class PlanExecutor final : public Executor {
       metrics_.storage_write_bytes = spill_->bytes_written() - sw0;
       metrics_.peak_storage_bytes = spill_->peak_bytes();
     }
-    metrics_.peak_device_bytes = arena_->peak();
+    metrics_.peak_device_bytes = arena_->peak() + plan_.workspace_bytes;
     metrics_.peak_host_bytes = host_arena_->peak();
     if (trace_) {
       trace_->counter("device bytes", metrics_.step_s, static_cast<double>(arena_->in_use()));
@@ -177,6 +212,14 @@ class PlanExecutor final : public Executor {
   }
 
   const StepMetrics& metrics() const override { return metrics_; }
+  DeviceRegion idle_device_region() const override {
+    // After a failed step, tensors may still hold regions anywhere in the arena.
+    if (!failure_.is_ok()) return {};
+    const uint64_t end = arena_->budget();
+    if (home_end_ >= end) return {};
+    return {static_cast<char*>(arena_memory_) + home_end_, end - home_end_};
+  }
+  uint64_t device_bytes() const override { return device_total_; }
   void trace_next_step(Trace* trace) override { trace_ = trace; }
   void profile_next_step(StepProfile* profile) override {
     profile_ = profile;
@@ -549,7 +592,11 @@ class PlanExecutor final : public Executor {
   ExecutorOptions opt_;
   TensorTable table_;            // residency of every tensor
   std::vector<Slot> slots_;      // [tensors]
-  void* arena_memory_ = nullptr; // one device allocation of the arena's bytes
+  void* arena_memory_ = nullptr; // arena, then workspace: one device allocation (or the region given)
+  bool owns_device_ = false;     // arena_memory_ came from device_alloc
+  uint64_t workspace_offset_ = 0, device_total_ = 0;  // bytes
+  void* workspace_ = nullptr;    // plan_.workspace_bytes at arena_memory_ + workspace_offset_
+  uint64_t home_end_ = 0;        // device homes of persistent tensors lie in [0, home_end_)
   std::unique_ptr<DeviceArena> arena_;
   void* host_memory_ = nullptr;  // one pinned allocation of the host arena's bytes
   std::unique_ptr<DeviceArena> host_arena_;  // the same planned-offset arena as the device's

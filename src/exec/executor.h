@@ -9,8 +9,10 @@
 //
 // It walks the plan's instructions, issues copies and storage I/O asynchronously,
 // waits only where an op needs data that has not arrived, runs the op, and checks
-// the invariants of DESIGN.md as it goes: the device arena is one allocation of the
-// device budget and no placement leaves it; host and storage stay within their
+// the invariants of DESIGN.md as it goes: the device memory is one allocation, made
+// at creation, of the plan's arena followed by its workspace (Plan::workspace_bytes,
+// handed to the backend before every step; nothing is allocated during a step), and
+// no placement leaves it; host and storage stay within their
 // budgets; every operand is valid where its op runs. A broken invariant is an
 // Internal error naming the op and tensor — never silent wrong numbers.
 #pragma once
@@ -29,7 +31,18 @@ namespace spillway {
 
 class Trace;
 
+// Device memory the executor is given rather than allocating it (base aligned to the
+// backend's alignment).
+struct DeviceRegion {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+};
+
 struct ExecutorOptions {
+  // When base is set: the arena and workspace live here (another executor's idle
+  // region, see Executor::idle_device_region) and the executor allocates no device
+  // memory. It must hold the plan's arena rounded up to the alignment plus its workspace.
+  DeviceRegion external_device = {};
   uint64_t host_budget = UINT64_MAX;
   std::string spill_dir;             // required when the plan homes or moves anything to storage
   uint64_t storage_budget = 0;       // 0 = plan.storage_bytes rounded up
@@ -52,6 +65,8 @@ struct StepMetrics {
   double stall_s = 0;   // time the executor waited for data
   double step_s = 0;
   double issue_s = 0;   // host time to issue every instruction; the rest of step_s waits for the device
+  // peak_device_bytes: the arena's peak plus the workspace (all the device memory the
+  // step used besides the backend's context).
   uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;
 };
 
@@ -77,6 +92,13 @@ class Executor {
   virtual Status read_tensor(TensorId t, void* dst, size_t bytes) = 0;
   virtual Status run_step(const StepContext& ctx) = 0;
   virtual const StepMetrics& metrics() const = 0;
+  // The part of this executor's device memory that no tensor occupies between steps:
+  // the arena past the device homes of the persistent tensors (the planner places
+  // those first, from offset 0). Another executor may run in it between this one's
+  // steps (evaluation does), through ExecutorOptions::external_device.
+  virtual DeviceRegion idle_device_region() const = 0;
+  // Device bytes this executor holds: arena (aligned) plus workspace.
+  virtual uint64_t device_bytes() const = 0;
   // Records the next run_step into `trace` (compute, copy and I/O tracks; memory counters).
   virtual void trace_next_step(Trace* trace) = 0;
   // Times every op of the next run_step into `profile` (slower: one synchronization per op).

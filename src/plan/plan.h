@@ -80,7 +80,9 @@ struct Plan {
   std::vector<uint64_t> home_host_offset;   // [tensors] host arena offset, for tensors homed on host
   std::vector<Place> op_place;              // [ops] where each op runs under this plan (the
                                             // optimizer runs where its state lives)
-  uint64_t device_bytes = 0;                // arena bytes the plan uses (≤ budget)
+  uint64_t device_bytes = 0;                // arena bytes the plan uses (≤ budget − workspace_bytes)
+  uint64_t workspace_bytes = 0;             // device workspace reserved beside the arena
+                                            // (PlannerOptions::workspace_bytes, aligned)
   uint64_t host_bytes = 0;                  // host arena bytes the plan uses (≤ budget)
   uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)
   size_t alignment = 64;                    // device offsets are multiples of this

@@ -757,7 +757,7 @@ Program with_optimizer_on_host(const Program& program, bool on_host) {
 
 }  // namespace
 
-uint64_t minimum_device_budget(const Program& program, size_t alignment) {
+uint64_t minimum_device_budget(const Program& program, size_t alignment, uint64_t workspace_bytes) {
   uint64_t m = 0;
   // AdamW is left out: it can always run on host, where its state lives.
   for (const Op& op : program.ops)
@@ -765,7 +765,7 @@ uint64_t minimum_device_budget(const Program& program, size_t alignment) {
   // Inputs and outputs stay on device under every policy.
   for (TensorId t : program.inputs) m += align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), alignment);
   for (TensorId t : program.outputs) m += align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), alignment);
-  return m;
+  return m + align_up(workspace_bytes, alignment);
 }
 
 namespace {
@@ -915,13 +915,16 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
 // them; Plan::op_place records the choice.
 Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
-                            const PlannerOptions& options, size_t alignment) {
+                            const PlannerOptions& options, size_t alignment, uint64_t workspace) {
   Program program = original;
   uint64_t minimum = minimum_device_budget(program, alignment);
   if (budgets.device < minimum) {
-    return Status::out_of_memory("device budget " + format_size(budgets.device) + " is below the minimum " +
-                                 format_size(minimum) + " that the largest op (" + largest_op_name(program, alignment) +
-                                 ") needs; give --device-budget " + std::to_string((minimum + (1 << 20) - 1) >> 20) + "MiB or more");
+    const uint64_t given = budgets.device + workspace, total = minimum + workspace;
+    return Status::out_of_memory("device budget " + format_size(given) + " is below the minimum " +
+                                 format_size(total) + " that the largest op (" + largest_op_name(program, alignment) +
+                                 ") needs (" + format_size(minimum) + " of operands and inputs, " + format_size(workspace) +
+                                 " of workspace); give --device-budget " + std::to_string((total + (1 << 20) - 1) >> 20) +
+                                 "MiB or more");
   }
   switch (options.policy) {
     case Policy::Resident: {
@@ -998,6 +1001,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
               if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
               if (options.layer_major >= 0 && layer_major != (options.layer_major == 1)) continue;
               if (layer_major && !has_accumulation) continue;
+// `budgets.device` is the arena's budget: the device budget less `workspace`.
               candidates.push_back({level, recompute, flush_gap, layer_major});
             }
       std::optional<Plan> best;
@@ -1032,8 +1036,14 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
 Result<Plan> make_plan(const Program& program, const Machine& machine, const Budgets& budgets,
                        const PlannerOptions& options) {
   const size_t alignment = options.alignment;
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, machine, budgets, options, alignment));
-  SPILLWAY_RETURN_IF_ERROR(plan.validate(program, budgets).with_context("planner produced an invalid plan"));
+  // The workspace comes out of the device budget first; the arena gets the rest.
+  const uint64_t workspace = align_up(options.workspace_bytes, alignment);
+  Budgets arena = budgets;
+  if (budgets.device != UINT64_MAX) arena.device = budgets.device > workspace ? budgets.device - workspace : 0;
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, machine, arena, options, alignment, workspace));
+  plan.workspace_bytes = workspace;
+  if (workspace > 0) plan.description += ", workspace " + format_size(workspace);
+  SPILLWAY_RETURN_IF_ERROR(plan.validate(program, arena).with_context("planner produced an invalid plan"));
   return plan;
 }
 

@@ -3,7 +3,8 @@
 //   PlannerOptions o{.policy = Policy::Planned};
 //   auto plan = make_plan(program, Machine::cpu_dev_box(), {.device = 64 << 20}, o);
 //   // Budget too small: "device budget 8.00 MiB is below the minimum 19.25 MiB that
-//   // the largest op (mb0.lm_head.forward) needs; give --device-budget 19.25MiB or more"
+//   // the largest op (mb0.lm_head.forward) needs (19.25 MiB of operands and inputs,
+//   // 0 B of workspace); give --device-budget 20MiB or more"
 //
 // Policies (DESIGN.md, "Planner policies"):
 // - resident: everything on device, activations packed by lifetime; an error if it
@@ -31,13 +32,17 @@ struct PlannerOptions {
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)
   size_t alignment = 64;          // the backend's alignment (Backend::alignment())
+  // Device workspace the ops need besides their operands (exec/dispatch.h
+  // program_workspace): the arena is planned within the device budget minus this.
+  uint64_t workspace_bytes = 0;
 };
 
 Result<Plan> make_plan(const Program& program, const Machine& machine, const Budgets& budgets,
                        const PlannerOptions& options);
 
 // The smallest device budget any policy can run this program with: the largest
-// single op's working set (operands plus alignment padding).
-uint64_t minimum_device_budget(const Program& program, size_t alignment);
+// single op's working set (operands plus alignment padding), the inputs and outputs,
+// and `workspace_bytes` rounded up to the alignment.
+uint64_t minimum_device_budget(const Program& program, size_t alignment, uint64_t workspace_bytes = 0);
 
 }  // namespace spillway

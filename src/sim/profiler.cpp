@@ -105,8 +105,24 @@ Result<double> time_op(Backend& backend, const Program& program, const Op& op, i
 
 }  // namespace
 
+namespace {
+// The backend's own workspace while ops run outside an executor; freed after.
+class OwnWorkspace {
+ public:
+  explicit OwnWorkspace(Backend& b) : b_(b) {}
+  ~OwnWorkspace() { (void)b_.use_own_workspace(0); }
+  Status use(uint64_t bytes) { return b_.use_own_workspace(bytes); }
+
+ private:
+  Backend& b_;
+};
+}  // namespace
+
 Result<std::vector<double>> profile_ops(Backend& backend, const Program& program, int repeats) {
   repeats = std::max(1, repeats);
+  OwnWorkspace workspace(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(backend, program));
+  SPILLWAY_RETURN_IF_ERROR(workspace.use(need.bytes));
   std::vector<double> seconds(program.ops.size(), 0.0);
   std::map<std::string, double> measured;
   for (size_t i = 0; i < program.ops.size(); ++i) {
@@ -177,6 +193,8 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
     SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(mat));
     SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(mat));
     SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(mat));
+    OwnWorkspace workspace(backend);
+    SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.matmul_workspace(S, S, false, false)));
     backend.matmul_forward(out, inp, w, nullptr, S, S, S);
     SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
     double t0 = now_s();

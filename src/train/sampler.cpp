@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/random.h"
+#include "exec/dispatch.h"
 #include "model/safetensors.h"
 #include "train/trainer.h"
 
@@ -43,6 +44,8 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
                                              options.budgets.device, backend.alignment()));
   PlannerOptions planner = options.planner;
   planner.alignment = backend.alignment();
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, s->program_));
+  planner.workspace_bytes = workspace.bytes;  // inside the device budget
   SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend), options.budgets, planner));
   ExecutorOptions eo;
   eo.host_budget = options.budgets.host;

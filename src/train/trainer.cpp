@@ -7,6 +7,7 @@
 
 #include "core/size.h"
 #include "model/safetensors.h"
+#include "exec/dispatch.h"
 #include "optim/adamw.h"
 
 namespace spillway {
@@ -125,7 +126,11 @@ Status Trainer::setup() {
                                           },
                                           options_.budgets.device, backend_.alignment(), &tiled));
   options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
-  auto plan = make_plan(program_, options_.machine, options_.budgets, options_.planner);
+  // The backend's workspace comes out of the device budget (planner.h).
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend_, program_));
+  PlannerOptions planner = options_.planner;
+  planner.workspace_bytes = workspace.bytes;
+  auto plan = make_plan(program_, options_.machine, options_.budgets, planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
   ExecutorOptions eo;

@@ -54,11 +54,14 @@ struct Pair {
 
 class CudaOps : public ::testing::Test {
  protected:
+  static constexpr size_t kTestWorkspace = size_t{256} << 20;
   void SetUp() override {
     if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU on this machine";
     auto g = make_backend("cuda");
     ASSERT_TRUE(g.ok()) << g.status().to_string();
     gpu_ = std::move(*g);
+    // Ops called directly, outside an executor: the backend holds a workspace.
+    ASSERT_TRUE(gpu_->use_own_workspace(kTestWorkspace).ok());
     auto c = make_backend("cpu", {.threads = 4});
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     cpu_ = std::move(*c);
@@ -198,6 +201,31 @@ TEST_F(CudaOps, Describes) {
   EXPECT_EQ(gpu_->alignment(), 256u);
   EXPECT_GT(gpu_->device_capacity(), gpu_->device_free_bytes() / 2);
   EXPECT_NE(gpu_->description().find("workspace"), std::string::npos);
+}
+
+// An op never allocates: one whose workspace is larger than the one given is an
+// Internal error naming the op and both sizes; the same op runs once it fits.
+TEST_F(CudaOps, WorkspaceTooSmallIsAnErrorNotAnAllocation) {
+  const int B = 4, T = 256, C = 256, NH = 4;
+  const size_t need = gpu_->attention_backward_workspace(B, T, NH);
+  ASSERT_GT(need, 256u);
+  const size_t N = size_t(B) * T;
+  void* qkv = galloc(N * 3 * C * 2);
+  void* dqkv = galloc(N * 3 * C * 2);
+  void* out = galloc(N * C * 2);
+  void* dout = galloc(N * C * 2);
+  void* lse = galloc(size_t(B) * NH * T * 4);
+  ASSERT_TRUE(gpu_->use_own_workspace(need - 256).ok());
+  const size_t used = gpu_->device_used_bytes();
+  gpu_->attention_backward(dqkv, dout, qkv, out, static_cast<float*>(lse), B, T, C, NH);
+  Status s = gpu_->synchronize();
+  EXPECT_EQ(s.code(), StatusCode::Internal) << s.to_string();
+  EXPECT_NE(s.message().find("attention_backward"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(std::to_string(need) + " bytes"), std::string::npos) << s.message();
+  EXPECT_EQ(gpu_->device_used_bytes(), used);  // nothing was allocated
+  ASSERT_TRUE(gpu_->use_own_workspace(need).ok());
+  gpu_->attention_backward(dqkv, dout, qkv, out, static_cast<float*>(lse), B, T, C, NH);
+  EXPECT_TRUE(gpu_->synchronize().is_ok());
 }
 
 TEST_F(CudaOps, Matmul) {

@@ -8,6 +8,7 @@
 #include <random>
 
 #include "backend/backend.h"
+#include "core/size.h"
 #include "exec/executor.h"
 #include "model/gpt.h"
 #include "plan/planner.h"
@@ -23,6 +24,7 @@ struct RunResult {
   std::vector<float> losses;  // [steps] mean loss of each step
   std::vector<StepMetrics> metrics;
   Plan plan;
+  uint64_t backend_device_peak = 0;  // the backend's own count of device bytes allocated, at most
 };
 
 struct ModelCase {
@@ -116,6 +118,7 @@ RunResult train(const ModelCase& s, const Budgets& budgets, const PlannerOptions
     r.losses.push_back(static_cast<float>(sum / count));
     r.metrics.push_back(e.metrics());
   }
+  r.backend_device_peak = (*backend)->device_peak_bytes();
   return r;
 }
 
@@ -294,6 +297,90 @@ TEST(Budgets, BelowMinimumStatesTheMinimum) {
   EXPECT_EQ(r.status.code(), StatusCode::OutOfMemory);
   EXPECT_NE(r.status.message().find("minimum"), std::string::npos) << r.status.message();
   EXPECT_NE(r.status.message().find("--device-budget"), std::string::npos) << r.status.message();
+}
+
+// The backend's workspace comes out of the device budget: the arena is planned
+// within the rest, arena and workspace are one allocation made before any step,
+// peak_device_bytes counts both, and the losses do not change. The minimum the
+// planner states includes the workspace.
+TEST(Budgets, WorkspaceIsPlannedInsideTheDeviceBudget) {
+  ModelCase s = small_model(32);
+  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 3);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  constexpr uint64_t kWorkspace = 48 << 10;
+  Budgets b;
+  b.device = ref.plan.device_bytes / 2 / 64 * 64;
+  RunResult r = train(s, b, {.policy = Policy::Planned, .workspace_bytes = kWorkspace}, 3);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  EXPECT_EQ(r.plan.workspace_bytes, kWorkspace);
+  EXPECT_LE(r.plan.device_bytes, b.device - kWorkspace);
+  expect_same_bits(r.losses, ref.losses, "workspace reserved");
+  for (const StepMetrics& m : r.metrics) {
+    EXPECT_LE(m.peak_device_bytes, b.device);
+    EXPECT_GT(m.peak_device_bytes, kWorkspace);
+  }
+  EXPECT_LE(r.backend_device_peak, b.device);  // everything the backend handed out
+  EXPECT_GE(r.backend_device_peak, r.metrics[0].peak_device_bytes);
+
+  auto program = build_training_program(s.cfg, s.shape, DType::F32);
+  ASSERT_TRUE(program.ok());
+  const uint64_t minimum = minimum_device_budget(*program, 64, kWorkspace);
+  EXPECT_EQ(minimum, minimum_device_budget(*program, 64) + kWorkspace);
+  Budgets tight;
+  tight.device = minimum - 64;
+  RunResult below = train(s, tight, {.policy = Policy::Planned, .workspace_bytes = kWorkspace}, 1);
+  ASSERT_FALSE(below.status.is_ok());
+  EXPECT_EQ(below.status.code(), StatusCode::OutOfMemory);
+  EXPECT_NE(below.status.message().find("minimum " + format_size(minimum)), std::string::npos) << below.status.message();
+  EXPECT_NE(below.status.message().find(format_size(kWorkspace) + " of workspace"), std::string::npos)
+      << below.status.message();
+}
+
+// An executor given another's idle device region allocates no device memory, and
+// refuses a region too small for its plan.
+TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  ModelCase s = small_model(32);
+  auto program = build_training_program(s.cfg, s.shape, DType::F32);
+  ASSERT_TRUE(program.ok());
+  auto plan = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  auto outer = Executor::create(**backend, *program, *plan);
+  ASSERT_TRUE(outer.ok()) << outer.status().to_string();
+  const DeviceRegion idle = (*outer)->idle_device_region();
+  ASSERT_NE(idle.base, nullptr);
+  // Between steps only the persistent tensors' device homes are occupied: the idle
+  // region is the arena past them.
+  uint64_t homes = 0;
+  for (size_t t = 0; t < program->tensors.size(); ++t)
+    if (program->is_persistent(static_cast<TensorId>(t)) && plan->home[t] == Tier::Device)
+      homes += (std::max<uint64_t>(1, program->tensors.info(static_cast<TensorId>(t)).bytes()) + 63) / 64 * 64;
+  EXPECT_EQ(idle.bytes, std::max<uint64_t>(plan->device_bytes, 64) - homes);
+
+  auto forward = build_forward_program(s.cfg, s.shape.B, s.shape.T, DType::F32, true);
+  ASSERT_TRUE(forward.ok());
+  Budgets inner_budget;
+  inner_budget.device = idle.bytes / 64 * 64;
+  auto inner_plan = make_plan(*forward, Machine::cpu_dev_box(), inner_budget, {.policy = Policy::Planned, .alignment = 64});
+  ASSERT_TRUE(inner_plan.ok()) << inner_plan.status().to_string();
+  const size_t before = (*backend)->device_used_bytes();
+  {
+    ExecutorOptions inside;
+    inside.external_device = idle;
+    auto inner = Executor::create(**backend, *forward, *inner_plan, inside);
+    ASSERT_TRUE(inner.ok()) << inner.status().to_string();
+    EXPECT_EQ((*backend)->device_used_bytes(), before);
+    ASSERT_TRUE((*inner)->run_step({}).is_ok());
+    EXPECT_EQ((*backend)->device_used_bytes(), before);
+  }
+  ASSERT_TRUE((*outer)->run_step({.step = 1, .lr = 1e-3f}).is_ok());
+  ExecutorOptions small;
+  small.external_device = {idle.base, inner_plan->device_bytes / 2};
+  auto refused = Executor::create(**backend, *forward, *inner_plan, small);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(refused.status().message().find("region given"), std::string::npos) << refused.status().message();
 }
 
 TEST(Budgets, HostTooSmallWithoutSpillDirNamesIt) {

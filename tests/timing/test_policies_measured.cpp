@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "backend/backend.h"
+#include "exec/dispatch.h"
 #include "exec/executor.h"
 #include "model/gpt.h"
 #include "plan/planner.h"
@@ -29,6 +30,8 @@ Result<Measured> measure(Backend& backend, const Program& program, const Machine
                          const PlannerOptions& options, int steps) {
   PlannerOptions o = options;
   o.alignment = backend.alignment();
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, program));
+  o.workspace_bytes = workspace.bytes;
   SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan(program, machine, budgets, o));
   SPILLWAY_ASSIGN_OR_RETURN(auto ex, Executor::create(backend, program, plan));
   std::vector<double> times;

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +43,7 @@ class AllocationTable {
     std::lock_guard<std::mutex> lock(mu_);
     sizes_[p] = rounded;
     in_use_ += rounded;
+    peak_ = std::max(peak_, in_use_);
     return p;
   }
   void release(void* p, const char* what) {
@@ -64,11 +66,21 @@ class AllocationTable {
     std::lock_guard<std::mutex> lock(mu_);
     return in_use_;
   }
+  // The most in_use() was since construction or reset_peak().
+  size_t peak() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peak_;
+  }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    peak_ = in_use_;
+  }
 
  private:
   mutable std::mutex mu_;
   std::unordered_map<void*, size_t> sizes_;
-  size_t in_use_ = 0;
+  size_t in_use_ = 0;  // bytes (rounded sizes)
+  size_t peak_ = 0;    // bytes
 };
 
 class CpuBackend final : public Backend {
@@ -109,6 +121,19 @@ class CpuBackend final : public Backend {
   }
 
   using Backend::embedding_backward;
+  size_t device_used_bytes() const override { return device_.in_use(); }
+  size_t device_peak_bytes() const override { return device_.peak(); }
+  void reset_device_peak() override { device_.reset_peak(); }
+
+  // The CPU kernels keep their small partial sums on the heap of the host they run
+  // on, so no op needs device workspace.
+  size_t embedding_backward_workspace(int, int) const override { return 0; }
+  size_t layernorm_backward_workspace(int, int) const override { return 0; }
+  size_t matmul_workspace(int, int, bool, bool) const override { return 0; }
+  size_t attention_backward_workspace(int, int, int) const override { return 0; }
+  size_t squared_norm_workspace() const override { return 0; }
+  void set_workspace(void*, size_t) override {}
+  Status use_own_workspace(size_t) override { return Status::ok(); }
   using Backend::embedding_forward;
   using Backend::matmul_backward;
   using Backend::matmul_forward;

@@ -22,8 +22,11 @@ namespace {
 
 using namespace cuda_detail;
 
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt workspace
-constexpr size_t kInitialScratch = size_t{16} << 20;  // reduction partials, sort buffers
+// The cuBLASLt workspace of a matrix product. Its size is part of every algorithm
+// choice (the heuristic's workspace limit), so it is the same for every product.
+constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
+constexpr size_t kWorkspaceAlign = 256;
+size_t align_ws(size_t x) { return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 const char* direction_name(CopyDirection d) {
   return d == CopyDirection::HostToDevice ? "host-to-device" : "device-to-host";
@@ -221,8 +224,7 @@ class CudaBackend final : public Backend {
     (void)cudaSetDevice(device_);
     if (compute_) (void)cudaStreamSynchronize(compute_);
     (void)copy_.wait_all();
-    if (scratch_) (void)cudaFree(scratch_);
-    if (workspace_) (void)cudaFree(workspace_);
+    if (own_workspace_) (void)cudaFree(own_workspace_);
     // copy_ and mm_ are destroyed after this body and never touch the compute
     // stream again (both were drained above).
     if (compute_) (void)cudaStreamDestroy(compute_);
@@ -236,6 +238,14 @@ class CudaBackend final : public Backend {
       return Status::invalid_argument("CUDA device " + std::to_string(device_) + " does not exist (" +
                                       std::to_string(count) + " found)");
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    // The context exists after this (cudaFree(nullptr) creates it); the used bytes now
+    // are the baseline of device_used_bytes(): the context and other processes.
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaFree (context creation)", cudaFree(nullptr)));
+    {
+      size_t free0 = 0, total0 = 0;
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemGetInfo (baseline)", cudaMemGetInfo(&free0, &total0)));
+      baseline_used_ = total0 - free0;
+    }
     cudaDeviceProp prop{};
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, device_)));
     if (prop.major < 8)
@@ -247,16 +257,16 @@ class CudaBackend final : public Backend {
     gpu_name_ = prop.name;
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking)));
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, compute_));
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMalloc (cuBLASLt workspace)", cudaMalloc(&workspace_, kWorkspaceBytes)));
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMalloc (scratch)", cudaMalloc(&scratch_, kInitialScratch)));
-    scratch_bytes_ = kInitialScratch;
-    return mm_.init(compute_, workspace_, kWorkspaceBytes);
+    // No workspace yet: the caller gives one (set_workspace) before running ops.
+    SPILLWAY_RETURN_IF_ERROR(mm_.init(compute_, nullptr, kLtWorkspaceBytes));
+    sample_peak();
+    return Status::ok();
   }
 
   std::string name() const override { return "cuda"; }
   std::string description() const override {
     return gpu_name_ + ", " + format_size(capacity_) + " (device " + std::to_string(device_) +
-           "; cuBLASLt workspace " + format_size(kWorkspaceBytes) + ", scratch " + format_size(scratch_bytes_) + ")";
+           "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace)";
   }
   DType activation_dtype() const override { return DType::BF16; }
   size_t alignment() const override { return 256; }
@@ -282,6 +292,7 @@ class CudaBackend final : public Backend {
           .with_context("device allocation of " + format_size(bytes) + " on " + gpu_name_ + " (" +
                         format_size(free_b) + " free of " + format_size(total) + ")");
     }
+    sample_peak();
     return p;
   }
 
@@ -349,6 +360,55 @@ class CudaBackend final : public Backend {
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, compute_), "copy_device");
   }
 
+  size_t device_used_bytes() const override {
+    size_t free_b = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free_b, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    const size_t used = total - free_b;
+    return used > baseline_used_ ? used - baseline_used_ : 0;
+  }
+  size_t device_peak_bytes() const override { return peak_used_.load(); }
+  void reset_device_peak() override { peak_used_.store(device_used_bytes()); }
+
+  // ---- workspace. Layout of the given workspace: scratch (reduction partials, sort
+  // buffers) from its start; a matrix product puts its cuBLASLt workspace after the
+  // bias gradient's partials.
+  size_t embedding_backward_workspace(int B, int T) const override {
+    size_t need = 0;
+    if (embedding_backward_scratch_bytes(B * T, &need) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return SIZE_MAX;  // the caller reports it
+    }
+    return need;
+  }
+  size_t layernorm_backward_workspace(int N, int C) const override { return layernorm_backward_scratch_bytes(N, C); }
+  size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const override {
+    return (backward && dbias ? align_ws(bias_backward_scratch_bytes(N, OC)) : 0) + kLtWorkspaceBytes;
+  }
+  size_t attention_backward_workspace(int B, int T, int NH) const override {
+    return attention_backward_scratch_bytes(B, T, NH);
+  }
+  size_t squared_norm_workspace() const override { return squared_norm_scratch_bytes(); }
+  void set_workspace(void* base, size_t bytes) override {
+    workspace_ = base;
+    workspace_bytes_ = base ? bytes : 0;
+  }
+  Status use_own_workspace(size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    if (own_workspace_) {
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamSynchronize", cudaStreamSynchronize(compute_)));
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaFree (workspace)", cudaFree(own_workspace_)));
+      if (workspace_ == own_workspace_) set_workspace(nullptr, 0);
+      own_workspace_ = nullptr;
+    }
+    if (bytes == 0) return Status::ok();
+    SPILLWAY_ASSIGN_OR_RETURN(own_workspace_, device_alloc(bytes));
+    set_workspace(own_workspace_, bytes);
+    return Status::ok();
+  }
+
   // ---- ops
 
   // The shorter overloads (whole vocabulary, ld = OC, dinp overwritten) of Backend.
@@ -396,12 +456,15 @@ class CudaBackend final : public Backend {
   void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C, int OC,
                       int ld_out) override {
     if (!enter() || !leading_dim_ok(ld_out, OC, "matmul_forward")) return;
+    if (!lt_workspace(0, "matmul_forward")) return;
     record(mm_.forward(mb(out), cb(inp), cb(weight), cb(bias), N, C, OC, ld_out), "matmul_forward");
   }
 
   void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
                        const void* weight, int N, int C, int OC, int ld_dout, bool accumulate_dinp) override {
     if (!enter() || !leading_dim_ok(ld_dout, OC, "matmul_backward")) return;
+    const size_t bias_bytes = dbias != nullptr ? align_ws(bias_backward_scratch_bytes(N, OC)) : 0;
+    if (!lt_workspace(bias_bytes, "matmul_backward")) return;
     if (dbias != nullptr) {
       void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");
       if (s == nullptr) return;
@@ -527,33 +590,47 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  // The backend's scratch buffer (outside the arena), grown when an op needs more.
-  // Ops run in stream order, so one buffer serves them all. Null (error recorded)
-  // when it cannot grow.
+  // Scratch from the start of the workspace the caller gave (ops run in stream
+  // order, so one buffer serves them all). Null, with an Internal error recorded,
+  // when the workspace is smaller than the op needs: nothing is allocated here.
   void* scratch(size_t bytes, const char* what) {
-    if (bytes <= scratch_bytes_) return scratch_;
-    const size_t grow = std::max(bytes, 2 * scratch_bytes_);
-    // cudaFree waits for the device, so no queued op still reads the old buffer.
-    if (!check(cudaFree(scratch_), "cudaFree (scratch)")) return nullptr;
-    scratch_ = nullptr;
-    scratch_bytes_ = 0;
-    cudaError_t e = cudaMalloc(&scratch_, grow);
-    if (e != cudaSuccess) {
-      scratch_ = nullptr;
-      record(cuda_status("cudaMalloc", e).with_context("scratch of " + format_size(grow)), what);
-      return nullptr;
+    if (workspace_ != nullptr && bytes <= workspace_bytes_) return workspace_;
+    record(workspace_short(what, bytes), nullptr);
+    return nullptr;
+  }
+  // Points cuBLASLt at the workspace past `offset` bytes of scratch.
+  bool lt_workspace(size_t offset, const char* what) {
+    if (workspace_ == nullptr || offset + kLtWorkspaceBytes > workspace_bytes_) {
+      record(workspace_short(what, offset + kLtWorkspaceBytes), nullptr);
+      return false;
     }
-    scratch_bytes_ = grow;
-    return scratch_;
+    mm_.set_workspace(static_cast<char*>(workspace_) + offset, kLtWorkspaceBytes);
+    return true;
+  }
+  Status workspace_short(const char* what, size_t need) const {
+    return Status::internal(std::string("cuda backend: op ") + what + " needs " + format_size(need) + " (" +
+                            std::to_string(need) + " bytes) of workspace, but the workspace given holds " +
+                            format_size(workspace_bytes_) + " (" + std::to_string(workspace_bytes_) +
+                            " bytes); the plan reserved too little (Backend::set_workspace)");
+  }
+  // Device memory in use, sampled after each allocation: the peak of the process's
+  // own allocations (what it frees again is never above a sample taken after it).
+  void sample_peak() {
+    const size_t used = device_used_bytes();
+    size_t seen = peak_used_.load();
+    while (used > seen && !peak_used_.compare_exchange_weak(seen, used)) {
+    }
   }
 
   int device_ = 0;
   std::string gpu_name_;
   size_t capacity_ = 0;
   cudaStream_t compute_ = nullptr;
-  void* workspace_ = nullptr;
-  void* scratch_ = nullptr;
-  size_t scratch_bytes_ = 0;
+  size_t baseline_used_ = 0;          // device bytes in use right after context creation
+  std::atomic<size_t> peak_used_{0};  // the most device_used_bytes() seen (sampled)
+  void* workspace_ = nullptr;         // given by set_workspace: scratch, then cuBLASLt's
+  size_t workspace_bytes_ = 0;
+  void* own_workspace_ = nullptr;     // from use_own_workspace
   LtMatmul mm_;
   CudaCopyEngine copy_;
   std::mutex err_mu_;

@@ -46,6 +46,12 @@ Status LtMatmul::init(cudaStream_t stream, void* workspace, size_t workspace_byt
   return Status::ok();
 }
 
+void LtMatmul::set_workspace(void* workspace, size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  workspace_ = workspace;
+  workspace_bytes_ = bytes;
+}
+
 Status LtMatmul::plan_for(const Key& key, Plan** out) {
   auto it = plans_.find(key);
   if (it != plans_.end()) {
@@ -78,7 +84,9 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
     // The heuristic reads the bias pointer's alignment: give it one with exactly the
     // alignment of the real bias (the workspace is 256-aligned).
-    const void* bias = static_cast<const char*>(workspace_) + (key.align_bias % kAlign);
+    // Any 256-aligned base serves (kAlign itself when no workspace is set yet).
+    const char* base = workspace_ ? static_cast<const char*>(workspace_) : reinterpret_cast<const char*>(uintptr_t{kAlign});
+    const void* bias = base + (key.align_bias % kAlign);
     LT_RETURN_IF_ERROR("set BIAS_POINTER",
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }

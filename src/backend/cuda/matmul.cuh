@@ -32,8 +32,13 @@ class LtMatmul {
   LtMatmul& operator=(const LtMatmul&) = delete;
   ~LtMatmul();
 
-  // `workspace` (device, workspace_bytes) is owned by the caller and outlives this.
+  // `workspace` (device, workspace_bytes; may be null until set_workspace) is owned
+  // by the caller. workspace_bytes is the heuristic's workspace limit for every
+  // product: it never changes, so neither does any algorithm choice.
   Status init(cudaStream_t stream, void* workspace, size_t workspace_bytes);
+  // The workspace of the next products: `bytes` must equal init's workspace_bytes,
+  // at a 256-aligned address.
+  void set_workspace(void* workspace, size_t bytes);
 
   // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ (+ bias[OC] when bias is not null); rows of
   // out are ld_out ≥ OC elements apart.
