@@ -1,6 +1,9 @@
 #include "model/gpt.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <optional>
 #include <utility>
 
 #include "core/random.h"
@@ -9,25 +12,54 @@ namespace spillway {
 
 // ---------------------------------------------------------------- configuration
 
+namespace {
+
+// V·C + context·C + L·(12C² + 13C) + 2C with every product and sum checked; nullopt
+// when it does not fit in int64 (or a size is negative).
+std::optional<int64_t> checked_num_parameters(const GPTConfig& c) {
+  const int64_t L = c.layers, C = c.width, ctx = c.context, V = c.vocab;
+  if (L < 0 || C < 0 || ctx < 0 || V < 0) return std::nullopt;
+  int64_t wte = 0, wpe = 0, c2 = 0, c2x12 = 0, c13 = 0, block = 0, blocks = 0, c2x2 = 0, total = 0;
+  if (__builtin_mul_overflow(V, C, &wte) || __builtin_mul_overflow(ctx, C, &wpe) ||
+      __builtin_mul_overflow(C, C, &c2) || __builtin_mul_overflow(c2, int64_t{12}, &c2x12) ||
+      __builtin_mul_overflow(C, int64_t{13}, &c13) || __builtin_add_overflow(c2x12, c13, &block) ||
+      __builtin_mul_overflow(L, block, &blocks) || __builtin_mul_overflow(C, int64_t{2}, &c2x2) ||
+      __builtin_add_overflow(wte, wpe, &total) || __builtin_add_overflow(total, blocks, &total) ||
+      __builtin_add_overflow(total, c2x2, &total))
+    return std::nullopt;
+  return total;
+}
+
+}  // namespace
+
 Status GPTConfig::validate() const {
-  auto positive = [](const char* what, int v) -> Status {
+  auto in_range = [](const char* what, int v) -> Status {
     if (v <= 0) return Status::invalid_argument(std::string("model ") + what + " is " + std::to_string(v) + "; must be positive");
+    if (v > kMaxModelDim)
+      return Status::invalid_argument(std::string("model ") + what + " is " + std::to_string(v) +
+                                      "; the limit is 2^24 = " + std::to_string(kMaxModelDim));
     return Status::ok();
   };
-  SPILLWAY_RETURN_IF_ERROR(positive("layers", layers));
-  SPILLWAY_RETURN_IF_ERROR(positive("width", width));
-  SPILLWAY_RETURN_IF_ERROR(positive("heads", heads));
-  SPILLWAY_RETURN_IF_ERROR(positive("context", context));
-  SPILLWAY_RETURN_IF_ERROR(positive("vocab", vocab));
+  SPILLWAY_RETURN_IF_ERROR(in_range("layers", layers));
+  SPILLWAY_RETURN_IF_ERROR(in_range("width", width));
+  SPILLWAY_RETURN_IF_ERROR(in_range("heads", heads));
+  SPILLWAY_RETURN_IF_ERROR(in_range("context", context));
+  SPILLWAY_RETURN_IF_ERROR(in_range("vocab", vocab));
   if (width % heads != 0)
     return Status::invalid_argument("model width " + std::to_string(width) + " is not divisible by heads " +
                                     std::to_string(heads));
+  const std::optional<int64_t> params = checked_num_parameters(*this);
+  if (!params || *params > kMaxModelParameters)
+    return Status::invalid_argument(
+        "model " + to_string() + " has " +
+        (params ? std::to_string(*params) : std::string("more than 2^63")) +
+        " parameters; the limit is 2^40 = " + std::to_string(kMaxModelParameters));
   return Status::ok();
 }
 
 int64_t GPTConfig::num_parameters() const {
-  int64_t C = width;
-  return int64_t{vocab} * C + int64_t{context} * C + int64_t{layers} * (12 * C * C + 13 * C) + 2 * C;
+  if (layers < 0 || width < 0 || context < 0 || vocab < 0) return 0;
+  return checked_num_parameters(*this).value_or(std::numeric_limits<int64_t>::max());
 }
 
 std::string GPTConfig::to_string() const {
@@ -194,6 +226,9 @@ struct LayerScratch {
   TensorId d_ln1_out;            // [B,T,C]
 };
 
+// The most elements one activation tensor may have (2^58: its bytes fit in 63 bits).
+constexpr int64_t kMaxActivationElements = int64_t{1} << 58;
+
 class Builder {
  public:
   Builder(const GPTConfig& cfg, int B, int T, DType act, bool training, bool tile_vocab)
@@ -213,6 +248,14 @@ class Builder {
                                       std::to_string(cfg.context) + " (the model's context)");
     if (act != DType::F32 && act != DType::BF16)
       return Status::invalid_argument(std::string("activation dtype ") + dtype_name(act) + " is not f32 or bf16");
+    // The widest activation, [B,T,max(4C, Vp)]: its element count, and its bytes, in 64 bits.
+    const int64_t widest = std::max<int64_t>(int64_t{4} * cfg.width, logits_row_stride(cfg.vocab));
+    int64_t elems = 0;
+    if (__builtin_mul_overflow(int64_t{B} * T, widest, &elems) || elems > kMaxActivationElements)
+      return Status::invalid_argument("batch size B " + std::to_string(B) + " x sequence length T " + std::to_string(T) +
+                                      " x row width " + std::to_string(widest) +
+                                      " (the widest activation of model " + cfg.to_string() +
+                                      ") exceeds 2^58 elements per tensor");
     return Status::ok();
   }
 

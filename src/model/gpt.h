@@ -64,6 +64,12 @@
 
 namespace spillway {
 
+// Limits of GPTConfig::validate: each size (layers, width, heads, context, vocab) at
+// most 2^24, and at most 2^40 parameters (4 TiB of F32 weights alone), so that every
+// size product of a model, and of its step's tensors, fits in 64 bits.
+inline constexpr int64_t kMaxModelDim = int64_t{1} << 24;
+inline constexpr int64_t kMaxModelParameters = int64_t{1} << 40;
+
 struct GPTConfig {
   int layers = 0;   // transformer blocks (L)
   int width = 0;    // channels (C)
@@ -71,9 +77,12 @@ struct GPTConfig {
   int context = 0;  // maximum sequence length (rows of wpe)
   int vocab = 0;    // vocabulary size (V, rows of wte)
 
-  // All positive, width divisible by heads.
+  // All positive and at most kMaxModelDim, width divisible by heads, and at most
+  // kMaxModelParameters parameters (every product computed with overflow checks).
   Status validate() const;
   // Total parameters (tied embeddings counted once): V·C + context·C + L·(12C² + 13C) + 2C.
+  // Exact for every config validate() accepts; INT64_MAX when the count does not fit
+  // in 64 bits (and 0 for a config with a negative size), never an overflow.
   int64_t num_parameters() const;
   std::string to_string() const;  // "layers=12 width=768 heads=12 context=1024 vocab=50257"
   bool operator==(const GPTConfig&) const = default;

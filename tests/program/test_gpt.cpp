@@ -2,6 +2,9 @@
 
 #include <bit>
 #include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
 #include <set>
 #include <string>
 
@@ -65,6 +68,79 @@ TEST(GPTConfig, Validation) {
   EXPECT_TRUE(contains(s.message(), "layers is 0")) << s.message();
   EXPECT_FALSE((GPTConfig{2, 64, 2, 0, 256}.validate().is_ok()));
   EXPECT_FALSE((GPTConfig{2, 64, 2, 64, -1}.validate().is_ok()));
+}
+
+TEST(GPTConfig, SizesAboveTheLimitsAreRefused) {
+  // The UBSan case: --width 1073741824 overflowed in num_parameters.
+  Status s = GPTConfig{1, 1073741824, 1, 64, 256}.validate();
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), "width is 1073741824; the limit is 2^24 = 16777216")) << s.message();
+  // Each size: 2^24 passes the per-size check, 2^24 + 1 does not.
+  const int over = static_cast<int>(kMaxModelDim) + 1;
+  for (const auto& [c, what] : std::vector<std::pair<GPTConfig, std::string>>{
+           {{over, 64, 1, 64, 256}, "layers"},
+           {{1, 64, over, 64, 256}, "heads"},
+           {{1, 64, 1, over, 256}, "context"},
+           {{1, 64, 1, 64, over}, "vocab"}}) {
+    s = c.validate();
+    ASSERT_FALSE(s.is_ok()) << what;
+    EXPECT_TRUE(contains(s.message(), what + " is " + std::to_string(over) + "; the limit is 2^24")) << s.message();
+  }
+  EXPECT_TRUE((GPTConfig{1, 64, 1, static_cast<int>(kMaxModelDim), 256}.validate().is_ok()));
+  EXPECT_TRUE((GPTConfig{1, 64, 1, 64, static_cast<int>(kMaxModelDim)}.validate().is_ok()));
+}
+
+// The parameter count in 128-bit arithmetic, as the reference for the 64-bit one.
+static __int128 wide_parameter_count(const GPTConfig& c) {
+  const __int128 C = c.width;
+  return __int128{c.vocab} * C + __int128{c.context} * C + __int128{c.layers} * (12 * C * C + 13 * C) + 2 * C;
+}
+
+TEST(GPTConfig, ParameterCountLimitAndOverflow) {
+  // Every size within 2^24 but the count past 2^63: refused, and num_parameters
+  // saturates instead of overflowing.
+  const int max = static_cast<int>(kMaxModelDim);
+  GPTConfig huge{max, max, 1, max, max};
+  ASSERT_GT(wide_parameter_count(huge), __int128{std::numeric_limits<int64_t>::max()});
+  Status s = huge.validate();
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), "more than 2^63 parameters; the limit is 2^40 = 1099511627776")) << s.message();
+  EXPECT_EQ(huge.num_parameters(), std::numeric_limits<int64_t>::max());
+  // At the 2^40 boundary (width 16384): the deepest model under it passes with the
+  // exact count; one more layer is refused, its count named.
+  GPTConfig c{1, 16384, 128, 1024, 50257};
+  const __int128 per_layer = wide_parameter_count(GPTConfig{2, 16384, 128, 1024, 50257}) - wide_parameter_count(c);
+  c.layers = static_cast<int>((kMaxModelParameters - wide_parameter_count(GPTConfig{0, 16384, 128, 1024, 50257})) /
+                              per_layer);
+  ASSERT_LE(wide_parameter_count(c), __int128{kMaxModelParameters});
+  s = c.validate();
+  EXPECT_TRUE(s.is_ok()) << s.message();
+  EXPECT_EQ(__int128{c.num_parameters()}, wide_parameter_count(c));
+  ++c.layers;
+  ASSERT_GT(wide_parameter_count(c), __int128{kMaxModelParameters});
+  s = c.validate();
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), std::to_string(static_cast<int64_t>(wide_parameter_count(c))) +
+                                        " parameters; the limit is 2^40"))
+      << s.message();
+  // Accepted configs with large sizes: the count is exact.
+  for (const GPTConfig& ok : {GPTConfig{1, 64, 1, max, max}, GPTConfig{1, 65536, 1, 1, 1},
+                              GPTConfig{max, 64, 64, 64, 64}}) {
+    ASSERT_TRUE(ok.validate().is_ok()) << ok.to_string();
+    EXPECT_EQ(__int128{ok.num_parameters()}, wide_parameter_count(ok)) << ok.to_string();
+  }
+}
+
+TEST(GPTProgram, RefusesActivationsWhoseSizeOverflows) {
+  // Context and vocab at the limit: B·T·Vp overflows 64 bits for a large batch.
+  GPTConfig c{1, 64, 1, static_cast<int>(kMaxModelDim), static_cast<int>(kMaxModelDim)};
+  ASSERT_TRUE(c.validate().is_ok());
+  auto r = build_training_program(c, {.B = 1 << 30, .T = c.context, .accum = 1}, DType::F32);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "exceeds 2^58 elements per tensor")) << r.status().message();
+  auto f = build_forward_program(c, 1 << 30, c.context, DType::F32, /*with_loss=*/false);
+  ASSERT_FALSE(f.ok());
+  EXPECT_TRUE(contains(f.status().message(), "exceeds 2^58 elements per tensor")) << f.status().message();
 }
 
 TEST(GPTConfig, ParameterCount) {
