@@ -12,6 +12,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 
 namespace spillway {
 
@@ -227,8 +228,32 @@ Result<SafetensorsReader> SafetensorsReader::open(const std::string& path) {
                  shape_text(e.shape) + " need " + std::to_string(static_cast<uint64_t>(want)));
     r.entries_.push_back(std::move(e));
   }
-  std::sort(r.entries_.begin(), r.entries_.end(),
-            [](const SafetensorsEntry& a, const SafetensorsEntry& b) { return a.begin < b.begin; });
+  std::sort(r.entries_.begin(), r.entries_.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
+  // As the reference implementation requires: in order of their offsets, the tensors
+  // tile the data buffer, each starting where the previous one ends, with no overlap,
+  // no gap and nothing after the last.
+  auto range = [](const SafetensorsEntry& e) {
+    return "'" + e.name + "' (data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "])";
+  };
+  uint64_t covered = 0;  // the data buffer's bytes [0, covered) belong to the tensors so far
+  for (size_t i = 0; i < r.entries_.size(); ++i) {
+    const SafetensorsEntry& e = r.entries_[i];
+    if (e.begin < covered)
+      return corrupt("tensors " + range(r.entries_[i - 1]) + " and " + range(e) +
+                     " overlap; every tensor needs bytes of its own");
+    if (e.begin > covered)
+      return corrupt("bytes [" + std::to_string(covered) + ", " + std::to_string(e.begin) +
+                     ") of the data buffer belong to no tensor: a gap " +
+                     (i == 0 ? "before the first tensor " + range(e)
+                             : "between tensors " + range(r.entries_[i - 1]) + " and " + range(e)));
+    covered = e.end;
+  }
+  if (covered != data_size)
+    return corrupt("the data buffer is " + std::to_string(data_size) + " bytes but the tensors end at byte " +
+                   std::to_string(covered) +
+                   (r.entries_.empty() ? std::string(" (there are none)") : " (the last is " + range(r.entries_.back()) + ")"));
   return r;
 }
 

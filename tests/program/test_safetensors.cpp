@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -377,6 +378,58 @@ TEST(Safetensors, BadHeadersAreRejectedWithTheFileName) {
   EXPECT_EQ(missing.status().code(), StatusCode::NotFound);
   EXPECT_TRUE(contains(missing.status().message(), "nope.safetensors")) << missing.status().message();
   EXPECT_FALSE(import_gpt2(d.file("nope.safetensors"), micro_config()).ok());
+}
+
+TEST(Safetensors, OverlappingOrGappedDataIsRefused) {
+  TempDir d;
+  std::string path = d.file("overlap.safetensors");
+  auto expect_error = [&](const std::vector<std::string>& parts) {
+    auto r = SafetensorsReader::open(path);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::Corrupt) << r.status().message();
+    EXPECT_TRUE(contains(r.status().message(), path)) << r.status().message();
+    for (const std::string& part : parts) EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
+  };
+  // A whole GPT-2 whose tensors all point at the same bytes (the largest tensor's).
+  GPTConfig c = micro_config();
+  std::vector<Raw> t = hf_checkpoint(c, "F32");
+  nlohmann::ordered_json h = nlohmann::ordered_json::object();
+  h["__metadata__"] = {{"n_head", "2"}};
+  size_t largest = 0;
+  for (const Raw& r : t) {
+    h[r.name] = {{"dtype", r.dtype}, {"shape", r.shape}, {"data_offsets", {0, r.bytes.size()}}};
+    largest = std::max(largest, r.bytes.size());
+  }
+  write_raw_file(path, h.dump(), std::string(largest, '\0'));
+  expect_error({"overlap", "data_offsets [0, "});
+  EXPECT_FALSE(infer_gpt_config(path).ok());
+  EXPECT_FALSE(import_gpt2(path, c).ok());
+
+  // Two tensors on the same bytes: both named, with their ranges.
+  const std::string two = f32_bytes({1, 2});
+  write_raw_file(path, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", two);
+  expect_error({"tensors 'a' (data_offsets [0, 8]) and 'b' (data_offsets [0, 8]) overlap"});
+  // A partial overlap.
+  write_raw_file(path, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", two + two);
+  expect_error({"tensors 'a' (data_offsets [0, 8]) and 'b' (data_offsets [4, 12]) overlap"});
+  // A gap between tensors, before the first, and bytes after the last.
+  write_raw_file(path, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}})", two + two + two);
+  expect_error({"bytes [8, 12) of the data buffer belong to no tensor",
+                "between tensors 'a' (data_offsets [0, 8]) and 'b' (data_offsets [12, 20])"});
+  write_raw_file(path, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})", two + two);
+  expect_error({"bytes [0, 4)", "before the first tensor 'a'"});
+  write_raw_file(path, R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", two + two);
+  expect_error({"the data buffer is 16 bytes but the tensors end at byte 8", "'a'"});
+  // Out of order in the header but tiling the buffer: fine (order in the header does not matter).
+  write_raw_file(path, R"({"b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+                          "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
+                          "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", two + two);
+  auto ok = SafetensorsReader::open(path);
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ(ok->entries().size(), 3u);
 }
 
 TEST(Safetensors, ExportChecksValueCounts) {
