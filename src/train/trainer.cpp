@@ -304,13 +304,49 @@ Status Trainer::plan_evaluation(int B, int T) {
                                     std::to_string(options_.model.context));
   SPILLWAY_ASSIGN_OR_RETURN(eval_program_, build_forward_program(options_.model, B, T, backend_.activation_dtype(),
                                                                 true, options_.shape.tile_vocab));
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend_, eval_program_));
+  PlannerOptions planner = options_.planner;
+  planner.workspace_bytes = workspace.bytes;
   eval_budgets_ = options_.budgets;
-  // The evaluation arena comes on top of the training arena.
-  const size_t free_bytes = backend_.device_free_bytes();
-  if (free_bytes != SIZE_MAX) eval_budgets_.device = std::min<uint64_t>(eval_budgets_.device, free_bytes);
-  auto plan = make_plan(eval_program_, options_.machine, eval_budgets_, options_.planner);
-  if (!plan) return plan.status().with_context("planning the evaluation program");
-  eval_plan_ = std::move(*plan);
+  // Evaluation is carved out of the same device budget as training. First choice:
+  // the training arena's idle region (everything past the device homes of the
+  // training state), so that evaluation allocates no device memory at all.
+  const DeviceRegion idle = executor_->idle_device_region();
+  const uint64_t align = backend_.alignment();
+  eval_budgets_.device = idle.bytes / align * align;
+  auto plan_inside = [&](Policy policy) -> Result<Plan> {
+    if (eval_budgets_.device == 0) return Status::out_of_memory("the training arena has no idle region");
+    PlannerOptions p = planner;
+    p.policy = policy;
+    return make_plan(eval_program_, options_.machine, eval_budgets_, p);
+  };
+  Result<Plan> inside = plan_inside(planner.policy);
+  // A resident run's idle region holds its activations, not a second copy of the
+  // parameters: there, evaluation streams them (planned policy; the same losses).
+  if (!inside.ok() && planner.policy == Policy::Resident) {
+    Result<Plan> planned = plan_inside(Policy::Planned);
+    if (planned.ok()) inside = std::move(planned);
+  }
+  eval_inside_ = inside.ok();
+  if (inside.ok()) {
+    eval_plan_ = std::move(*inside);
+  } else {
+    // Else its own allocation, in what the device budget leaves beyond all the
+    // training executor holds (and what the device has free).
+    const uint64_t training = executor_->device_bytes();
+    const uint64_t budget = options_.budgets.device;
+    eval_budgets_.device = budget == UINT64_MAX ? UINT64_MAX : (budget > training ? budget - training : 0);
+    const size_t free_bytes = backend_.device_free_bytes();
+    if (free_bytes != SIZE_MAX) eval_budgets_.device = std::min<uint64_t>(eval_budgets_.device, free_bytes);
+    auto beside = make_plan(eval_program_, options_.machine, eval_budgets_, planner);
+    if (!beside)
+      return Status(beside.status().code(),
+                    "planning the evaluation program: it fits neither in the " + format_size(idle.bytes) +
+                        " of the training arena that are idle between steps (" + inside.status().message() +
+                        ") nor in the " + format_size(eval_budgets_.device) + " that the device budget leaves beyond the " +
+                        format_size(training) + " training holds (" + beside.status().message() + ")");
+    eval_plan_ = std::move(*beside);
+  }
   eval_B_ = B;
   eval_T_ = T;
   return Status::ok();
@@ -323,6 +359,11 @@ Result<float> Trainer::evaluate(DataLoader& loader, int batches) {
   eo.host_budget = eval_budgets_.host;
   eo.spill_dir = options_.spill_dir;
   eo.storage_budget = eval_budgets_.storage;
+  if (eval_inside_) {
+    eo.external_device = executor_->idle_device_region();
+    if (eo.external_device.base == nullptr)
+      return Status::internal("the training arena has no idle region for the evaluation planned in it");
+  }
   auto created = Executor::create(backend_, eval_program_, eval_plan_, eo);
   if (!created) return created.status().with_context("creating the evaluation executor");
   Executor& ex = **created;

@@ -32,9 +32,14 @@
 // even). Adam moments start at zero; gradients are zeroed by the step itself.
 //
 // Evaluation runs a forward-only program (build_forward_program with loss), planned
-// once with the same policy and budgets (the device budget capped by the backend's
-// free memory), on an executor that exists only during evaluate(): parameters are
-// copied into it from the training executor, and its memory is returned after.
+// once with the same policy, on an executor that exists only during evaluate():
+// parameters are copied into it from the training executor. It is carved out of the
+// same device budget: it runs in the training arena's idle region (past the device
+// homes of the training state, Executor::idle_device_region) when its plan fits
+// there (under the resident policy, where the parameters do not fit twice, it
+// streams them: planned policy, the same losses), allocating no device memory;
+// else in its own allocation of what the budget leaves beyond the training
+// executor's memory, returned after.
 #pragma once
 
 #include <cstdint>
@@ -183,6 +188,7 @@ class Trainer {
   Program eval_program_;
   Plan eval_plan_;
   Budgets eval_budgets_;
+  bool eval_inside_ = false;  // the evaluation runs in the training arena's idle region
   int eval_B_ = 0, eval_T_ = 0;
 };
 

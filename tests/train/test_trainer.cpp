@@ -311,6 +311,62 @@ TEST(Trainer, SaveAndLoadRoundTrip) {
   std::filesystem::remove(path);
 }
 
+// --device-budget holds for the whole run, evaluation included: a run that trains
+// and evaluates never has more device memory allocated (the backend's own count)
+// than the budget, evaluation allocates none (it runs in the training arena's idle
+// region), and it gives the unbudgeted run's value bit for bit.
+TEST(Trainer, EvaluationStaysInsideTheDeviceBudget) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  auto data = random_batches(1, 8, 8, 31);
+  std::vector<uint16_t> stream;
+  for (int32_t tok : data[0].tokens) stream.push_back(static_cast<uint16_t>(tok));
+  TokenSplit split{.source = "test", .tokens = std::make_shared<const std::vector<uint16_t>>(stream)};
+  auto evaluate = [&](Trainer& t) -> Result<float> {
+    for (int s = 0; s < 2; ++s) {
+      auto r = t.step(random_batches(o.shape.accum, o.shape.B, o.shape.T, 50 + s));
+      if (!r.ok()) return r.status();
+    }
+    SPILLWAY_ASSIGN_OR_RETURN(auto loader, DataLoader::create(split, o.shape.B, o.shape.T, LoaderMode::Sequential));
+    SPILLWAY_ASSIGN_OR_RETURN(float first, t.evaluate(loader, 2));
+    loader.seek(0);
+    SPILLWAY_ASSIGN_OR_RETURN(float again, t.evaluate(loader, 2));  // the cached plan, a new executor
+    if (bits(first) != bits(again)) return Status::internal("evaluation changed between two calls");
+    return first;
+  };
+  uint64_t full = 0;
+  float reference = 0;
+  {
+    auto t = Trainer::create(*backend, o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE((*t)->init_parameters().is_ok());
+    full = (*t)->plan().device_bytes;
+    auto v = evaluate(**t);
+    ASSERT_TRUE(v.ok()) << v.status().to_string();
+    reference = *v;
+  }
+  ASSERT_EQ(backend->device_used_bytes(), 0u);
+  for (Policy policy : {Policy::Resident, Policy::Planned}) {
+    for (uint64_t budget : {full, full / 2, full / 3}) {
+      if (policy == Policy::Resident && budget < full) continue;
+      SCOPED_TRACE(std::string(policy_name(policy)) + " budget " + std::to_string(budget));
+      TrainerOptions b = o;
+      b.planner.policy = policy;
+      b.budgets.device = budget / 64 * 64;
+      backend->reset_device_peak();
+      auto t = Trainer::create(*backend, b);
+      ASSERT_TRUE(t.ok()) << t.status().to_string();
+      ASSERT_TRUE((*t)->init_parameters().is_ok());
+      const size_t training = backend->device_used_bytes();
+      auto v = evaluate(**t);
+      ASSERT_TRUE(v.ok()) << v.status().to_string();
+      EXPECT_EQ(bits(*v), bits(reference));
+      EXPECT_LE(backend->device_peak_bytes(), b.budgets.device);
+      EXPECT_EQ(backend->device_peak_bytes(), training);  // evaluation allocated no device memory
+    }
+  }
+}
+
 // A budget below what the whole-table embedding and LM head need: the trainer builds
 // the step in vocab tiles, trains with the resident run's losses bit for bit, and
 // saves and loads the whole table.
