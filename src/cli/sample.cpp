@@ -20,6 +20,7 @@ namespace {
 
 struct SampleFlags {
   std::string load;
+  int heads = 0;  // when neither config.json nor the file's metadata says
   std::string prompt = "\n";
   int tokens = 200;
   int context = 0;  // tokens the model sees per prediction; 0 = its context
@@ -34,7 +35,11 @@ Status run_sample(const SampleFlags& f) {
   if (!(f.temperature >= 0) || !std::isfinite(f.temperature))
     return Status::invalid_argument("--temperature must be 0 (greedy) or more, got " + std::to_string(f.temperature));
   if (f.prompt.empty()) return Status::invalid_argument("--prompt is empty; give at least one character");
-  auto cfg = infer_gpt_config(f.load);
+  // Sizes from the weights; heads from config.json beside them, their __metadata__ or --heads.
+  StatedGPTSizes flags;
+  flags.sizes.heads = f.heads;
+  flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
+  auto cfg = infer_gpt_config(f.load, flags);
   if (!cfg.ok()) return cfg.status().with_context("--load");
   if (cfg->vocab != kByteVocab)
     return Status::unsupported("--load " + f.load + ": the model's vocabulary has " + std::to_string(cfg->vocab) +
@@ -62,6 +67,8 @@ Status run_sample(const SampleFlags& f) {
 CommandRegistration sample_command("sample", "generate text from a trained byte-level model", [](CLI::App& app) -> CommandRun {
   auto f = std::make_shared<SampleFlags>();
   app.add_option("--load", f->load, "weights (safetensors) to sample from")->required();
+  app.add_option("--heads", f->heads,
+                 "attention heads, when neither config.json beside the weights nor their __metadata__ says");
   app.add_option("--prompt", f->prompt, "text to continue");
   app.add_option("--tokens", f->tokens, "tokens (bytes) to generate")->capture_default_str();
   app.add_option("--context", f->context,

@@ -109,16 +109,17 @@ Status run_train(const TrainFlags& f) {
   // Model: from the checkpoint with --load, else the preset and explicit sizes.
   GPTConfig cfg;
   if (!f.load.empty()) {
-    auto loaded = infer_gpt_config(f.load);
+    // Sizes from the weights' shapes; heads from config.json beside the file, its
+    // __metadata__ or --heads. The size flags settle what the file does not say and
+    // must agree with what it does (model/safetensors.h).
+    StatedGPTSizes flags;
+    flags.sizes = {f.model.layers, f.model.width, f.model.heads, f.model.model_context, f.model.vocab};
+    flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
+    auto loaded = infer_gpt_config(f.load, flags);
     if (!loaded.ok()) return loaded.status().with_context("--load");
     cfg = *loaded;
-    if (f.model.explicit_sizes()) {
-      SPILLWAY_ASSIGN_OR_RETURN(GPTConfig asked, resolve_model(f.model, &cfg));
-      if (!(asked == cfg))
-        return Status::invalid_argument("--load " + f.load + " holds a model with " + cfg.to_string() +
-                                        ", but the flags ask for " + asked.to_string());
-    }
   } else {
+
     SPILLWAY_ASSIGN_OR_RETURN(cfg, resolve_model(f.model));
   }
   const int T = f.context ? f.context : cfg.context;
@@ -270,7 +271,8 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   app.add_option("--save", f->save, "write the trained weights (safetensors, Hugging Face GPT-2 names)");
   app.add_option("--save-grads", f->save_grads,
                  "write the last step's gradients (safetensors, the same names and layout), to compare with PyTorch");
-  app.add_option("--load", f->load, "start from these weights (safetensors; the model's sizes come from it)");
+  app.add_option("--load", f->load, "start from these weights (safetensors; sizes from its shapes, heads from config.json beside it, its "
+                 "__metadata__ or --heads)");
   app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
   app.add_option("--trace", f->trace, "write a Perfetto trace of step 2 (step 1 with --steps 1)");
   app.add_flag("--quiet", f->quiet, "no banner or progress line on stderr (the summary still goes to stdout)");

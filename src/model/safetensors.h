@@ -1,6 +1,6 @@
 // safetensors files, and GPT-2 checkpoints in them with Hugging Face names.
 //
-//   auto cfg = infer_gpt_config("gpt2/model.safetensors");    // shapes + __metadata__
+//   auto cfg = infer_gpt_config("gpt2/model.safetensors");    // shapes + config.json + __metadata__
 //   auto weights = import_gpt2("gpt2/model.safetensors", *cfg); // our names, [out,in], F32
 //   const std::vector<float>& wte = weights->at("transformer.wte.weight");   // [V*C]
 //   SPILLWAY_RETURN_IF_ERROR(export_gpt2("out.safetensors", *cfg, *weights));
@@ -23,6 +23,7 @@
 // "vocab_size"}, so transformers' GPT2LMHeadModel and safetensors.torch load it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -81,10 +82,36 @@ Status write_safetensors(const std::string& path, const std::vector<SafetensorsT
 // Parameters by our name (ParamSpec::name), F32, our [out,in] layout.
 using GPTWeights = std::map<std::string, std::vector<float>>;
 
-// layers (count of h.{i} blocks), width and vocab (wte [V,C]), context (wpe rows);
-// heads from __metadata__ "n_head", else width/64.
-Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file);
-Result<GPTConfig> infer_gpt_config(const std::string& path);
+// Sizes of a GPT-2 that one source states, 0 where it says nothing, with each size's
+// name in that source and the source itself, for messages.
+struct StatedGPTSizes {
+  GPTConfig sizes;                  // 0 = not stated
+  std::array<std::string, 5> keys;  // names of layers, width, heads, context, vocab in the source
+  std::string source;               // "gpt2/config.json"; empty for command-line flags
+  // "n_head 4 (gpt2/config.json)", "--heads 4": field i in GPTConfig order.
+  std::string describe(size_t field) const;
+};
+
+// The config.json beside a weights file: "gpt2/model.safetensors" → "gpt2/config.json".
+std::string hf_config_path(const std::string& weights_path);
+
+// A Hugging Face GPT-2 config.json: n_layer, n_embd, n_head, n_positions (or, without
+// it, n_ctx) and vocab_size, each a positive integer up to 2^24 where present. NotFound
+// when there is no such file; an error naming the file and key when it is not JSON,
+// a key has the wrong type or range, or model_type is not "gpt2". At most 16 MiB.
+Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path);
+
+// The GPT-2 in `file`, nothing guessed. Layers, width, context and vocab come from the
+// weights' shapes (h.{i} blocks, wte [V,C], wpe [context,C]); heads from config.json
+// beside the file, its __metadata__ n_head, or `flags` (--heads). Every size a source
+// states must agree with the weights and with the other sources; a disagreement names
+// both values and where each came from. Heads stated nowhere: an error asking for
+// --heads. Before anything depends on the layer count, with work bounded by the
+// number of tensors: the blocks are exactly h.0 … h.{L-1}, each with its 12
+// parameters, and the file has the bytes for them; then every tensor's shape and dtype
+// are checked against the result (as import_gpt2 does).
+Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file, const StatedGPTSizes& flags = {});
+Result<GPTConfig> infer_gpt_config(const std::string& path, const StatedGPTSizes& flags = {});
 
 // Reads every parameter of `cfg`, handing each to `sink` as soon as it is read.
 // Errors name the file and list every missing tensor, or the tensor whose shape or

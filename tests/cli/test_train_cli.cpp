@@ -7,11 +7,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/safetensors.h"
 
 namespace {
 
@@ -153,7 +156,7 @@ TEST(TrainCli, SpillingRunMatchesResidentLossesAndSamples) {
                  " --layers 1 --width 32 --context 32 --batch 2 --backend cpu --threads 2");
   EXPECT_EQ(c.code, 0) << c.output;
   expect_rejected("train --steps 1 --load " + weights + " --layers 3 --context 32 --backend cpu",
-                  {"--load", weights, "layers=3"});
+                  {"--load", weights, "--layers 3 disagrees with the weights: 1 block(s)"});
   std::filesystem::remove(resident);
   std::filesystem::remove(spilled);
   std::filesystem::remove(weights);
@@ -217,6 +220,206 @@ TEST(PlanCli, ReportsPlacementPeaksLinksAndPredictedStep) {
   expect_rejected("plan --model tiny --machine tpu", {"--machine", "tpu"});
   expect_rejected("plan --model tiny --machine cpu --device-budget 1KiB --policy planned", {"minimum", "--device-budget"});
   expect_rejected("plan --model tiny --order sideways", {"--order"});
+}
+
+}  // namespace
+
+// Loading weights: nothing guessed, nothing unbounded, no NaN unless asked for.
+namespace {
+
+// A GPT-2 in the Hugging Face layout (Conv1D weights [in, out], names without
+// "transformer."), as transformers saves it: GPT-2 initial values, `metadata` only as
+// given, and `edit` to change a tensor's values (by our name) before writing.
+void write_hf_gpt2(const std::string& path, const spillway::GPTConfig& c,
+                   const std::map<std::string, std::string>& metadata = {},
+                   const std::function<void(const std::string&, std::vector<float>&)>& edit = nullptr) {
+  using namespace spillway;
+  std::vector<SafetensorsTensor> tensors;
+  for (const ParamSpec& s : parameter_specs(c)) {
+    SafetensorsTensor t;
+    t.name = s.name.substr(std::string("transformer.").size());
+    t.shape = s.shape.dims;
+    if (s.conv1d) std::swap(t.shape[0], t.shape[1]);
+    t.values = [c, s, edit]() -> Result<std::vector<float>> {
+      std::vector<float> v = init_parameter(c, s, 1);
+      if (edit) edit(s.name, v);
+      return v;
+    };
+    tensors.push_back(std::move(t));
+  }
+  Status st = write_safetensors(path, tensors, metadata);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+}
+
+// A folder of its own for a checkpoint and its config.json, removed at the end.
+struct CheckpointDir {
+  explicit CheckpointDir(const std::string& name) : dir(temp_path(name)) {
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+  }
+  ~CheckpointDir() { std::filesystem::remove_all(dir); }
+  std::string file(const std::string& name) const { return dir + "/" + name; }
+  std::string dir;
+};
+
+const std::string kLoadRun = " --steps 1 --eval-every 0 --context 16 --batch 2 --backend cpu --threads 2";
+
+TEST(LoadCli, HeadsComeFromConfigJsonOrHeadsNeverFromTheWidth) {
+  // A transformers GPT-2 with head size 32 (width 128, 4 heads): width/64 would be 2.
+  CheckpointDir d("hf_head32");
+  const spillway::GPTConfig c{1, 128, 4, 32, 256};
+  const std::string weights = d.file("model.safetensors");
+  write_hf_gpt2(weights, c);
+  const std::string config = d.file("config.json");
+  {
+    std::ofstream f(config);
+    f << nlohmann::json{{"model_type", "gpt2"}, {"n_layer", 1}, {"n_embd", 128}, {"n_head", 4},
+                        {"n_positions", 32}, {"n_ctx", 32}, {"vocab_size", 256}}
+             .dump(2);
+  }
+  CliRun r = run("train --load " + weights + kLoadRun);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("layers=1 width=128 heads=4 context=32 vocab=256"), std::string::npos) << r.output;
+  // --heads must agree with config.json.
+  expect_rejected("train --load " + weights + " --heads 2" + kLoadRun,
+                  {"--load", "--heads 2 disagrees with n_head 4 (" + config + ")"});
+  r = run("sample --load " + weights + " --prompt 'ab' --tokens 4 --backend cpu --context 16");
+  EXPECT_EQ(r.code, 0) << r.output;
+
+  // Without config.json: an error asking for --heads; with --heads 4 it loads.
+  std::filesystem::remove(config);
+  expect_rejected("train --load " + weights + kLoadRun, {"--load", weights, "no n_head", "pass --heads"});
+  expect_rejected("sample --load " + weights + " --prompt 'ab' --tokens 4 --backend cpu --context 16",
+                  {"--load", "pass --heads"});
+  r = run("train --load " + weights + " --heads 4" + kLoadRun);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("heads=4"), std::string::npos) << r.output;
+  r = run("sample --load " + weights + " --heads 4 --prompt 'ab' --tokens 4 --backend cpu --context 16");
+  EXPECT_EQ(r.code, 0) << r.output;
+  // A config.json that is not JSON is named.
+  {
+    std::ofstream f(config);
+    f << "{\"n_head\": 4,";
+  }
+  expect_rejected("train --load " + weights + kLoadRun, {"--load", config, "not valid JSON"});
+}
+
+TEST(LoadCli, AbsurdBlockNumberIsRefusedBeforeAnythingIsBuilt) {
+  // 3 MB: one block of width 256, named transformer.h.9999999.*. Taken at its word,
+  // the file would describe ten million layers.
+  CheckpointDir d("h9999999");
+  const spillway::GPTConfig one{1, 256, 4, 32, 256};
+  const std::string weights = d.file("huge.safetensors");
+  std::vector<spillway::SafetensorsTensor> tensors;
+  for (const spillway::ParamSpec& s : spillway::parameter_specs(one)) {
+    spillway::SafetensorsTensor t;
+    t.name = s.name;
+    const std::string block = "transformer.h.0.";
+    if (t.name.rfind(block, 0) == 0) t.name = "transformer.h.9999999." + t.name.substr(block.size());
+    t.shape = s.shape.dims;
+    if (s.conv1d) std::swap(t.shape[0], t.shape[1]);
+    t.values = [one, s]() -> spillway::Result<std::vector<float>> { return spillway::init_parameter(one, s, 1); };
+    tensors.push_back(std::move(t));
+  }
+  ASSERT_TRUE(spillway::write_safetensors(weights, tensors, {{"n_head", "4"}}).is_ok());
+  EXPECT_GT(std::filesystem::file_size(weights), 3u << 20);
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_rejected("train --load " + weights + kLoadRun,
+                  {"--load", weights, "h.0 … h.{L-1} with none missing", "1 block(s) (h.9999999) and no h.0"});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10.0) << "refusing took " << s << " s";
+}
+
+// The state a file of `spillway train --save` holds, as raw F32 bits per tensor.
+std::map<std::string, std::vector<uint32_t>> saved_bits(const std::string& path) {
+  std::map<std::string, std::vector<uint32_t>> out;
+  std::ifstream f(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (bytes.size() < 8) {
+    ADD_FAILURE() << path << " is " << bytes.size() << " bytes";
+    return out;
+  }
+  uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), 8);
+  auto h = nlohmann::json::parse(bytes.substr(8, header));
+  for (auto& [name, entry] : h.items()) {
+    if (name == "__metadata__") continue;
+    EXPECT_EQ(entry["dtype"], "F32") << name;
+    const uint64_t begin = entry["data_offsets"][0], end = entry["data_offsets"][1];
+    std::vector<uint32_t>& v = out[name];
+    v.resize((end - begin) / 4);
+    std::memcpy(v.data(), bytes.data() + 8 + header + begin, end - begin);
+  }
+  return out;
+}
+
+// `--lr 1e30` diverges: the run stops with exit code 1 at the step whose numbers are
+// not finite, naming it; the metrics stay JSON (null for the bad numbers); --save
+// writes the state from before that step, finite and bit for bit the state a run
+// that stopped one step earlier saves.
+TEST(TrainCli, DivergingRunStopsAtTheStepAndSavesTheLastGoodState) {
+  const std::string diverged = temp_path("diverged.safetensors"), good = temp_path("good.safetensors");
+  const std::string metrics = temp_path("diverged.jsonl");
+  std::filesystem::remove(diverged);
+  const std::string args = " --lr 1e30 --warmup 20 --eval-every 0 --seed 5 " + kSmall;  // lr: warmup, any --steps
+  CliRun r = run("train --steps 8 --save " + diverged + " --metrics " + metrics + args);
+  ASSERT_EQ(r.code, 1) << r.output;
+  const size_t at = r.output.find("spillway: error: ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  int failed = 0;
+  ASSERT_EQ(std::sscanf(r.output.c_str() + at, "spillway: error: InvalidArgument: step %d:", &failed), 1) << r.output;
+  ASSERT_GE(failed, 2) << "the first step already diverged: no trained state to compare\n" << r.output;
+  const std::string before = "those after step " + std::to_string(failed - 1);
+  for (const std::string& needle : {std::string("is nan"), std::string("not applied"), before, "saved them to " + diverged})
+    EXPECT_NE(r.output.find(needle), std::string::npos) << "'" << needle << "' not in: " << r.output;
+  EXPECT_EQ(r.output.find("final train loss"), std::string::npos) << r.output;
+
+  // One JSON line per step run, the failed one included.
+  std::ifstream lines(metrics);
+  std::string line;
+  int count = 0;
+  while (std::getline(lines, line)) {
+    ++count;
+    nlohmann::json j;
+    ASSERT_NO_THROW(j = nlohmann::json::parse(line)) << line;
+    EXPECT_EQ(j["step"].get<int>(), count);
+    if (count == failed) {
+      EXPECT_TRUE(j["grad_norm"].is_null()) << line;
+      EXPECT_TRUE(j["skipped"].get<bool>()) << line;
+    } else {
+      EXPECT_TRUE(j["loss"].is_number()) << line;
+    }
+  }
+  EXPECT_EQ(count, failed);
+
+  CliRun ok = run("train --steps " + std::to_string(failed - 1) + " --save " + good + args);
+  ASSERT_EQ(ok.code, 0) << ok.output;
+  const auto got = saved_bits(diverged), want = saved_bits(good);
+  ASSERT_FALSE(want.empty());
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, bits] : want) {
+    ASSERT_EQ(got.at(name), bits) << name;
+    for (uint32_t u : bits) ASSERT_NE(u & 0x7f800000u, 0x7f800000u) << name << " holds a non-finite value";
+  }
+  for (const std::string& p : {diverged, good, metrics}) std::filesystem::remove(p);
+}
+
+TEST(HostileFlags, HugeLayersOrAccumAreRefusedBeforeBuilding) {
+  // Each of these built programs for ever; now each is refused at once.
+  const std::string budgets = " --device-budget 64MiB --host-budget 1GiB";
+  for (const char* command : {"train --steps 1", "bench train --steps 2"}) {
+    expect_rejected(std::string(command) + " --layers 16000000 --width 32 --heads 2 --model-context 32 --backend cpu" + budgets,
+                    {"training state", "GiB", "--device-budget 64.00 MiB", "--host-budget 1.00 GiB", "--layers"});
+    expect_rejected(std::string(command) + " " + kSmall + " --accum 1000000000" + budgets,
+                    {"micro-batch inputs", "--accum 1000000000", "--host-budget"});
+    // Within the budgets (the CPU's device is unlimited), the op count caps it.
+    expect_rejected(std::string(command) + " " + kSmall + " --accum 1000000000",
+                    {"ops", "--accum 1000000000", "150000", "--layers"});
+  }
+  expect_rejected("plan --model tiny --machine cpu --accum 1000000000", {"micro-batch inputs", "--accum"});
+  expect_rejected("simulate --model tiny --machine cpu --layers 100000 --host-budget 1TB", {"ops", "--layers"});
+  expect_rejected("plan --model gpt2-124m --machine h200 --batch 1 --context 64 --accum 1000 --host-budget 1TB",
+                  {"ops", "more than 150000"});
 }
 
 }  // namespace

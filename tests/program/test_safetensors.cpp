@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -430,6 +432,209 @@ TEST(Safetensors, OverlappingOrGappedDataIsRefused) {
   auto ok = SafetensorsReader::open(path);
   ASSERT_TRUE(ok.ok()) << ok.status().to_string();
   EXPECT_EQ(ok->entries().size(), 3u);
+}
+
+namespace {
+
+// A transformers-style tiny GPT-2: width 128 with 4 heads of size 32, so the head
+// count cannot be read off the width; no n_head in the __metadata__.
+GPTConfig head32_config() { return GPTConfig{2, 128, 4, 16, 64}; }
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+}
+
+nlohmann::json hf_config_json(const GPTConfig& c) {
+  return {{"model_type", "gpt2"}, {"architectures", {"GPT2LMHeadModel"}}, {"activation_function", "gelu_new"},
+          {"n_layer", c.layers}, {"n_embd", c.width}, {"n_head", c.heads}, {"n_positions", c.context},
+          {"n_ctx", c.context}, {"vocab_size", c.vocab}, {"n_inner", nullptr}, {"layer_norm_epsilon", 1e-5}};
+}
+
+StatedGPTSizes flag_sizes(GPTConfig sizes) {
+  StatedGPTSizes f;
+  f.sizes = sizes;
+  f.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
+  return f;
+}
+
+}  // namespace
+
+TEST(Safetensors, HeadsComeFromConfigJsonMetadataOrFlagsNeverGuessed) {
+  TempDir d;
+  const GPTConfig c = head32_config();
+  const std::string path = d.file("model.safetensors");
+  const std::string config = d.file("config.json");
+  write_raw(path, hf_checkpoint(c, "F32"));
+
+  // No config.json, no n_head: an error asking for --heads (width/64 would give 2).
+  auto r = infer_gpt_config(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "--heads")) << r.status().message();
+  EXPECT_TRUE(contains(r.status().message(), "no config.json beside it (" + config + ")")) << r.status().message();
+  // The flag settles it.
+  r = infer_gpt_config(path, flag_sizes({0, 0, 4, 0, 0}));
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(*r, c);
+
+  // config.json beside the file, as transformers saves it.
+  write_text(config, hf_config_json(c).dump(2));
+  r = infer_gpt_config(path);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(*r, c);
+  EXPECT_EQ(r->heads, 4);
+  auto import = import_gpt2(path, *r);
+  EXPECT_TRUE(import.ok()) << import.status().to_string();
+  // Flags that agree are fine; one that disagrees names both values and their sources.
+  EXPECT_TRUE(infer_gpt_config(path, flag_sizes({2, 128, 4, 16, 64})).ok());
+  r = infer_gpt_config(path, flag_sizes({0, 0, 2, 0, 0}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "--heads 2 disagrees with n_head 4 (" + config + ")"))
+      << r.status().message();
+  r = infer_gpt_config(path, flag_sizes({3, 0, 0, 0, 0}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "--layers 3 disagrees with the weights: 2 block(s)")) << r.status().message();
+
+  // config.json without n_head: the error says so.
+  nlohmann::json j = hf_config_json(c);
+  j.erase("n_head");
+  write_text(config, j.dump());
+  r = infer_gpt_config(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), config + " has no n_head")) << r.status().message();
+  EXPECT_TRUE(contains(r.status().message(), "--heads")) << r.status().message();
+
+  // __metadata__ n_head, as export_gpt2 writes it, and a config.json that disagrees.
+  write_raw(path, hf_checkpoint(c, "F32"), {{"n_head", "4"}});
+  r = infer_gpt_config(path);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->heads, 4);
+  j["n_head"] = 8;
+  write_text(config, j.dump());
+  r = infer_gpt_config(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "n_head 4 (__metadata__ of " + path + ") disagrees with n_head 8 (" +
+                                                 config + ")"))
+      << r.status().message();
+}
+
+TEST(Safetensors, BadConfigJsonIsNamedWithItsKey) {
+  TempDir d;
+  const GPTConfig c = head32_config();
+  const std::string path = d.file("model.safetensors");
+  const std::string config = d.file("config.json");
+  write_raw(path, hf_checkpoint(c, "F32"));
+  auto expect_error = [&](const nlohmann::json& j, const std::vector<std::string>& parts) {
+    write_text(config, j.dump());
+    auto r = infer_gpt_config(path);
+    ASSERT_FALSE(r.ok()) << j.dump();
+    for (const std::string& part : parts) EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
+  };
+  auto with = [&](const std::string& key, const nlohmann::json& value) {
+    nlohmann::json j = hf_config_json(c);
+    j[key] = value;
+    return j;
+  };
+  expect_error(with("n_head", "4"), {config, "\"n_head\" is \"4\" (string); expected a positive integer"});
+  expect_error(with("n_head", 4.0), {config, "\"n_head\"", "(number); expected a positive integer"});
+  expect_error(with("n_head", 0), {config, "\"n_head\" is 0; expected a positive integer up to 2^24"});
+  expect_error(with("n_embd", -128), {config, "\"n_embd\" is -128"});
+  expect_error(with("vocab_size", nullptr), {config, "\"vocab_size\" is null"});
+  expect_error(with("model_type", "llama"), {config, "model_type is \"llama\""});
+  // Contradicting the weights: the key, its value and the weights' value.
+  expect_error(with("n_layer", 3), {"n_layer 3 (" + config + ") disagrees with the weights: 2 block(s), h.0 … h.1"});
+  expect_error(with("n_embd", 64), {"n_embd 64 (" + config + ") disagrees with the weights: width 128"});
+  expect_error(with("vocab_size", 50257), {"vocab_size 50257 (" + config + ") disagrees with the weights: vocab 64"});
+  expect_error(with("n_positions", 1024), {"n_positions 1024 (" + config + ") disagrees with the weights: context 16"});
+  // n_ctx counts only without n_positions.
+  nlohmann::json j = hf_config_json(c);
+  j["n_ctx"] = 1024;
+  write_text(config, j.dump());
+  EXPECT_TRUE(infer_gpt_config(path).ok());
+  j.erase("n_positions");
+  expect_error(j, {"n_ctx 1024 (" + config + ") disagrees with the weights: context 16"});
+  // Not JSON, or not an object.
+  write_text(config, "{\"n_head\": 4,");
+  auto r = infer_gpt_config(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), config + ": not valid JSON")) << r.status().message();
+  expect_error(nlohmann::json::array({1, 2}), {config, "not a JSON object"});
+  // A directory named config.json is not a config.
+  std::filesystem::remove(config);
+  std::filesystem::create_directory(config);
+  r = infer_gpt_config(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), config)) << r.status().message();
+}
+
+TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
+  TempDir d;
+  const GPTConfig c = micro_config();
+  const std::string path = d.file("blocks.safetensors");
+  const nlohmann::json heads = {{"n_head", "2"}};
+  auto renumber = [](std::vector<Raw> t, int from, const std::string& to) {
+    const std::string prefix = "h." + std::to_string(from) + ".";
+    for (Raw& r : t)
+      if (r.name.rfind(prefix, 0) == 0) r.name = "h." + to + "." + r.name.substr(prefix.size());
+    return t;
+  };
+  auto expect_error = [&](const std::vector<std::string>& parts) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = infer_gpt_config(path);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_FALSE(r.ok());
+    EXPECT_LT(s, 1.0) << "refusing took " << s << " s";
+    EXPECT_TRUE(contains(r.status().message(), path)) << r.status().message();
+    for (const std::string& part : parts) EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
+  };
+  // One layer, numbered 9999999: refused before 10 million layers are built.
+  GPTConfig one = c;
+  one.layers = 1;
+  write_raw(path, renumber(hf_checkpoint(one, "F32"), 0, "9999999"), heads);
+  expect_error({"h.0 … h.{L-1} with none missing", "1 block(s) (h.9999999) and no h.0"});
+  // The same with the transformer. prefix.
+  std::vector<Raw> t = renumber(hf_checkpoint(one, "F32"), 0, "9999999");
+  for (Raw& r : t) r.name = "transformer." + r.name;
+  write_raw(path, t, heads);
+  expect_error({"1 block(s) (h.9999999) and no h.0"});
+  // A gap.
+  GPTConfig three = c;
+  three.layers = 3;
+  write_raw(path, renumber(hf_checkpoint(three, "F32"), 1, "3"), heads);
+  expect_error({"3 block(s) (h.0, h.2, h.3) and no h.1"});
+  // Block numbers that are not plain numbers below 2^24.
+  write_raw(path, renumber(hf_checkpoint(one, "F32"), 0, "99999999999999999999999"), heads);
+  expect_error({"block number 99999999999999999999999 is not a plain number below 2^24"});
+  write_raw(path, renumber(hf_checkpoint(one, "F32"), 0, "16777216"), heads);
+  expect_error({"block number 16777216 is not a plain number below 2^24"});
+  write_raw(path, renumber(hf_checkpoint(c, "F32"), 1, "01"), heads);
+  expect_error({"tensor 'h.01.ln_1.weight': block number 01 is not a plain number"});
+  // An incomplete block.
+  t = hf_checkpoint(c, "F32");
+  std::erase_if(t, [](const Raw& r) { return r.name == "h.1.mlp.c_fc.bias" || r.name == "h.1.ln_1.weight"; });
+  write_raw(path, t, heads);
+  expect_error({"block h.1 is incomplete: it lacks 2 of its 12 parameters: h.1.ln_1.weight, h.1.mlp.c_fc.bias"});
+  // Complete by name, but the tensors are too small to be blocks of this width.
+  t = hf_checkpoint(c, "F32");
+  for (Raw& r : t)
+    if (r.name.rfind("h.", 0) == 0) {
+      r.shape = {1};
+      r.bytes = f32_bytes({0.5f});
+    }
+  write_raw(path, t, heads);
+  expect_error({"2 block(s) of width 8 need at least 872 values each (3488 bytes in all at 2 bytes a value)",
+                "the file's data is"});
+  // import_gpt2 asked for far more blocks than the file has: refused without
+  // listing every block's parameters.
+  write_raw(path, hf_checkpoint(c, "F32"), heads);
+  GPTConfig deep = c;
+  deep.layers = 1000000;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = import_gpt2(path, deep);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "it has 1000000 blocks, the file 2; the first missing is h.2"))
+      << r.status().message();
 }
 
 TEST(Safetensors, ExportChecksValueCounts) {
