@@ -98,9 +98,10 @@ class Scheduler {
         auto off = host_.allocate(host_bytes(id));
         if (!off.ok()) {
           std::string hint = budgets_.storage == 0 ? "; give --spill-dir so that state can live in storage" : "";
-          return Status::out_of_memory("host budget " + format_size(budgets_.host) +
-                                       " cannot hold the training state this plan keeps on host (" + name(id) +
-                                       " does not fit)" + hint);
+          host_short_ = true;
+        return Status::out_of_memory("host budget " + format_size(budgets_.host) +
+                                     " cannot hold the training state this plan keeps on host (" + name(id) +
+                                     " does not fit)" + hint);
         }
         s.host_buffer = true;
         s.host_offset = *off;
@@ -110,7 +111,11 @@ class Scheduler {
       } else {
         s.storage_valid = true;
         storage_extent_[t] = true;
-        storage_used_ += bytes(id);
+        storage_used_ += storage_bytes(id);
+        if (storage_used_ > storage_capacity_) {
+          storage_short_ = true;
+          return storage_too_small(id);
+        }
       }
     }
     for (size_t i = 0; i < p_.ops.size(); ++i) SPILLWAY_RETURN_IF_ERROR(schedule_op(static_cast<int>(i)));
@@ -129,6 +134,9 @@ class Scheduler {
   }
 
   int recomputes() const { return recomputes_; }
+  // Why run() failed: no host room (more state in storage may help), or no storage room.
+  bool host_short() const { return host_short_; }
+  bool storage_short() const { return storage_short_; }
 
  private:
   struct State {
@@ -145,6 +153,17 @@ class Scheduler {
   };
 
   uint64_t bytes(TensorId t) const { return p_.tensors.info(t).bytes(); }
+  // Storage extents are 4096-aligned blocks (StorageStore), one per tensor, kept all run.
+  uint64_t storage_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), 4096); }
+  bool storage_has_room(TensorId t) const {
+    return storage_extent_[t] || storage_used_ + storage_bytes(t) <= storage_capacity_;
+  }
+  Status storage_too_small(TensorId t) const {
+    return Status::out_of_memory("storage budget " + format_size(budgets_.storage) + " is too small: " +
+                                 format_size(storage_used_ - (storage_extent_[t] ? storage_bytes(t) : 0)) +
+                                 " of spill extents in use, " + name(t) + " needs " + format_size(storage_bytes(t)) +
+                                 " more");
+  }
   // Host buffers are 4096-aligned blocks (O_DIRECT), so a buffer takes this much.
   uint64_t host_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), 4096); }
   uint64_t device_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), align_); }
@@ -186,7 +205,10 @@ class Scheduler {
       if (persistent(id) && c_.home[t] == Tier::Host) continue;  // lives there
       bool dead = !persistent(id) && next_use(id, now) == kNever;
       bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
-      if (only_copy && !dead && budgets_.storage == 0) continue;
+      if (only_copy && !dead && !storage_has_room(id)) {
+        if (budgets_.storage != 0) storage_short_ = true;
+        continue;
+      }
       int use = dead ? kNever : next_use(id, now);
       if (use > best_use) {
         best_use = use;
@@ -217,7 +239,7 @@ class Scheduler {
   void store(TensorId t) {
     if (!storage_extent_[t]) {
       storage_extent_[t] = true;
-      storage_used_ += bytes(t);
+      storage_used_ += storage_bytes(t);
     }
     st_[t].storage_valid = true;
   }
@@ -241,6 +263,7 @@ class Scheduler {
     while (!try_host_buffer(t)) {
       SPILLWAY_ASSIGN_OR_RETURN(bool freed, free_one_host_buffer(now));
       if (!freed) {
+        host_short_ = true;
         std::string hint = budgets_.storage == 0
                                ? "; give --spill-dir (and a storage budget) so that state can spill to storage"
                                : "";
@@ -657,6 +680,9 @@ class Scheduler {
   std::vector<bool> storage_extent_ = std::vector<bool>(p_.tensors.size(), false);
   std::set<TensorId> locked_;
   std::vector<Instruction> out_;
+  // Spill extents may take this much: the storage budget in whole 4096-byte blocks.
+  const uint64_t storage_capacity_ = budgets_.storage / 4096 * 4096;
+  bool host_short_ = false, storage_short_ = false;
   uint64_t max_end_ = 0;
   uint64_t host_end_ = 0, storage_used_ = 0;
   std::vector<uint64_t> home_host_offset_ = std::vector<uint64_t>(p_.tensors.size(), 0);  // [tensors]
@@ -689,12 +715,13 @@ uint64_t host_footprint(const Program& program, TensorId t) {
   return align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), 4096);
 }
 
-// Keeps a quarter of the host budget for swapped activations and transfers; the
-// host-homed state that does not fit in the rest goes to storage, moments first,
-// then master weights, then parameters (gradients stay: the optimizer reads them
-// every step).
-void spill_homes_to_storage(const Program& program, const Budgets& budgets, Config& c) {
-  if (budgets.storage == 0 || budgets.host == UINT64_MAX) return;
+// Host-homed state beyond `quarters`/4 of the host budget goes to storage, moments
+// first, then master weights, then parameters (gradients stay: the optimizer reads
+// them every step); the rest of the host budget is for swapped activations and
+// transfers. Only as much as the storage budget holds moves. Returns false when
+// state that should have moved stayed on host because storage is full.
+bool spill_homes_to_storage(const Program& program, const Budgets& budgets, Config& c, int quarters) {
+  if (budgets.storage == 0 || budgets.host == UINT64_MAX) return true;
   uint64_t host_bytes = 0;
   std::vector<std::pair<int, TensorId>> movable;  // (spill priority, tensor)
   for (size_t t = 0; t < c.home.size(); ++t) {
@@ -706,13 +733,22 @@ void spill_homes_to_storage(const Program& program, const Budgets& budgets, Conf
     else if (k == StateClass::Master) movable.emplace_back(1, id);
     else if (k == StateClass::Param) movable.emplace_back(2, id);
   }
-  const uint64_t limit = budgets.host - budgets.host / 4;
+  const uint64_t limit = budgets.host - budgets.host / 4 * static_cast<uint64_t>(4 - quarters);
+  uint64_t storage_left = budgets.storage / 4096 * 4096;
+  bool stayed = false;
   std::stable_sort(movable.begin(), movable.end(), [](auto& a, auto& b) { return a.first < b.first; });
   for (auto& [prio, id] : movable) {
     if (host_bytes <= limit) break;
+    const uint64_t extent = host_footprint(program, id);  // 4096-aligned, as storage extents are
+    if (extent > storage_left) {
+      stayed = true;
+      continue;
+    }
+    storage_left -= extent;
     c.home[id] = Tier::Storage;
-    host_bytes -= host_footprint(program, id);
+    host_bytes -= extent;
   }
+  return !stayed;
 }
 
 void assign_device_offsets(const Program& program, Config& c, size_t alignment) {
@@ -743,7 +779,6 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
                       (offload >= 2 && k == StateClass::Param);
     if (off_device) c.home[t] = Tier::Host;
   }
-  spill_homes_to_storage(program, budgets, c);
   assign_device_offsets(program, c, alignment);
   return c;
 }
@@ -842,9 +877,10 @@ std::vector<int> layer_major_order(const Program& p) {
 
 // Schedules `program` in the given op order (position → op index; empty = program
 // order); the plan's Run instructions and op_place refer to the program's own
-// op indices.
-Result<Plan> schedule(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
-                      size_t alignment, const std::vector<int>& order = {}) {
+// op indices. Sets *host_short / *storage_short when it fails for want of host or
+// storage room.
+Result<Plan> schedule_once(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
+                           size_t alignment, const std::vector<int>& order, bool* host_short, bool* storage_short) {
   Program ordered;
   const Program* run = &program;
   if (!order.empty()) {
@@ -855,7 +891,10 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
     run = &ordered;
   }
   Scheduler s(*run, machine, budgets, c, alignment);
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, s.run());
+  auto scheduled = s.run();
+  *host_short = s.host_short();
+  *storage_short = s.storage_short();
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, std::move(scheduled));
   if (!order.empty())
     for (Instruction& in : plan.instructions)
       if (in.kind == InstrKind::Run) in.op = order[in.op];
@@ -869,6 +908,51 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
     << s.recomputes() << " recomputed ops per step";
   plan.description = d.str();
   return plan;
+}
+
+// Schedules with the host-homed state of `c` placed between host and storage. With a
+// storage tier and a host budget, the state beyond 3/4 of the host budget goes to
+// storage; when the step then runs out of host room (too little left for transfers,
+// or too fragmented), more goes — beyond 1/2, 1/4, then all of it that can — since a
+// larger host budget must never fail where a smaller one plans. When storage is what
+// is short, says how much this plan needs.
+Result<Plan> schedule(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
+                      size_t alignment, const std::vector<int>& order = {}) {
+  const bool can_spill = budgets.storage != 0 && budgets.host != UINT64_MAX;
+  const Config base = c;
+  std::vector<Tier> tried;
+  Status last = Status::ok();
+  bool storage_short = false;
+  for (int quarters = 3; quarters >= 0; --quarters) {
+    Config k = base;
+    if (can_spill && !spill_homes_to_storage(program, budgets, k, quarters)) storage_short = true;
+    if (k.home == tried) continue;  // the same homes as the last try
+    tried = k.home;
+    bool host_short = false, storage_full = false;
+    auto plan = schedule_once(program, machine, budgets, k, alignment, order, &host_short, &storage_full);
+    if (plan.ok()) {
+      c = k;
+      return plan;
+    }
+    storage_short = storage_short || storage_full;
+    last = plan.status();
+    if (!can_spill || !host_short) break;  // more state in storage would not help
+  }
+  if (storage_short && last.code() == StatusCode::OutOfMemory) {
+    // What this plan needs: the same plan with storage to spare.
+    Budgets roomy = budgets;
+    roomy.storage = uint64_t{1} << 52;  // never short: no further recursion
+    Config k = base;
+    auto need = schedule(program, machine, roomy, k, alignment, order);
+    if (need.ok())
+      return Status::out_of_memory("storage budget " + format_size(budgets.storage) + " is too small: this plan spills " +
+                                   format_size(need->storage_bytes) + " (training state and swapped activations, in " +
+                                   "4096-byte extents) under host budget " + format_size(budgets.host) +
+                                   "; give --storage-budget " + std::to_string((need->storage_bytes + (1 << 20) - 1) >> 20) +
+                                   "MiB or more, or free space in the spill directory (without --storage-budget the "
+                                   "budget is 90% of its free space), or a larger --host-budget");
+  }
+  return last;
 }
 
 }  // namespace
@@ -939,7 +1023,6 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       c.home.assign(program.tensors.size(), Tier::Host);
       for (TensorId t : program.inputs) c.home[t] = Tier::Device;
       for (TensorId t : program.outputs) c.home[t] = Tier::Device;
-      spill_homes_to_storage(program, budgets, c);
       assign_device_offsets(program, c, alignment);
       c.belady = false;
       c.prefetch = options.learned_prefetch ? 1 : 0;
