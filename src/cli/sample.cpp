@@ -20,7 +20,8 @@ namespace {
 
 struct SampleFlags {
   std::string load;
-  int heads = 0;  // when neither config.json nor the file's metadata says
+  int heads = 0;                         // when neither config.json nor the file's metadata says
+  bool allow_nonfinite_weights = false;  // accept NaN and Inf in the weights
   std::string prompt = "\n";
   int tokens = 200;
   int context = 0;  // tokens the model sees per prediction; 0 = its context
@@ -55,7 +56,7 @@ Status run_sample(const SampleFlags& f) {
   SamplerOptions options;
   options.window = window;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Sampler> sampler, Sampler::create(*backend, *cfg, options));
-  SPILLWAY_RETURN_IF_ERROR(sampler->load(f.load).with_context("--load"));
+  SPILLWAY_RETURN_IF_ERROR(sampler->load(f.load, {.allow_nonfinite = f.allow_nonfinite_weights}).with_context("--load"));
   SPILLWAY_ASSIGN_OR_RETURN(std::vector<int32_t> out,
                             sampler->generate(prompt, f.tokens, {.temperature = f.temperature, .seed = f.seed}));
   std::cout << f.prompt << byte_decode(out.data(), out.size()) << "\n";
@@ -69,6 +70,8 @@ CommandRegistration sample_command("sample", "generate text from a trained byte-
   app.add_option("--load", f->load, "weights (safetensors) to sample from")->required();
   app.add_option("--heads", f->heads,
                  "attention heads, when neither config.json beside the weights nor their __metadata__ says");
+  app.add_flag("--allow-nonfinite-weights", f->allow_nonfinite_weights,
+               "load weights with NaN or Inf values (refused by default)");
   app.add_option("--prompt", f->prompt, "text to continue");
   app.add_option("--tokens", f->tokens, "tokens (bytes) to generate")->capture_default_str();
   app.add_option("--context", f->context,

@@ -37,6 +37,7 @@ struct TrainFlags {
   uint64_t seed = 1337;
   int eval_every = 100, eval_batches = 20;
   std::string save, save_grads, load, metrics, trace;
+  bool allow_nonfinite_weights = false;  // --load: accept NaN and Inf in the weights
   bool quiet = false;
 };
 
@@ -155,7 +156,7 @@ Status run_train(const TrainFlags& f) {
   o.spill_dir = mem.spill_dir;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
   if (!f.load.empty()) {
-    SPILLWAY_RETURN_IF_ERROR(trainer->load_parameters(f.load).with_context("--load"));
+    SPILLWAY_RETURN_IF_ERROR(trainer->load_parameters(f.load, {.allow_nonfinite = f.allow_nonfinite_weights}).with_context("--load"));
   } else {
     SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
   }
@@ -273,6 +274,8 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
                  "write the last step's gradients (safetensors, the same names and layout), to compare with PyTorch");
   app.add_option("--load", f->load, "start from these weights (safetensors; sizes from its shapes, heads from config.json beside it, its "
                  "__metadata__ or --heads)");
+  app.add_flag("--allow-nonfinite-weights", f->allow_nonfinite_weights,
+               "--load weights with NaN or Inf values (refused by default)");
   app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
   app.add_option("--trace", f->trace, "write a Perfetto trace of step 2 (step 1 with --steps 1)");
   app.add_flag("--quiet", f->quiet, "no banner or progress line on stderr (the summary still goes to stdout)");

@@ -542,6 +542,18 @@ Result<std::vector<const SafetensorsEntry*>> match_gpt2(const SafetensorsReader&
   return found;
 }
 
+// "element 37 (index [4, 5] of [8, 24])": a flat index in stored order and its coordinates.
+std::string element_text(const SafetensorsEntry& e, size_t flat) {
+  std::vector<int64_t> idx(e.shape.size());
+  size_t rem = flat;
+  for (size_t d = e.shape.size(); d-- > 0;) {
+    const size_t dim = static_cast<size_t>(e.shape[d]);
+    idx[d] = static_cast<int64_t>(rem % dim);
+    rem /= dim;
+  }
+  return "element " + std::to_string(flat) + " (index " + shape_text(idx) + " of " + shape_text(e.shape) + ")";
+}
+
 }  // namespace
 
 std::string StatedGPTSizes::describe(size_t field) const {
@@ -680,25 +692,43 @@ Result<GPTConfig> infer_gpt_config(const std::string& path, const StatedGPTSizes
 }
 
 Status import_gpt2(const std::string& path, const GPTConfig& cfg,
-                   const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink) {
+                   const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink,
+                   const ImportOptions& options) {
   SPILLWAY_RETURN_IF_ERROR(cfg.validate());
   SPILLWAY_ASSIGN_OR_RETURN(SafetensorsReader file, SafetensorsReader::open(path));
   SPILLWAY_ASSIGN_OR_RETURN(std::vector<const SafetensorsEntry*> found, match_gpt2(file, cfg));
   std::vector<ParamSpec> specs = parameter_specs(cfg);
   for (size_t p = 0; p < specs.size(); ++p) {
-    SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, file.read_f32(*found[p]));
+    const SafetensorsEntry& e = *found[p];
+    SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, file.read_f32(e));
+    if (!options.allow_nonfinite) {
+      // By the bits, so that no compiler flag can fold the test away.
+      auto bad = std::find_if(v.begin(), v.end(), [](float x) {
+        return (std::bit_cast<uint32_t>(x) & 0x7f800000u) == 0x7f800000u;
+      });
+      if (bad != v.end()) {
+        const uint32_t bits = std::bit_cast<uint32_t>(*bad);
+        const char* what = (bits & 0x7fffffu) ? "NaN" : (bits >> 31) ? "-Inf" : "+Inf";
+        return Status::invalid_argument("safetensors file " + path + ": tensor '" + e.name + "' " +
+                                        element_text(e, static_cast<size_t>(bad - v.begin())) + " is " + what +
+                                        "; weights must be finite (--allow-nonfinite-weights loads them anyway)");
+      }
+    }
     if (specs[p].conv1d) v = transpose(v, specs[p].shape[1], specs[p].shape[0]);
     SPILLWAY_RETURN_IF_ERROR(sink(specs[p], std::move(v)));
   }
   return Status::ok();
 }
 
-Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg) {
+Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg, const ImportOptions& options) {
   GPTWeights w;
-  SPILLWAY_RETURN_IF_ERROR(import_gpt2(path, cfg, [&](const ParamSpec& s, std::vector<float>&& v) {
-    w.emplace(s.name, std::move(v));
-    return Status::ok();
-  }));
+  SPILLWAY_RETURN_IF_ERROR(import_gpt2(
+      path, cfg,
+      [&](const ParamSpec& s, std::vector<float>&& v) {
+        w.emplace(s.name, std::move(v));
+        return Status::ok();
+      },
+      options));
   return w;
 }
 

@@ -113,12 +113,20 @@ Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path);
 Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file, const StatedGPTSizes& flags = {});
 Result<GPTConfig> infer_gpt_config(const std::string& path, const StatedGPTSizes& flags = {});
 
-// Reads every parameter of `cfg`, handing each to `sink` as soon as it is read.
-// Errors name the file and list every missing tensor, or the tensor whose shape or
-// dtype is wrong (expected vs got); unknown tensors are an error too.
+struct ImportOptions {
+  // Load NaN and ±Inf as they are (--allow-nonfinite-weights). By default the first
+  // non-finite value is an error naming the tensor and the element.
+  bool allow_nonfinite = false;
+};
+
+// Reads every parameter of `cfg`, handing each to `sink` as soon as it is read (and
+// checked to be finite). Errors name the file and list every missing tensor, or the
+// tensor whose shape or dtype is wrong (expected vs got), or the first non-finite
+// element; unknown tensors are an error too.
 Status import_gpt2(const std::string& path, const GPTConfig& cfg,
-                   const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink);
-Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg);
+                   const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink,
+                   const ImportOptions& options = {});
+Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg, const ImportOptions& options = {});
 
 // Writes every parameter of `cfg`, asking `source` for each in ParamSpec order.
 Status export_gpt2(const std::string& path, const GPTConfig& cfg,

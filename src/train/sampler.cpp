@@ -63,10 +63,10 @@ Status Sampler::set_parameter(const std::string& name, const std::vector<float>&
   return write_named_floats(*executor_, program_, name, values);
 }
 
-Status Sampler::load(const std::string& path) {
-  return import_gpt2(path, cfg_, [&](const ParamSpec& p, std::vector<float>&& values) {
-    return set_parameter(p.name, values);
-  });
+Status Sampler::load(const std::string& path, const ImportOptions& options) {
+  return import_gpt2(
+      path, cfg_, [&](const ParamSpec& p, std::vector<float>&& values) { return set_parameter(p.name, values); },
+      options);
 }
 
 Result<std::vector<float>> Sampler::next_logits(const std::vector<int32_t>& context) {

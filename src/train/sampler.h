@@ -26,6 +26,7 @@
 #include "core/status.h"
 #include "exec/executor.h"
 #include "model/gpt.h"
+#include "model/safetensors.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 
@@ -47,8 +48,9 @@ class Sampler {
  public:
   static Result<std::unique_ptr<Sampler>> create(Backend& backend, const GPTConfig& cfg,
                                                  const SamplerOptions& options = {});
-  // Parameters from a safetensors checkpoint of this config.
-  Status load(const std::string& path);
+  // Parameters from a safetensors checkpoint of this config (non-finite values
+  // refused unless options.allow_nonfinite).
+  Status load(const std::string& path, const ImportOptions& options = {});
   // Sets one parameter (ParamSpec name) from F32 values.
   Status set_parameter(const std::string& name, const std::vector<float>& values);
   // Generates `count` tokens after `prompt` (which must not be empty); returns the

@@ -221,11 +221,14 @@ Status Trainer::init_parameters() {
   return Status::ok();
 }
 
-Status Trainer::load_parameters(const std::string& path) {
-  return import_gpt2(path, options_.model, [&](const ParamSpec& p, std::vector<float>&& values) -> Status {
-    SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values));
-    return zero_moments(p);
-  });
+Status Trainer::load_parameters(const std::string& path, const ImportOptions& options) {
+  return import_gpt2(
+      path, options_.model,
+      [&](const ParamSpec& p, std::vector<float>&& values) -> Status {
+        SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values));
+        return zero_moments(p);
+      },
+      options);
 }
 
 Status Trainer::save(const std::string& path) {

@@ -53,6 +53,7 @@
 #include "core/status.h"
 #include "exec/executor.h"
 #include "model/gpt.h"
+#include "model/safetensors.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "train/data.h"
@@ -130,8 +131,9 @@ class Trainer {
   Status init_parameters();
   // Parameters from a safetensors checkpoint whose config equals options.model
   // (use infer_gpt_config first); moments zeroed. Importer errors name the file
-  // and the missing or mis-shaped tensor.
-  Status load_parameters(const std::string& path);
+  // and the missing or mis-shaped tensor, or the first non-finite value (refused
+  // unless options.allow_nonfinite).
+  Status load_parameters(const std::string& path, const ImportOptions& options = {});
   // Writes the master weights (F32) with Hugging Face GPT-2 names.
   Status save(const std::string& path);
   // Writes the gradients of the last step (F32, the same names and layout as

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -302,6 +303,25 @@ TEST(LoadCli, HeadsComeFromConfigJsonOrHeadsNeverFromTheWidth) {
     f << "{\"n_head\": 4,";
   }
   expect_rejected("train --load " + weights + kLoadRun, {"--load", config, "not valid JSON"});
+}
+
+TEST(LoadCli, NonFiniteWeightsAreRefusedUnlessAllowed) {
+  CheckpointDir d("nan_weights");
+  const spillway::GPTConfig c{1, 32, 2, 32, 256};
+  const std::string weights = d.file("nan.safetensors");
+  // A NaN in a row of wpe past --context 16, so a run that loads it anyway trains.
+  write_hf_gpt2(weights, c, {{"n_head", "2"}}, [](const std::string& name, std::vector<float>& v) {
+    if (name == "transformer.wpe.weight") v[20 * 32 + 3] = std::numeric_limits<float>::quiet_NaN();
+  });
+  expect_rejected("train --load " + weights + kLoadRun,
+                  {"--load", weights, "tensor 'wpe.weight' element 643 (index [20, 3] of [32, 32]) is NaN",
+                   "--allow-nonfinite-weights"});
+  expect_rejected("sample --load " + weights + " --prompt 'ab' --tokens 4 --backend cpu --context 16",
+                  {"--load", "'wpe.weight' element 643", "--allow-nonfinite-weights"});
+  CliRun r = run("train --load " + weights + " --allow-nonfinite-weights" + kLoadRun);
+  EXPECT_EQ(r.code, 0) << r.output;
+  r = run("sample --load " + weights + " --allow-nonfinite-weights --prompt 'ab' --tokens 4 --backend cpu --context 16");
+  EXPECT_EQ(r.code, 0) << r.output;
 }
 
 TEST(LoadCli, AbsurdBlockNumberIsRefusedBeforeAnythingIsBuilt) {

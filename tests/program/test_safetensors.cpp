@@ -151,7 +151,7 @@ TEST(Safetensors, ExportImportRoundTripIsBitExact) {
   std::string path = d.file("tiny.safetensors");
   Status s = export_gpt2(path, c, w);
   ASSERT_TRUE(s.is_ok()) << s.to_string();
-  auto back = import_gpt2(path, c);
+  auto back = import_gpt2(path, c, {.allow_nonfinite = true});
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   ASSERT_EQ(back->size(), w.size());
   for (const auto& [name, values] : w) EXPECT_TRUE(same_bits(values, back->at(name))) << name;
@@ -635,6 +635,66 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "it has 1000000 blocks, the file 2; the first missing is h.2"))
       << r.status().message();
+}
+
+TEST(Safetensors, NonFiniteWeightsAreRefusedUnlessAllowed) {
+  TempDir d;
+  const GPTConfig c = micro_config();
+  const std::string path = d.file("nan.safetensors");
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // F32: a NaN in a Conv1D weight, named with its place in the file's [in, out] layout.
+  std::vector<Raw> t = hf_checkpoint(c, "F32");
+  for (Raw& r : t)
+    if (r.name == "h.1.mlp.c_fc.weight") {
+      // [8, 32]: element 37 is [1, 5]; a later Inf is not the first.
+      std::memcpy(r.bytes.data() + 37 * 4, &nan, 4);
+      std::memcpy(r.bytes.data() + 100 * 4, &inf, 4);
+    }
+  write_raw(path, t);
+  auto r = import_gpt2(path, c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), path)) << r.status().message();
+  EXPECT_TRUE(contains(r.status().message(),
+                       "tensor 'h.1.mlp.c_fc.weight' element 37 (index [1, 5] of [8, 32]) is NaN"))
+      << r.status().message();
+  EXPECT_TRUE(contains(r.status().message(), "--allow-nonfinite-weights")) << r.status().message();
+  auto allowed = import_gpt2(path, c, {.allow_nonfinite = true});
+  ASSERT_TRUE(allowed.ok()) << allowed.status().to_string();
+  // Ours is [out, in] = [32, 8]: file element (1, 5) is ours (5, 1).
+  EXPECT_TRUE(std::isnan(allowed->at("transformer.h.1.mlp.c_fc.weight")[5 * 8 + 1]));
+  // The sink is not called for the tensor with the bad value, nor after it.
+  std::vector<std::string> sunk;
+  Status s = import_gpt2(path, c, [&](const ParamSpec& p, std::vector<float>&&) {
+    sunk.push_back(p.name);
+    return Status::ok();
+  });
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(std::count(sunk.begin(), sunk.end(), "transformer.h.1.mlp.c_fc.weight"), 0);
+  EXPECT_EQ(std::count(sunk.begin(), sunk.end(), "transformer.ln_f.bias"), 0);
+  // BF16 -Inf and F16 +Inf in a 1-D tensor.
+  t = hf_checkpoint(c, "BF16");
+  for (Raw& r : t)
+    if (r.name == "wpe.weight") {
+      const uint16_t minus_inf = 0xff80;
+      std::memcpy(r.bytes.data() + 2 * 2, &minus_inf, 2);
+    }
+  write_raw(path, t);
+  r = import_gpt2(path, c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "tensor 'wpe.weight' element 2 (index [0, 2] of [4, 8]) is -Inf"))
+      << r.status().message();
+  t = hf_checkpoint(c, "F16");
+  for (Raw& r : t)
+    if (r.name == "ln_f.bias") {
+      const uint16_t plus_inf = 0x7c00;
+      std::memcpy(r.bytes.data() + 7 * 2, &plus_inf, 2);
+    }
+  write_raw(path, t);
+  r = import_gpt2(path, c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "tensor 'ln_f.bias' element 7 (index [7] of [8]) is +Inf"))
+      << r.status().message();
+  EXPECT_TRUE(import_gpt2(path, c, {.allow_nonfinite = true}).ok());
 }
 
 TEST(Safetensors, ExportChecksValueCounts) {
