@@ -6,10 +6,16 @@
 //
 // The first step warms up and is not timed. MFU = Program::flops() / step time /
 // peak: 784 TFLOP/s (H200 dense bf16) on CUDA; on the CPU the achieved GFLOP/s is
-// printed instead.
+// printed instead. "device used" is the process's device memory beyond the CUDA
+// context (Backend::device_used_bytes, from cudaMemGetInfo) after the steps, and its
+// peak sampled at every allocation: what --device-budget bounds. --json FILE writes
+// the figures as one JSON object.
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <string>
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
@@ -28,6 +34,7 @@ struct BenchTrainFlags {
   int steps = 5, batch = 8, context = 0, accum = 1;
   uint64_t seed = 1337;
   bool profile = false;
+  std::string json;  // file for the JSON summary ("" = none)
 };
 
 // The time split of one profiled step: matrix products, attention, other kernels of
@@ -139,6 +146,23 @@ Status run_bench(const BenchTrainFlags& f) {
               last.recomputed_ops);
   std::printf("peaks         device %s, host %s, storage %s\n", format_size(last.peak_device_bytes).c_str(),
               format_size(last.peak_host_bytes).c_str(), format_size(last.peak_storage_bytes).c_str());
+  const uint64_t used = backend->device_used_bytes(), used_peak = backend->device_peak_bytes();
+  const uint64_t budget = o.budgets.device;
+  std::printf("device used   %s now, %s at the peak (beyond the %s; budget %s)\n", format_size(used).c_str(),
+              format_size(used_peak).c_str(), backend->name() == "cuda" ? "CUDA context, cudaMemGetInfo" : "backend",
+              budget == UINT64_MAX ? "unlimited" : format_size(budget).c_str());
+  if (!f.json.empty()) {
+    std::FILE* out = std::fopen(f.json.c_str(), "w");
+    if (!out) return Status::io_error("--json " + f.json + ": cannot open for writing: " + std::strerror(errno));
+    const int n = std::fprintf(out,
+        "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
+        "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s}\n",
+        backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
+        static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
+        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str());
+    const bool closed = std::fclose(out) == 0;
+    if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
+  }
   if (f.profile) print_profile(trainer->program(), profile, step_s);
   return Status::ok();
 }
@@ -154,6 +178,8 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
   app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
   app.add_option("--accum", f->accum, "micro-batches per step")->capture_default_str();
   app.add_option("--seed", f->seed, "parameters and random tokens")->capture_default_str();
+  app.add_option("--json", f->json, "also write the figures (tokens/s, step time, device memory used beyond the "
+                                     "CUDA context and its peak, the budget) to this file as one JSON object");
   add_memory_flags(app, f->memory);
   return [f]() -> int {
     Status s = run_bench(*f);

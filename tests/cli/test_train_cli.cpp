@@ -181,6 +181,33 @@ TEST(BenchTrainCli, ReportsThroughput) {
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
 }
 
+// bench train reports the device memory the process used (printed and as JSON), and
+// a budgeted run's peak, workspace included, stays within --device-budget.
+TEST(BenchTrainCli, ReportsDeviceMemoryUsedWithinTheBudget) {
+  const std::string json = temp_path("bench_memory.json");
+  auto read_json = [](const std::string& path) {
+    std::ifstream in(path);
+    return nlohmann::json::parse(in);
+  };
+  CliRun free_run = run("bench train --steps 2 --json " + json + " " + kSmall);
+  ASSERT_EQ(free_run.code, 0) << free_run.output;
+  EXPECT_NE(free_run.output.find("device used"), std::string::npos) << free_run.output;
+  const nlohmann::json a = read_json(json);
+  EXPECT_TRUE(a["device_budget_bytes"].is_null());
+  const uint64_t used = a["device_used_peak_bytes"].get<uint64_t>();
+  EXPECT_GE(used, a["peak_device_bytes"].get<uint64_t>());
+  EXPECT_GE(used, a["device_used_bytes"].get<uint64_t>());
+  const uint64_t budget = used / 2 / 64 * 64;
+  CliRun tight = run("bench train --steps 2 --policy planned --device-budget " + std::to_string(budget) + " --json " +
+                     json + " " + kSmall);
+  ASSERT_EQ(tight.code, 0) << tight.output;
+  const nlohmann::json b = read_json(json);
+  EXPECT_EQ(b["device_budget_bytes"].get<uint64_t>(), budget);
+  EXPECT_LE(b["device_used_peak_bytes"].get<uint64_t>(), budget);
+  EXPECT_GT(b["device_used_peak_bytes"].get<uint64_t>(), 0u);
+  std::filesystem::remove(json);
+}
+
 TEST(BenchTrainCli, ProfileSplitsOneStep) {
   CliRun r = run("bench train --steps 2 --profile " + kSmall);
   ASSERT_EQ(r.code, 0) << r.output;
@@ -437,7 +464,7 @@ TEST(HostileFlags, HugeLayersOrAccumAreRefusedBeforeBuilding) {
                     {"ops", "--accum 1000000000", "150000", "--layers"});
   }
   expect_rejected("plan --model tiny --machine cpu --accum 1000000000", {"micro-batch inputs", "--accum"});
-  expect_rejected("simulate --model tiny --machine cpu --layers 100000 --host-budget 1TB", {"ops", "--layers"});
+  expect_rejected("simulate --model tiny --machine cpu --layers 100000 --host-budget 100TB", {"ops", "--layers"});
   expect_rejected("plan --model gpt2-124m --machine h200 --batch 1 --context 64 --accum 1000 --host-budget 1TB",
                   {"ops", "more than 150000"});
 }
