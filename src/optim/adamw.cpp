@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "core/thread_pool.h"
 #include "optim/adamw_kernel.h"
@@ -83,6 +85,15 @@ void adamw_range_scalar(DType dtype, const AdamWRange& r, size_t begin, size_t e
     for (size_t i = begin; i < end; ++i) adamw_element<false>(r, i);
 }
 
+void adamw_range_skip(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool /*stream*/) {
+  if (dtype == DType::BF16) {
+    auto* param = static_cast<uint16_t*>(r.param);
+    for (size_t i = begin; i < end; ++i) param[i] = round_bf16(float_bits(r.master[i]));
+  } else {
+    std::memcpy(static_cast<float*>(r.param) + begin, r.master + begin, (end - begin) * sizeof(float));
+  }
+}
+
 }  // namespace optim_detail
 
 AdamWHyper adamw_hyper(float lr, int64_t step, float weight_decay, float beta1, float beta2, float eps) {
@@ -120,7 +131,9 @@ void adamw_host(DType param_dtype, void* param, float* master, float* m, float* 
                 const float* scale_norm, size_t n, const AdamWHyper& hyper) {
   if (n == 0) return;
   const AdamWRange r{param, master, m, v, grad, scale_norm[0], hyper};
-  const RangeKernel kernel = kernel_for(adamw_simd_level());
+  // A skipped step (non-finite norm): param = rounded master, the rest untouched.
+  const RangeKernel kernel =
+      adamw_step_skipped(scale_norm) ? optim_detail::adamw_range_skip : kernel_for(adamw_simd_level());
   const bool stream = n >= kStreamMin && aligned64(param);
   if (n < kParallelMin) {
     kernel(param_dtype, r, 0, n, stream);
@@ -140,6 +153,7 @@ void clip_scale_host(float* scale_norm, const float* squared_norms, int P, float
   for (int i = 0; i < P; ++i) sum += static_cast<double>(squared_norms[i]);
   double norm = std::sqrt(sum);
   double scale = norm > static_cast<double>(max_norm) ? static_cast<double>(max_norm) / (norm + 1e-6) : 1.0;
+  if (!std::isfinite(norm)) scale = std::numeric_limits<double>::quiet_NaN();  // the step is skipped
   scale_norm[0] = static_cast<float>(scale);
   scale_norm[1] = static_cast<float>(norm);
 }

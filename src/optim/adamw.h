@@ -21,8 +21,17 @@
 // Clipping: clip_scale reads the P per-tensor squared norms, sums them in index
 // order in double, norm = sqrt(sum); scale = max_norm / (norm + 1e-6) when
 // norm > max_norm, else 1. Outputs {scale, norm} as F32.
+//
+// A step with a non-finite gradient norm is skipped, not applied: when the norm is
+// NaN or infinite, clip_scale writes scale = NaN (and the norm as it is), and every
+// AdamW kernel (host scalar and SIMD, device) given a non-finite scale changes
+// nothing: master, m and v keep their bits and param is rewritten as master rounded
+// to the param dtype — the value it held before the step, since param is always the
+// rounded master (param is write-only in the step, so it must be written). A finite
+// scale takes the arithmetic above unchanged, so normal runs keep their bits.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -59,7 +68,10 @@ bool adamw_force_simd_level(SimdLevel s);
 void adamw_host(DType param_dtype, void* param, float* master, float* m, float* v, const void* grad,
                 const float* scale_norm, size_t n, const AdamWHyper& hyper);
 
+// scale_norm[0] = NaN when the norm is not finite: the step is skipped (see above).
 void clip_scale_host(float* scale_norm, const float* squared_norms, int P, float max_norm);
+// True when scale_norm[0] from clip_scale marks a skipped step (it is not finite).
+inline bool adamw_step_skipped(const float* scale_norm) { return !std::isfinite(scale_norm[0]); }
 
 // bf16 helpers (round to nearest even; NaN stays NaN).
 uint16_t float_to_bf16(float f);

@@ -90,6 +90,9 @@ inline void prefetch_ahead(const void* p) {
 }
 
 void adamw_range_scalar(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
+// The skipped step (r.scale not finite, see adamw.h): param = master rounded to the
+// param dtype; master, m and v untouched. Every SIMD level uses it.
+void adamw_range_skip(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
 void adamw_range_avx2(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
 void adamw_range_avx512(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
 

@@ -582,6 +582,55 @@ TEST_F(CudaOps, AdamWBitIdenticalToHost) {
   }
 }
 
+// A non-finite gradient norm: clip_scale marks the step skipped (scale NaN) as the
+// host does, and the AdamW kernel then leaves master, m and v bit for bit as they
+// were and writes param = rounded master, as the host kernel does.
+TEST_F(CudaOps, SkippedStepChangesNothingLikeTheHost) {
+  for (float bad : {NAN, INFINITY}) {
+    std::vector<float> sqs = {0.5f, bad, 2.0f};
+    Pair sqp = f32(sqs), sn = f32_poison(2);
+    gpu_->clip_scale((float*)sn.g, (float*)sqp.g, 3, 1.0f);
+    std::vector<float> got = gpu_values(sn);
+    float want[2];
+    clip_scale_host(want, sqs.data(), 3, 1.0f);
+    EXPECT_TRUE(std::isnan(got[0]) && std::isnan(want[0])) << got[0] << " vs " << want[0];
+    EXPECT_EQ(std::isnan(got[1]), std::isnan(want[1]));
+    EXPECT_EQ(std::isinf(got[1]), std::isinf(want[1]));
+  }
+  for (size_t n : {size_t{100003}, size_t{5}}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    std::vector<float> master = normal(n, 0.05f), m = normal(n, 0.01f), v(n, 1e-5f);
+    for (size_t i = 0; i < n; ++i) master[i] += 1e-3f * static_cast<float>(i % 7);
+    std::vector<uint16_t> param(n, 0xdead), grad(n, float_to_bf16(NAN));
+    const float scale_norm[2] = {NAN, NAN};
+    const AdamWHyper h = adamw_hyper(6e-4f, 3, 0.1f);
+    void *gp = galloc(n * 2), *gm = galloc(n * 4), *gmm = galloc(n * 4), *gv = galloc(n * 4), *gg = galloc(n * 2),
+         *gs = galloc(8);
+    ASSERT_TRUE(gpu_->upload(gp, param.data(), n * 2).is_ok());
+    ASSERT_TRUE(gpu_->upload(gm, master.data(), n * 4).is_ok());
+    ASSERT_TRUE(gpu_->upload(gmm, m.data(), n * 4).is_ok());
+    ASSERT_TRUE(gpu_->upload(gv, v.data(), n * 4).is_ok());
+    ASSERT_TRUE(gpu_->upload(gg, grad.data(), n * 2).is_ok());
+    ASSERT_TRUE(gpu_->upload(gs, scale_norm, 8).is_ok());
+    const std::vector<float> master0 = master, m0 = m, v0 = v;
+    gpu_->adamw(gp, (float*)gm, (float*)gmm, (float*)gv, gg, (const float*)gs, n, h);
+    adamw_host(DType::BF16, param.data(), master.data(), m.data(), v.data(), grad.data(), scale_norm, n, h);
+    ASSERT_TRUE(gpu_->synchronize().is_ok());
+    std::vector<uint16_t> p2(n);
+    std::vector<float> master2(n), m2(n), v2(n);
+    ASSERT_TRUE(gpu_->download(p2.data(), gp, n * 2).is_ok());
+    ASSERT_TRUE(gpu_->download(master2.data(), gm, n * 4).is_ok());
+    ASSERT_TRUE(gpu_->download(m2.data(), gmm, n * 4).is_ok());
+    ASSERT_TRUE(gpu_->download(v2.data(), gv, n * 4).is_ok());
+    EXPECT_EQ(std::memcmp(master2.data(), master0.data(), n * 4), 0) << "master";
+    EXPECT_EQ(std::memcmp(m2.data(), m0.data(), n * 4), 0) << "m";
+    EXPECT_EQ(std::memcmp(v2.data(), v0.data(), n * 4), 0) << "v";
+    EXPECT_EQ(std::memcmp(master.data(), master0.data(), n * 4), 0) << "host master";
+    EXPECT_EQ(std::memcmp(p2.data(), param.data(), n * 2), 0) << "param (device vs host)";
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(p2[i], float_to_bf16(master0[i])) << "param[" << i << "]";
+  }
+}
+
 TEST_F(CudaOps, Attention) {
   struct Shape {
     int B, T, C, NH;

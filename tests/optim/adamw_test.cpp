@@ -263,6 +263,69 @@ TEST_F(AdamWHost, SpecialValuesAgreeAcrossLevels) {
   }
 }
 
+// A skipped step (scale_norm[0] not finite, as clip_scale writes for a non-finite
+// norm): every level leaves master, m and v bit for bit as they were and writes
+// param = master rounded, whatever the gradients and whatever param held before.
+TEST_F(AdamWHost, SkippedStepChangesNothingAtEveryLevel) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // Sizes across the scalar tails, the vector bodies, the threaded tiles and the
+  // streaming stores; offsets 0 and 1 (unaligned).
+  const std::vector<size_t> sizes = {1, 22, 1000, (size_t{1} << 18) + 5, (size_t{1} << 22) + 29};
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    for (size_t n : sizes) {
+      const bool large = n > (size_t{1} << 20);  // one case of the streaming size: it is slow to check
+      for (size_t offset : {size_t{0}, size_t{1}}) {
+        if (large && offset > 0) continue;
+        State before = make_state(n + offset, static_cast<uint32_t>(n + offset));
+        // NaN and inf gradients in places, as a diverged step has them.
+        for (size_t i = 0; i < before.grad_f32.size(); i += 5) {
+          before.grad_f32[i] = i % 2 ? nan : inf;
+          before.grad_bf16[i] = static_cast<uint16_t>(bits_of(before.grad_f32[i]) >> 16);
+        }
+        // param holds garbage: in a step it is write-only, so the kernel must write it.
+        for (size_t i = 0; i < before.param_f32.size(); ++i) {
+          before.param_f32[i] = -1234.5f;
+          before.param_bf16[i] = 0xdead;
+        }
+        State want = before;
+        for (size_t i = offset; i < want.master.size(); ++i) {
+          want.param_f32[i] = want.master[i];
+          want.param_bf16[i] = reference_bf16(want.master[i]);
+        }
+        for (float scale : {nan, inf, -inf}) {
+          if (large && !std::isnan(scale)) continue;
+          for (SimdLevel s : available_levels()) {
+            ASSERT_TRUE(adamw_force_simd_level(s));
+            State got = before;
+            host_step(dtype, got, scale, adamw_hyper(1e-3f, 5, 0.1f), offset);
+            EXPECT_TRUE(same_state(dtype, got, want))
+                << simd_level_name(s) << " " << dtype_name(dtype) << " n=" << n << " offset " << offset
+                << " scale " << scale;
+            // Bit for bit, NaN payloads too: the state is copied, not recomputed.
+            EXPECT_EQ(std::memcmp(got.master.data(), before.master.data(), got.master.size() * 4), 0);
+            EXPECT_EQ(std::memcmp(got.m.data(), before.m.data(), got.m.size() * 4), 0);
+            EXPECT_EQ(std::memcmp(got.v.data(), before.v.data(), got.v.size() * 4), 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A finite scale is an update, even a tiny or huge one: the skip is only for
+// non-finite scales, so normal steps keep their bits.
+TEST_F(AdamWHost, FiniteScalesAreApplied) {
+  for (float scale : {0.0f, 1e-30f, 3e38f}) {
+    State want = make_state(40, 3);
+    State got = want;
+    AdamWHyper h = adamw_hyper(1e-3f, 2, 0.1f);
+    reference_step(DType::F32, want, scale, h);
+    host_step(DType::F32, got, scale, h);
+    EXPECT_TRUE(same_state(DType::F32, got, want)) << "scale " << scale;
+  }
+}
+
 TEST(AdamWHyperTest, ConstantsInDoubleRoundedOnce) {
   AdamWHyper h = adamw_hyper(6e-4f, 3, 0.1f);
   EXPECT_EQ(h.lr, 6e-4f);
@@ -301,6 +364,27 @@ TEST(ClipScale, BelowAndAboveMaxNorm) {
   clip_scale_host(out, sq, 0, 1.0f);  // no tensors
   EXPECT_EQ(out[0], 1.0f);
   EXPECT_EQ(out[1], 0.0f);
+}
+
+TEST(ClipScale, NonFiniteNormMarksTheStepSkipped) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float out[2];
+  for (float bad : {nan, inf}) {
+    for (float max_norm : {1.0f, 1e30f}) {
+      const float sq[3] = {1.0f, bad, 4.0f};
+      clip_scale_host(out, sq, 3, max_norm);
+      EXPECT_TRUE(std::isnan(out[0])) << bad << " max_norm " << max_norm << ": scale " << out[0];
+      EXPECT_TRUE(adamw_step_skipped(out));
+      EXPECT_EQ(std::isnan(out[1]), std::isnan(bad));
+      EXPECT_EQ(std::isinf(out[1]), std::isinf(bad));
+    }
+  }
+  // Finite norms, clipped or not, are never marked.
+  const float sq[2] = {1e38f, 1e38f};  // the sum overflows float but not double
+  clip_scale_host(out, sq, 2, 1.0f);
+  EXPECT_TRUE(std::isfinite(out[0]) && std::isfinite(out[1])) << out[0] << " " << out[1];
+  EXPECT_FALSE(adamw_step_skipped(out));
 }
 
 TEST(Bf16, RoundingCases) {

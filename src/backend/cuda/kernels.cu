@@ -442,6 +442,7 @@ __global__ void clip_scale_kernel(float* scale_norm, const float* sq, int P, flo
   float scale = 1.0f;
   if (norm > static_cast<double>(max_norm))
     scale = static_cast<float>(static_cast<double>(max_norm) / (norm + 1e-6));
+  if (!isfinite(norm)) scale = __int_as_float(0x7fc00000);  // NaN: the step is skipped (optim/adamw.h)
   scale_norm[0] = scale;
   scale_norm[1] = static_cast<float>(norm);
 }
@@ -466,14 +467,21 @@ __device__ __forceinline__ void adamw_one(float gin, float scale, float& m, floa
 }
 
 // param[n], master[n], m[n], v[n], grad[n]; VEC = 4 elements per thread (16-byte
-// F32 accesses) or 1.
+// F32 accesses) or 1. A non-finite scale (a skipped step, optim/adamw.h) leaves
+// master, m and v untouched and rewrites param as the rounded master.
 template <int VEC>
 __global__ void adamw_kernel(bf16* param, float* master, float* m, float* v, const bf16* grad,
                              const float* scale_norm, size_t n, AdamWHyper h) {
   const float scale = scale_norm[0];
+  const bool skip = !isfinite(scale);
   const size_t items = n / VEC;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    if (skip) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) param[i * VEC + k] = round_bf16(master[i * VEC + k]);
+      continue;
+    }
     if constexpr (VEC == 4) {
       float4 mm = reinterpret_cast<const float4*>(m)[i];
       float4 vv = reinterpret_cast<const float4*>(v)[i];
