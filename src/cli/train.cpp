@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -94,6 +95,31 @@ Status check_positive(int value, const char* flag, int minimum = 1) {
     return Status::invalid_argument(std::string(flag) + " must be at least " + std::to_string(minimum) + ", got " +
                                     std::to_string(value));
   return Status::ok();
+}
+
+// A step failed (the message names it). A step stopped on a non-finite loss or
+// gradient norm leaves a whole state (trainer.h): its metrics line is written (nulls
+// for the bad numbers) and, with --save, that state is saved, as the user asked to
+// keep it. A step that failed inside the executor may leave it half-updated: the
+// trainer refuses to save it, and nothing is written.
+Status stop_after_failed_step(Trainer& trainer, const Status& error, const TrainFlags& f, std::ofstream& metrics) {
+  std::string outcome;
+  if (trainer.rejected_step() && metrics.is_open()) {
+    metrics << metrics_json(*trainer.rejected_step()) << "\n";
+    metrics.flush();
+    if (!metrics) outcome += "; --metrics: writing " + f.metrics + " failed: " + std::strerror(errno);
+  }
+  if (!f.save.empty()) {
+    Status saved = trainer.save(f.save);
+    if (saved.is_ok())
+      outcome += "; saved them to " + f.save;
+    else if (!trainer.state_status().is_ok())
+      outcome += "; nothing was saved to " + f.save;
+    else
+      outcome += "; --save " + f.save + " failed: " + saved.message();
+  }
+  if (!f.save_grads.empty()) outcome += "; --save-grads " + f.save_grads + " not written (the step failed)";
+  return Status(error.code(), error.message() + outcome);
 }
 
 Status run_train(const TrainFlags& f) {
@@ -194,7 +220,7 @@ Status run_train(const TrainFlags& f) {
     auto r = trainer->step(*train_loader);
     if (!r.ok()) {
       progress.interrupt();
-      return r.status().with_context("step " + std::to_string(s));
+      return stop_after_failed_step(*trainer, r.status(), f, metrics);
     }
     elapsed += r->step_s;
     if (s > 1 || f.steps == 1) {

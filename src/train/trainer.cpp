@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -16,13 +17,23 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// JSON has no NaN or infinity: a non-finite number is written as null.
 void append_number(std::string& out, const char* key, double v, const char* format) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
+  if (std::isfinite(v)) std::snprintf(buf, sizeof buf, format, v);
+  else std::snprintf(buf, sizeof buf, "null");
   out += ",\"";
   out += key;
   out += "\":";
   out += buf;
+}
+
+// A number for messages: 1.5, nan, inf, -inf.
+std::string number_text(double v) {
+  if (std::isnan(v)) return "nan";  // printf may write -nan
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
 }
 
 void append_integer(std::string& out, const char* key, uint64_t v) {
@@ -30,6 +41,10 @@ void append_integer(std::string& out, const char* key, uint64_t v) {
   out += key;
   out += "\":";
   out += std::to_string(v);
+}
+
+std::string after_step_text(int64_t step) {
+  return step == 0 ? "those before step 1" : "those after step " + std::to_string(step);
 }
 
 }  // namespace
@@ -52,6 +67,7 @@ std::string metrics_json(const StepResult& r) {
   append_integer(s, "peak_host_bytes", r.exec.peak_host_bytes);
   append_integer(s, "peak_storage_bytes", r.exec.peak_storage_bytes);
   if (r.val_loss) append_number(s, "val_loss", *r.val_loss, "%.9g");
+  if (!r.applied) s += ",\"skipped\":true";
   s += "}";
   return s;
 }
@@ -137,6 +153,8 @@ Status Trainer::setup() {
   eo.host_budget = options_.budgets.host;
   eo.spill_dir = options_.spill_dir;
   eo.storage_budget = options_.budgets.storage;
+  eo.fault_seed = options_.fault_seed;
+  eo.fault_rate = options_.fault_rate;
   auto executor = Executor::create(backend_, program_, plan_, eo);
   if (!executor.ok()) return executor.status().with_context("creating the training executor");
   executor_ = std::move(*executor);
@@ -209,11 +227,13 @@ Status Trainer::zero_moments(const ParamSpec& p) {
 }
 
 Status Trainer::write_parameter(const std::string& name, const std::vector<float>& values) {
+  SPILLWAY_RETURN_IF_ERROR(usable("write parameter " + name));
   SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, "master." + name, values));
   return write_named_floats(*executor_, program_, name, values);
 }
 
 Status Trainer::init_parameters() {
+  SPILLWAY_RETURN_IF_ERROR(usable("initialize the parameters"));
   for (const ParamSpec& p : params_) {
     SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, init_parameter(options_.model, p, options_.seed)));
     SPILLWAY_RETURN_IF_ERROR(zero_moments(p));
@@ -222,6 +242,7 @@ Status Trainer::init_parameters() {
 }
 
 Status Trainer::load_parameters(const std::string& path, const ImportOptions& options) {
+  SPILLWAY_RETURN_IF_ERROR(usable("load " + path));
   return import_gpt2(
       path, options_.model,
       [&](const ParamSpec& p, std::vector<float>&& values) -> Status {
@@ -232,20 +253,31 @@ Status Trainer::load_parameters(const std::string& path, const ImportOptions& op
 }
 
 Status Trainer::save(const std::string& path) {
-  return export_gpt2(path, options_.model,
-                     [&](const ParamSpec& p) -> Result<std::vector<float>> { return read_floats("master." + p.name); });
+  SPILLWAY_RETURN_IF_ERROR(usable("save " + path));
+  return export_gpt2(path, options_.model, [&](const ParamSpec& p) -> Result<std::vector<float>> {
+    SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, read_floats("master." + p.name));
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!std::isfinite(v[i]))
+        return Status::invalid_argument("not saving " + path + ": parameter " + p.name + " holds " +
+                                        number_text(v[i]) + " at element " + std::to_string(i) + " (after step " +
+                                        std::to_string(step_) + ")");
+    return v;
+  });
 }
 
 Status Trainer::save_gradients(const std::string& path) {
+  SPILLWAY_RETURN_IF_ERROR(usable("save the gradients to " + path));
   return export_gpt2(path, options_.model,
                      [&](const ParamSpec& p) -> Result<std::vector<float>> { return read_floats("grad." + p.name); });
 }
 
 Result<std::vector<float>> Trainer::read_floats(const std::string& tensor_name) {
+  SPILLWAY_RETURN_IF_ERROR(usable("read " + tensor_name));
   return read_named_floats(*executor_, program_, tensor_name);
 }
 
 Result<StepResult> Trainer::step(DataLoader& loader) {
+  SPILLWAY_RETURN_IF_ERROR(usable("run step " + std::to_string(step_ + 1)));
   const StepShape& shape = options_.shape;
   if (loader.B() != shape.B || loader.T() != shape.T)
     return Status::invalid_argument("the data loader gives [" + std::to_string(loader.B()) + "," +
@@ -260,7 +292,39 @@ Result<StepResult> Trainer::step(DataLoader& loader) {
   return step(batches);
 }
 
+Status Trainer::usable(const std::string& what) const {
+  if (broken_.is_ok()) return Status::ok();
+  return Status(broken_.code(), "cannot " + what + ": " + broken_.message() +
+                                    "; the parameters, master weights and Adam moments may be half-updated, so "
+                                    "this trainer refuses to read, save or train them (start again from the "
+                                    "last saved weights)");
+}
+
 Result<StepResult> Trainer::step(const std::vector<TokenBatch>& micro_batches) {
+  SPILLWAY_RETURN_IF_ERROR(usable("run step " + std::to_string(step_ + 1)));
+  rejected_.reset();
+  auto r = run(micro_batches);
+  if (!r.ok()) return r.status().with_context("step " + std::to_string(step_ + 1));
+  const bool bad_norm = !std::isfinite(r->grad_norm), bad_loss = !std::isfinite(r->loss_f64);
+  if (r->applied) step_ = r->step;
+  if (!bad_norm && !bad_loss) return r;
+  rejected_ = *r;
+  std::string m = "step " + std::to_string(r->step) + ": ";
+  if (!r->applied) {
+    m += "the gradient norm is " + number_text(r->grad_norm) + " (loss " + number_text(r->loss_f64) +
+         "), so the update was not applied: the parameters, master weights and Adam moments are " +
+         after_step_text(step_);
+  } else {
+    // Finite gradients (the norm says so) were applied before the loss could be seen.
+    m += "the loss is " + number_text(r->loss_f64) + " while the gradient norm " + number_text(r->grad_norm) +
+         " is finite, so the update of step " + std::to_string(r->step) +
+         " was applied: the parameters, master weights and Adam moments are " + after_step_text(step_);
+  }
+  m += " (training diverged at learning rate " + number_text(r->lr) + ")";
+  return Status::invalid_argument(m);
+}
+
+Result<StepResult> Trainer::run(const std::vector<TokenBatch>& micro_batches) {
   const auto t0 = Clock::now();
   const StepShape& shape = options_.shape;
   const size_t n = static_cast<size_t>(shape.B) * shape.T;
@@ -279,22 +343,28 @@ Result<StepResult> Trainer::step(const std::vector<TokenBatch>& micro_batches) {
   StepResult r;
   r.step = step_ + 1;
   r.lr = options_.schedule.at(r.step);
-  SPILLWAY_RETURN_IF_ERROR(executor_->run_step({.step = r.step, .lr = r.lr}));
-  step_ = r.step;
+  // From here on an error may leave the state half-updated (or its outcome unknown).
+  auto fail = [&](const Status& s) {
+    broken_ = s.with_context("step " + std::to_string(r.step) + " failed");
+    return s;
+  };
+  if (Status s = executor_->run_step({.step = r.step, .lr = r.lr}); !s.is_ok()) return fail(s);
   r.exec = executor_->metrics();
 
   std::vector<float> losses(n);
   double sum = 0;
   for (TensorId id : losses_) {
-    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(id, losses.data(), n * sizeof(float)));
+    if (Status s = executor_->read_tensor(id, losses.data(), n * sizeof(float)); !s.is_ok()) return fail(s);
     for (float l : losses) sum += l;
   }
   r.tokens = tokens_per_step();
   r.loss_f64 = sum / static_cast<double>(r.tokens);
   r.loss = static_cast<float>(r.loss_f64);
   float scale_norm[2] = {0, 0};
-  SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(scale_norm_, scale_norm, sizeof scale_norm));
+  if (Status s = executor_->read_tensor(scale_norm_, scale_norm, sizeof scale_norm); !s.is_ok()) return fail(s);
   r.grad_norm = scale_norm[1];
+  // What the AdamW kernels did: a non-finite scale means they changed nothing.
+  r.applied = !adamw_step_skipped(scale_norm);
   r.step_s = std::chrono::duration<double>(Clock::now() - t0).count();
   r.tokens_per_s = r.step_s > 0 ? static_cast<double>(r.tokens) / r.step_s : 0;
   return r;
@@ -356,6 +426,7 @@ Status Trainer::plan_evaluation(int B, int T) {
 }
 
 Result<float> Trainer::evaluate(DataLoader& loader, int batches) {
+  SPILLWAY_RETURN_IF_ERROR(usable("evaluate"));
   if (batches <= 0) return Status::invalid_argument("evaluation needs at least one batch, got " + std::to_string(batches));
   if (eval_B_ != loader.B() || eval_T_ != loader.T()) SPILLWAY_RETURN_IF_ERROR(plan_evaluation(loader.B(), loader.T()));
   ExecutorOptions eo;

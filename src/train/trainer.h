@@ -31,6 +31,25 @@
 // activation dtype is the master converted (F32 copy, or BF16 rounded to nearest
 // even). Adam moments start at zero; gradients are zeroed by the step itself.
 //
+// Bad numbers stop training. The step's clipping op computes the global gradient
+// norm before any update; when it is NaN or infinite the step is skipped (see
+// optim/adamw.h): no parameter, master weight or Adam moment changes. step() then
+// returns an error naming the step ("step 7: the gradient norm is nan ...; the
+// parameters, master weights and Adam moments are those after step 6"), and
+// steps_done() stays at the last applied step; that state can still be read, saved
+// and trained from. A non-finite loss with a finite norm is an error too, but that
+// update was applied (its gradients were finite), so the state is the one after the
+// step, which steps_done() counts. rejected_step() gives the failed step's numbers.
+//
+// A step that fails inside the executor (an I/O error, a broken invariant) may leave
+// the state half-updated. From then on every call that reads, saves, writes or
+// trains the state (read_floats, save, save_gradients, evaluate, step,
+// write_parameter, init_parameters, load_parameters) is refused with the step's
+// error: a half-updated state is never read or saved. Create a new Trainer.
+// Errors before the step starts (bad micro-batches) change nothing.
+//
+// save() refuses weights that are not finite, naming the tensor.
+//
 // Evaluation runs a forward-only program (build_forward_program with loss), planned
 // once with the same policy, on an executor that exists only during evaluate():
 // parameters are copied into it from the training executor. It is carved out of the
@@ -72,6 +91,9 @@ struct TrainerOptions {
   PlannerOptions planner;
   Machine machine;
   std::string spill_dir;         // needed when the plan uses storage
+  // Tests: storage faults injected into the training executor (ExecutorOptions).
+  uint64_t fault_seed = 0;
+  double fault_rate = 0;
 };
 
 // One micro-batch: tokens and next-token targets, [B·T] each.
@@ -91,12 +113,15 @@ struct StepResult {
   double tokens_per_s = 0;
   StepMetrics exec;          // the executor's counters of this step
   std::optional<float> val_loss;  // set by the caller on evaluation steps
+  bool applied = true;       // false: the update was skipped (non-finite gradient norm)
 };
 
 // One JSON object (no newline) with step, loss (%.9g: enough digits to round-trip
 // the float), lr, grad_norm, tokens, step_s, tokens_per_s, h2d_bytes, d2h_bytes,
 // storage_read_bytes, storage_write_bytes, recomputed_ops, stall_s,
-// peak_device_bytes, peak_host_bytes, peak_storage_bytes, and val_loss when set.
+// peak_device_bytes, peak_host_bytes, peak_storage_bytes, val_loss when set, and
+// "skipped":true when the update was not applied. JSON has no NaN or infinity: a
+// non-finite number is written as null, so every line parses.
 std::string metrics_json(const StepResult& r);
 
 // The planner's cost model for a backend: Machine::h200() figures for CUDA (device
@@ -152,6 +177,12 @@ class Trainer {
 
   // A parameter (by ParamSpec name) or its gradient ("grad." + name), as floats.
   Result<std::vector<float>> read_floats(const std::string& tensor_name);
+
+  // The numbers of the last step() that stopped on a non-finite loss or gradient
+  // norm (for its metrics line); empty after a step that succeeded.
+  const std::optional<StepResult>& rejected_step() const { return rejected_; }
+  // Ok, or why the state cannot be used (a step failed inside the executor).
+  Status state_status() const { return broken_; }
   // Sets parameter `name` (ParamSpec name): master = values, param = values in the
   // activation dtype.
   Status write_parameter(const std::string& name, const std::vector<float>& values);
@@ -175,6 +206,9 @@ class Trainer {
   Status zero_moments(const ParamSpec& p);
   Result<TensorId> find(const std::string& name) const;
   Status plan_evaluation(int B, int T);
+  // Ok, or the refusal to `what` after a step failed inside the executor.
+  Status usable(const std::string& what) const;
+  Result<StepResult> run(const std::vector<TokenBatch>& micro_batches);
 
   Backend& backend_;
   TrainerOptions options_;
@@ -185,6 +219,8 @@ class Trainer {
   std::vector<TensorId> tokens_, targets_, losses_;  // [accum]
   TensorId scale_norm_ = kNoTensor;
   int64_t step_ = 0;
+  Status broken_;                        // the error of a step that failed inside the executor
+  std::optional<StepResult> rejected_;   // the last step stopped on bad numbers
 
   // Evaluation: planned on first use, for one B and T.
   Program eval_program_;

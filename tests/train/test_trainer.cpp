@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
@@ -17,6 +19,7 @@
 #include "train/sampler.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "support/test_support.h"
 
 namespace spillway {
 namespace {
@@ -237,6 +240,210 @@ TEST(Trainer, MetricsLineHasEveryKeyAndRoundTripsTheLoss) {
   r.val_loss = 2.5f;
   j = nlohmann::json::parse(metrics_json(r));
   EXPECT_EQ(static_cast<float>(j["val_loss"].get<double>()), 2.5f);
+}
+
+// JSON has no NaN or infinity: a diverged step's metrics line still parses, with
+// null for every non-finite number, and says the update was skipped.
+TEST(Trainer, MetricsLineIsJsonWithNonFiniteNumbers) {
+  StepResult r;
+  r.step = 7;
+  r.loss = std::numeric_limits<float>::quiet_NaN();
+  r.grad_norm = std::numeric_limits<float>::infinity();
+  r.lr = 1e30f;
+  r.step_s = std::numeric_limits<double>::quiet_NaN();
+  r.tokens_per_s = -std::numeric_limits<double>::infinity();
+  r.val_loss = -std::numeric_limits<float>::infinity();
+  r.applied = false;
+  const std::string line = metrics_json(r);
+  nlohmann::json j;
+  ASSERT_NO_THROW(j = nlohmann::json::parse(line)) << line;
+  for (const char* key : {"loss", "grad_norm", "step_s", "tokens_per_s", "val_loss"})
+    EXPECT_TRUE(j[key].is_null()) << key << " in " << line;
+  EXPECT_EQ(static_cast<float>(j["lr"].get<double>()), 1e30f);
+  EXPECT_EQ(j["step"].get<int>(), 7);
+  EXPECT_TRUE(j["skipped"].get<bool>());
+  r.applied = true;
+  EXPECT_FALSE(nlohmann::json::parse(metrics_json(r)).contains("skipped"));
+}
+
+// Every parameter, master weight and Adam moment of a trainer, by tensor name.
+std::map<std::string, std::vector<float>> read_state(Trainer& t) {
+  std::map<std::string, std::vector<float>> out;
+  for (const ParamSpec& p : parameter_specs(t.options().model))
+    for (const std::string& name : {p.name, "master." + p.name, "adam_m." + p.name, "adam_v." + p.name}) {
+      auto v = t.read_floats(name);
+      EXPECT_TRUE(v.ok()) << name << ": " << v.status().to_string();
+      if (v.ok()) out[name] = std::move(*v);
+    }
+  return out;
+}
+
+// Bit for bit (NaN included: a NaN written in stays that NaN).
+void expect_same_state(const std::map<std::string, std::vector<float>>& got,
+                       const std::map<std::string, std::vector<float>>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (const auto& [name, values] : want) {
+    const std::vector<float>& g = got.at(name);
+    ASSERT_EQ(g.size(), values.size()) << what << " " << name;
+    for (size_t i = 0; i < g.size(); ++i)
+      ASSERT_EQ(bits(g[i]), bits(values[i])) << what << ": " << name << "[" << i << "] " << g[i] << " vs " << values[i];
+  }
+}
+
+// A NaN in a parameter makes the gradient norm NaN: the step is refused with an error
+// naming it, and no parameter, master weight or moment changes, under the resident
+// plan (AdamW on the device) and under a spilling one (AdamW on the host). With the
+// parameter restored, the next step gives the bits of a run that never failed.
+TEST(Trainer, NonFiniteGradientNormStopsTheStepAndKeepsTheState) {
+  auto backend = cpu_backend();
+  const TrainerOptions base = micro_options();
+  const auto reference = run_steps(*backend, base, 3);
+  ASSERT_EQ(reference.size(), 3u);
+  uint64_t full = 0;
+  {
+    auto t = Trainer::create(*backend, base);
+    ASSERT_TRUE(t.ok());
+    full = (*t)->plan().device_bytes;
+  }
+  for (bool spill : {false, true}) {
+    SCOPED_TRACE(spill ? "planned, half the device budget" : "resident");
+    TrainerOptions o = base;
+    if (spill) {
+      o.planner.policy = Policy::Planned;
+      o.budgets.device = full / 2;
+    }
+    auto t = Trainer::create(*backend, o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    Trainer& tr = **t;
+    ASSERT_TRUE(tr.init_parameters().is_ok());
+    for (int s = 0; s < 2; ++s) ASSERT_TRUE(tr.step(random_batches(2, 2, 8, 100 + s)).ok());
+
+    const ParamSpec victim = parameter_specs(o.model).back();
+    auto good = tr.read_floats("master." + victim.name);
+    ASSERT_TRUE(good.ok());
+    std::vector<float> poisoned = *good;
+    poisoned[0] = std::numeric_limits<float>::quiet_NaN();
+    ASSERT_TRUE(tr.write_parameter(victim.name, poisoned).is_ok());
+    const auto before = read_state(tr);
+
+    auto r = tr.step(random_batches(2, 2, 8, 102));
+    ASSERT_FALSE(r.ok());
+    const std::string m = r.status().message();
+    for (const char* needle : {"step 3", "gradient norm is nan", "not applied", "those after step 2"})
+      EXPECT_NE(m.find(needle), std::string::npos) << "'" << needle << "' not in: " << m;
+    EXPECT_EQ(tr.steps_done(), 2);
+    ASSERT_TRUE(tr.rejected_step().has_value());
+    EXPECT_EQ(tr.rejected_step()->step, 3);
+    EXPECT_FALSE(tr.rejected_step()->applied);
+    EXPECT_TRUE(std::isnan(tr.rejected_step()->grad_norm));
+    EXPECT_TRUE(tr.state_status().is_ok()) << tr.state_status().to_string();
+    expect_same_state(read_state(tr), before, "after the skipped step");
+
+    // The state is whole: with the parameter restored, step 3 is the reference's step 3.
+    ASSERT_TRUE(tr.write_parameter(victim.name, *good).is_ok());
+    auto again = tr.step(random_batches(2, 2, 8, 102));
+    ASSERT_TRUE(again.ok()) << again.status().to_string();
+    EXPECT_EQ(again->step, 3);
+    EXPECT_TRUE(again->applied);
+    EXPECT_EQ(bits(again->loss), bits(reference[2].loss));
+    EXPECT_EQ(bits(again->grad_norm), bits(reference[2].grad_norm));
+    EXPECT_FALSE(tr.rejected_step().has_value());
+  }
+}
+
+// save() never writes weights that are not finite.
+TEST(Trainer, SaveRefusesNonFiniteWeights) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  const ParamSpec p = parameter_specs(o.model)[1];
+  auto v = (*t)->read_floats(p.name);
+  ASSERT_TRUE(v.ok());
+  (*v)[5] = -std::numeric_limits<float>::infinity();
+  ASSERT_TRUE((*t)->write_parameter(p.name, *v).is_ok());
+  const std::string path = temp_path("nonfinite.safetensors");
+  std::filesystem::remove(path);
+  Status s = (*t)->save(path);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find(p.name), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("-inf"), std::string::npos) << s.message();
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+}
+
+// A step that fails inside the executor (injected storage faults) may leave the state
+// half-updated: from then on the trainer refuses to read, save, evaluate or train it,
+// with the step's error, and save() writes no file. A step refused before it starts
+// (wrong micro-batches) changes nothing and refuses nothing.
+TEST(Trainer, AfterAFailedStepTheStateIsNeitherReadNorSaved) {
+  auto backend = cpu_backend();
+  const TrainerOptions base = micro_options();
+  uint64_t full = 0;
+  {
+    auto t = Trainer::create(*backend, base);
+    ASSERT_TRUE(t.ok());
+    full = (*t)->plan().device_bytes;
+    ASSERT_TRUE((*t)->init_parameters().is_ok());
+    auto wrong = (*t)->step(random_batches(1, 2, 8, 1));  // accum is 2
+    ASSERT_FALSE(wrong.ok());
+    EXPECT_TRUE((*t)->state_status().is_ok());
+    EXPECT_TRUE((*t)->read_floats("master.transformer.wpe.weight").ok());
+  }
+  testing_support::TempDir dir;
+  int failed_steps = 0;
+  for (uint64_t seed = 1; seed <= 40 && failed_steps < 3; ++seed) {
+    TrainerOptions o = base;
+    o.planner.policy = Policy::Planned;
+    o.budgets.device = full / 4;
+    o.budgets.host = 512 * 1024;  // master weights and moments go to storage
+    o.budgets.storage = 64 << 20;
+    o.spill_dir = dir.path();
+    o.fault_seed = seed;
+    o.fault_rate = 0.004;
+    auto t = Trainer::create(*backend, o);
+    if (!t.ok()) continue;  // a fault while creating the spill files: not this test's case
+    Trainer& tr = **t;
+    if (!tr.init_parameters().is_ok()) continue;  // nor one before any step
+    Status failure;
+    int64_t done = 0;
+    for (int s = 0; s < 10 && failure.is_ok(); ++s) {
+      auto r = tr.step(random_batches(2, 2, 8, 100 + s));
+      if (r.ok()) ++done;
+      else failure = r.status();
+    }
+    if (failure.is_ok()) continue;
+    ++failed_steps;
+    SCOPED_TRACE("seed " + std::to_string(seed) + ": " + failure.to_string());
+    const std::string step_name = "step " + std::to_string(done + 1);
+    EXPECT_EQ(failure.message().rfind(step_name + ":", 0), 0u) << failure.message();
+    EXPECT_FALSE(tr.state_status().is_ok());
+    EXPECT_FALSE(tr.rejected_step().has_value());
+
+    const std::string path = dir.file("after-failure.safetensors");
+    Status saved = tr.save(path);
+    ASSERT_FALSE(saved.is_ok());
+    EXPECT_EQ(saved.code(), failure.code());
+    for (const std::string& needle : {std::string("cannot save"), step_name + " failed", std::string("half-updated")})
+      EXPECT_NE(saved.message().find(needle), std::string::npos) << "'" << needle << "' not in: " << saved.message();
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+    EXPECT_FALSE(tr.save_gradients(path).is_ok());
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_FALSE(tr.read_floats("master.transformer.wpe.weight").ok());
+    EXPECT_FALSE(tr.read_floats("transformer.wpe.weight").ok());
+    EXPECT_FALSE(tr.step(random_batches(2, 2, 8, 200)).ok());
+    EXPECT_EQ(tr.steps_done(), done);
+    EXPECT_FALSE(tr.init_parameters().is_ok());
+    EXPECT_FALSE(tr.write_parameter("transformer.wpe.weight", std::vector<float>(8 * 32, 0.0f)).is_ok());
+    std::vector<uint16_t> stream(64, 1);
+    TokenSplit split{.source = "test", .tokens = std::make_shared<const std::vector<uint16_t>>(stream)};
+    auto loader = DataLoader::create(split, 1, 8, LoaderMode::Sequential);
+    ASSERT_TRUE(loader.ok());
+    EXPECT_FALSE(tr.evaluate(*loader, 1).ok());
+  }
+  EXPECT_GT(failed_steps, 0) << "no seed made a step fail inside the executor";
 }
 
 TEST(Trainer, SavedGradientsAreTheStepsGradients) {
