@@ -18,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "cli/command.h"
+#include "core/interrupt.h"
 #include "core/size.h"
 #include "io/storage_engine.h"
 
@@ -197,6 +198,10 @@ int run_bench_io(const BenchIoOptions& o) {
   }
 
   std::string path = o.dir + "/spillway-bench-" + std::to_string(::getpid()) + ".bin";
+  // SIGINT/SIGTERM: nothing to finish; remove the test file and stop at once.
+  Status handlers = install_interrupt_handlers(InterruptMode::AtOnce);
+  if (!handlers.is_ok()) return fail(handlers);
+  RemoveOnInterrupt remove_on_interrupt(path);
   std::printf("storage: %s, %s per run, %s blocks\n", o.dir.c_str(), format_size(bytes).c_str(),
               format_size(*block).c_str());
   std::printf("%-8s %6s %11s %11s\n", "engine", "depth", "write GB/s", "read GB/s");

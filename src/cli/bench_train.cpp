@@ -19,6 +19,7 @@
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
+#include "core/interrupt.h"
 #include "core/random.h"
 #include "core/size.h"
 #include "train/trainer.h"
@@ -77,6 +78,8 @@ Status run_bench(const BenchTrainFlags& f) {
   if (T > cfg.context)
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
+  // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
+  SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   TrainerOptions o;
@@ -116,6 +119,7 @@ Status run_bench(const BenchTrainFlags& f) {
     auto r = trainer->step(batches);
     if (!r.ok()) return r.status().with_context("step " + std::to_string(s));
     std::printf("step %d: %.4f s, loss %.4f%s\n", s, r->step_s, r->loss,
+    if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
                 s == 1 ? " (warm-up, not timed)" : profiled ? " (profiled, not timed)" : "");
     std::fflush(stdout);
     if (profiled) break;

@@ -31,7 +31,9 @@ struct RegisteredCommand {
 };
 std::vector<RegisteredCommand>& registered_commands();
 
-// Prints "spillway: error: <status>" to stderr and returns exit code 1.
+// Prints "spillway: error: <status>" to stderr and returns exit code 1; an
+// Interrupted status (core/interrupt.h) prints "spillway: <message>" and returns
+// 128 + the signal's number.
 int fail(const Status& s);
 
 }  // namespace spillway::cli

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "cli/command.h"
+#include "core/interrupt.h"
 
 namespace spillway::cli {
 
@@ -18,6 +19,10 @@ CommandRegistration::CommandRegistration(std::string path, std::string help, Com
 }
 
 int fail(const Status& s) {
+  if (s.code() == StatusCode::Interrupted) {
+    std::cerr << "spillway: " << s.message() << "\n";
+    return interrupt_exit_code();
+  }
   std::cerr << "spillway: error: " << s.to_string() << "\n";
   return 1;
 }
@@ -56,8 +61,17 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  for (auto& [sub, run] : runs)
-    if (sub->parsed()) return run();
+  for (auto& [sub, run] : runs) {
+    if (!sub->parsed()) continue;
+    const int code = run();
+    // A signal that came after the command's last check: its work is complete.
+    if (code == 0 && spillway::interrupted()) {
+      std::cerr << "spillway: " << spillway::signal_name(spillway::interrupt_signal())
+                << " received as the command finished; its work is complete\n";
+      return spillway::interrupt_exit_code();
+    }
+    return code;
+  }
   std::cerr << app.help();
   return 2;
 }

@@ -19,6 +19,7 @@
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
+#include "core/interrupt.h"
 #include "core/size.h"
 #include "exec/trace.h"
 #include "model/safetensors.h"
@@ -123,6 +124,8 @@ Status stop_after_failed_step(Trainer& trainer, const Status& error, const Train
 }
 
 Status run_train(const TrainFlags& f) {
+  // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
+  SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.steps, "--steps"));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.batch, "--batch"));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.accum, "--accum"));
@@ -216,6 +219,12 @@ Status run_train(const TrainFlags& f) {
   StepMetrics peaks;
   const auto loop_start = std::chrono::steady_clock::now();
   for (int s = 1; s <= f.steps; ++s) {
+    if (interrupted()) {
+      progress.interrupt();
+      return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(f.steps) +
+                                (mem.spill_dir.empty() ? "" : "; its spill directory is removed") +
+                                (f.save.empty() ? "" : "; nothing was saved to " + f.save));
+    }
     if (!f.trace.empty() && s == trace_step) trainer->trace_next_step(&trace);
     auto r = trainer->step(*train_loader);
     if (!r.ok()) {

@@ -16,6 +16,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::Corrupt: return "Corrupt";
     case StatusCode::Unsupported: return "Unsupported";
     case StatusCode::Internal: return "Internal";
+    case StatusCode::Interrupted: return "Interrupted";
   }
   return "Unknown";
 }

@@ -31,6 +31,7 @@ enum class StatusCode {
   Corrupt,          // checksum mismatch, bad magic, truncated file
   Unsupported,      // no CUDA in this build, O_DIRECT refused, ...
   Internal,         // a broken invariant of Spillway itself
+  Interrupted,      // SIGINT or SIGTERM stopped the work (core/interrupt.h)
 };
 
 const char* status_code_name(StatusCode code);
@@ -49,6 +50,7 @@ class [[nodiscard]] Status {
   static Status corrupt(std::string m) { return {StatusCode::Corrupt, std::move(m)}; }
   static Status unsupported(std::string m) { return {StatusCode::Unsupported, std::move(m)}; }
   static Status internal(std::string m) { return {StatusCode::Internal, std::move(m)}; }
+  static Status interrupted(std::string m) { return {StatusCode::Interrupted, std::move(m)}; }
 
   bool is_ok() const { return code_ == StatusCode::Ok; }
   explicit operator bool() const { return is_ok(); }

@@ -210,6 +210,7 @@ Result<std::unique_ptr<StorageStore>> StorageStore::create(const StorageStoreOpt
                               ": " + std::strerror(err));
     return errno_status("spill directory " + dir + ": " + what, err);
   }
+  store->remove_on_interrupt_ = RemoveOnInterrupt(store->run_dir_);
   store->marker_path_ = store->run_dir_ + "/" + kMarkerName;
   store->file_path_ = store->run_dir_ + "/" + kSpillFileName;
   // From here on the destructor removes whatever was made.

@@ -13,6 +13,7 @@
 //   SPILLWAY_RETURN_IF_ERROR(store->wait(r));      // checksum verified, else Corrupt
 //   SPILLWAY_RETURN_IF_ERROR(store->free(e));      // the extent's space is reused
 //   store.reset();                                 // removes the run's directory
+//   // (and if SIGINT/SIGTERM ends the process at once, core/interrupt.h removes it)
 //
 // Rules:
 // - host buffers are aligned to kStorageAlignment (4096): the file is read and
@@ -43,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "core/interrupt.h"
 #include "core/status.h"
 #include "io/storage_engine.h"
 #include "memory/range_allocator.h"
@@ -147,6 +149,7 @@ class StorageStore {
   std::unique_ptr<StorageEngine> engine_;
   StorageFile file_;
   std::vector<LeftoverSpill> leftovers_;
+  RemoveOnInterrupt remove_on_interrupt_;  // the run directory, if a signal ends the process at once
 
   mutable std::mutex mu_;
   RangeAllocator allocator_;

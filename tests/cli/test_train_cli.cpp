@@ -1,8 +1,12 @@
 // `spillway train`, `sample`, `info` and `bench train`, run as a user would: the
 // built binary, its exit code and what it prints.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -12,9 +16,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/backend.h"
+
+extern char** environ;
 #include "model/safetensors.h"
 
 namespace {
@@ -40,6 +47,50 @@ CliRun run(const std::string& args) {
   const int status = ::pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// Starts the binary in the background, stdout and stderr into `log`; its pid.
+pid_t start(const std::string& args, const std::string& log) {
+  ::setenv("SPILLWAY_DATA", SPILLWAY_SOURCE_DIR "/data", 0);
+  const std::string cmd = "exec " + std::string(SPILLWAY_BINARY) + " " + args + " >" + log + " 2>&1";
+  const char* argv[] = {"/bin/sh", "-c", cmd.c_str(), nullptr};
+  pid_t pid = -1;
+  if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ) != 0) return -1;
+  return pid;
+}
+
+// Its exit code once it ends (-signo if a signal killed it); killed and -1 after `seconds`.
+int wait_exit(pid_t pid, int seconds) {
+  for (int i = 0; i < seconds * 100; ++i) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return -1;
+}
+
+size_t count_lines(const std::string& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  std::string line;
+  while (std::getline(in, line)) ++n;
+  return n;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The entries of `dir` whose name starts with "spillway-".
+std::vector<std::string> spill_entries(const std::string& dir) {
+  std::vector<std::string> found;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().filename().string().rfind("spillway-", 0) == 0) found.push_back(e.path().string());
+  return found;
 }
 
 std::string temp_path(const std::string& name) {
@@ -161,6 +212,69 @@ TEST(TrainCli, SpillingRunMatchesResidentLossesAndSamples) {
   std::filesystem::remove(resident);
   std::filesystem::remove(spilled);
   std::filesystem::remove(weights);
+}
+
+// Budgets under which kSmall keeps part of its state (208 KiB) in the spill directory.
+const std::string kSpills = "--policy planned --device-budget 400KiB --host-budget 400KiB";
+
+// Starts a long spilling run and waits until it has taken a step (its metrics file
+// has a line) and its spill directory exists; then sends `signals`, one after the
+// other, and returns the exit code.
+int interrupt_training(const std::string& spill_dir, const std::string& model_args, const std::vector<int>& signals,
+                       std::string* log_text) {
+  std::filesystem::remove_all(spill_dir);
+  std::filesystem::create_directories(spill_dir);
+  const std::string metrics = spill_dir + ".jsonl", log = spill_dir + ".log";
+  std::filesystem::remove(metrics);
+  pid_t pid =
+      start("train --steps 1000000 --eval-every 0 --spill-dir " + spill_dir + " --metrics " + metrics + " " + model_args,
+            log);
+  EXPECT_GT(pid, 0);
+  if (pid <= 0) return -1;
+  bool stepping = false;
+  for (int i = 0; i < 6000 && !stepping; ++i) {
+    stepping = count_lines(metrics) >= 1;
+    if (!stepping) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(stepping) << read_text(log);
+  EXPECT_EQ(spill_entries(spill_dir).size(), 1u) << "the run does not spill: " << read_text(log);
+  for (size_t i = 0; i < signals.size(); ++i) {
+    // Signals of one kind do not queue: the next goes once the watcher took this one.
+    if (i > 0)
+      for (int t = 0; t < 1000 && read_text(log).find("received: stopping") == std::string::npos; ++t)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ::kill(pid, signals[i]);
+  }
+  const int code = wait_exit(pid, 60);
+  *log_text = read_text(log);
+  std::filesystem::remove(metrics);
+  std::filesystem::remove(log);
+  return code;
+}
+
+TEST(TrainCli, SigtermStopsBetweenStepsAndRemovesTheSpillDirectory) {
+  const std::string dir = temp_path("sigterm_spill");
+  std::string log;
+  const int code = interrupt_training(dir, kSpills + " " + kSmall, {SIGTERM}, &log);
+  EXPECT_EQ(code, 128 + SIGTERM) << log;
+  EXPECT_NE(log.find("interrupted by SIGTERM before step"), std::string::npos) << log;
+  EXPECT_NE(log.find("spill directory is removed"), std::string::npos) << log;
+  EXPECT_TRUE(spill_entries(dir).empty()) << log;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainCli, SecondSigintStopsAtOnceAndStillRemovesTheSpillDirectory) {
+  const std::string dir = temp_path("sigint_spill");
+  std::string log;
+  // Steps of about 1.2 s (23 MiB spilled): both signals arrive within one step.
+  const int code = interrupt_training(dir,
+                                      "--model tiny --batch 4 --accum 8 --device-budget 3501369 --host-budget 8MiB "
+                                      "--policy planned --backend cpu --threads 2",
+                                      {SIGINT, SIGINT}, &log);
+  EXPECT_EQ(code, 128 + SIGINT) << log;
+  EXPECT_NE(log.find("stopped at once; removed " + dir + "/spillway-"), std::string::npos) << log;
+  EXPECT_TRUE(spill_entries(dir).empty()) << log;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(SampleCli, MissingCheckpoint) {
