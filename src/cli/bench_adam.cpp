@@ -77,7 +77,7 @@ int run(const Options& o) {
 
   const size_t n = static_cast<size_t>(o.params);
   const size_t pbytes = dtype_size(dtype);
-  set_global_thread_count(o.threads);
+  if (Status s = start_global_thread_pool(o.threads); !s.is_ok()) return fail(s.with_context("--threads"));
   ThreadPool& pool = global_thread_pool();
 
   Buffer master = allocate(n * 4), m = allocate(n * 4), v = allocate(n * 4);

@@ -139,9 +139,9 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
 }
 
 Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads) {
-  if (threads < 0) return Status::invalid_argument("--threads must be 0 (all cores) or more, got " + std::to_string(threads));
+  SPILLWAY_RETURN_IF_ERROR(check_thread_count(threads, "--threads"));
   // The host AdamW runs on the process-wide pool; give it the same thread count.
-  if (threads > 0) set_global_thread_count(threads);
+  SPILLWAY_RETURN_IF_ERROR(start_global_thread_pool(threads).with_context("--threads " + std::to_string(threads)));
   auto b = make_backend(name, {.threads = threads});
   if (!b.ok()) return b.status().with_context("--backend " + name);
   return b;

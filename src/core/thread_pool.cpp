@@ -1,22 +1,66 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
-#include <memory>
+#include <string>
+#include <system_error>
 
 namespace spillway {
 
-ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+namespace {
+int hardware_threads() { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+}  // namespace
+
+int max_thread_count() { return 4 * hardware_threads(); }
+
+Status check_thread_count(int threads, std::string_view what) {
+  if (threads < 0)
+    return Status::invalid_argument(std::string(what) + " must be 0 (all hardware threads) or more, got " +
+                                    std::to_string(threads));
+  if (threads > max_thread_count())
+    return Status::invalid_argument(std::string(what) + " " + std::to_string(threads) + " is more than " +
+                                    std::to_string(max_thread_count()) + " (4 × the " +
+                                    std::to_string(hardware_threads()) +
+                                    " hardware threads of this machine); give at most that, or 0 for all hardware threads");
+  return Status::ok();
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::ThreadPool(int threads, ThreadStarter start) {
+  if (threads <= 0) threads = hardware_threads();
+  status_ = check_thread_count(threads, "thread pool: thread count");
+  if (!status_.is_ok()) return;
+  workers_.reserve(static_cast<size_t>(threads - 1));
+  for (int i = 1; i < threads; ++i) {
+    std::function<void()> body = [this, i] { worker_loop(i); };
+    try {
+      workers_.push_back(start ? start(std::move(body)) : std::thread(std::move(body)));
+    } catch (const std::system_error& e) {
+      status_ = Status::out_of_memory("thread pool: starting thread " + std::to_string(i + 1) + " of " +
+                                      std::to_string(threads) + " failed (" + e.what() +
+                                      "); the system refuses more threads (see ulimit -u and "
+                                      "/proc/sys/kernel/threads-max); ask for fewer threads");
+      stop_workers();
+      return;
+    }
+  }
+}
+
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& w : workers_) w.join();
+  for (auto& w : workers_)
+    if (w.joinable()) w.join();
+  workers_.clear();
+}
+
+Result<std::unique_ptr<ThreadPool>> ThreadPool::create(int threads, ThreadStarter start) {
+  auto pool = std::make_unique<ThreadPool>(threads, std::move(start));
+  if (!pool->status().is_ok()) return pool->status();
+  return pool;
 }
 
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t grain) {
@@ -78,6 +122,17 @@ void set_global_thread_count(int threads) {
   if (g_pool && g_pool->size() == (threads <= 0 ? g_pool->size() : threads)) return;
   g_threads = threads;
   g_pool.reset();
+}
+
+Status start_global_thread_pool(int threads) {
+  SPILLWAY_RETURN_IF_ERROR(check_thread_count(threads, "thread count"));
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  const int wanted = threads > 0 ? threads : hardware_threads();
+  if (g_pool && g_pool->status().is_ok() && g_pool->size() == wanted) return Status::ok();
+  g_threads = threads;
+  g_pool.reset();
+  g_pool = std::make_unique<ThreadPool>(threads);
+  return g_pool->status();
 }
 
 ThreadPool& global_thread_pool() {

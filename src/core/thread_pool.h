@@ -1,30 +1,55 @@
 // ThreadPool: a fixed set of workers running deterministic parallel loops.
 //
-//   ThreadPool pool(4);
-//   pool.parallel_for(n_rows, [&](int64_t begin, int64_t end) { ... rows [begin, end) ... });
+//   auto pool = ThreadPool::create(4);        // error: too many threads, or a thread would not start
+//   if (!pool) return pool.status();
+//   (*pool)->parallel_for(n_rows, [&](int64_t begin, int64_t end) { ... rows [begin, end) ... });
 //
 // parallel_for splits [0, n) into the same contiguous chunks for a given n and
 // thread count, and each chunk is done by one thread, so any reduction written
 // inside a chunk has a fixed order. Results that must not depend on the thread
 // count should reduce over fixed-size blocks (see for_blocks).
+//
+// The constructor never throws: a count above max_thread_count(), or a thread that
+// fails to start (std::system_error, e.g. EAGAIN at the process's thread limit),
+// leaves a pool of the calling thread alone whose status() says why. Callers that
+// construct a pool directly check status().
 #pragma once
 
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "core/status.h"
+
 namespace spillway {
+
+// The most threads a pool may have: 4 × the hardware threads (at least 4).
+int max_thread_count();
+// An error naming `what` ("--threads") when threads is negative or above
+// max_thread_count(); 0 means all hardware threads.
+Status check_thread_count(int threads, std::string_view what);
+
+// Starts one worker thread; tests pass one that fails to exercise the error path.
+using ThreadStarter = std::function<std::thread(std::function<void()>)>;
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);  // threads <= 0: hardware concurrency
+  // threads <= 0: hardware concurrency. `start` defaults to std::thread's constructor.
+  explicit ThreadPool(int threads, ThreadStarter start = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  // A pool whose every worker started, or the error.
+  static Result<std::unique_ptr<ThreadPool>> create(int threads, ThreadStarter start = {});
+
+  // Ok, or why the pool runs on the calling thread alone.
+  const Status& status() const { return status_; }
   int size() const { return static_cast<int>(workers_.size()) + 1; }
   // Runs fn(begin, end) over `size()` contiguous chunks of [0, n); the calling
   // thread takes one chunk. Chunks shorter than `grain` are merged.
@@ -32,7 +57,9 @@ class ThreadPool {
 
  private:
   void worker_loop(int index);
+  void stop_workers();
   std::vector<std::thread> workers_;
+  Status status_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
@@ -43,7 +70,12 @@ class ThreadPool {
 };
 
 // A pool shared by the process's compute (set its size once, before first use).
+// start_global_thread_pool (re)starts it at once with `threads` workers (0: all
+// hardware threads) and returns why it could not; otherwise global_thread_pool()
+// starts it on first use (a pool whose threads fail to start then runs on the
+// calling thread alone).
 ThreadPool& global_thread_pool();
 void set_global_thread_count(int threads);
+Status start_global_thread_pool(int threads);
 
 }  // namespace spillway

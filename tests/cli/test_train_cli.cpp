@@ -583,4 +583,11 @@ TEST(HostileFlags, HugeLayersOrAccumAreRefusedBeforeBuilding) {
                   {"ops", "more than 150000"});
 }
 
+// Issue 9: hostile flags and data get bounded work and clear errors, exit code 1.
+TEST(HostileFlags, TooManyThreadsIsRefusedNamingTheCap) {
+  for (const char* command : {"train --steps 1", "bench train --steps 2"})
+    expect_rejected(std::string(command) + " --layers 1 --width 32 --heads 2 --model-context 32 --backend cpu --threads 100000",
+                    {"--threads 100000", "4 ×", "hardware threads"});
+}
+
 }  // namespace

@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "core/checksum.h"
@@ -44,6 +48,57 @@ TEST(ThreadPool, CoversRangeOnceWithFixedChunks) {
     for (int64_t i = b; i < e; ++i) hits[i]++;
   });
   for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+TEST(ThreadPool, RefusesMoreThanFourTimesTheHardwareThreads) {
+  const int cap = max_thread_count();
+  EXPECT_EQ(cap, 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  EXPECT_TRUE(check_thread_count(cap, "--threads").is_ok());
+  EXPECT_TRUE(check_thread_count(0, "--threads").is_ok());
+  Status s = check_thread_count(100000, "--threads");
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("--threads 100000"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(std::to_string(cap)), std::string::npos) << s.message();
+  EXPECT_FALSE(check_thread_count(-1, "--threads").is_ok());
+
+  auto made = ThreadPool::create(cap + 1);
+  ASSERT_FALSE(made.ok());
+  EXPECT_NE(made.status().message().find(std::to_string(cap)), std::string::npos) << made.status().message();
+  // Constructed directly, the pool says why and still runs loops on the calling thread.
+  ThreadPool pool(100000);
+  EXPECT_FALSE(pool.status().is_ok());
+  EXPECT_EQ(pool.size(), 1);
+  std::vector<int> hits(100);
+  pool.parallel_for(100, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) hits[i]++;
+  });
+  for (int h : hits) EXPECT_EQ(h, 1);
+}
+
+TEST(ThreadPool, AThreadThatFailsToStartIsAnErrorNotAnAbort) {
+  int started = 0;
+  ThreadStarter third_fails = [&](std::function<void()> body) -> std::thread {
+    if (++started == 3) throw std::system_error(EAGAIN, std::generic_category(), "pthread_create");
+    return std::thread(std::move(body));
+  };
+  auto made = ThreadPool::create(5, third_fails);
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().code(), StatusCode::OutOfMemory);
+  EXPECT_NE(made.status().message().find("starting thread 4 of 5 failed"), std::string::npos) << made.status().message();
+  EXPECT_NE(made.status().message().find("fewer threads"), std::string::npos) << made.status().message();
+  EXPECT_EQ(started, 3);  // the two that started were stopped and joined
+
+  started = 0;
+  ThreadPool pool(5, third_fails);
+  EXPECT_FALSE(pool.status().is_ok());
+  EXPECT_EQ(pool.size(), 1);
+  std::atomic<int> sum{0};
+  pool.parallel_for(10, [&](int64_t b, int64_t e) { sum += static_cast<int>(e - b); });
+  EXPECT_EQ(sum.load(), 10);
+
+  auto fine = ThreadPool::create(3);
+  ASSERT_TRUE(fine.ok()) << fine.status().to_string();
+  EXPECT_EQ((*fine)->size(), 3);
 }
 
 TEST(Checksum, DetectsOneFlippedBit) {

@@ -88,6 +88,8 @@ class CpuBackend final : public Backend {
   CpuBackend(int threads, std::unique_ptr<CopyEngine> copy_engine)
       : pool_(threads), copy_engine_(std::move(copy_engine)) {}
   ~CpuBackend() override { copy_engine_.reset(); }  // finish queued copies before memory goes
+  // Ok, or why the thread pool could not start its threads.
+  const Status& pool_status() const { return pool_.status(); }
 
   std::string name() const override { return "cpu"; }
   std::string description() const override { return "CPU, " + std::to_string(pool_.size()) + " threads"; }
@@ -230,7 +232,9 @@ Result<std::unique_ptr<Backend>> make_cpu_backend(const BackendOptions& options)
                                     std::to_string(options.threads));
   std::unique_ptr<CopyEngine> copy_engine = make_thread_copy_engine();
   if (!copy_engine) return Status::internal("cpu backend: the thread copy engine could not be created");
-  return std::unique_ptr<Backend>(new CpuBackend(options.threads, std::move(copy_engine)));
+  auto backend = std::make_unique<CpuBackend>(options.threads, std::move(copy_engine));
+  SPILLWAY_RETURN_IF_ERROR(backend->pool_status().with_context("cpu backend"));
+  return std::unique_ptr<Backend>(std::move(backend));
 }
 
 }  // namespace spillway
