@@ -590,4 +590,9 @@ TEST(HostileFlags, TooManyThreadsIsRefusedNamingTheCap) {
                     {"--threads 100000", "4 ×", "hardware threads"});
 }
 
+TEST(HostileFlags, OverflowingSizeIsRefused) {
+  expect_rejected("train --host-budget 10000000000GB " + kSmall, {"--host-budget", "10000000000GB", "9223372036854775807"});
+  expect_rejected("plan --model tiny --storage-budget 99999999999TiB", {"--storage-budget", "99999999999TiB"});
+}
+
 }  // namespace

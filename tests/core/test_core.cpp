@@ -34,6 +34,36 @@ TEST(Size, RejectsGarbageWithClearMessage) {
   EXPECT_FALSE(parse_size("-5").ok());
 }
 
+TEST(Size, OverflowIsAnErrorNamingTheTextAndTheLimit) {
+  for (const char* text : {"10000000000GB", "9223372036854775808", "18446744073709551615", "8388608TiB",
+                           "99999999999999999999999", "20000000000000000000 B", "9.3e18"}) {
+    auto r = parse_size(text, "--host-budget");
+    ASSERT_FALSE(r.ok()) << text << " gave " << *r;
+    EXPECT_EQ(r.status().code(), StatusCode::InvalidArgument);
+    EXPECT_NE(r.status().message().find("--host-budget"), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
+  }
+  auto r = parse_size("10000000000GB");
+  EXPECT_NE(r.status().message().find("9223372036854775807"), std::string::npos) << r.status().message();
+  EXPECT_EQ(*parse_size("9223372036854775807"), kMaxSize);
+  EXPECT_EQ(*parse_size("8388607TiB"), 8388607ull << 40);
+  EXPECT_EQ(*parse_size("00000000000000000000000001KiB"), 1024u);  // leading zeros are not digits of size
+}
+
+TEST(Size, FractionsAreExact) {
+  EXPECT_EQ(*parse_size("1.5GB"), 1500000000ull);
+  EXPECT_EQ(*parse_size("0.5KiB"), 512ull);
+  EXPECT_EQ(*parse_size("0.3MiB"), 314573ull);  // 314572.8 rounds to the nearest byte
+  EXPECT_EQ(*parse_size("1.1TB"), 1100000000000ull);
+  EXPECT_EQ(*parse_size("2.000000000000000000000000GiB"), 2ull << 30);  // trailing zeros
+  EXPECT_EQ(*parse_size("0.000000000001TB"), 1ull);
+  EXPECT_EQ(*parse_size(".25k"), 250ull);
+  EXPECT_EQ(*parse_size("1.5"), 2ull);
+  EXPECT_EQ(*parse_size("7999999999.999999999GB"), 7999999999999999999ull);
+  EXPECT_FALSE(parse_size("1.0000000000000000001GB").ok());  // finer than the parser counts
+  EXPECT_FALSE(parse_size(".").ok());
+}
+
 TEST(Size, BudgetOfZeroIsRejected) {
   auto r = parse_budget("0", "--host-budget");
   ASSERT_FALSE(r.ok());
