@@ -595,4 +595,30 @@ TEST(HostileFlags, OverflowingSizeIsRefused) {
   expect_rejected("plan --model tiny --storage-budget 99999999999TiB", {"--storage-budget", "99999999999TiB"});
 }
 
+TEST(HostileFlags, BadNumbersExitOneNamingTheFlagAndTheForm) {
+  expect_rejected("train --steps 99999999999 " + kSmall, {"--steps", "99999999999", "whole number", "2147483647"});
+  expect_rejected("train --batch two " + kSmall, {"--batch", "'two'", "whole number"});
+  expect_rejected("train --lr fast " + kSmall, {"--lr", "'fast'", "number"});
+  expect_rejected("train --lr nan " + kSmall, {"--lr", "finite"});
+  expect_rejected("bench train --accum 1e99 " + kSmall, {"--accum", "whole number"});
+  expect_rejected("plan --model tiny --h2d-gbps 1e999", {"--h2d-gbps", "finite"});
+  expect_rejected("train --no-such-flag 3 " + kSmall, {"--no-such-flag", "spillway train --help"});
+  expect_rejected("sample --backend cpu", {"--load", "required"});
+  // Leading zeros are decimal, not octal.
+  CliRun r = run("plan --model tiny --machine cpu --batch 010 --device-budget 8MiB");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("batch 10"), std::string::npos) << r.output;
+  // Help and version still exit 0.
+  for (const char* ok : {"--help", "train --help", "bench train --help", "--version"}) {
+    CliRun h = run(ok);
+    EXPECT_EQ(h.code, 0) << ok << "\n" << h.output;
+  }
+}
+
+TEST(HostileFlags, NegativeSeedIsRefused) {
+  expect_rejected("train --seed -1 " + kSmall, {"--seed", "'-1'", "0 to 18446744073709551615"});
+  expect_rejected("bench train --seed -5 " + kSmall, {"--seed", "'-5'"});
+  expect_rejected("sample --load x.safetensors --seed -1 --backend cpu", {"--seed", "'-1'"});
+}
+
 }  // namespace
