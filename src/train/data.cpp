@@ -1,6 +1,7 @@
 #include "train/data.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -35,42 +36,70 @@ bool file_exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// The whole file. `what` names it in errors ("data file", "validation file").
-Result<std::string> read_file(const std::string& path, const std::string& what) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+// Bytes of a file mapping or of memory, and what keeps them alive.
+struct Bytes {
+  std::shared_ptr<const void> owner;
+  const char* data = nullptr;  // [size]
+  size_t size = 0;
+  std::string_view view() const { return {data, size}; }
+};
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a named pipe (FIFO)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// The whole file, mapped read-only. `what` names it in errors ("data file",
+// "validation file"). Only regular files: a device or a pipe has no size and would
+// be read without end.
+Result<Bytes> map_file(const std::string& path, const std::string& what) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore it).
+  int fd;
+  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  while (fd < 0 && errno == EINTR);
   if (fd < 0) {
     int err = errno;
     if (err == ENOENT) return Status::not_found(what + " " + path + ": no such file");
     return errno_status("open " + what + " " + path, err);
   }
-  std::string data;
-  char buf[1 << 16];
-  Status status;
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      status = errno_status("read " + what + " " + path + " at offset " + std::to_string(data.size()), errno);
-      break;
-    }
-    if (n == 0) break;
-    data.append(buf, static_cast<size_t>(n));
-  }
-  if (::close(fd) != 0 && status.is_ok()) status = errno_status("close " + what + " " + path, errno);
-  if (!status.is_ok()) return status;
-  return data;
+  auto close_with = [&](Status status) -> Status {
+    if (::close(fd) != 0 && status.is_ok()) return errno_status("close " + what + " " + path, errno);
+    return status;
+  };
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return close_with(errno_status("fstat " + what + " " + path, errno));
+  if (!S_ISREG(st.st_mode))
+    return close_with(Status::invalid_argument(what + " " + path + " is " + file_kind(st.st_mode) +
+                                               "; expected a regular file of text or llm.c tokens"));
+  if (st.st_size == 0) return close_with(Status::invalid_argument(what + " " + path + ": file is empty"));
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  if (p == MAP_FAILED)
+    return close_with(errno_status("mmap " + what + " " + path + " (" + std::to_string(size) + " bytes)", errno));
+  Bytes b;
+  // munmap fails only on arguments mmap returned; nothing to report it to here.
+  b.owner = std::shared_ptr<const void>(p, [size](const void* q) { ::munmap(const_cast<void*>(q), size); });
+  b.data = static_cast<const char*>(p);
+  b.size = size;
+  SPILLWAY_RETURN_IF_ERROR(close_with(Status::ok()));
+  return b;
 }
 
-int32_t int_at(const std::string& bytes, size_t index) {
+int32_t int_at(std::string_view bytes, size_t index) {
   int32_t v;
   std::memcpy(&v, bytes.data() + index * 4, 4);
   return v;
 }
 
-bool has_token_magic(const std::string& bytes) { return bytes.size() >= 4 && int_at(bytes, 0) == kTokenFileMagic; }
+bool has_token_magic(std::string_view bytes) { return bytes.size() >= 4 && int_at(bytes, 0) == kTokenFileMagic; }
 
-// The tokens of a token file already read into `bytes`.
-Result<std::vector<uint16_t>> parse_token_file(const std::string& path, const std::string& bytes) {
+// The tokens of a token file whose bytes are `b`, in place (sharing b's owner).
+Result<TokenSpan> parse_token_file(const std::string& path, const Bytes& b) {
+  const std::string_view bytes = b.view();
   auto corrupt = [&](const std::string& what) { return Status::corrupt("token file " + path + ": " + what); };
   if (bytes.empty()) return Status::invalid_argument("token file " + path + ": file is empty");
   if (!has_token_magic(bytes))
@@ -86,30 +115,39 @@ Result<std::vector<uint16_t>> parse_token_file(const std::string& path, const st
   int32_t count = int_at(bytes, 2);
   if (count < 0) return corrupt("negative token count " + std::to_string(count));
   if (count == 0) return Status::invalid_argument("token file " + path + ": holds no tokens (count 0)");
-  size_t present = (bytes.size() - header_bytes) / 2;
-  if (static_cast<size_t>(count) > present)
+  const size_t body = bytes.size() - header_bytes;
+  const size_t expected = static_cast<size_t>(count) * 2;
+  if (expected > body)
     return corrupt("truncated: the header counts " + std::to_string(count) + " tokens but the file holds " +
-                   std::to_string(present));
-  std::vector<uint16_t> tokens(static_cast<size_t>(count));
-  std::memcpy(tokens.data(), bytes.data() + header_bytes, tokens.size() * 2);
-  return tokens;
+                   std::to_string(body / 2));
+  if (expected < body)
+    return corrupt("the header counts " + std::to_string(count) + " tokens (" + std::to_string(expected) +
+                   " bytes) but " + std::to_string(body) + " bytes follow the header (" +
+                   std::to_string(header_bytes + expected) + " bytes expected in all, the file has " +
+                   std::to_string(bytes.size()) + ")");
+  // Tokens start at byte 1024 of a page-aligned mapping (or of a vector): 2-aligned.
+  const auto* tokens = reinterpret_cast<const uint16_t*>(b.data + header_bytes);
+  return TokenSpan(b.owner, tokens, static_cast<size_t>(count));
 }
 
-// Text or token file, by the magic. `text` tells which it was.
-Result<std::vector<uint16_t>> load_tokens(const std::string& path, const std::string& what, bool* text) {
-  SPILLWAY_ASSIGN_OR_RETURN(std::string bytes, read_file(path, what));
-  if (bytes.empty()) return Status::invalid_argument(what + " " + path + ": file is empty");
-  if (has_token_magic(bytes) || std::string_view(path).ends_with(".bin")) {
+// Text or token file bytes, by the magic (or a ".bin" name). `text` tells which.
+Result<TokenSpan> tokens_of(const std::string& name, const Bytes& b, bool* text) {
+  if (has_token_magic(b.view()) || std::string_view(name).ends_with(".bin")) {
     *text = false;
-    return parse_token_file(path, bytes);
+    return parse_token_file(name, b);
   }
   *text = true;
-  std::vector<uint16_t> tokens(bytes.size());
-  for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
-  return tokens;
+  auto tokens = std::make_shared<std::vector<uint16_t>>(b.size);
+  for (size_t i = 0; i < b.size; ++i) (*tokens)[i] = static_cast<unsigned char>(b.data[i]);
+  return TokenSpan(std::shared_ptr<const std::vector<uint16_t>>(std::move(tokens)));
 }
 
-Status check_vocab(const std::string& path, const std::vector<uint16_t>& tokens, int vocab, bool text) {
+Result<TokenSpan> load_tokens(const std::string& path, const std::string& what, bool* text) {
+  SPILLWAY_ASSIGN_OR_RETURN(Bytes bytes, map_file(path, what));
+  return tokens_of(path, bytes, text);
+}
+
+Status check_vocab(const std::string& path, const TokenSpan& tokens, int vocab, bool text) {
   for (size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] >= vocab)
       return Status::invalid_argument((text ? "text file " : "token file ") + path + ": " +
@@ -119,15 +157,26 @@ Status check_vocab(const std::string& path, const std::vector<uint16_t>& tokens,
   return Status::ok();
 }
 
-TokenSplit make_split(std::string source, std::vector<uint16_t> tokens) {
-  return {std::move(source), std::make_shared<const std::vector<uint16_t>>(std::move(tokens))};
+Status check_vocab_size(int vocab) {
+  if (vocab <= 0 || vocab > 65536)
+    return Status::invalid_argument("vocabulary size " + std::to_string(vocab) + " is not in 1..65536");
+  return Status::ok();
+}
+
+// The first 90% for training, the last 10% for validation, sharing the tokens.
+void split_ninety_ten(Dataset& d, const std::string& name, const TokenSpan& tokens) {
+  const size_t n_val = tokens.size() / 10;
+  const size_t n_train = tokens.size() - n_val;
+  d.train = {name + " (first 90%, training)", tokens.subspan(0, n_train)};
+  d.val = {name + " (last 10%, validation)", tokens.subspan(n_train, n_val)};
 }
 
 }  // namespace
 
 Result<std::vector<uint16_t>> read_token_file(const std::string& path) {
-  SPILLWAY_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "token file"));
-  return parse_token_file(path, bytes);
+  SPILLWAY_ASSIGN_OR_RETURN(Bytes bytes, map_file(path, "token file"));
+  SPILLWAY_ASSIGN_OR_RETURN(TokenSpan tokens, parse_token_file(path, bytes));
+  return std::vector<uint16_t>(tokens.begin(), tokens.end());
 }
 
 Status write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
@@ -160,10 +209,9 @@ Status write_token_file(const std::string& path, const std::vector<uint16_t>& to
 }
 
 Result<Dataset> load_dataset(const std::string& path, int vocab, const std::string& val_path) {
-  if (vocab <= 0 || vocab > 65536)
-    return Status::invalid_argument("vocabulary size " + std::to_string(vocab) + " is not in 1..65536");
+  SPILLWAY_RETURN_IF_ERROR(check_vocab_size(vocab));
   Dataset d;
-  SPILLWAY_ASSIGN_OR_RETURN(std::vector<uint16_t> tokens, load_tokens(path, "data file", &d.text));
+  SPILLWAY_ASSIGN_OR_RETURN(TokenSpan tokens, load_tokens(path, "data file", &d.text));
   SPILLWAY_RETURN_IF_ERROR(check_vocab(path, tokens, vocab, d.text));
 
   std::string val_file = val_path;
@@ -173,18 +221,27 @@ Result<Dataset> load_dataset(const std::string& path, int vocab, const std::stri
   }
   if (!val_file.empty()) {
     bool val_text = false;
-    SPILLWAY_ASSIGN_OR_RETURN(std::vector<uint16_t> val, load_tokens(val_file, "validation file", &val_text));
+    SPILLWAY_ASSIGN_OR_RETURN(TokenSpan val, load_tokens(val_file, "validation file", &val_text));
     SPILLWAY_RETURN_IF_ERROR(check_vocab(val_file, val, vocab, val_text));
-    d.train = make_split(path, std::move(tokens));
-    d.val = make_split(val_file, std::move(val));
+    d.train = {path, std::move(tokens)};
+    d.val = {val_file, std::move(val)};
     return d;
   }
-  size_t n_val = tokens.size() / 10;
-  size_t n_train = tokens.size() - n_val;
-  std::vector<uint16_t> val(tokens.begin() + static_cast<ptrdiff_t>(n_train), tokens.end());
-  tokens.resize(n_train);
-  d.train = make_split(path + " (first 90%, training)", std::move(tokens));
-  d.val = make_split(path + " (last 10%, validation)", std::move(val));
+  split_ninety_ten(d, path, tokens);
+  return d;
+}
+
+Result<Dataset> load_dataset_from_memory(std::string_view bytes, const std::string& name, int vocab) {
+  SPILLWAY_RETURN_IF_ERROR(check_vocab_size(vocab));
+  if (bytes.empty()) return Status::invalid_argument(name + ": holds no bytes");
+  // A copy, 2-aligned for the tokens of a token file.
+  auto copy = std::make_shared<std::vector<uint16_t>>((bytes.size() + 1) / 2);
+  std::memcpy(copy->data(), bytes.data(), bytes.size());
+  Bytes b{copy, reinterpret_cast<const char*>(copy->data()), bytes.size()};
+  Dataset d;
+  SPILLWAY_ASSIGN_OR_RETURN(TokenSpan tokens, tokens_of(name, b, &d.text));
+  SPILLWAY_RETURN_IF_ERROR(check_vocab(name, tokens, vocab, d.text));
+  split_ninety_ten(d, name, tokens);
   return d;
 }
 
@@ -206,7 +263,7 @@ Result<DataLoader> DataLoader::create(const TokenSplit& split, int B, int T, Loa
 }
 
 int64_t DataLoader::row_start(int64_t batch, int row) const {
-  const uint64_t n = tokens_->size();
+  const uint64_t n = tokens_.size();
   const uint64_t window = static_cast<uint64_t>(batch) * static_cast<uint64_t>(B_) + static_cast<uint64_t>(row);
   if (mode_ == LoaderMode::Random) {
     uint64_t r = splitmix64_mix(key_ + (window + 1) * kSplitMixGolden);
@@ -218,7 +275,7 @@ int64_t DataLoader::row_start(int64_t batch, int row) const {
 }
 
 void DataLoader::next(int32_t* tokens, int32_t* targets) {
-  const std::vector<uint16_t>& data = *tokens_;
+  const uint16_t* data = tokens_.data();
   for (int b = 0; b < B_; ++b) {
     const size_t start = static_cast<size_t>(row_start(batch_, b));
     for (int t = 0; t < T_; ++t) {
@@ -230,7 +287,7 @@ void DataLoader::next(int32_t* tokens, int32_t* targets) {
 }
 
 int64_t DataLoader::batches_per_epoch() const {
-  const int64_t n = static_cast<int64_t>(tokens_->size());
+  const int64_t n = static_cast<int64_t>(tokens_.size());
   if (mode_ == LoaderMode::Random) return std::max<int64_t>(1, (n - 1) / (int64_t{B_} * T_));
   return std::max<int64_t>(1, ((n - 1) / T_) / B_);
 }

@@ -8,8 +8,18 @@
 //   std::vector<int32_t> tokens(B * T), targets(B * T);
 //   train->next(tokens.data(), targets.data());   // targets[b,t] = the token after tokens[b,t]
 //
+//   auto bundled = load_dataset_from_memory(bytes, "bundled tinyshakespeare.txt", 256);
+//
+// Files are mapped read-only (mmap), never read into a copy: a token file's tokens
+// are used where they lie in the mapping (train and validation splits share it); a
+// text file's bytes become a vector of tokens. A data file must be a regular file:
+// a device (/dev/zero), a pipe, a socket or a directory is an error naming the path
+// and what it is. (A mapped file that is truncated while training runs ends the
+// process with SIGBUS; do not rewrite a data file during a run.)
+//
 // llm.c token file: a header of 256 little-endian int32 (magic 20240520, version 1,
-// token count at index 2, the rest zero), then `count` uint16 tokens.
+// token count at index 2, the rest zero), then `count` uint16 tokens, and nothing
+// after them: the file is exactly 1024 + 2·count bytes.
 // A file whose first int32 is the magic is a token file; any other file is plain
 // text, one token per byte, unless its name ends in ".bin" (then the magic is wrong).
 // Validation split: a token file "foo_train.bin" pairs with "foo_val.bin" when that
@@ -21,6 +31,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -40,11 +51,36 @@ inline constexpr size_t kTokenFileHeaderInts = 256;
 Result<std::vector<uint16_t>> read_token_file(const std::string& path);
 Status write_token_file(const std::string& path, const std::vector<uint16_t>& tokens);
 
+// Read-only tokens and what keeps them alive (a file mapping or a vector); copies
+// share them.
+class TokenSpan {
+ public:
+  TokenSpan() = default;
+  // Tokens held in a vector (implicit, so a TokenSplit can be made from one).
+  TokenSpan(std::shared_ptr<const std::vector<uint16_t>> tokens)
+      : owner_(tokens), data_(tokens ? tokens->data() : nullptr), size_(tokens ? tokens->size() : 0) {}
+  // `n` tokens at `data`, valid while `owner` lives.
+  TokenSpan(std::shared_ptr<const void> owner, const uint16_t* data, size_t n)
+      : owner_(std::move(owner)), data_(data), size_(n) {}
+  const uint16_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  uint16_t operator[](size_t i) const { return data_[i]; }
+  const uint16_t* begin() const { return data_; }
+  const uint16_t* end() const { return data_ + size_; }
+  // Tokens [offset, offset + n), sharing the owner.
+  TokenSpan subspan(size_t offset, size_t n) const { return {owner_, data_ + offset, n}; }
+
+ private:
+  std::shared_ptr<const void> owner_;
+  const uint16_t* data_ = nullptr;  // [size_]
+  size_t size_ = 0;
+};
+
 // A run of tokens to draw windows from.
 struct TokenSplit {
-  std::string source;                                 // "data/x.txt (last 10%, validation)"
-  std::shared_ptr<const std::vector<uint16_t>> tokens;  // [n], shared with loaders
-  size_t size() const { return tokens ? tokens->size() : 0; }
+  std::string source;  // "data/x.txt (last 10%, validation)"
+  TokenSpan tokens;    // [n], shared with loaders
+  size_t size() const { return tokens.size(); }
 };
 
 struct Dataset {
@@ -55,9 +91,14 @@ struct Dataset {
 
 // Loads `path` (text or token file), checks every token < vocab, and splits it.
 // val_path, when not empty, is the validation token or text file.
-// Errors name the file: missing, empty, wrong magic or version, truncated (the
-// header counts more tokens than the file holds), a token ≥ vocab.
+// Errors name the file: missing, not a regular file, empty, wrong magic or
+// version, a token count that disagrees with the file's size, a token ≥ vocab.
 Result<Dataset> load_dataset(const std::string& path, int vocab, const std::string& val_path = "");
+
+// The same from bytes in memory (text, or the bytes of a token file), named `name`
+// in sources and errors; the last 10% are validation. The bytes are copied (into
+// tokens), so they need not outlive the call.
+Result<Dataset> load_dataset_from_memory(std::string_view bytes, const std::string& name, int vocab);
 
 enum class LoaderMode {
   Random,      // each row starts at a random offset, from (seed, batch index, row)
@@ -86,7 +127,7 @@ class DataLoader {
   DataLoader() = default;
   int64_t row_start(int64_t batch, int row) const;
 
-  std::shared_ptr<const std::vector<uint16_t>> tokens_;  // [n]
+  TokenSpan tokens_;  // [n]
   int B_ = 0, T_ = 0;
   LoaderMode mode_ = LoaderMode::Random;
   uint64_t key_ = 0;

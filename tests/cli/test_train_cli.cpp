@@ -621,4 +621,9 @@ TEST(HostileFlags, NegativeSeedIsRefused) {
   expect_rejected("sample --load x.safetensors --seed -1 --backend cpu", {"--seed", "'-1'"});
 }
 
+TEST(HostileData, DevicesAndPipesAreRefused) {
+  expect_rejected("train --steps 1 --data /dev/zero " + kSmall, {"--data", "/dev/zero", "character device", "regular file"});
+  expect_rejected("train --steps 1 --data /tmp " + kSmall, {"--data", "/tmp is a directory"});
+}
+
 }  // namespace

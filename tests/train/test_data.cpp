@@ -2,8 +2,10 @@
 
 #include "support/test_support.h"
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -132,8 +134,8 @@ TEST(Dataset, TextIsByteTokenizedAndSplitNinetyTen) {
   EXPECT_TRUE(r->text);
   ASSERT_EQ(r->train.size(), 90u);
   ASSERT_EQ(r->val.size(), 10u);
-  EXPECT_EQ((*r->train.tokens)[0], 'a');
-  EXPECT_EQ((*r->val.tokens)[0], static_cast<uint16_t>(text[90]));
+  EXPECT_EQ(r->train.tokens[0], 'a');
+  EXPECT_EQ(r->val.tokens[0], static_cast<uint16_t>(text[90]));
   EXPECT_TRUE(contains(r->val.source, "validation")) << r->val.source;
   EXPECT_TRUE(contains(r->val.source, path)) << r->val.source;
 
@@ -153,14 +155,14 @@ TEST(Dataset, TokenFilesPairTrainWithValOrSplit) {
   EXPECT_FALSE(r->text);
   EXPECT_EQ(r->train.size(), 900u);  // no val file yet: last 10%
   EXPECT_EQ(r->val.size(), 100u);
-  EXPECT_EQ((*r->val.tokens)[0], 900);
+  EXPECT_EQ(r->val.tokens[0], 900);
 
   ASSERT_TRUE(write_token_file(val, ramp(50, 7)).is_ok());
   r = load_dataset(train, 50257);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->train.size(), 1000u);
   EXPECT_EQ(r->val.size(), 50u);
-  EXPECT_EQ((*r->val.tokens)[0], 7);
+  EXPECT_EQ(r->val.tokens[0], 7);
   EXPECT_EQ(r->val.source, val);
 
   // An explicit validation file wins; it may be text.
@@ -169,7 +171,7 @@ TEST(Dataset, TokenFilesPairTrainWithValOrSplit) {
   r = load_dataset(train, 50257, other);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->val.size(), 3u);
-  EXPECT_EQ((*r->val.tokens)[0], 'x');
+  EXPECT_EQ(r->val.tokens[0], 'x');
 
   // A token file detected by its magic, whatever its name.
   std::string odd = d.file("tokens.dat");
@@ -260,4 +262,100 @@ TEST(DataLoader, SequentialCoversWindowsInOrderAndWraps) {
   l->seek(0);
   l->next(tok.data(), tgt.data());
   EXPECT_EQ(tok[0], 0);
+}
+
+// ---- hostile data inputs (issue 9): regular files only, mapped, sizes checked
+
+TEST(Dataset, OnlyRegularFilesAreRead) {
+  TempDir d;
+  auto expect_refused = [](const std::string& path, const std::string& kind) {
+    auto r = load_dataset(path, 256);
+    ASSERT_FALSE(r.ok()) << path;
+    EXPECT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+    EXPECT_TRUE(contains(r.status().message(), path + " is " + kind)) << r.status().message();
+    EXPECT_TRUE(contains(r.status().message(), "regular file")) << r.status().message();
+  };
+  expect_refused("/dev/zero", "a character device");  // was read without end
+  expect_refused(d.path(), "a directory");
+  const std::string fifo = d.file("pipe");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_refused(fifo, "a named pipe");  // and opening it does not wait for a writer
+  // A symbolic link to a device is the device.
+  const std::string link = d.file("zero.txt");
+  std::filesystem::create_symlink("/dev/zero", link);
+  expect_refused(link, "a character device");
+  // The validation file too.
+  const std::string train = d.file("t_train.bin");
+  ASSERT_TRUE(write_token_file(train, ramp(100)).is_ok());
+  auto r = load_dataset(train, 256, "/dev/zero");
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "validation file /dev/zero is a character device")) << r.status().message();
+}
+
+TEST(TokenFile, CountMustMatchTheFileSize) {
+  TempDir d;
+  const std::string path = d.file("extra.bin");
+  // Two bytes more than the header's 3 tokens: refused, not silently ignored.
+  write_bytes(path, token_file_bytes(20240520, 1, 3, {1, 2, 3, 4}));
+  auto r = load_dataset(path, 256);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::Corrupt);
+  EXPECT_TRUE(contains(r.status().message(), "the header counts 3 tokens (6 bytes) but 8 bytes follow the header"))
+      << r.status().message();
+  write_bytes(path, token_file_bytes(20240520, 1, 3, {1, 2, 3}) + "x");  // an odd byte
+  r = load_dataset(path, 256);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "7 bytes follow the header")) << r.status().message();
+  auto t = read_token_file(path);
+  ASSERT_FALSE(t.ok());
+  // A count near INT32_MAX in a small file: the truncation error, not an allocation.
+  write_bytes(path, token_file_bytes(20240520, 1, INT32_MAX, {1, 2, 3}));
+  r = load_dataset(path, 256);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "the header counts 2147483647 tokens but the file holds 3"))
+      << r.status().message();
+}
+
+TEST(Dataset, TokenFilesAreMappedNotCopied) {
+  TempDir d;
+  const std::string path = d.file("m.bin");
+  ASSERT_TRUE(write_token_file(path, ramp(1000, 5)).is_ok());
+  auto r = load_dataset(path, 2000);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  // Both splits point into one mapping of the file, after its 1024-byte header.
+  EXPECT_EQ(r->val.tokens.data(), r->train.tokens.data() + 900);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(r->train.tokens.data()) % 4096, 1024u);
+  EXPECT_EQ(r->train.tokens[0], 5);
+  EXPECT_EQ(r->val.tokens[99], 1004);
+  // The mapping outlives the dataset while a loader holds the split.
+  auto loader = DataLoader::create(r->val, 1, 8, LoaderMode::Sequential);
+  ASSERT_TRUE(loader.ok());
+  r = Result<Dataset>(Status::internal("dropped"));
+  std::vector<int32_t> tok(8), tgt(8);
+  loader->next(tok.data(), tgt.data());
+  EXPECT_EQ(tok[0], 905);
+  EXPECT_EQ(tgt[7], 913);
+}
+
+TEST(Dataset, FromMemoryTextAndTokenBytes) {
+  std::string text(200, 'a');
+  text[180] = 'z';
+  auto r = load_dataset_from_memory(text, "bundled corpus", 256);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_TRUE(r->text);
+  EXPECT_EQ(r->train.size(), 180u);
+  EXPECT_EQ(r->val.size(), 20u);
+  EXPECT_EQ(r->val.tokens[0], 'z');
+  EXPECT_TRUE(contains(r->val.source, "bundled corpus")) << r->val.source;
+  r = load_dataset_from_memory(token_file_bytes(20240520, 1, 20, ramp(20, 40)), "tokens in memory", 256);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_FALSE(r->text);
+  EXPECT_EQ(r->train.size(), 18u);
+  EXPECT_EQ(r->val.tokens[1], 59);
+  auto empty = load_dataset_from_memory("", "nothing", 256);
+  ASSERT_FALSE(empty.ok());
+  EXPECT_TRUE(contains(empty.status().message(), "nothing")) << empty.status().message();
+  auto big = load_dataset_from_memory("abc\x90", "small vocab", 128);
+  ASSERT_FALSE(big.ok());
+  EXPECT_TRUE(contains(big.status().message(), "byte 144 at position 3")) << big.status().message();
 }
