@@ -159,11 +159,14 @@ Status run_train(const TrainFlags& f) {
 
   // Data.
   std::string data_path = f.data;
+  Result<Dataset> data = Status::internal("no data");
   if (data_path.empty()) {
-    SPILLWAY_ASSIGN_OR_RETURN(data_path, find_default_data());
+    data = load_default_data(cfg.vocab, &data_path);  // $SPILLWAY_DATA, else the bundled corpus
+    if (!data.ok()) return data.status();
+  } else {
+    data = load_dataset(data_path, cfg.vocab);
+    if (!data.ok()) return data.status().with_context("--data");
   }
-  auto data = load_dataset(data_path, cfg.vocab);
-  if (!data.ok()) return data.status().with_context("--data");
   auto train_loader = DataLoader::create(data->train, f.batch, T, LoaderMode::Random, f.seed);
   if (!train_loader.ok()) return train_loader.status().with_context("--data");
   auto val_loader = DataLoader::create(data->val, f.batch, T, LoaderMode::Sequential);
@@ -292,7 +295,8 @@ Status run_train(const TrainFlags& f) {
 CommandRegistration train_command("train", "train a GPT model under memory budgets", [](CLI::App& app) -> CommandRun {
   auto f = std::make_shared<TrainFlags>();
   add_model_flags(app, f->model);
-  app.add_option("--data", f->data, "text file (bytes are tokens) or llm.c token file (default: the bundled tinyshakespeare)");
+  app.add_option("--data", f->data, "a regular file: text (bytes are tokens) or an llm.c token file (default: $SPILLWAY_DATA, else "
+                 "the bundled tinyshakespeare built into the binary)");
   app.add_option("--steps", f->steps, "optimizer steps")->capture_default_str();
   app.add_option("--batch", f->batch, "sequences per micro-batch")->capture_default_str();
   app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");

@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -149,46 +148,24 @@ Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threa
 
 namespace {
 
-bool is_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
 bool is_dir(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-std::string binary_dir() {
-  std::vector<char> buf(4096);
-  ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return "";
-  std::string exe(buf.data(), static_cast<size_t>(n));
-  auto slash = exe.rfind('/');
-  return slash == std::string::npos ? "" : exe.substr(0, slash);
-}
-
 }  // namespace
 
-Result<std::string> find_default_data() {
+Result<Dataset> load_default_data(int vocab, std::string* name) {
   const std::string file = "tinyshakespeare.txt";
-  std::vector<std::string> candidates;
   if (const char* env = std::getenv("SPILLWAY_DATA"); env && *env) {
     std::string e = env;
-    candidates.push_back(is_dir(e) ? e + "/" + file : e);
+    *name = is_dir(e) ? e + "/" + file : e;
+    auto d = load_dataset(*name, vocab);
+    if (!d.ok()) return d.status().with_context("SPILLWAY_DATA=" + e);
+    return d;
   }
-  const std::string bin = binary_dir();
-  if (!bin.empty()) {
-    candidates.push_back(bin + "/../data/" + file);
-    candidates.push_back(bin + "/data/" + file);
-  }
-  candidates.push_back("data/" + file);
-  for (const std::string& c : candidates)
-    if (is_file(c)) return std::filesystem::path(c).lexically_normal().string();
-  std::string looked;
-  for (const std::string& c : candidates) looked += (looked.empty() ? "" : ", ") + c;
-  return Status::not_found("the bundled corpus " + file + " was not found (looked at " + looked +
-                           "); give --data FILE or set SPILLWAY_DATA");
+  *name = "bundled " + file + " (built into the binary)";
+  return load_dataset_from_memory(bundled_corpus(), "bundled " + file, vocab);
 }
 
 std::string format_count(double n) {

@@ -1,6 +1,6 @@
 // Flags shared by `spillway train`, `spillway sample` and `spillway bench train`:
 // the model's sizes, the backend, the memory budgets and the planner policy, and
-// where the bundled corpus is.
+// the bundled corpus (built into the binary).
 //
 //   auto model = std::make_shared<ModelFlags>();
 //   auto memory = std::make_shared<MemoryFlags>();
@@ -16,11 +16,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "backend/backend.h"
 #include "core/status.h"
 #include "model/gpt.h"
 #include "plan/planner.h"
+#include "train/data.h"
 
 namespace spillway::cli {
 
@@ -65,10 +67,13 @@ Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threa
 Result<uint64_t> available_host_memory();
 Result<uint64_t> default_host_budget();
 
-// The bundled corpus data/tinyshakespeare.txt: $SPILLWAY_DATA (a file, or a folder
-// holding it), then ../data and ./data beside the binary, then ./data. The first
-// candidate that exists; else an error listing where it looked.
-Result<std::string> find_default_data();
+// The data of `spillway train` without --data: $SPILLWAY_DATA (a file, or a folder
+// holding tinyshakespeare.txt) when set, else the copy of data/tinyshakespeare.txt
+// built into the binary. `name` is set to what was loaded, for the banner.
+Result<Dataset> load_default_data(int vocab, std::string* name);
+// The bytes of data/tinyshakespeare.txt as built into the binary, and their SHA-256.
+std::string_view bundled_corpus();
+const char* bundled_corpus_sha256();
 
 // "12.3k" style counts for messages.
 std::string format_count(double n);

@@ -626,4 +626,39 @@ TEST(HostileData, DevicesAndPipesAreRefused) {
   expect_rejected("train --steps 1 --data /tmp " + kSmall, {"--data", "/tmp is a directory"});
 }
 
+TEST(HostileData, BundledCorpusIsFoundFromAnyDirectory) {
+  // The binary, copied alone to an empty folder and run from another, with
+  // SPILLWAY_DATA unset: the corpus is the copy built into it.
+  const std::filesystem::path dir = temp_path("moved");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "bin");
+  std::filesystem::create_directories(dir / "cwd");
+  std::filesystem::copy_file(SPILLWAY_BINARY, dir / "bin" / "spillway");
+  const std::string cmd = "cd " + (dir / "cwd").string() + " && env -u SPILLWAY_DATA " + (dir / "bin" / "spillway").string() +
+                          " train --steps 2 --eval-every 0 " + kSmall + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = ::pclose(p);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd << "\n" << out;
+  EXPECT_NE(out.find("bundled tinyshakespeare.txt"), std::string::npos) << out;
+  EXPECT_NE(out.find("1.00M train"), std::string::npos) << out;  // 90% of 1115394 bytes
+  EXPECT_NE(out.find("final train loss"), std::string::npos) << out;
+
+  // SPILLWAY_DATA still overrides, and a wrong one is an error naming it.
+  const std::string bad = "cd " + (dir / "cwd").string() + " && SPILLWAY_DATA=/nonexistent/corpus.txt " +
+                          (dir / "bin" / "spillway").string() + " train --steps 1 " + kSmall + " 2>&1";
+  p = ::popen(bad.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  out.clear();
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int bad_status = ::pclose(p);
+  EXPECT_TRUE(WIFEXITED(bad_status) && WEXITSTATUS(bad_status) == 1) << out;
+  EXPECT_NE(out.find("SPILLWAY_DATA=/nonexistent/corpus.txt"), std::string::npos) << out;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
