@@ -75,6 +75,9 @@ class Backend {
   // the backend was created or since reset_device_peak().
   virtual size_t device_peak_bytes() const = 0;
   virtual void reset_device_peak() = 0;
+  // device_alloc's sizes are rounded up to this by the driver (2 MiB on CUDA), so a
+  // budget holds whole multiples of it; 1 on CPU (the budget is counted exactly).
+  virtual size_t allocation_granularity() const = 0;
 
   // ---- workspace: device memory an op uses besides its operands ----
   // (reduction partials, sort buffers, the cuBLASLt workspace.) The caller allocates

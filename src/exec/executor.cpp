@@ -47,7 +47,7 @@ class PlanExecutor final : public Executor {
     // Every op's workspace must fit in what the plan reserved inside the budget.
     SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(b_, p_));
     if (need.bytes > plan_.workspace_bytes)
-      return Status::invalid_argument("op " + need.op + " needs " + format_size(need.bytes) + " (" +
+      return Status::internal("op " + need.op + " needs " + format_size(need.bytes) + " (" +
                                       std::to_string(need.bytes) + " bytes) of device workspace on the " + b_.name() +
                                       " backend, but the plan reserves " + format_size(plan_.workspace_bytes) +
                                       "; plan with PlannerOptions::workspace_bytes = program_workspace(...).bytes");

@@ -46,7 +46,8 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
   planner.alignment = backend.alignment();
   SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, s->program_));
   planner.workspace_bytes = workspace.bytes;  // inside the device budget
-  SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend), options.budgets, planner));
+  SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend),
+                                                allocatable_budgets(options.budgets, backend), planner));
   ExecutorOptions eo;
   eo.host_budget = options.budgets.host;
   eo.spill_dir = options.spill_dir;

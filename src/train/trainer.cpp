@@ -146,7 +146,7 @@ Status Trainer::setup() {
   SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend_, program_));
   PlannerOptions planner = options_.planner;
   planner.workspace_bytes = workspace.bytes;
-  auto plan = make_plan(program_, options_.machine, options_.budgets, planner);
+  auto plan = make_plan(program_, options_.machine, allocatable_budgets(options_.budgets, backend_), planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
   ExecutorOptions eo;
@@ -208,6 +208,13 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
     offset += count;
   }
   return Status::ok();
+}
+
+Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
+  Budgets b = budgets;
+  const uint64_t g = std::max<uint64_t>(1, backend.allocation_granularity());
+  if (b.device != UINT64_MAX) b.device = b.device / g * g;
+  return b;
 }
 
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
@@ -411,6 +418,7 @@ Status Trainer::plan_evaluation(int B, int T) {
     eval_budgets_.device = budget == UINT64_MAX ? UINT64_MAX : (budget > training ? budget - training : 0);
     const size_t free_bytes = backend_.device_free_bytes();
     if (free_bytes != SIZE_MAX) eval_budgets_.device = std::min<uint64_t>(eval_budgets_.device, free_bytes);
+    eval_budgets_ = allocatable_budgets(eval_budgets_, backend_);
     auto beside = make_plan(eval_program_, options_.machine, eval_budgets_, planner);
     if (!beside)
       return Status(beside.status().code(),

@@ -138,6 +138,11 @@ Result<std::vector<float>> read_named_floats(Executor& executor, const Program& 
 Status write_named_floats(Executor& executor, const Program& program, const std::string& name,
                           const std::vector<float>& values);
 
+// The budgets a plan for `backend` is made with: the device budget rounded down to
+// the backend's allocation granularity (the driver rounds the one allocation of
+// arena and workspace up to it, and the rounded size must stay within the budget).
+Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend);
+
 // A GPT program for a device budget: build(false), or when that program's largest op
 // (planner minimum_device_budget) takes more than half the budget, build(true) — the
 // same step in vocab tiles (StepShape::tile_vocab). Tiled or not, the losses are the

@@ -126,6 +126,7 @@ class CpuBackend final : public Backend {
   size_t device_used_bytes() const override { return device_.in_use(); }
   size_t device_peak_bytes() const override { return device_.peak(); }
   void reset_device_peak() override { device_.reset_peak(); }
+  size_t allocation_granularity() const override { return 1; }
 
   // The CPU kernels keep their small partial sums on the heap of the host they run
   // on, so no op needs device workspace.

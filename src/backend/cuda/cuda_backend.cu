@@ -371,6 +371,8 @@ class CudaBackend final : public Backend {
   }
   size_t device_peak_bytes() const override { return peak_used_.load(); }
   void reset_device_peak() override { peak_used_.store(device_used_bytes()); }
+  // cudaMalloc maps large allocations in 2 MiB pages.
+  size_t allocation_granularity() const override { return size_t{2} << 20; }
 
   // ---- workspace. Layout of the given workspace: scratch (reduction partials, sort
   // buffers) from its start; a matrix product puts its cuBLASLt workspace after the
