@@ -82,6 +82,8 @@ Status run_bench(const BenchTrainFlags& f) {
   SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
+  SPILLWAY_RETURN_IF_ERROR(check_step_is_bounded(cfg, {.B = f.batch, .T = T, .accum = f.accum},
+                                                 backend->activation_dtype(), mem.budgets));
   TrainerOptions o;
   o.model = cfg;
   o.shape = {.B = f.batch, .T = T, .accum = f.accum};

@@ -58,6 +58,11 @@ int run_plan(const PlanFlags& f) {
     if (!b.ok()) return fail(b.status());
     *budget = *b;
   }
+  if (f.batch < 1 || f.accum < 1)
+    return fail(Status::invalid_argument("--batch and --accum must be at least 1, got " + std::to_string(f.batch) +
+                                         " and " + std::to_string(f.accum)));
+  if (Status s = check_step_is_bounded(*cfg, {.B = f.batch, .T = T, .accum = f.accum}, act, budgets); !s.is_ok())
+    return fail(s);
   auto options = resolve_planner_options(f.policy, f.prefetch, f.order);
   if (!options.ok()) return fail(options.status());
   options->alignment = alignment;

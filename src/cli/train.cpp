@@ -175,6 +175,8 @@ Status run_train(const TrainFlags& f) {
   // Backend and memory.
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
+  SPILLWAY_RETURN_IF_ERROR(check_step_is_bounded(cfg, {.B = f.batch, .T = T, .accum = f.accum},
+                                                 backend->activation_dtype(), mem.budgets));
 
   TrainerOptions o;
   o.model = cfg;

@@ -137,6 +137,64 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   return r;
 }
 
+Result<int64_t> count_step_ops(const GPTConfig& cfg, const StepShape& shape, DType act) {
+  int64_t ops[2][2];  // [layers - 1][accum - 1]
+  for (int l = 1; l <= 2; ++l)
+    for (int a = 1; a <= 2; ++a) {
+      GPTConfig small = cfg;
+      small.layers = l;
+      StepShape s = shape;
+      s.accum = a;
+      s.tile_vocab = true;
+      SPILLWAY_ASSIGN_OR_RETURN(Program p, build_training_program(small, s, act));
+      ops[l - 1][a - 1] = static_cast<int64_t>(p.ops.size());
+    }
+  // ops(L, A) = c + L·l + A·m + L·A·k, fitted exactly by the four corners.
+  using Wide = __int128;
+  const Wide L = cfg.layers - 1, A = shape.accum - 1;
+  const Wide per_layer = ops[1][0] - ops[0][0], per_micro_batch = ops[0][1] - ops[0][0];
+  const Wide per_both = ops[1][1] - ops[1][0] - ops[0][1] + ops[0][0];
+  const Wide total = ops[0][0] + L * per_layer + A * per_micro_batch + L * A * per_both;
+  return total > INT64_MAX ? INT64_MAX : static_cast<int64_t>(total);
+}
+
+Status check_step_is_bounded(const GPTConfig& cfg, const StepShape& shape, DType act, const Budgets& budgets) {
+  using Wide = unsigned __int128;
+  auto size_text = [](Wide bytes) {
+    return bytes > UINT64_MAX ? std::string("more than 16 EiB") : format_size(static_cast<uint64_t>(bytes));
+  };
+  auto budget_text = [](uint64_t bytes) { return bytes == UINT64_MAX ? std::string("unlimited") : format_size(bytes); };
+  const std::string step = "--accum " + std::to_string(shape.accum) + " × --batch " + std::to_string(shape.B) +
+                           " × --context " + std::to_string(shape.T);
+
+  const Wide params = static_cast<Wide>(cfg.num_parameters());
+  const Wide per_param = 2 * static_cast<Wide>(dtype_size(act)) + 12;
+  const Wide state = params * per_param;
+  const Wide inputs = static_cast<Wide>(shape.accum) * static_cast<Wide>(shape.B) * static_cast<Wide>(shape.T) * 8;
+  const bool unlimited = budgets.device == UINT64_MAX || budgets.host == UINT64_MAX;
+  const Wide total = static_cast<Wide>(budgets.device) + budgets.host + budgets.storage;
+  if (!unlimited && state + inputs > total)
+    return Status::out_of_memory(
+        "the step cannot fit the budgets: the training state of " + cfg.to_string() + " needs " + size_text(state) +
+        " (" + std::to_string(cfg.num_parameters()) + " parameters × " + std::to_string(static_cast<int>(per_param)) +
+        " bytes: weights and gradients in " + dtype_name(act) + ", fp32 master weights and two fp32 Adam moments)" +
+        " and the micro-batch inputs " + size_text(inputs) + " (" + step + " × 8 bytes of tokens and targets), " +
+        size_text(state + inputs) + " in all, but --device-budget " + budget_text(budgets.device) +
+        " + --host-budget " + budget_text(budgets.host) + " + --storage-budget " +
+        (budgets.storage ? format_size(budgets.storage) : std::string("none (no --spill-dir)")) + " hold " +
+        size_text(total) + "; raise the budgets, or make the model (--model, --layers, --width, --vocab) or the step (" +
+        "--accum, --batch, --context) smaller");
+
+  SPILLWAY_ASSIGN_OR_RETURN(int64_t ops, count_step_ops(cfg, shape, act));
+  if (ops > kMaxStepOps)
+    return Status::invalid_argument("the step's program would have " + std::to_string(ops) + " ops (" +
+                                    std::to_string(cfg.layers) + " layers (--layers) × --accum " +
+                                    std::to_string(shape.accum) + " micro-batches, and the optimizer's), more than " +
+                                    std::to_string(kMaxStepOps) + " that spillway builds; use fewer --layers or a "
+                                    "smaller --accum (a larger --batch gives the same tokens per step with fewer ops)");
+  return Status::ok();
+}
+
 Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads) {
   SPILLWAY_RETURN_IF_ERROR(check_thread_count(threads, "--threads"));
   // The host AdamW runs on the process-wide pool; give it the same thread count.

@@ -60,6 +60,22 @@ Result<PlannerOptions> resolve_planner_options(const std::string& policy, const 
 // space unless --storage-budget). Errors name the flag.
 Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backend);
 
+// Bounded work from flags, checked before any program is built (by train, bench
+// train, plan and simulate):
+// - the training state, num_parameters × (2·act + 12) bytes (weights in the
+//   activation dtype, their gradients, fp32 master weights and two fp32 Adam
+//   moments), plus the micro-batch inputs, accum·B·T·8 bytes (int32 tokens and
+//   targets, persistent for the step), must fit device + host + storage budgets;
+// - the step's program has at most kMaxStepOps ops (accum × the ops of a
+//   micro-batch, plus the optimizer's), counted without building it.
+// Errors state the bytes or ops needed, the budgets given, and name the flags.
+// `cfg` has passed GPTConfig::validate().
+inline constexpr int64_t kMaxStepOps = 150'000;  // gpt2-1.5b (896 ops a micro-batch) at --accum 167
+Status check_step_is_bounded(const GPTConfig& cfg, const StepShape& shape, DType act, const Budgets& budgets);
+// The ops of the step's program (the vocab-tiled form, the larger), from programs of
+// one and two layers and micro-batches: exact, since the count is linear in each.
+Result<int64_t> count_step_ops(const GPTConfig& cfg, const StepShape& shape, DType act);
+
 // make_backend with the flag's name in the error.
 Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads);
 
