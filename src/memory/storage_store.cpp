@@ -195,21 +195,25 @@ Result<std::unique_ptr<StorageStore>> StorageStore::create(const StorageStoreOpt
   store->leftovers_ = std::move(*leftovers);
 
   // DIR/spillway-<pid>-<random>: the pid lets a later run tell whether we are alive.
+  // run_dir_ is set only once the directory exists: the destructor removes it, and
+  // must never name (or warn about) one that was not made.
   std::random_device random;
   int err = EEXIST;
+  std::string run_dir;
   for (int attempt = 0; attempt < 16 && err == EEXIST; ++attempt) {
     char suffix[16];
     std::snprintf(suffix, sizeof suffix, "%08x", static_cast<unsigned>(random()));
-    store->run_dir_ = dir + "/" + kRunPrefix + std::to_string(::getpid()) + "-" + suffix;
-    err = ::mkdir(store->run_dir_.c_str(), 0755) == 0 ? 0 : errno;
+    run_dir = dir + "/" + kRunPrefix + std::to_string(::getpid()) + "-" + suffix;
+    err = ::mkdir(run_dir.c_str(), 0755) == 0 ? 0 : errno;
   }
   if (err != 0) {
-    std::string what = "mkdir " + store->run_dir_;
+    const std::string what = "cannot create a run directory in it";
     if (err == EACCES || err == EPERM || err == EROFS)
       return Status::io_error("spill directory " + dir + " is not writable (" + kExpectedDir + "): " + what +
                               ": " + std::strerror(err));
     return errno_status("spill directory " + dir + ": " + what, err);
   }
+  store->run_dir_ = run_dir;
   store->remove_on_interrupt_ = RemoveOnInterrupt(store->run_dir_);
   store->marker_path_ = store->run_dir_ + "/" + kMarkerName;
   store->file_path_ = store->run_dir_ + "/" + kSpillFileName;

@@ -470,5 +470,52 @@ TEST(StorageStoreDir, BudgetSmallerThanABlockIsRefused) {
   EXPECT_TRUE(contains(s.status().message(), "storage budget")) << s.status().message();
 }
 
+// A spill directory where no run directory can be made (mode 0444: not even
+// searchable, so removing a name in it fails too, as on a read-only mount). The
+// error and stderr name the directory given, never the run directory that was not
+// made. create() runs in a child, as an unprivileged user when we are root (root
+// writes anywhere), with its stderr captured.
+TEST(StorageStoreDir, UnwritableDirectoryNamesNoRunDirectoryThatWasNotMade) {
+  TempDir dir;
+  std::string locked = dir.path() + "/locked";
+  ASSERT_EQ(::mkdir(locked.c_str(), 0444), 0);
+  ASSERT_EQ(::chmod(locked.c_str(), 0444), 0);       // whatever the umask
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);  // the child must reach it
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::dup2(fds[1], STDERR_FILENO);
+    std::string m;
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) {
+      m = "setuid failed";
+    } else {
+      StorageStoreOptions o;
+      o.dir = locked;
+      o.engine = "threads";
+      auto s = StorageStore::create(o);  // destroyed before the message is written
+      m = s.ok() ? "created" : s.status().to_string();
+    }
+    m = "\nstatus: " + m;
+    ssize_t n = ::write(fds[1], m.data(), m.size());
+    (void)n;
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(contains(out, "status: IoError: spill directory " + locked + " is not writable")) << out;
+  EXPECT_TRUE(contains(out, "Permission denied")) << out;
+  EXPECT_FALSE(contains(out, "spillway-" + std::to_string(pid) + "-")) << out;  // the run directory's name
+  EXPECT_FALSE(contains(out, "warning")) << out;
+}
+
 }  // namespace
 }  // namespace spillway
