@@ -40,8 +40,11 @@ struct BenchTrainFlags {
 
 // The time split of one profiled step: matrix products, attention, other kernels of
 // the forward and backward, and the optimizer phase (norms, clipping, AdamW, on
-// device or host), then the slowest ops.
-void print_profile(const Program& program, const StepProfile& profile, double step_s) {
+// device or host), then the slowest ops. Beside it, two figures measured apart from
+// the split: the sum of every op's time, and the profiled step on the wall clock
+// with the number of ops timed against the plan's Run instructions.
+void print_profile(const Program& program, const Plan& plan, const StepProfile& profile, double step_s,
+                   double profiled_step_s) {
   double split[4] = {0, 0, 0, 0};
   const char* names[4] = {"matmul", "attention", "other kernels", "optimizer"};
   for (const OpTime& t : profile.ops) {
@@ -52,12 +55,19 @@ void print_profile(const Program& program, const StepProfile& profile, double st
     else if (op.kind == OpKind::AttentionForward || op.kind == OpKind::AttentionBackward) k = 1;
     split[k] += t.seconds;
   }
-  const double total = split[0] + split[1] + split[2] + split[3];
+  const double split_total = split[0] + split[1] + split[2] + split[3];
+  double total = 0;
+  for (const OpTime& t : profile.ops) total += t.seconds;
+  size_t plan_runs = 0;
+  for (const Instruction& in : plan.instructions) plan_runs += in.kind == InstrKind::Run;
   std::printf("time split    one step, each op timed alone (synchronized before and after)\n");
   for (int k = 0; k < 4; ++k)
-    std::printf("  %-13s %9.2f ms  %5.1f%%\n", names[k], 1e3 * split[k], total > 0 ? 100.0 * split[k] / total : 0.0);
+    std::printf("  %-13s %9.2f ms  %5.1f%%\n", names[k], 1e3 * split[k],
+                split_total > 0 ? 100.0 * split[k] / split_total : 0.0);
   std::printf("  %-13s %9.2f ms  (the unprofiled step: %.2f ms; the difference is launch gaps and waits)\n", "sum of ops",
               1e3 * total, 1e3 * step_s);
+  std::printf("  %-13s %9.2f ms  (the profiled step on the wall clock; %zu ops timed, the plan runs %zu)\n",
+              "whole step", 1e3 * profiled_step_s, profile.ops.size(), plan_runs);
   std::vector<OpTime> slowest = profile.ops;
   std::sort(slowest.begin(), slowest.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
   if (slowest.size() > 8) slowest.resize(8);
@@ -106,6 +116,7 @@ Status run_bench(const BenchTrainFlags& f) {
   double timed_s = 0, stall_s = 0, issue_s = 0;
   StepMetrics last;
   StepProfile profile;
+  double profiled_step_s = 0;
   const int last_step = f.steps + (f.profile ? 1 : 0);
   for (int s = 1; s <= last_step; ++s) {
     const bool profiled = s > f.steps;
@@ -124,7 +135,10 @@ Status run_bench(const BenchTrainFlags& f) {
     if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
                 s == 1 ? " (warm-up, not timed)" : profiled ? " (profiled, not timed)" : "");
     std::fflush(stdout);
-    if (profiled) break;
+    if (profiled) {
+      profiled_step_s = r->step_s;
+      break;
+    }
     if (s > 1) {
       timed_s += r->step_s;
       stall_s += r->exec.stall_s;
@@ -169,7 +183,7 @@ Status run_bench(const BenchTrainFlags& f) {
     const bool closed = std::fclose(out) == 0;
     if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
   }
-  if (f.profile) print_profile(trainer->program(), profile, step_s);
+  if (f.profile) print_profile(trainer->program(), trainer->plan(), profile, step_s, profiled_step_s);
   return Status::ok();
 }
 

@@ -103,7 +103,7 @@ Machine Machine::h200() {
   m.matmul_flops_per_s = 784e12;  // bf16 dense, measured on 8192³ products
   m.device_bytes_per_s = 3.5e12;  // achieved by elementwise kernels (4.8 TB/s peak)
   m.op_launch_s = 5e-6;
-  m.host_adam_params_per_s = 6e9;
+  m.host_adam_params_per_s = 4.4e9;  // bf16, 16 threads: 4.11 and 4.64 G/s (bench/RESULTS.md)
   m.host_runs_ahead = true;
   return m;
 }
@@ -119,10 +119,10 @@ Machine Machine::cpu_dev_box() {
   m.compute_share_while_copying = 0.7;  // copy threads take cores and memory bandwidth
   m.storage_read_bytes_per_s = 1e9;
   m.storage_write_bytes_per_s = 1e9;
-  m.matmul_flops_per_s = 50e9;  // OpenBLAS sgemm on 2 cores
+  m.matmul_flops_per_s = 120e9;  // OpenBLAS sgemm on 2 cores: gpt2-124m 1x128 then predicts 96 tokens/s (129-151 measured)
   m.device_bytes_per_s = 10e9;
   m.op_launch_s = 2e-6;
-  m.host_adam_params_per_s = 0.5e9;
+  m.host_adam_params_per_s = 1.4e9;  // bf16, 2 threads: 1.42 G/s (bench/RESULTS.md)
   m.host_runs_ahead = false;    // CPU ops run on the host thread
   return m;
 }

@@ -327,19 +327,34 @@ TEST(BenchTrainCli, ProfileSplitsOneStep) {
   ASSERT_EQ(r.code, 0) << r.output;
   for (const char* needle : {"time split", "sum of ops", "slowest", "host issue"})
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
-  // The four shares of the split add up to the whole.
-  double total = 0;
-  for (const char* part : {"matmul", "attention", "other kernels", "optimizer"}) {
-    const size_t at = r.output.find("\n  " + std::string(part));
-    ASSERT_NE(at, std::string::npos) << part << " not in: " << r.output;
-    const size_t line_end = r.output.find('\n', at + 1);
-    const std::string line = r.output.substr(at + 1, line_end - at - 1);
-    const size_t pct = line.rfind('%');
-    ASSERT_NE(pct, std::string::npos) << line;
-    const size_t start = line.find_last_of(' ', pct) + 1;
-    total += std::stod(line.substr(start, pct - start));
-  }
-  EXPECT_NEAR(total, 100.0, 0.5) << r.output;
+  // The milliseconds after a row's label ("  matmul   0.21 ms ...").
+  auto ms = [&](const std::string& label) {
+    const size_t at = r.output.find("\n  " + label + " ");
+    if (at == std::string::npos) {
+      ADD_FAILURE() << label << " not in: " << r.output;
+      return -1.0;
+    }
+    return std::stod(r.output.substr(at + 3 + label.size()));
+  };
+  // Three figures the program computes apart: the four parts of the split (ops by
+  // kind), the sum over every op timed, and the profiled step on the trainer's clock.
+  // The parts must add up to the sum (an op left out of the split, or counted twice,
+  // shows here), and the sum must fit in the whole step that contained the ops (an
+  // op timed twice, or a time in the wrong unit, shows here). Rows are rounded to 0.01 ms.
+  double parts = 0;
+  for (const char* part : {"matmul", "attention", "other kernels", "optimizer"}) parts += ms(part);
+  const double sum = ms("sum of ops"), whole = ms("whole step");
+  EXPECT_NEAR(parts, sum, 0.03) << r.output;
+  EXPECT_GT(sum, 0) << r.output;
+  EXPECT_LE(sum, whole + 0.01) << r.output;
+  // Every op the plan runs was timed, once.
+  const size_t timed_at = r.output.find(" ops timed, the plan runs ");
+  ASSERT_NE(timed_at, std::string::npos) << r.output;
+  const size_t timed_start = r.output.rfind(' ', timed_at - 1) + 1;
+  const int timed = std::stoi(r.output.substr(timed_start));
+  const int plan_runs = std::stoi(r.output.substr(timed_at + std::string(" ops timed, the plan runs ").size()));
+  EXPECT_GT(plan_runs, 10) << r.output;
+  EXPECT_EQ(timed, plan_runs) << r.output;
 }
 
 TEST(PlanCli, TilesTheVocabularyWhenTheBudgetCallsForIt) {
