@@ -17,6 +17,8 @@
 #include <set>
 #include <tuple>
 
+#include "core/atomic_file.h"
+
 namespace spillway {
 
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
@@ -279,18 +281,16 @@ Result<std::vector<float>> SafetensorsReader::read_f32(const SafetensorsEntry& e
 
 namespace {
 
-// The header length, the header text and each tensor's values, into a new file.
-Status write_file(const std::string& tmp, const std::string& text, const std::vector<SafetensorsTensor>& tensors) {
-  int raw_fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (raw_fd < 0) return errno_status("open " + tmp + " for writing", errno);
-  Fd fd(raw_fd);
+// The header length, the header text and each tensor's values, into the new file
+// `fd` (named `tmp` in errors).
+Status write_file(int fd, const std::string& tmp, const std::string& text, const std::vector<SafetensorsTensor>& tensors) {
   uint8_t len_bytes[8];
   uint64_t len = text.size();
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(len >> (8 * i));
   uint64_t pos = 0;
-  SPILLWAY_RETURN_IF_ERROR(write_all(fd.get(), tmp, len_bytes, 8, pos));
+  SPILLWAY_RETURN_IF_ERROR(write_all(fd, tmp, len_bytes, 8, pos));
   pos += 8;
-  SPILLWAY_RETURN_IF_ERROR(write_all(fd.get(), tmp, text.data(), text.size(), pos));
+  SPILLWAY_RETURN_IF_ERROR(write_all(fd, tmp, text.data(), text.size(), pos));
   pos += text.size();
   for (const SafetensorsTensor& t : tensors) {
     int64_t numel = 1;
@@ -301,11 +301,10 @@ Status write_file(const std::string& tmp, const std::string& text, const std::ve
       return Status::invalid_argument("tensor '" + t.name + "' has " +
                                       std::to_string(values.size()) + " values; shape " + shape_text(t.shape) +
                                       " needs " + std::to_string(numel));
-    SPILLWAY_RETURN_IF_ERROR(write_all(fd.get(), tmp, values.data(), values.size() * 4, pos));
+    SPILLWAY_RETURN_IF_ERROR(write_all(fd, tmp, values.data(), values.size() * 4, pos));
     pos += values.size() * 4;
   }
-  if (::fsync(fd.get()) != 0) return errno_status("fsync " + tmp, errno);
-  return fd.close(tmp);
+  return Status::ok();
 }
 
 }  // namespace
@@ -337,17 +336,13 @@ Status write_safetensors(const std::string& path, const std::vector<SafetensorsT
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  const std::string tmp = path + ".tmp";
-  Status s = write_file(tmp, text, tensors);
-  if (!s.is_ok()) {
-    ::unlink(tmp.c_str());
-    return s.with_context("safetensors file " + path);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    Status err = errno_status("rename " + tmp + " to " + path, errno);
-    ::unlink(tmp.c_str());
-    return err;
-  }
+  // PATH.tmp-<pid>-<random>, renamed onto PATH when whole (AtomicFile): an
+  // interrupted or failed save leaves PATH as it was, and no temporary file.
+  auto file = AtomicFile::create(path);
+  if (!file) return file.status().with_context("safetensors file " + path);
+  Status s = write_file(file->fd(), file->temp_path(), text, tensors);
+  if (s.is_ok()) s = file->commit();
+  if (!s.is_ok()) return s.with_context("safetensors file " + path);
   return Status::ok();
 }
 

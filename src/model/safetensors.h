@@ -75,7 +75,9 @@ struct SafetensorsTensor {
   std::function<Result<std::vector<float>>()> values;
 };
 
-// Writes an F32 safetensors file (to path + ".tmp", then renamed over path).
+// Writes an F32 safetensors file: to PATH.tmp-<pid>-<random> (core/atomic_file.h),
+// fsynced, renamed over PATH, and PATH's folder fsynced. On an error, or a signal
+// that ends the process, PATH is left as it was and the temporary file removed.
 Status write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                          const std::map<std::string, std::string>& metadata = {});
 
