@@ -19,9 +19,11 @@
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
+#include "core/atomic_file.h"
 #include "core/interrupt.h"
 #include "core/size.h"
 #include "exec/trace.h"
+#include "memory/storage_store.h"
 #include "model/safetensors.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -174,6 +176,13 @@ Status run_train(const TrainFlags& f) {
 
   // Backend and memory.
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
+  // Leftovers of killed saves beside the --save file (the spill directory's are
+  // reported when the spill store opens).
+  if (!f.save.empty() && parent_directory(f.save) != mem.spill_dir) {
+    auto leftovers = find_all_leftovers(parent_directory(f.save));
+    if (leftovers && !leftovers->empty())
+      std::cerr << "spillway: warning: " << leftovers_warning(parent_directory(f.save), *leftovers) << "\n";
+  }
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   SPILLWAY_RETURN_IF_ERROR(check_step_is_bounded(cfg, {.B = f.batch, .T = T, .accum = f.accum},
                                                  backend->activation_dtype(), mem.budgets));

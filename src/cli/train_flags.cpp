@@ -14,6 +14,7 @@
 
 #include "core/size.h"
 #include "core/thread_pool.h"
+#include "memory/storage_store.h"
 
 namespace spillway::cli {
 
@@ -131,7 +132,8 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
       const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
       r.budgets.storage = free_bytes / 10 * 9;
       if (r.budgets.storage == 0)
-        return Status::no_space("--spill-dir " + f.spill_dir + " has no free space for spill files");
+        return Status::no_space("--spill-dir " + f.spill_dir + " has no free space for spill files" +
+                                leftovers_note(f.spill_dir));
     }
   }
   return r;

@@ -1,11 +1,15 @@
 #include "core/atomic_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <random>
+
+#include "core/process.h"
 
 namespace spillway {
 namespace {
@@ -56,6 +60,28 @@ int64_t temp_file_pid(std::string_view name) {
   for (char c : suffix)
     if (!is_hex(c)) return 0;
   return pid;
+}
+
+Result<std::vector<StaleTempFile>> find_stale_temp_files(const std::string& dir) {
+  std::vector<StaleTempFile> found;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return errno_status("folder " + dir + ": cannot list it", errno);
+  for (;;) {
+    errno = 0;  // readdir returns null both at the end and on error
+    dirent* e = ::readdir(d);
+    if (e == nullptr) break;
+    const int64_t pid = temp_file_pid(e->d_name);
+    if (pid == 0) continue;
+    std::string path = dir + "/" + e->d_name;
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (process_alive(pid)) continue;
+    found.push_back({path, pid, static_cast<uint64_t>(st.st_blocks) * 512});
+  }
+  int err = errno;
+  if (::closedir(d) != 0 && err == 0) return errno_status("folder " + dir + ": closedir", errno);
+  if (err != 0) return errno_status("folder " + dir + ": readdir", err);
+  return found;
 }
 
 Result<AtomicFile> AtomicFile::create(const std::string& target, mode_t mode) {

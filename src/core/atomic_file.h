@@ -60,4 +60,14 @@ std::string parent_directory(const std::string& path);
 // "w.safetensors.tmp-123-0a1b2c3d" → 123; 0 when the name is not an AtomicFile's.
 int64_t temp_file_pid(std::string_view name);
 
+// An AtomicFile temporary whose writer is gone (killed, crashed).
+struct StaleTempFile {
+  std::string path;
+  int64_t pid = 0;
+  uint64_t bytes = 0;  // disk space it takes
+};
+// The regular files directly in `dir` named like an AtomicFile temporary whose pid
+// is not alive. An error naming the folder if it cannot be listed.
+Result<std::vector<StaleTempFile>> find_stale_temp_files(const std::string& dir);
+
 }  // namespace spillway

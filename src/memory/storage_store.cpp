@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,7 +15,9 @@
 #include <random>
 #include <sstream>
 
+#include "core/atomic_file.h"
 #include "core/checksum.h"
+#include "core/process.h"
 #include "core/size.h"
 
 namespace spillway {
@@ -29,34 +30,6 @@ constexpr const char* kSpillFileName = "spill-0.bin";
 constexpr uint64_t kUnlimited = uint64_t{1} << 62;
 
 const char* kExpectedDir = "expected an existing directory this process can create files in";
-
-// Field 22 of /proc/<pid>/stat: when the process started, in clock ticks since
-// boot. With the pid it names a process uniquely (pids are reused).
-std::optional<uint64_t> process_start_ticks(int64_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto paren = text.rfind(')');
-  if (paren == std::string::npos) return std::nullopt;
-  std::istringstream fields(text.substr(paren + 1));
-  std::string field;
-  for (int i = 3; i <= 22; ++i)  // fields 1 and 2 are "pid (comm)"
-    if (!(fields >> field)) return std::nullopt;
-  try {
-    return std::stoull(field);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-
-bool process_alive(int64_t pid, std::optional<uint64_t> start_ticks) {
-  if (pid <= 0) return false;
-  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM) return false;  // ESRCH: gone
-  if (start_ticks) {
-    auto now = process_start_ticks(pid);
-    if (now && *now != *start_ticks) return false;  // the pid now names another process
-  }
-  return true;
-}
 
 // Parses "pid N" and "start T" lines of a marker.
 void read_marker(const std::string& path, int64_t* pid, std::optional<uint64_t>* start) {
@@ -156,6 +129,81 @@ Result<std::vector<LeftoverSpill>> StorageStore::find_leftovers(const std::strin
   return found;
 }
 
+uint64_t Leftovers::bytes() const {
+  uint64_t total = 0;
+  for (const LeftoverSpill& l : spill_dirs) total += l.bytes;
+  for (const StaleTempFile& t : temp_files) total += t.bytes;
+  return total;
+}
+
+std::string Leftovers::describe() const {
+  auto pids = [](const auto& items) {
+    std::string text;
+    for (size_t i = 0; i < items.size() && i < 5; ++i) text += (i == 0 ? "" : ", ") + std::to_string(items[i].pid);
+    if (items.size() > 5) text += ", ...";
+    return text;
+  };
+  std::string text;
+  if (!spill_dirs.empty())
+    text += std::to_string(spill_dirs.size()) + (spill_dirs.size() == 1 ? " spill directory" : " spill directories") +
+            " (pid" + (spill_dirs.size() == 1 ? " " : "s ") + pids(spill_dirs) + ")";
+  if (!temp_files.empty())
+    text += (text.empty() ? "" : " and ") + std::to_string(temp_files.size()) +
+            (temp_files.size() == 1 ? " temporary file" : " temporary files") + " of unfinished saves (pid" +
+            (temp_files.size() == 1 ? " " : "s ") + pids(temp_files) + ")";
+  return text + ", " + format_size(bytes()) + " in all";
+}
+
+Result<Leftovers> find_all_leftovers(const std::string& dir) {
+  Leftovers found;
+  SPILLWAY_ASSIGN_OR_RETURN(found.spill_dirs, StorageStore::find_leftovers(dir));
+  auto temps = find_stale_temp_files(dir);
+  if (!temps) return temps.status().with_context("spill directory " + dir);
+  found.temp_files = std::move(*temps);
+  return found;
+}
+
+std::string leftovers_warning(const std::string& dir, const Leftovers& leftovers) {
+  return dir + " holds leftovers of runs that are gone: " + leftovers.describe() +
+         "; they are never reused: remove them with `spillway clean " + dir + "`";
+}
+
+uint64_t leftover_bytes(const std::string& dir) {
+  auto found = find_all_leftovers(dir);
+  return found ? found->bytes() : 0;
+}
+
+std::string leftovers_note(const std::string& dir) {
+  auto found = find_all_leftovers(dir);
+  if (!found || found->empty()) return "";
+  return "; leftovers of runs that are gone take " + format_size(found->bytes()) + " of it (" + found->describe() +
+         "): remove them with `spillway clean " + dir + "`";
+}
+
+Status remove_leftover_spill_dir(const LeftoverSpill& leftover) {
+  // Only what a run makes there (regular files: the marker and spill files), then the
+  // folder itself; anything else stays, and rmdir says so.
+  DIR* d = ::opendir(leftover.path.c_str());
+  if (d == nullptr) return errno_status("list " + leftover.path, errno);
+  Status first;
+  for (;;) {
+    errno = 0;
+    dirent* e = ::readdir(d);
+    if (e == nullptr) {
+      if (errno != 0 && first.is_ok()) first = errno_status("readdir " + leftover.path, errno);
+      break;
+    }
+    std::string path = leftover.path + "/" + e->d_name;
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT && first.is_ok()) first = errno_status("remove " + path, errno);
+  }
+  ::closedir(d);
+  SPILLWAY_RETURN_IF_ERROR(first);
+  if (::rmdir(leftover.path.c_str()) != 0 && errno != ENOENT) return errno_status("remove folder " + leftover.path, errno);
+  return Status::ok();
+}
+
 StorageStore::StorageStore(const StorageStoreOptions& options, uint64_t capacity)
     : dir_(options.dir), budget_(options.budget_bytes), allocator_(capacity, kStorageAlignment) {}
 
@@ -182,17 +230,13 @@ Result<std::unique_ptr<StorageStore>> StorageStore::create(const StorageStoreOpt
                                       " bytes is smaller than one 4 KiB block");
   }
 
-  auto leftovers = find_leftovers(dir);
+  auto leftovers = find_all_leftovers(dir);
   if (!leftovers) return leftovers.status();
-  if (options.warn_leftovers) {
-    for (const LeftoverSpill& l : *leftovers)
-      std::cerr << "spillway: warning: leftover spill directory " << l.path << " from an earlier run that is gone (pid "
-                << l.pid << "), holding " << format_size(l.bytes)
-                << "; it is not reused: remove it to free the space\n";
-  }
+  if (options.warn_leftovers && !leftovers->empty())
+    std::cerr << "spillway: warning: " << leftovers_warning(dir, *leftovers) << "\n";
 
   std::unique_ptr<StorageStore> store(new StorageStore(options, capacity));
-  store->leftovers_ = std::move(*leftovers);
+  store->leftovers_ = std::move(leftovers->spill_dirs);
 
   // DIR/spillway-<pid>-<random>: the pid lets a later run tell whether we are alive.
   // run_dir_ is set only once the directory exists: the destructor removes it, and
@@ -271,7 +315,7 @@ Status StorageStore::full_disk(const Status& cause, uint64_t asked) const {
   std::string budget = budget_ == 0 ? "no storage budget" : "storage budget " + format_size(budget_);
   return Status::no_space("spill directory " + dir_ + " is full: expected room for " + format_size(asked) +
                           " more (" + budget + ", " + format_size(allocator_.in_use()) +
-                          " of extents in use): " + cause.message());
+                          " of extents in use): " + cause.message() + leftovers_note(dir_));
 }
 
 Result<StorageStore::ExtentState*> StorageStore::find(const Extent& extent, const char* what) {
@@ -295,7 +339,8 @@ Result<Extent> StorageStore::allocate(uint64_t bytes) {
     uint64_t budget = budget_ == 0 ? allocator_.capacity() : budget_;
     return Status::out_of_memory(out_of_memory_message("storage budget (spill directory " + dir_ + ")",
                                                        asked, allocator_.in_use(),
-                                                       allocator_.largest_free_block(), budget));
+                                                       allocator_.largest_free_block(), budget) +
+                                 leftovers_note(dir_));
   }
   uint64_t end = *offset + allocator_.block_bytes(*offset).value_or(asked);
   if (end > reserved_end_) {

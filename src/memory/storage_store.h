@@ -30,9 +30,11 @@
 //   reads as an error (never as stale or partial data) until written again;
 // - the extents' footprints (sizes rounded up to 4096) never pass the budget, and
 //   neither does the spill file: its extents all lie below the budget;
-// - at create, spillway-* directories left by runs that are gone (their pid is not
-//   alive) are reported on stderr and in leftovers(); they are never reused or
-//   removed: that is the user's call.
+// - at create, spillway-* directories and AtomicFile temporaries (*.tmp-<pid>-*) left
+//   in DIR by runs that are gone (their pid is not alive) are reported on stderr with
+//   their size and "remove them with `spillway clean DIR`"; they are never reused or
+//   removed here: that is the user's call (find_all_leftovers, remove_leftover_spill_dir);
+// - when the budget or the disk is short, the error says how much leftovers take.
 //
 // Thread-safe.
 #pragma once
@@ -44,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "core/atomic_file.h"
 #include "core/interrupt.h"
 #include "core/status.h"
 #include "io/storage_engine.h"
@@ -72,6 +75,29 @@ struct LeftoverSpill {
   int64_t pid = 0;
   uint64_t bytes = 0;  // disk space its files take
 };
+
+// Everything runs that are gone left in a folder: spill directories and
+// AtomicFile temporaries (core/atomic_file.h).
+struct Leftovers {
+  std::vector<LeftoverSpill> spill_dirs;
+  std::vector<StaleTempFile> temp_files;
+  bool empty() const { return spill_dirs.empty() && temp_files.empty(); }
+  uint64_t bytes() const;  // disk space they take
+  // "2 spill directories (pids 12, 34) and 1 temporary file of unfinished saves (pid 56), 26.0 MiB in all"
+  std::string describe() const;
+};
+Result<Leftovers> find_all_leftovers(const std::string& dir);
+// "DIR holds leftovers of runs that are gone: <describe>; ... `spillway clean DIR`"
+std::string leftovers_warning(const std::string& dir, const Leftovers& leftovers);
+// The disk space leftovers take in `dir`; 0 when there are none or it cannot be listed.
+uint64_t leftover_bytes(const std::string& dir);
+// "; leftovers of runs that are gone take 26.0 MiB of it (...): remove them with
+// `spillway clean DIR`", or "" when there are none: for errors about a full disk or
+// a storage budget too small.
+std::string leftovers_note(const std::string& dir);
+// Removes the regular files directly in a leftover spill directory, then the
+// directory (an error naming what could not be removed).
+Status remove_leftover_spill_dir(const LeftoverSpill& leftover);
 
 class StorageStore {
  public:

@@ -278,6 +278,90 @@ TEST(TrainCli, SecondSigintStopsAtOnceAndStillRemovesTheSpillDirectory) {
 }
 
 TEST(SampleCli, MissingCheckpoint) {
+// Pids above 2^22 (the kernel's largest pid_max) name no process.
+const std::string kDeadPid = std::to_string((1 << 22) + 11);
+
+// Bytes no file system compresses, so that the space they take is their size.
+std::string incompressible(size_t n) {
+  std::string text(n, '\0');
+  uint64_t x = 88172645463325252ull;
+  for (char& c : text) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    c = static_cast<char>(x);
+  }
+  return text;
+}
+
+TEST(CleanCli, RemovesOnlyTheLeftoversOfDeadRunsAndSaysHowMuch) {
+  const std::string dir = temp_path("clean");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir + "/spillway-" + kDeadPid + "-deadbeef");
+  std::ofstream(dir + "/spillway-" + kDeadPid + "-deadbeef/owner") << "spillway spill directory\npid " << kDeadPid << "\n";
+  std::ofstream(dir + "/spillway-" + kDeadPid + "-deadbeef/spill-0.bin") << incompressible(300000);
+  const std::string live_spill = dir + "/spillway-" + std::to_string(::getpid()) + "-cafe0000";
+  std::filesystem::create_directories(live_spill);
+  std::ofstream(live_spill + "/spill-0.bin") << "in use";
+  const std::string dead_temp = dir + "/w.safetensors.tmp-" + kDeadPid + "-0a1b2c3d";
+  const std::string live_temp = dir + "/w.safetensors.tmp-" + std::to_string(::getpid()) + "-0a1b2c3d";
+  std::ofstream(dead_temp) << incompressible(200000);
+  std::ofstream(live_temp) << "being written";
+  std::ofstream(dir + "/w.safetensors") << "weights";
+
+  CliRun dry = run("clean " + dir + " --dry-run");
+  ASSERT_EQ(dry.code, 0) << dry.output;
+  EXPECT_NE(dry.output.find("would remove " + dir + "/spillway-" + kDeadPid + "-deadbeef (spill directory of pid " +
+                            kDeadPid),
+            std::string::npos)
+      << dry.output;
+  EXPECT_NE(dry.output.find("would remove " + dead_temp + " (temporary file of pid " + kDeadPid), std::string::npos)
+      << dry.output;
+  EXPECT_NE(dry.output.find("would free"), std::string::npos) << dry.output;
+  EXPECT_TRUE(std::filesystem::exists(dead_temp));
+  EXPECT_EQ(spill_entries(dir).size(), 2u);
+
+  CliRun clean = run("clean " + dir);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  EXPECT_NE(clean.output.find("removed " + dead_temp), std::string::npos) << clean.output;
+  // 300000 + 200000 bytes of data, plus the marker's block.
+  const size_t freed = clean.output.find("freed ");
+  ASSERT_NE(freed, std::string::npos) << clean.output;
+  const double kib = std::stod(clean.output.substr(freed + 6));
+  EXPECT_GE(kib, 488.0) << clean.output;
+  EXPECT_LE(kib, 520.0) << clean.output;
+  EXPECT_NE(clean.output.find("KiB in " + dir), std::string::npos) << clean.output;
+  EXPECT_FALSE(std::filesystem::exists(dead_temp));
+  EXPECT_EQ(spill_entries(dir), std::vector<std::string>{live_spill});
+  EXPECT_TRUE(std::filesystem::exists(live_spill + "/spill-0.bin"));
+  EXPECT_TRUE(std::filesystem::exists(live_temp));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/w.safetensors"));
+
+  CliRun again = run("clean " + dir);
+  EXPECT_EQ(again.code, 0) << again.output;
+  EXPECT_NE(again.output.find("nothing to clean"), std::string::npos) << again.output;
+  expect_rejected("clean " + dir + "/missing", {dir + "/missing"});
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainCli, ReportsTemporaryFilesOfKilledSavesBesideTheSaveFile) {
+  const std::string dir = temp_path("stale_save");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string stale = dir + "/w.safetensors.tmp-" + kDeadPid + "-0a1b2c3d";
+  std::ofstream(stale) << std::string(100000, 'y');
+  CliRun r = run("train --steps 1 --eval-every 0 --quiet --save " + dir + "/w.safetensors " + kSmall);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("1 temporary file of unfinished saves (pid " + kDeadPid + ")"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("`spillway clean " + dir + "`"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(stale));  // reported, not removed
+  // The save itself leaves only its file.
+  size_t temps = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    temps += e.path().filename().string().find(".tmp-") != std::string::npos;
+  EXPECT_EQ(temps, 1u);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/w.safetensors"));
+  std::filesystem::remove_all(dir);
+}
+
   expect_rejected("sample --load /nonexistent/w.safetensors --backend cpu", {"--load", "/nonexistent/w.safetensors"});
 }
 

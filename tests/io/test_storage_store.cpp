@@ -452,8 +452,9 @@ TEST(StorageStoreDir, LeftoversAreReportedAndNeverReused) {
   std::string err = testing::internal::GetCapturedStderr();
   ASSERT_TRUE(s.ok()) << s.status().to_string();
   EXPECT_EQ((*s)->leftovers().size(), 2u);
-  EXPECT_TRUE(contains(err, "leftover spill directory " + crashed)) << err;
-  EXPECT_TRUE(contains(err, "pid " + std::to_string(gone))) << err;
+  EXPECT_TRUE(contains(err, "2 spill directories (pids ")) << err;
+  EXPECT_TRUE(contains(err, std::to_string(gone))) << err;
+  EXPECT_TRUE(contains(err, "remove them with `spillway clean " + dir.path() + "`")) << err;
   EXPECT_NE((*s)->run_dir(), crashed);
   s->reset();
   EXPECT_TRUE(std::filesystem::exists(crashed + "/spill-0.bin"));  // the user's call
