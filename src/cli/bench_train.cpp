@@ -78,6 +78,8 @@ void print_profile(const Program& program, const Plan& plan, const StepProfile& 
 
 
 Status run_bench(const BenchTrainFlags& f) {
+  // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
+  SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   if (f.steps < 2) return Status::invalid_argument("--steps must be at least 2 (the first step warms up), got " +
                                                    std::to_string(f.steps));
   if (f.batch < 1) return Status::invalid_argument("--batch must be at least 1, got " + std::to_string(f.batch));
@@ -88,8 +90,6 @@ Status run_bench(const BenchTrainFlags& f) {
   if (T > cfg.context)
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
-  // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
-  SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   SPILLWAY_RETURN_IF_ERROR(check_step_is_bounded(cfg, {.B = f.batch, .T = T, .accum = f.accum},
@@ -119,6 +119,7 @@ Status run_bench(const BenchTrainFlags& f) {
   double profiled_step_s = 0;
   const int last_step = f.steps + (f.profile ? 1 : 0);
   for (int s = 1; s <= last_step; ++s) {
+    if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
     const bool profiled = s > f.steps;
     if (profiled) trainer->profile_next_step(&profile);
     for (TokenBatch& b : batches) {
@@ -132,7 +133,6 @@ Status run_bench(const BenchTrainFlags& f) {
     auto r = trainer->step(batches);
     if (!r.ok()) return r.status().with_context("step " + std::to_string(s));
     std::printf("step %d: %.4f s, loss %.4f%s\n", s, r->step_s, r->loss,
-    if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
                 s == 1 ? " (warm-up, not timed)" : profiled ? " (profiled, not timed)" : "");
     std::fflush(stdout);
     if (profiled) {

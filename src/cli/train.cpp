@@ -151,7 +151,6 @@ Status run_train(const TrainFlags& f) {
     if (!loaded.ok()) return loaded.status().with_context("--load");
     cfg = *loaded;
   } else {
-
     SPILLWAY_ASSIGN_OR_RETURN(cfg, resolve_model(f.model));
   }
   const int T = f.context ? f.context : cfg.context;
@@ -176,6 +175,7 @@ Status run_train(const TrainFlags& f) {
 
   // Backend and memory.
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
+  SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   // Leftovers of killed saves beside the --save file (the spill directory's are
   // reported when the spill store opens).
   if (!f.save.empty() && parent_directory(f.save) != mem.spill_dir) {
@@ -183,7 +183,6 @@ Status run_train(const TrainFlags& f) {
     if (leftovers && !leftovers->empty())
       std::cerr << "spillway: warning: " << leftovers_warning(parent_directory(f.save), *leftovers) << "\n";
   }
-  SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   SPILLWAY_RETURN_IF_ERROR(check_step_is_bounded(cfg, {.B = f.batch, .T = T, .accum = f.accum},
                                                  backend->activation_dtype(), mem.budgets));
 

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -20,9 +21,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/safetensors.h"
 
 extern char** environ;
-#include "model/safetensors.h"
 
 namespace {
 
@@ -277,7 +278,6 @@ TEST(TrainCli, SecondSigintStopsAtOnceAndStillRemovesTheSpillDirectory) {
   std::filesystem::remove_all(dir);
 }
 
-TEST(SampleCli, MissingCheckpoint) {
 // Pids above 2^22 (the kernel's largest pid_max) name no process.
 const std::string kDeadPid = std::to_string((1 << 22) + 11);
 
@@ -362,6 +362,7 @@ TEST(TrainCli, ReportsTemporaryFilesOfKilledSavesBesideTheSaveFile) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(SampleCli, MissingCheckpoint) {
   expect_rejected("sample --load /nonexistent/w.safetensors --backend cpu", {"--load", "/nonexistent/w.safetensors"});
 }
 
