@@ -8,6 +8,7 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libxxhash-dev
   python3
+  clang libclang-rt-14-dev llvm  # make fuzz: clang with libFuzzer, llvm-symbolizer for sanitizer stacks
 )
 missing=()
 for p in "${packages[@]}"; do
