@@ -998,6 +998,7 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
 
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
 // them; Plan::op_place records the choice.
+// `budgets.device` is the arena's budget: the device budget less `workspace`.
 Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
                             const PlannerOptions& options, size_t alignment, uint64_t workspace) {
   Program program = original;
@@ -1084,7 +1085,6 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
               if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
               if (options.layer_major >= 0 && layer_major != (options.layer_major == 1)) continue;
               if (layer_major && !has_accumulation) continue;
-// `budgets.device` is the arena's budget: the device budget less `workspace`.
               candidates.push_back({level, recompute, flush_gap, layer_major});
             }
       std::optional<Plan> best;

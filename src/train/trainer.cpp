@@ -7,8 +7,8 @@
 #include <cstring>
 
 #include "core/size.h"
-#include "model/safetensors.h"
 #include "exec/dispatch.h"
+#include "model/safetensors.h"
 #include "optim/adamw.h"
 
 namespace spillway {

@@ -121,8 +121,6 @@ class CpuBackend final : public Backend {
   void copy_device(void* dst, const void* src, size_t bytes) override {
     if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
   }
-
-  using Backend::embedding_backward;
   size_t device_used_bytes() const override { return device_.in_use(); }
   size_t device_peak_bytes() const override { return device_.peak(); }
   void reset_device_peak() override { device_.reset_peak(); }
@@ -137,6 +135,8 @@ class CpuBackend final : public Backend {
   size_t squared_norm_workspace() const override { return 0; }
   void set_workspace(void*, size_t) override {}
   Status use_own_workspace(size_t) override { return Status::ok(); }
+
+  using Backend::embedding_backward;
   using Backend::embedding_forward;
   using Backend::matmul_backward;
   using Backend::matmul_forward;
