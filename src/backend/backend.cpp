@@ -10,21 +10,13 @@
 
 namespace spillway {
 
-namespace {
-// Kernel code loaded at context creation rather than at each kernel's first launch,
-// so that it is part of the context that device_used_bytes() leaves out, not device
-// memory appearing in the middle of a step. Before the first CUDA call (the driver
-// reads it once); a user's own setting wins.
-void load_kernels_with_the_context() {
-#ifdef SPILLWAY_HAVE_CUDA
-  ::setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-#endif
-}
-}  // namespace
+// Kernel code is loaded lazily (CUDA's default). EAGER loading was tried so that
+// code would count as part of the context, but it loads all of cuBLASLt's kernels
+// when its handle is made: 338 MiB of device memory on the H200 for kernels a run
+// never uses (cudaMemGetInfo, 2026-12-03).
 
 bool cuda_available() {
 #ifdef SPILLWAY_HAVE_CUDA
-  load_kernels_with_the_context();
   return cuda_device_present();
 #else
   return false;
@@ -33,7 +25,6 @@ bool cuda_available() {
 
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, const BackendOptions& options) {
   if (name == "cpu") return make_cpu_backend(options);
-  load_kernels_with_the_context();
   if (name == "cuda") {
 #ifdef SPILLWAY_HAVE_CUDA
     if (!cuda_device_present())

@@ -78,6 +78,12 @@ class Backend {
   // device_alloc's sizes are rounded up to this by the driver (2 MiB on CUDA), so a
   // budget holds whole multiples of it; 1 on CPU (the budget is counted exactly).
   virtual size_t allocation_granularity() const = 0;
+  // Device memory the backend itself holds beyond the context, outside every
+  // allocation it was asked for, measured once when it was made: streams, library
+  // handles and the local-memory (stack) reservation of its kernels (about 266 MiB on
+  // an H200). Budgets leave it out (allocatable_budgets), so that device_used_bytes()
+  // stays within --device-budget. 0 on CPU.
+  virtual size_t fixed_device_bytes() const { return 0; }
 
   // ---- workspace: device memory an op uses besides its operands ----
   // (reduction partials, sort buffers, the cuBLASLt workspace.) The caller allocates

@@ -215,7 +215,8 @@ class PlanExecutor final : public Executor {
   DeviceRegion idle_device_region() const override {
     // After a failed step, tensors may still hold regions anywhere in the arena.
     if (!failure_.is_ok()) return {};
-    const uint64_t end = arena_->budget();
+    // The workspace after the arena is idle too: ops use it only inside a step.
+    const uint64_t end = device_total_;
     if (home_end_ >= end) return {};
     return {static_cast<char*>(arena_memory_) + home_end_, end - home_end_};
   }

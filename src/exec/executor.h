@@ -94,7 +94,7 @@ class Executor {
   virtual const StepMetrics& metrics() const = 0;
   // The part of this executor's device memory that no tensor occupies between steps:
   // the arena past the device homes of the persistent tensors (the planner places
-  // those first, from offset 0). Another executor may run in it between this one's
+  // those first, from offset 0), and the workspace after it (used only inside a step). Another executor may run in it between this one's
   // steps (evaluation does), through ExecutorOptions::external_device.
   virtual DeviceRegion idle_device_region() const = 0;
   // Device bytes this executor holds: arena (aligned) plus workspace.

@@ -147,7 +147,14 @@ Status Trainer::setup() {
   PlannerOptions planner = options_.planner;
   planner.workspace_bytes = workspace.bytes;
   auto plan = make_plan(program_, options_.machine, allocatable_budgets(options_.budgets, backend_), planner);
-  if (!plan.ok()) return plan.status().with_context("planning the training step");
+  if (!plan.ok()) {
+    std::string where = "planning the training step";
+    if (const uint64_t fixed = backend_.fixed_device_bytes(); fixed > 0 && options_.budgets.device != UINT64_MAX)
+      where += " (the device budget " + format_size(options_.budgets.device) + " less the " + format_size(fixed) +
+               " the backend holds itself: streams, library handles, the kernels' stack reservation; add that to "
+               "any figure below)";
+    return plan.status().with_context(where);
+  }
   plan_ = std::move(*plan);
   ExecutorOptions eo;
   eo.host_budget = options_.budgets.host;
@@ -213,7 +220,10 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
 Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
   Budgets b = budgets;
   const uint64_t g = std::max<uint64_t>(1, backend.allocation_granularity());
-  if (b.device != UINT64_MAX) b.device = b.device / g * g;
+  if (b.device != UINT64_MAX) {
+    const uint64_t fixed = backend.fixed_device_bytes();
+    b.device = b.device > fixed ? (b.device - fixed) / g * g : 0;
+  }
   return b;
 }
 

@@ -138,8 +138,9 @@ Result<std::vector<float>> read_named_floats(Executor& executor, const Program& 
 Status write_named_floats(Executor& executor, const Program& program, const std::string& name,
                           const std::vector<float>& values);
 
-// The budgets a plan for `backend` is made with: the device budget rounded down to
-// the backend's allocation granularity (the driver rounds the one allocation of
+// The budgets a plan for `backend` is made with: the device budget less what the
+// backend holds itself (Backend::fixed_device_bytes), rounded down to the backend's
+// allocation granularity (the driver rounds the one allocation of
 // arena and workspace up to it, and the rounded size must stay within the budget).
 Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend);
 

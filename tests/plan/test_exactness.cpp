@@ -344,19 +344,26 @@ TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
   ModelCase s = small_model(32);
   auto program = build_training_program(s.cfg, s.shape, DType::F32);
   ASSERT_TRUE(program.ok());
-  auto plan = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+  // With a workspace reserved (the CPU backend's ops need none; a plan may still
+  // reserve one), as a CUDA plan has.
+  constexpr uint64_t kWorkspace = 48 << 10;
+  PlannerOptions with_workspace{.policy = Policy::Resident, .alignment = 64};
+  with_workspace.workspace_bytes = kWorkspace;
+  auto plan = make_plan(*program, Machine::cpu_dev_box(), {}, with_workspace);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   auto outer = Executor::create(**backend, *program, *plan);
   ASSERT_TRUE(outer.ok()) << outer.status().to_string();
   const DeviceRegion idle = (*outer)->idle_device_region();
   ASSERT_NE(idle.base, nullptr);
   // Between steps only the persistent tensors' device homes are occupied: the idle
-  // region is the arena past them.
+  // region is the arena past them and the workspace after the arena (an evaluation
+  // in it needs a workspace of its own).
   uint64_t homes = 0;
   for (size_t t = 0; t < program->tensors.size(); ++t)
     if (program->is_persistent(static_cast<TensorId>(t)) && plan->home[t] == Tier::Device)
       homes += (std::max<uint64_t>(1, program->tensors.info(static_cast<TensorId>(t)).bytes()) + 63) / 64 * 64;
-  EXPECT_EQ(idle.bytes, std::max<uint64_t>(plan->device_bytes, 64) - homes);
+  EXPECT_EQ(idle.bytes, (std::max<uint64_t>(plan->device_bytes, 64) + 63) / 64 * 64 + kWorkspace - homes);
+  EXPECT_EQ(idle.bytes + homes, (*outer)->device_bytes());
 
   auto forward = build_forward_program(s.cfg, s.shape.B, s.shape.T, DType::F32, true);
   ASSERT_TRUE(forward.ok());

@@ -28,6 +28,14 @@ constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 constexpr size_t kWorkspaceAlign = 256;
 size_t align_ws(size_t x) { return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
+// Uses a dynamically indexed local array, so its launch makes the driver reserve the
+// device's local memory; with n = 0 it reads and writes nothing.
+__global__ void reserve_local_memory_kernel(float* out, int n) {
+  float a[64];
+  for (int i = 0; i < 64; ++i) a[i] = static_cast<float>(i) * static_cast<float>(n);
+  if (n > 0) out[threadIdx.x % n] = a[(threadIdx.x * 7 + n) % 64];
+}
+
 const char* direction_name(CopyDirection d) {
   return d == CopyDirection::HostToDevice ? "host-to-device" : "device-to-host";
 }
@@ -259,6 +267,14 @@ class CudaBackend final : public Backend {
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, compute_));
     // No workspace yet: the caller gives one (set_workspace) before running ops.
     SPILLWAY_RETURN_IF_ERROR(mm_.init(compute_, nullptr, kLtWorkspaceBytes));
+    // The driver reserves local memory (the per-thread stack, for every thread the
+    // device can hold) at the first launch of a kernel that uses any: 264 MiB on an
+    // H200. Made to happen now, so it is measured with the handles and streams as
+    // fixed_device_bytes(), which budgets leave out, not in the middle of a step.
+    reserve_local_memory_kernel<<<1, 32, 0, compute_>>>(nullptr, 0);
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("local memory reservation", cudaGetLastError()));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamSynchronize (init)", cudaStreamSynchronize(compute_)));
+    fixed_bytes_ = device_used_bytes();
     sample_peak();
     return Status::ok();
   }
@@ -373,6 +389,7 @@ class CudaBackend final : public Backend {
   void reset_device_peak() override { peak_used_.store(device_used_bytes()); }
   // cudaMalloc maps large allocations in 2 MiB pages.
   size_t allocation_granularity() const override { return size_t{2} << 20; }
+  size_t fixed_device_bytes() const override { return fixed_bytes_; }
 
   // ---- workspace. Layout of the given workspace: scratch (reduction partials, sort
   // buffers) from its start; a matrix product puts its cuBLASLt workspace after the
@@ -628,6 +645,7 @@ class CudaBackend final : public Backend {
   std::string gpu_name_;
   size_t capacity_ = 0;
   cudaStream_t compute_ = nullptr;
+  size_t fixed_bytes_ = 0;            // device_used_bytes() when init() ended (handles, stack)
   size_t baseline_used_ = 0;          // device bytes in use right after context creation
   std::atomic<size_t> peak_used_{0};  // the most device_used_bytes() seen (sampled)
   void* workspace_ = nullptr;         // given by set_workspace: scratch, then cuBLASLt's
