@@ -1,11 +1,10 @@
-// Exactness under budgets: every policy and budget gives the resident run's losses,
-// bit for bit, on the CPU backend (DESIGN.md invariant 1), and stays within its
+// Exactness under budgets: every policy and budget gives the resident run's losses
+// and final master weights, bit for bit, on the CPU backend (DESIGN.md invariant 1), and stays within its
 // budgets (invariant 2).
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
-#include <random>
 
 #include "backend/backend.h"
 #include "core/size.h"
@@ -14,123 +13,19 @@
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"
+#include "support/train_support.h"
 
 using namespace spillway;
 
 namespace {
 
-struct RunResult {
-  Status status;
-  std::vector<float> losses;  // [steps] mean loss of each step
-  std::vector<StepMetrics> metrics;
-  Plan plan;
-  uint64_t backend_device_peak = 0;  // the backend's own count of device bytes allocated, at most
-};
-
-struct ModelCase {
-  GPTConfig cfg;
-  StepShape shape;
-};
-
-ModelCase small_model(int width = 32) {
-  ModelCase s;
-  s.cfg = GPTConfig{2, width, 2, 16, 64};
-  s.shape = StepShape{2, 16, 2};
-  return s;
-}
-
+using testing_support::GPTCase;
 using testing_support::TempDir;
+using testing_support::TrainRun;
+using testing_support::expect_same_run;
+using testing_support::train_gpt;
 
-RunResult train(const ModelCase& s, const Budgets& budgets, const PlannerOptions& options, int steps,
-                const ExecutorOptions& exec_options = {}) {
-  RunResult r;
-  auto backend = make_backend("cpu", {.threads = 2});
-  if (!backend.ok()) {
-    r.status = backend.status();
-    return r;
-  }
-  auto program = build_training_program(s.cfg, s.shape, (*backend)->activation_dtype());
-  if (!program.ok()) {
-    r.status = program.status();
-    return r;
-  }
-  PlannerOptions o = options;
-  o.alignment = (*backend)->alignment();
-  auto plan = make_plan(*program, Machine::cpu_dev_box(), budgets, o);
-  if (!plan.ok()) {
-    r.status = plan.status();
-    return r;
-  }
-  r.plan = *plan;
-  ExecutorOptions eo = exec_options;
-  if (budgets.host != UINT64_MAX) eo.host_budget = budgets.host;
-  auto ex = Executor::create(**backend, *program, *plan, eo);
-  if (!ex.ok()) {
-    r.status = ex.status();
-    return r;
-  }
-  Executor& e = **ex;
-  for (const ParamSpec& spec : parameter_specs(s.cfg)) {
-    std::vector<float> v = init_parameter(s.cfg, spec, 1234);
-    for (std::string name : {spec.name, "master." + spec.name}) {
-      // The tensor, or its vocab tiles in row order.
-      std::vector<TensorId> pieces = program->pieces(name);
-      EXPECT_FALSE(pieces.empty()) << name;
-      size_t offset = 0;
-      for (TensorId t : pieces) {
-        const size_t count = static_cast<size_t>(program->tensors.info(t).shape.numel());
-        r.status = e.write_tensor(t, v.data() + offset, count * sizeof(float));
-        if (!r.status.is_ok()) return r;
-        offset += count;
-      }
-      EXPECT_EQ(offset, v.size()) << name;
-    }
-  }
-  std::mt19937 rng(42);
-  for (int step = 1; step <= steps; ++step) {
-    for (int k = 0; k < s.shape.accum; ++k) {
-      std::vector<int32_t> tokens(s.shape.B * s.shape.T), targets(s.shape.B * s.shape.T);
-      for (auto& x : tokens) x = static_cast<int32_t>(rng() % s.cfg.vocab);
-      for (size_t i = 0; i < targets.size(); ++i) targets[i] = (tokens[i] * 7 + 3) % s.cfg.vocab;  // learnable
-      std::string mb = "mb" + std::to_string(k) + ".";
-      r.status = e.write_tensor(program->tensors.find(mb + "tokens"), tokens.data(), tokens.size() * 4);
-      if (r.status.is_ok()) r.status = e.write_tensor(program->tensors.find(mb + "targets"), targets.data(), targets.size() * 4);
-      if (!r.status.is_ok()) return r;
-    }
-    r.status = e.run_step({.step = step, .lr = 1e-3f});
-    if (!r.status.is_ok()) {
-      // The executor refuses to run a state that a failed step left half moved.
-      Status again = e.run_step({.step = step, .lr = 1e-3f});
-      EXPECT_FALSE(again.is_ok());
-      EXPECT_NE(again.message().find("previous step failed"), std::string::npos) << again.to_string();
-      return r;
-    }
-    double sum = 0;
-    size_t count = 0;
-    for (int k = 0; k < s.shape.accum; ++k) {
-      TensorId t = program->tensors.find("mb" + std::to_string(k) + ".losses");
-      std::vector<float> l(program->tensors.info(t).shape.numel());
-      r.status = e.read_tensor(t, l.data(), l.size() * 4);
-      if (!r.status.is_ok()) return r;
-      for (float x : l) sum += x;
-      count += l.size();
-    }
-    r.losses.push_back(static_cast<float>(sum / count));
-    r.metrics.push_back(e.metrics());
-  }
-  r.backend_device_peak = (*backend)->device_peak_bytes();
-  return r;
-}
-
-void expect_same_bits(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    uint32_t x, y;
-    std::memcpy(&x, &a[i], 4);
-    std::memcpy(&y, &b[i], 4);
-    EXPECT_EQ(x, y) << what << ": step " << i + 1 << " loss " << a[i] << " vs resident " << b[i];
-  }
-}
+GPTCase small_model(int width = 32) { return {GPTConfig{2, width, 2, 16, 64}, StepShape{2, 16, 2}}; }
 
 constexpr int kSteps = 20;
 
@@ -138,8 +33,8 @@ constexpr int kSteps = 20;
 
 TEST(Exactness, BudgetedRunsMatchResidentBitForBit) {
   for (int width : {32, 64}) {
-    ModelCase s = small_model(width);
-    RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
+    GPTCase s = small_model(width);
+    TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, kSteps);
     ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
     const uint64_t peak = ref.plan.device_bytes;
     EXPECT_LT(ref.losses.back(), ref.losses.front());
@@ -154,9 +49,9 @@ TEST(Exactness, BudgetedRunsMatchResidentBitForBit) {
         b.device = peak / divisor;
         std::string what = std::string(policy_name(c.policy)) + (c.learned ? "+learned" : "") + " width " +
                            std::to_string(width) + " budget 1/" + std::to_string(divisor);
-        RunResult r = train(s, b, {.policy = c.policy, .learned_prefetch = c.learned}, kSteps);
+        TrainRun r = train_gpt(s, b, {.policy = c.policy, .learned_prefetch = c.learned}, kSteps);
         ASSERT_TRUE(r.status.is_ok()) << what << ": " << r.status.to_string();
-        expect_same_bits(r.losses, ref.losses, what);
+        expect_same_run(r, ref, what);
         for (const StepMetrics& m : r.metrics) {
           EXPECT_LE(m.peak_device_bytes, b.device) << what;
           EXPECT_GT(m.h2d_bytes + m.d2h_bytes, 0u) << what << ": a budgeted run moves bytes";
@@ -170,12 +65,12 @@ TEST(Exactness, BudgetedRunsMatchResidentBitForBit) {
 // in vocab tiles (one op and one tensor per kVocabBlock rows), with the whole-table
 // run's losses bit for bit, and a budget the untiled program refuses.
 TEST(Exactness, VocabTilesMatchTheWholeTable) {
-  ModelCase whole;
+  GPTCase whole;
   whole.cfg = GPTConfig{2, 32, 2, 16, static_cast<int>(2 * kVocabBlock + 1000)};  // 3 tiles, the last short
   whole.shape = StepShape{2, 16, 2};
-  RunResult ref = train(whole, {}, {.policy = Policy::Resident}, 10);
+  TrainRun ref = train_gpt(whole, {}, {.policy = Policy::Resident}, 10);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
-  ModelCase tiled = whole;
+  GPTCase tiled = whole;
   tiled.shape.tile_vocab = true;
   auto program = build_training_program(tiled.cfg, tiled.shape, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
@@ -187,19 +82,19 @@ TEST(Exactness, VocabTilesMatchTheWholeTable) {
   const uint64_t tiled_minimum = minimum_device_budget(*program, 64);
   EXPECT_LT(tiled_minimum, untiled_minimum);
 
-  RunResult resident_tiled = train(tiled, {}, {.policy = Policy::Resident}, 10);
+  TrainRun resident_tiled = train_gpt(tiled, {}, {.policy = Policy::Resident}, 10);
   ASSERT_TRUE(resident_tiled.status.is_ok()) << resident_tiled.status.to_string();
-  expect_same_bits(resident_tiled.losses, ref.losses, "resident, vocab tiles");
+  expect_same_run(resident_tiled, ref, "resident, vocab tiles");
 
   Budgets b;
   b.device = (tiled_minimum + untiled_minimum) / 2;  // between the two minimums
-  RunResult refused = train(whole, b, {.policy = Policy::Planned}, 1);
+  TrainRun refused = train_gpt(whole, b, {.policy = Policy::Planned}, 1);
   EXPECT_EQ(refused.status.code(), StatusCode::OutOfMemory) << refused.status.to_string();
   TempDir spill;
   for (Policy p : {Policy::Planned, Policy::Paging}) {
-    RunResult r = train(tiled, b, {.policy = p}, 10);
+    TrainRun r = train_gpt(tiled, b, {.policy = p}, 10);
     ASSERT_TRUE(r.status.is_ok()) << policy_name(p) << ": " << r.status.to_string();
-    expect_same_bits(r.losses, ref.losses, std::string("vocab tiles, ") + policy_name(p));
+    expect_same_run(r, ref, std::string("vocab tiles, ") + policy_name(p));
     for (const StepMetrics& m : r.metrics) {
       EXPECT_LE(m.peak_device_bytes, b.device);
       EXPECT_GT(m.h2d_bytes, 0u);
@@ -209,15 +104,15 @@ TEST(Exactness, VocabTilesMatchTheWholeTable) {
   Budgets tight = b;
   tight.host = 12 << 20;  // below the state: moments and master weights go to storage
   tight.storage = 256 << 20;
-  RunResult r = train(tiled, tight, {.policy = Policy::Planned}, 10, {.spill_dir = spill.path()});
+  TrainRun r = train_gpt(tiled, tight, {.policy = Policy::Planned}, 10, {.spill_dir = spill.path()});
   ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
-  expect_same_bits(r.losses, ref.losses, "vocab tiles, planned, storage");
+  expect_same_run(r, ref, "vocab tiles, planned, storage");
   EXPECT_GT(r.metrics.back().storage_read_bytes, 0u);
 }
 
 TEST(Exactness, StorageTierMatchesResident) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, kSteps);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   TempDir spill;
   const std::string& dir = spill.path();
@@ -226,9 +121,9 @@ TEST(Exactness, StorageTierMatchesResident) {
     b.device = ref.plan.device_bytes / 4;
     b.host = 512 * 1024;  // below the state: part of it goes to storage
     b.storage = 64 << 20;
-    RunResult r = train(s, b, {.policy = p}, kSteps, {.spill_dir = dir});
+    TrainRun r = train_gpt(s, b, {.policy = p}, kSteps, {.spill_dir = dir});
     ASSERT_TRUE(r.status.is_ok()) << policy_name(p) << ": " << r.status.to_string();
-    expect_same_bits(r.losses, ref.losses, std::string("storage ") + policy_name(p));
+    expect_same_run(r, ref, std::string("storage ") + policy_name(p));
     EXPECT_GT(r.metrics.back().storage_write_bytes + r.metrics.back().storage_read_bytes, 0u);
     EXPECT_LE(r.metrics.back().peak_host_bytes, b.host);
   }
@@ -237,8 +132,8 @@ TEST(Exactness, StorageTierMatchesResident) {
 // Storage that cannot hold what the plan spills is found when the executor is made —
 // every extent is reserved up front — before any step could leave state half updated.
 TEST(Budgets, StorageTooSmallIsFoundBeforeAnyStep) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 1);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 1);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   auto backend = make_backend("cpu", {.threads = 2});
   ASSERT_TRUE(backend.ok());
@@ -274,14 +169,14 @@ TEST(Budgets, StorageTooSmallIsFoundBeforeAnyStep) {
 }
 
 TEST(Exactness, PlannedRecomputesWhereItChose) {
-  ModelCase s = small_model(64);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 3);
+  GPTCase s = small_model(64);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 3);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   Budgets b;
   b.device = ref.plan.device_bytes / 4;
-  RunResult r = train(s, b, {.policy = Policy::Planned, .recompute = 1}, 3);
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Planned, .recompute = 1}, 3);
   ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
-  expect_same_bits(r.losses, ref.losses, "planned with recompute");
+  expect_same_run(r, ref, "planned with recompute");
   int planned_recomputes = 0;
   for (const Instruction& in : r.plan.instructions) planned_recomputes += in.recompute;
   EXPECT_GT(planned_recomputes, 0);
@@ -289,10 +184,10 @@ TEST(Exactness, PlannedRecomputesWhereItChose) {
 }
 
 TEST(Budgets, BelowMinimumStatesTheMinimum) {
-  ModelCase s = small_model(32);
+  GPTCase s = small_model(32);
   Budgets b;
   b.device = 4096;
-  RunResult r = train(s, b, {.policy = Policy::Planned}, 1);
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Planned}, 1);
   ASSERT_FALSE(r.status.is_ok());
   EXPECT_EQ(r.status.code(), StatusCode::OutOfMemory);
   EXPECT_NE(r.status.message().find("minimum"), std::string::npos) << r.status.message();
@@ -304,17 +199,17 @@ TEST(Budgets, BelowMinimumStatesTheMinimum) {
 // peak_device_bytes counts both, and the losses do not change. The minimum the
 // planner states includes the workspace.
 TEST(Budgets, WorkspaceIsPlannedInsideTheDeviceBudget) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 3);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 3);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   constexpr uint64_t kWorkspace = 48 << 10;
   Budgets b;
   b.device = ref.plan.device_bytes / 2 / 64 * 64;
-  RunResult r = train(s, b, {.policy = Policy::Planned, .workspace_bytes = kWorkspace}, 3);
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Planned, .workspace_bytes = kWorkspace}, 3);
   ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
   EXPECT_EQ(r.plan.workspace_bytes, kWorkspace);
   EXPECT_LE(r.plan.device_bytes, b.device - kWorkspace);
-  expect_same_bits(r.losses, ref.losses, "workspace reserved");
+  expect_same_run(r, ref, "workspace reserved");
   for (const StepMetrics& m : r.metrics) {
     EXPECT_LE(m.peak_device_bytes, b.device);
     EXPECT_GT(m.peak_device_bytes, kWorkspace);
@@ -328,7 +223,7 @@ TEST(Budgets, WorkspaceIsPlannedInsideTheDeviceBudget) {
   EXPECT_EQ(minimum, minimum_device_budget(*program, 64) + kWorkspace);
   Budgets tight;
   tight.device = minimum - 64;
-  RunResult below = train(s, tight, {.policy = Policy::Planned, .workspace_bytes = kWorkspace}, 1);
+  TrainRun below = train_gpt(s, tight, {.policy = Policy::Planned, .workspace_bytes = kWorkspace}, 1);
   ASSERT_FALSE(below.status.is_ok());
   EXPECT_EQ(below.status.code(), StatusCode::OutOfMemory);
   EXPECT_NE(below.status.message().find("minimum " + format_size(minimum)), std::string::npos) << below.status.message();
@@ -341,7 +236,7 @@ TEST(Budgets, WorkspaceIsPlannedInsideTheDeviceBudget) {
 TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
   auto backend = make_backend("cpu", {.threads = 2});
   ASSERT_TRUE(backend.ok());
-  ModelCase s = small_model(32);
+  GPTCase s = small_model(32);
   auto program = build_training_program(s.cfg, s.shape, DType::F32);
   ASSERT_TRUE(program.ok());
   // With a workspace reserved (the CPU backend's ops need none; a plan may still
@@ -391,31 +286,31 @@ TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
 }
 
 TEST(Budgets, HostTooSmallWithoutSpillDirNamesIt) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 1);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 1);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   Budgets b;
   b.device = ref.plan.device_bytes / 4;
   b.host = 64 * 1024;
-  RunResult r = train(s, b, {.policy = Policy::Planned}, 1);
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Planned}, 1);
   ASSERT_FALSE(r.status.is_ok());
   EXPECT_NE(r.status.message().find("--spill-dir"), std::string::npos) << r.status.message();
 }
 
 TEST(Budgets, ResidentThatDoesNotFitSaysSo) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 1);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 1);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   Budgets b;
   b.device = ref.plan.device_bytes / 2;
-  RunResult r = train(s, b, {.policy = Policy::Resident}, 1);
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Resident}, 1);
   ASSERT_FALSE(r.status.is_ok());
   EXPECT_NE(r.status.message().find("resident"), std::string::npos) << r.status.message();
 }
 
 TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, 5);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 5);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   TempDir spill;
   const std::string& dir = spill.path();
@@ -425,7 +320,7 @@ TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
     b.device = ref.plan.device_bytes / 4;
     b.host = 512 * 1024;
     b.storage = 64 << 20;
-    RunResult r = train(s, b, {.policy = Policy::Planned}, 5, {.spill_dir = dir, .fault_seed = seed, .fault_rate = 0.01});
+    TrainRun r = train_gpt(s, b, {.policy = Policy::Planned}, 5, {.spill_dir = dir, .fault_seed = seed, .fault_rate = 0.01});
     // Whatever steps completed have exactly the resident losses.
     for (size_t i = 0; i < r.losses.size(); ++i)
       EXPECT_EQ(r.losses[i], ref.losses[i]) << "seed " << seed << " step " << i + 1;
@@ -440,15 +335,15 @@ TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
 }
 
 TEST(Exactness, LayerMajorOrderMatchesResidentAndRunsLayersAcrossMicroBatches) {
-  ModelCase s = small_model(32);
-  RunResult ref = train(s, {}, {.policy = Policy::Resident}, kSteps);
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, kSteps);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   for (int divisor : {1, 4}) {
     Budgets b;
     b.device = ref.plan.device_bytes / divisor;
-    RunResult r = train(s, b, {.policy = Policy::Planned, .layer_major = 1}, kSteps);
+    TrainRun r = train_gpt(s, b, {.policy = Policy::Planned, .layer_major = 1}, kSteps);
     ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
-    expect_same_bits(r.losses, ref.losses, "layer-major, budget 1/" + std::to_string(divisor));
+    expect_same_run(r, ref, "layer-major, budget 1/" + std::to_string(divisor));
     // Micro-batch 1's first layer runs before micro-batch 0's last layer.
     auto program = build_training_program(s.cfg, s.shape, DType::F32);
     ASSERT_TRUE(program.ok());

@@ -4,6 +4,7 @@
 //   TrainRun ref = train_gpt({GPTConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}}, {}, {.policy = Policy::Resident}, 5);
 //   TrainRun r = train_gpt(model, {.device = ref.plan.device_bytes / 4}, {.policy = Policy::Planned}, 5);
 //   expect_same_losses(r.losses, ref.losses, "planned 1/4");
+//   expect_same_run(r, ref, "planned 1/4");   // the losses and the final master weights
 #pragma once
 
 #include <gtest/gtest.h>
@@ -32,10 +33,13 @@ struct TrainRun {
   std::vector<float> losses;  // [steps] mean loss of each step
   std::vector<StepMetrics> metrics;
   Plan plan;
+  uint64_t backend_device_peak = 0;  // the backend's own count of device bytes allocated, at most
+  std::vector<float> weights;        // after the last step: every master.<param> in ParamSpec order
 };
 
 // `steps` steps of `model` under `budgets`, parameters from init_parameter(seed 1234),
-// random tokens with learnable targets (seed 42). Stops at the first error.
+// random tokens with learnable targets (seed 42). Stops at the first error; after a
+// failed step it checks that the executor refuses to run again.
 inline TrainRun train_gpt(const GPTCase& model, const Budgets& budgets, const PlannerOptions& options, int steps,
                           const ExecutorOptions& exec_options = {}, const Machine& machine = Machine::cpu_dev_box()) {
   TrainRun r;
@@ -69,8 +73,10 @@ inline TrainRun train_gpt(const GPTCase& model, const Budgets& budgets, const Pl
   for (const ParamSpec& spec : parameter_specs(model.cfg)) {
     std::vector<float> v = init_parameter(model.cfg, spec, 1234);
     for (std::string name : {spec.name, "master." + spec.name}) {
+      const std::vector<TensorId> pieces = program->pieces(name);  // the tensor, or its vocab tiles in row order
+      EXPECT_FALSE(pieces.empty()) << name;
       size_t offset = 0;
-      for (TensorId t : program->pieces(name)) {  // the tensor, or its vocab tiles in row order
+      for (TensorId t : pieces) {
         const size_t count = static_cast<size_t>(program->tensors.info(t).shape.numel());
         r.status = e.write_tensor(t, v.data() + offset, count * sizeof(float));
         if (!r.status.is_ok()) return r;
@@ -92,7 +98,13 @@ inline TrainRun train_gpt(const GPTCase& model, const Budgets& budgets, const Pl
       if (!r.status.is_ok()) return r;
     }
     r.status = e.run_step({.step = step, .lr = 1e-3f});
-    if (!r.status.is_ok()) return r;
+    if (!r.status.is_ok()) {
+      // The executor refuses to run a state that a failed step left half moved.
+      Status again = e.run_step({.step = step, .lr = 1e-3f});
+      EXPECT_FALSE(again.is_ok());
+      EXPECT_NE(again.message().find("previous step failed"), std::string::npos) << again.to_string();
+      return r;
+    }
     double sum = 0;
     size_t count = 0;
     for (int k = 0; k < model.shape.accum; ++k) {
@@ -106,6 +118,14 @@ inline TrainRun train_gpt(const GPTCase& model, const Budgets& budgets, const Pl
     r.losses.push_back(static_cast<float>(sum / count));
     r.metrics.push_back(e.metrics());
   }
+  for (const ParamSpec& spec : parameter_specs(model.cfg))
+    for (TensorId t : program->pieces("master." + spec.name)) {
+      std::vector<float> v(static_cast<size_t>(program->tensors.info(t).shape.numel()));
+      r.status = e.read_tensor(t, v.data(), v.size() * sizeof(float));
+      if (!r.status.is_ok()) return r;
+      r.weights.insert(r.weights.end(), v.begin(), v.end());
+    }
+  r.backend_device_peak = (*backend)->device_peak_bytes();
   return r;
 }
 
@@ -117,6 +137,18 @@ inline void expect_same_losses(const std::vector<float>& a, const std::vector<fl
     std::memcpy(&y, &b[i], 4);
     EXPECT_EQ(x, y) << what << ": step " << i + 1 << " loss " << a[i] << " vs resident " << b[i];
   }
+}
+
+// The losses and the final master weights of `r`, bit for bit those of `ref`.
+inline void expect_same_run(const TrainRun& r, const TrainRun& ref, const std::string& what) {
+  expect_same_losses(r.losses, ref.losses, what);
+  ASSERT_FALSE(ref.weights.empty()) << what << ": the reference run read no weights back";
+  ASSERT_EQ(r.weights.size(), ref.weights.size()) << what;
+  size_t differing = 0, first = 0;
+  for (size_t i = 0; i < r.weights.size(); ++i)
+    if (std::memcmp(&r.weights[i], &ref.weights[i], sizeof(float)) != 0 && differing++ == 0) first = i;
+  EXPECT_EQ(differing, 0u) << what << ": " << differing << " master weights differ from the resident run's, the first "
+                           << "at element " << first;
 }
 
 }  // namespace spillway::testing_support
