@@ -22,10 +22,13 @@
 
 #include "backend/backend.h"
 #include "model/safetensors.h"
+#include "support/test_support.h"
 
 extern char** environ;
 
 namespace {
+
+using spillway::testing_support::read_file;
 
 struct CliRun {
   int code = -1;
@@ -79,11 +82,6 @@ size_t count_lines(const std::string& path) {
   std::string line;
   while (std::getline(in, line)) ++n;
   return n;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // The entries of `dir` whose name starts with "spillway-".
@@ -237,17 +235,17 @@ int interrupt_training(const std::string& spill_dir, const std::string& model_ar
     stepping = count_lines(metrics) >= 1;
     if (!stepping) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  EXPECT_TRUE(stepping) << read_text(log);
-  EXPECT_EQ(spill_entries(spill_dir).size(), 1u) << "the run does not spill: " << read_text(log);
+  EXPECT_TRUE(stepping) << read_file(log);
+  EXPECT_EQ(spill_entries(spill_dir).size(), 1u) << "the run does not spill: " << read_file(log);
   for (size_t i = 0; i < signals.size(); ++i) {
     // Signals of one kind do not queue: the next goes once the watcher took this one.
     if (i > 0)
-      for (int t = 0; t < 1000 && read_text(log).find("received: stopping") == std::string::npos; ++t)
+      for (int t = 0; t < 1000 && read_file(log).find("received: stopping") == std::string::npos; ++t)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
     ::kill(pid, signals[i]);
   }
   const int code = wait_exit(pid, 60);
-  *log_text = read_text(log);
+  *log_text = read_file(log);
   std::filesystem::remove(metrics);
   std::filesystem::remove(log);
   return code;

@@ -21,18 +21,8 @@ namespace spillway {
 namespace {
 
 using testing_support::TempDir;
-
-std::vector<std::string> names_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+using testing_support::names_in;
+using testing_support::read_file;
 
 void write_text(int fd, const std::string& text) { ASSERT_EQ(::write(fd, text.data(), text.size()), ssize_t(text.size())); }
 
@@ -58,9 +48,9 @@ TEST(AtomicFile, CommitReplacesTheTargetAndLeavesNoTemporary) {
   auto f = AtomicFile::create(target);
   ASSERT_TRUE(f.ok()) << f.status().to_string();
   write_text(f->fd(), "new contents");
-  EXPECT_EQ(read_text(target), "old");  // untouched until commit
+  EXPECT_EQ(read_file(target), "old");  // untouched until commit
   ASSERT_TRUE(f->commit().is_ok());
-  EXPECT_EQ(read_text(target), "new contents");
+  EXPECT_EQ(read_file(target), "new contents");
   EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"w.bin"});
   EXPECT_FALSE(f->commit().is_ok());  // once only
 }
@@ -74,7 +64,7 @@ TEST(AtomicFile, DestroyedWithoutCommitRemovesTheTemporary) {
     ASSERT_TRUE(f.ok());
     write_text(f->fd(), "half");
   }
-  EXPECT_EQ(read_text(target), "old");
+  EXPECT_EQ(read_file(target), "old");
   EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"w.bin"});
 }
 
@@ -115,7 +105,7 @@ TEST(AtomicFile, ConcurrentWritersOfOneTargetEachWriteAWholeFile) {
     });
   for (auto& t : writers) t.join();
   for (size_t i = 0; i < ok.size(); ++i) EXPECT_TRUE(ok[i]) << "writer " << i;
-  const std::string result = read_text(target);
+  const std::string result = read_file(target);
   EXPECT_NE(std::find(contents.begin(), contents.end(), result), contents.end()) << "a mixed file of " << result.size()
                                                                                   << " bytes";
   EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"w.bin"});

@@ -16,18 +16,8 @@ namespace spillway {
 namespace {
 
 using testing_support::TempDir;
-
-std::vector<std::string> names_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+using testing_support::names_in;
+using testing_support::read_file;
 
 std::vector<SafetensorsTensor> two_tensors(float scale) {
   return {{"a", {2, 3}, [scale] { return Result<std::vector<float>>(std::vector<float>(6, scale)); }},
@@ -53,7 +43,7 @@ TEST(SafetensorsWrite, AnotherFileNamedLikeATemporaryIsLeftAlone) {
   const std::string path = dir.file("w.safetensors");
   std::ofstream(path + ".tmp") << "someone else's";
   ASSERT_TRUE(write_safetensors(path, two_tensors(2.0f)).is_ok());
-  EXPECT_EQ(read_text(path + ".tmp"), "someone else's");
+  EXPECT_EQ(read_file(path + ".tmp"), "someone else's");
   EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{"w.safetensors", "w.safetensors.tmp"}));
 }
 
@@ -61,13 +51,13 @@ TEST(SafetensorsWrite, FailedSaveKeepsTheOldFileAndLeavesNoTemporary) {
   TempDir dir;
   const std::string path = dir.file("w.safetensors");
   ASSERT_TRUE(write_safetensors(path, two_tensors(1.0f)).is_ok());
-  const std::string before = read_text(path);
+  const std::string before = read_file(path);
   std::vector<SafetensorsTensor> bad = two_tensors(3.0f);
   bad[1].values = [] { return Result<std::vector<float>>(Status::io_error("the source failed")); };
   Status s = write_safetensors(path, bad);
   ASSERT_FALSE(s.is_ok());
   EXPECT_NE(s.message().find("the source failed"), std::string::npos) << s.message();
-  EXPECT_EQ(read_text(path), before);
+  EXPECT_EQ(read_file(path), before);
   EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"w.safetensors"});
 }
 

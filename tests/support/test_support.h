@@ -4,6 +4,8 @@
 //   std::string f = dir.file("a.bin");              // a path inside it
 //   std::vector<float> x = random_floats(n, /*seed=*/7);
 //   std::vector<int32_t> t = random_ints(n, 8, /*hi=*/vocab);
+//   std::string bytes = read_file(f);               // a whole file ("" when it cannot be read)
+//   std::vector<std::string> names = names_in(dir.path());  // its entries' names, sorted
 #pragma once
 
 #include <gtest/gtest.h>
@@ -13,7 +15,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -43,6 +48,20 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// A whole file, byte for byte ("" when it cannot be read).
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The names of the entries of `dir`, sorted.
+inline std::vector<std::string> names_in(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 rng(seed);

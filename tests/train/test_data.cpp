@@ -18,15 +18,11 @@ namespace {
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 using spillway::testing_support::TempDir;
+using spillway::testing_support::read_file;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary);
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
 // A token file by hand: header ints then raw uint16 tokens.
@@ -68,7 +64,7 @@ TEST(TokenFile, WriteReadRoundTripAndLayout) {
   std::string path = d.file("t.bin");
   std::vector<uint16_t> tokens = {0, 1, 50256, 65535, 7};
   ASSERT_TRUE(write_token_file(path, tokens).is_ok());
-  std::string bytes = read_bytes(path);
+  std::string bytes = read_file(path);
   ASSERT_EQ(bytes, token_file_bytes(20240520, 1, 5, tokens));
   auto back = read_token_file(path);
   ASSERT_TRUE(back.ok()) << back.status().to_string();
