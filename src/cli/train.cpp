@@ -178,10 +178,11 @@ Status run_train(const TrainFlags& f) {
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   // Leftovers of killed saves beside the --save file (the spill directory's are
   // reported when the spill store opens).
-  if (!f.save.empty() && parent_directory(f.save) != mem.spill_dir) {
-    auto leftovers = find_all_leftovers(parent_directory(f.save));
+  if (const std::string save_dir = f.save.empty() ? "" : parent_directory(f.save);
+      !save_dir.empty() && save_dir != mem.spill_dir) {
+    auto leftovers = find_all_leftovers(save_dir);
     if (leftovers && !leftovers->empty())
-      std::cerr << "spillway: warning: " << leftovers_warning(parent_directory(f.save), *leftovers) << "\n";
+      std::cerr << "spillway: warning: " << leftovers_warning(save_dir, *leftovers) << "\n";
   }
   SPILLWAY_RETURN_IF_ERROR(check_step_is_bounded(cfg, {.B = f.batch, .T = T, .accum = f.accum},
                                                  backend->activation_dtype(), mem.budgets));

@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "core/random.h"
-#include "exec/dispatch.h"
 #include "model/safetensors.h"
 #include "train/trainer.h"
 
@@ -42,12 +41,8 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
                                                                             tile_vocab);
                                              },
                                              options.budgets.device, backend.alignment()));
-  PlannerOptions planner = options.planner;
-  planner.alignment = backend.alignment();
-  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, s->program_));
-  planner.workspace_bytes = workspace.bytes;  // inside the device budget
-  SPILLWAY_ASSIGN_OR_RETURN(s->plan_, make_plan(s->program_, machine_for(backend),
-                                                allocatable_budgets(options.budgets, backend), planner));
+  SPILLWAY_ASSIGN_OR_RETURN(s->plan_,
+                            plan_for_backend(s->program_, backend, machine_for(backend), options.budgets, options.planner));
   ExecutorOptions eo;
   eo.host_budget = options.budgets.host;
   eo.spill_dir = options.spill_dir;

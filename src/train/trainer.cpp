@@ -142,19 +142,8 @@ Status Trainer::setup() {
                                           },
                                           options_.budgets.device, backend_.alignment(), &tiled));
   options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
-  // The backend's workspace comes out of the device budget (planner.h).
-  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend_, program_));
-  PlannerOptions planner = options_.planner;
-  planner.workspace_bytes = workspace.bytes;
-  auto plan = make_plan(program_, options_.machine, allocatable_budgets(options_.budgets, backend_), planner);
-  if (!plan.ok()) {
-    std::string where = "planning the training step";
-    if (const uint64_t fixed = backend_.fixed_device_bytes(); fixed > 0 && options_.budgets.device != UINT64_MAX)
-      where += " (the device budget " + format_size(options_.budgets.device) + " less the " + format_size(fixed) +
-               " the backend holds itself: streams, library handles, the kernels' stack reservation; add that to "
-               "any figure below)";
-    return plan.status().with_context(where);
-  }
+  auto plan = plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
+  if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
   ExecutorOptions eo;
   eo.host_budget = options_.budgets.host;
@@ -225,6 +214,25 @@ Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
     b.device = b.device > fixed ? (b.device - fixed) / g * g : 0;
   }
   return b;
+}
+
+Result<PlannerOptions> backend_planner_options(const Program& program, const Backend& backend, PlannerOptions options) {
+  options.alignment = backend.alignment();
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, program));
+  options.workspace_bytes = workspace.bytes;  // inside the device budget (planner.h)
+  return options;
+}
+
+Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
+                              const Budgets& budgets, const PlannerOptions& options) {
+  SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions o, backend_planner_options(program, backend, options));
+  auto plan = make_plan(program, machine, allocatable_budgets(budgets, backend), o);
+  const uint64_t fixed = backend.fixed_device_bytes();
+  if (plan.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plan;
+  return plan.status().with_context("the device budget " + format_size(budgets.device) + " less the " +
+                                    format_size(fixed) +
+                                    " the backend holds itself (streams, library handles): add that to any figure "
+                                    "below");
 }
 
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
@@ -394,9 +402,7 @@ Status Trainer::plan_evaluation(int B, int T) {
                                     std::to_string(options_.model.context));
   SPILLWAY_ASSIGN_OR_RETURN(eval_program_, build_forward_program(options_.model, B, T, backend_.activation_dtype(),
                                                                 true, options_.shape.tile_vocab));
-  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend_, eval_program_));
-  PlannerOptions planner = options_.planner;
-  planner.workspace_bytes = workspace.bytes;
+  SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions planner, backend_planner_options(eval_program_, backend_, options_.planner));
   eval_budgets_ = options_.budgets;
   // Evaluation is carved out of the same device budget as training. First choice:
   // the training arena's idle region (everything past the device homes of the
@@ -428,8 +434,8 @@ Status Trainer::plan_evaluation(int B, int T) {
     eval_budgets_.device = budget == UINT64_MAX ? UINT64_MAX : (budget > training ? budget - training : 0);
     const size_t free_bytes = backend_.device_free_bytes();
     if (free_bytes != SIZE_MAX) eval_budgets_.device = std::min<uint64_t>(eval_budgets_.device, free_bytes);
+    auto beside = plan_for_backend(eval_program_, backend_, options_.machine, eval_budgets_, planner);
     eval_budgets_ = allocatable_budgets(eval_budgets_, backend_);
-    auto beside = make_plan(eval_program_, options_.machine, eval_budgets_, planner);
     if (!beside)
       return Status(beside.status().code(),
                     "planning the evaluation program: it fits neither in the " + format_size(idle.bytes) +

@@ -144,6 +144,15 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
 // arena and workspace up to it, and the rounded size must stay within the budget).
 Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend);
 
+// `options` for planning `program` on `backend`: its alignment, and the workspace the
+// program's ops need (program_workspace) reserved inside the device budget.
+Result<PlannerOptions> backend_planner_options(const Program& program, const Backend& backend, PlannerOptions options);
+
+// make_plan for `backend`: backend_planner_options within allocatable_budgets(budgets).
+// An error says how much of the budget the backend holds itself, where it holds any.
+Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
+                              const Budgets& budgets, const PlannerOptions& options);
+
 // A GPT program for a device budget: build(false), or when that program's largest op
 // (planner minimum_device_budget) takes more than half the budget, build(true) — the
 // same step in vocab tiles (StepShape::tile_vocab). Tiled or not, the losses are the
