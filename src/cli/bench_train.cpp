@@ -10,8 +10,14 @@
 // context (Backend::device_used_bytes, from cudaMemGetInfo) after the steps, and its
 // peak sampled at every allocation: what --device-budget bounds. --json FILE writes
 // the figures as one JSON object.
+//
+// "first step after" is the time from the command's start to the first step's start
+// (time_to_first_step_s in the JSON): opening the backend, then setup_s (building,
+// planning, and creating the executor, which allocates and zero-fills the training
+// state), then init_s (initializing the parameters).
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -77,7 +83,12 @@ void print_profile(const Program& program, const Plan& plan, const StepProfile& 
 }
 
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 Status run_bench(const BenchTrainFlags& f) {
+  const auto start = std::chrono::steady_clock::now();
   // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
   SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   if (f.steps < 2) return Status::invalid_argument("--steps must be at least 2 (the first step warms up), got " +
@@ -103,11 +114,18 @@ Status run_bench(const BenchTrainFlags& f) {
   o.planner = mem.planner;
   o.machine = machine_for(*backend);
   o.spill_dir = mem.spill_dir;
+  const auto setup_start = std::chrono::steady_clock::now();
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
+  const double setup_s = seconds_since(setup_start);
+  const auto init_start = std::chrono::steady_clock::now();
   SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
+  const double init_s = seconds_since(init_start);
+  const double first_step_s = seconds_since(start);
   std::printf("bench train: %s (%s parameters) on %s, batch %dx%d, accum %d\nplan: %s\n", cfg.to_string().c_str(),
               format_count(static_cast<double>(cfg.num_parameters())).c_str(), backend->description().c_str(), f.batch,
               T, f.accum, trainer->plan().description.c_str());
+  std::printf("first step    after %.2f s: build, plan and allocate %.2f s, parameter init %.2f s\n", first_step_s,
+              setup_s, init_s);
   std::fflush(stdout);
 
   uint64_t rng = f.seed;
@@ -176,10 +194,11 @@ Status run_bench(const BenchTrainFlags& f) {
     if (!out) return Status::io_error("--json " + f.json + ": cannot open for writing: " + std::strerror(errno));
     const int n = std::fprintf(out,
         "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
-        "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s}\n",
+        "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s,"
+        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f}\n",
         backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
         static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
-        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str());
+        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s);
     const bool closed = std::fclose(out) == 0;
     if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
   }

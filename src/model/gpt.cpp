@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/random.h"
+#include "core/thread_pool.h"
 
 namespace spillway {
 
@@ -149,25 +150,57 @@ uint64_t fnv1a64(std::string_view s) {
 
 }  // namespace
 
-std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed) {
+namespace {
+
+// Pairs of elements (one Box–Muller draw each) per chunk of a parallel initialization:
+// 16 Ki pairs = 128 KiB of floats, about a millisecond of work: enough to outweigh
+// handing it to a thread, small enough to balance the threads.
+constexpr size_t kInitPairsPerChunk = size_t{1} << 14;
+
+}  // namespace
+
+void init_parameter_range(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed, size_t begin, size_t end,
+                          float* out) {
   const size_t n = static_cast<size_t>(param.shape.numel());
-  bool layernorm = param.name.find(".ln_") != std::string::npos;
-  if (std::string_view(param.name).ends_with(".bias")) return std::vector<float>(n, 0.0f);
-  if (layernorm) return std::vector<float>(n, 1.0f);
+  end = std::min(end, n);
+  if (begin >= end) return;
+  if (std::string_view(param.name).ends_with(".bias")) {
+    std::fill(out, out + (end - begin), 0.0f);
+    return;
+  }
+  if (param.name.find(".ln_") != std::string::npos) {
+    std::fill(out, out + (end - begin), 1.0f);
+    return;
+  }
   double std_dev = 0.02;
   if (std::string_view(param.name).ends_with("c_proj.weight")) std_dev = 0.02 / std::sqrt(2.0 * cfg.layers);
   const uint64_t key = splitmix64_mix(seed ^ fnv1a64(param.name));
   auto bits = [key](uint64_t c) { return splitmix64_mix(key + (c + 1) * kSplitMixGolden); };
   const double two_pi = 6.283185307179586476925286766559;
   const double inv53 = 1.0 / 9007199254740992.0;  // 2^-53
-  std::vector<float> out(n);
-  for (size_t q = 0; 2 * q < n; ++q) {
+  // Pair q gives elements 2q (cos) and 2q+1 (sin); a range may start or end inside a pair.
+  for (size_t q = begin / 2; 2 * q < end; ++q) {
     double u1 = static_cast<double>((bits(2 * q) >> 11) + 1) * inv53;
     double u2 = static_cast<double>(bits(2 * q + 1) >> 11) * inv53;
     double r = std::sqrt(-2.0 * std::log(u1));
-    out[2 * q] = static_cast<float>(std_dev * (r * std::cos(two_pi * u2)));
-    if (2 * q + 1 < n) out[2 * q + 1] = static_cast<float>(std_dev * (r * std::sin(two_pi * u2)));
+    if (2 * q >= begin) out[2 * q - begin] = static_cast<float>(std_dev * (r * std::cos(two_pi * u2)));
+    if (2 * q + 1 < end) out[2 * q + 1 - begin] = static_cast<float>(std_dev * (r * std::sin(two_pi * u2)));
   }
+}
+
+void init_parameter_into(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed, float* out, ThreadPool& pool) {
+  const size_t n = static_cast<size_t>(param.shape.numel());
+  const size_t chunk = 2 * kInitPairsPerChunk;  // even, so no pair is split between chunks
+  const auto chunks = static_cast<int64_t>((n + chunk - 1) / chunk);
+  pool.parallel_for(chunks, [&](int64_t c0, int64_t c1) {
+    const size_t begin = static_cast<size_t>(c0) * chunk, end = std::min(n, static_cast<size_t>(c1) * chunk);
+    init_parameter_range(cfg, param, seed, begin, end, out + begin);
+  });
+}
+
+std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed, ThreadPool* pool) {
+  std::vector<float> out(static_cast<size_t>(param.shape.numel()));
+  init_parameter_into(cfg, param, seed, out.data(), pool ? *pool : global_thread_pool());
   return out;
 }
 

@@ -64,6 +64,8 @@
 
 namespace spillway {
 
+class ThreadPool;  // core/thread_pool.h
+
 // Limits of GPTConfig::validate: each size (layers, width, heads, context, vocab) at
 // most 2^24, and at most 2^40 parameters (4 TiB of F32 weights alone), so that every
 // size product of a model, and of its step's tensors, fits in 64 bits.
@@ -110,12 +112,21 @@ std::vector<ParamSpec> parameter_specs(const GPTConfig& cfg);
 // GPT-2 initial values of one parameter, identical on every compiler and machine:
 // weights N(0, 0.02) (attn.c_proj and mlp.c_proj weights N(0, 0.02/sqrt(2·layers))),
 // biases 0, LayerNorm weights 1. Element j of a tensor depends only on (seed, name, j):
-//   key   = splitmix64(seed ^ fnv1a64(name))
+//   key   = splitmix64_mix(seed ^ fnv1a64(name))
 //   r(c)  = splitmix64_mix(key + (c+1)·0x9E3779B97F4A7C15)      (64 random bits)
 //   pair  q = j/2: u1 = ((r(2q) >> 11) + 1)·2⁻⁵³ ∈ (0,1], u2 = (r(2q+1) >> 11)·2⁻⁵³
 //   z     = sqrt(-2 ln u1) · (j even ? cos(2π u2) : sin(2π u2))   (Box–Muller, double)
 //   value = float(std · z), rounded once.
-std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed);
+// Because of that, the work is split into fixed chunks of whole pairs over `pool`
+// (default global_thread_pool()): the values are the same for every thread count.
+std::vector<float> init_parameter(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed,
+                                  ThreadPool* pool = nullptr);
+// The same into out[0, numel) (no allocation).
+void init_parameter_into(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed, float* out, ThreadPool& pool);
+// Elements [begin, end) of init_parameter (end clipped to numel) into out[0, end - begin),
+// on the calling thread; begin and end may fall inside a pair.
+void init_parameter_range(const GPTConfig& cfg, const ParamSpec& param, uint64_t seed, size_t begin, size_t end,
+                          float* out);
 
 // Rows of wte per block of the LM head and of its gradient norm, and per vocab tile.
 // The LM head is always computed in blocks of this many vocab rows (its dinp summed

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/size.h"
+#include "core/thread_pool.h"
 #include "exec/dispatch.h"
 #include "model/safetensors.h"
 #include "optim/adamw.h"
@@ -81,14 +82,62 @@ Machine machine_for(const Backend& backend) {
   return Machine::cpu_dev_box();
 }
 
+namespace {
+
+// Elements per chunk of a parallel conversion (1 MiB of floats).
+constexpr int64_t kConvertChunk = int64_t{1} << 18;
+
+// values[0, count) as bytes of `dtype` into out (count · dtype_size bytes), in fixed
+// chunks over the global thread pool: each element is converted on its own, so the
+// bytes do not depend on the thread count.
+void encode_into(DType dtype, const float* values, size_t count, uint8_t* out) {
+  const auto chunks = static_cast<int64_t>((count + kConvertChunk - 1) / kConvertChunk);
+  global_thread_pool().parallel_for(chunks, [&](int64_t c0, int64_t c1) {
+    const size_t begin = static_cast<size_t>(c0 * kConvertChunk);
+    const size_t end = std::min(count, static_cast<size_t>(c1 * kConvertChunk));
+    if (dtype == DType::BF16) {
+      auto* dst = reinterpret_cast<uint16_t*>(out);
+      for (size_t i = begin; i < end; ++i) dst[i] = float_to_bf16(values[i]);
+    } else {
+      std::memcpy(out + begin * sizeof(float), values + begin, (end - begin) * sizeof(float));
+    }
+  });
+}
+
+// write_named_floats from values[0, count). F32 pieces are written straight from
+// `values`; other dtypes are converted into `scratch` (grown as needed, reused by
+// the caller across tensors).
+Status write_named_floats(Executor& executor, const Program& program, const std::string& name, const float* values,
+                          size_t count, std::vector<uint8_t>& scratch) {
+  const std::vector<TensorId> pieces = program.pieces(name);
+  if (pieces.empty()) return Status::not_found("the program has no tensor '" + name + "'");
+  int64_t total = 0;
+  for (TensorId id : pieces) total += program.tensors.info(id).shape.numel();
+  if (static_cast<int64_t>(count) != total)
+    return Status::invalid_argument("tensor " + name + " has " + std::to_string(total) + " elements, got " +
+                                    std::to_string(count));
+  size_t offset = 0;
+  for (TensorId id : pieces) {
+    const TensorInfo& info = program.tensors.info(id);
+    const size_t n = static_cast<size_t>(info.shape.numel());
+    if (info.dtype == DType::F32) {
+      SPILLWAY_RETURN_IF_ERROR(executor.write_tensor(id, values + offset, n * sizeof(float)));
+    } else {
+      const size_t bytes = n * dtype_size(info.dtype);
+      if (scratch.size() < bytes) scratch.resize(bytes);
+      encode_into(info.dtype, values + offset, n, scratch.data());
+      SPILLWAY_RETURN_IF_ERROR(executor.write_tensor(id, scratch.data(), bytes));
+    }
+    offset += n;
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 std::vector<uint8_t> encode_values(DType dtype, const std::vector<float>& values) {
   std::vector<uint8_t> out(values.size() * dtype_size(dtype));
-  if (dtype == DType::BF16) {
-    auto* dst = reinterpret_cast<uint16_t*>(out.data());
-    for (size_t i = 0; i < values.size(); ++i) dst[i] = float_to_bf16(values[i]);
-  } else {
-    std::memcpy(out.data(), values.data(), values.size() * sizeof(float));
-  }
+  encode_into(dtype, values.data(), values.size(), out.data());
   return out;
 }
 
@@ -186,24 +235,8 @@ Result<std::vector<float>> read_named_floats(Executor& executor, const Program& 
 
 Status write_named_floats(Executor& executor, const Program& program, const std::string& name,
                           const std::vector<float>& values) {
-  const std::vector<TensorId> pieces = program.pieces(name);
-  if (pieces.empty()) return Status::not_found("the program has no tensor '" + name + "'");
-  int64_t total = 0;
-  for (TensorId id : pieces) total += program.tensors.info(id).shape.numel();
-  if (static_cast<int64_t>(values.size()) != total)
-    return Status::invalid_argument("tensor " + name + " has " + std::to_string(total) + " elements, got " +
-                                    std::to_string(values.size()));
-  size_t offset = 0;
-  for (TensorId id : pieces) {
-    const TensorInfo& info = program.tensors.info(id);
-    const size_t count = static_cast<size_t>(info.shape.numel());
-    std::vector<float> part(values.begin() + static_cast<std::ptrdiff_t>(offset),
-                            values.begin() + static_cast<std::ptrdiff_t>(offset + count));
-    std::vector<uint8_t> bytes = encode_values(info.dtype, part);
-    SPILLWAY_RETURN_IF_ERROR(executor.write_tensor(id, bytes.data(), bytes.size()));
-    offset += count;
-  }
-  return Status::ok();
+  std::vector<uint8_t> scratch;
+  return write_named_floats(executor, program, name, values.data(), values.size(), scratch);
 }
 
 Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
@@ -244,37 +277,61 @@ Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_v
   return build(true);
 }
 
-Status Trainer::zero_moments(const ParamSpec& p) {
-  const std::vector<float> zeros(static_cast<size_t>(p.shape.numel()), 0.0f);
+Status Trainer::zero_moments(const ParamSpec& p, std::vector<float>& zeros) {
+  const auto n = static_cast<size_t>(p.shape.numel());
+  if (zeros.size() < n) zeros.assign(n, 0.0f);  // only ever zeros: grown, never written
+  std::vector<uint8_t> scratch;                   // moments are F32: written straight from `zeros`
   for (const char* prefix : {"adam_m.", "adam_v."})
-    SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, prefix + p.name, zeros));
+    SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, prefix + p.name, zeros.data(), n, scratch));
   return Status::ok();
+}
+
+Status Trainer::write_parameter(const std::string& name, const float* values, size_t count,
+                                std::vector<uint8_t>& scratch) {
+  SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, "master." + name, values, count, scratch));
+  return write_named_floats(*executor_, program_, name, values, count, scratch);
 }
 
 Status Trainer::write_parameter(const std::string& name, const std::vector<float>& values) {
   SPILLWAY_RETURN_IF_ERROR(usable("write parameter " + name));
-  SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, "master." + name, values));
-  return write_named_floats(*executor_, program_, name, values);
+  std::vector<uint8_t> scratch;
+  return write_parameter(name, values.data(), values.size(), scratch);
 }
 
 Status Trainer::init_parameters() {
   SPILLWAY_RETURN_IF_ERROR(usable("initialize the parameters"));
+  // One buffer of the largest parameter's values, generated in parallel
+  // (init_parameter_into) and written to the master and, converted, to the parameter.
+  size_t largest = 0;
+  for (const ParamSpec& p : params_) largest = std::max(largest, static_cast<size_t>(p.shape.numel()));
+  std::vector<float> values(largest);
+  std::vector<uint8_t> scratch;
+  std::vector<float> zeros;
+  const bool zero = !moments_zero_;
   for (const ParamSpec& p : params_) {
-    SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, init_parameter(options_.model, p, options_.seed)));
-    SPILLWAY_RETURN_IF_ERROR(zero_moments(p));
+    const auto n = static_cast<size_t>(p.shape.numel());
+    init_parameter_into(options_.model, p, options_.seed, values.data(), global_thread_pool());
+    SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values.data(), n, scratch));
+    if (zero) SPILLWAY_RETURN_IF_ERROR(zero_moments(p, zeros));
   }
+  moments_zero_ = true;
   return Status::ok();
 }
 
 Status Trainer::load_parameters(const std::string& path, const ImportOptions& options) {
   SPILLWAY_RETURN_IF_ERROR(usable("load " + path));
-  return import_gpt2(
+  std::vector<uint8_t> scratch;
+  std::vector<float> zeros;
+  const bool zero = !moments_zero_;
+  SPILLWAY_RETURN_IF_ERROR(import_gpt2(
       path, options_.model,
       [&](const ParamSpec& p, std::vector<float>&& values) -> Status {
-        SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values));
-        return zero_moments(p);
+        SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values.data(), values.size(), scratch));
+        return zero ? zero_moments(p, zeros) : Status::ok();
       },
-      options);
+      options));
+  moments_zero_ = true;
+  return Status::ok();
 }
 
 Status Trainer::save(const std::string& path) {
@@ -373,6 +430,7 @@ Result<StepResult> Trainer::run(const std::vector<TokenBatch>& micro_batches) {
     broken_ = s.with_context("step " + std::to_string(r.step) + " failed");
     return s;
   };
+  moments_zero_ = false;  // the step writes the moments (even one that fails halfway)
   if (Status s = executor_->run_step({.step = r.step, .lr = r.lr}); !s.is_ok()) return fail(s);
   r.exec = executor_->metrics();
 

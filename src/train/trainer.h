@@ -218,7 +218,10 @@ class Trainer {
  private:
   Trainer(Backend& backend, const TrainerOptions& options) : backend_(backend), options_(options) {}
   Status setup();
-  Status zero_moments(const ParamSpec& p);
+  // Writes zero to p's Adam moments from `zeros` (grown to p's size as needed).
+  Status zero_moments(const ParamSpec& p, std::vector<float>& zeros);
+  // write_parameter from values[0, count), converting through `scratch`.
+  Status write_parameter(const std::string& name, const float* values, size_t count, std::vector<uint8_t>& scratch);
   Result<TensorId> find(const std::string& name) const;
   Status plan_evaluation(int B, int T);
   // Ok, or the refusal to `what` after a step failed inside the executor.
@@ -234,6 +237,10 @@ class Trainer {
   std::vector<TensorId> tokens_, targets_, losses_;  // [accum]
   TensorId scale_norm_ = kNoTensor;
   int64_t step_ = 0;
+  // The Adam moments are all zero: true from creation (the executor zero-fills every
+  // persistent tensor) until a step runs, and again after init_parameters() or
+  // load_parameters() zeroed them; while true those skip writing zeros again.
+  bool moments_zero_ = true;
   Status broken_;                        // the error of a step that failed inside the executor
   std::optional<StepResult> rejected_;   // the last step stopped on bad numbers
 

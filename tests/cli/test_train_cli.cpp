@@ -391,6 +391,13 @@ TEST(BenchTrainCli, ReportsDeviceMemoryUsedWithinTheBudget) {
   EXPECT_NE(free_run.output.find("device used"), std::string::npos) << free_run.output;
   const nlohmann::json a = read_json(json);
   EXPECT_TRUE(a["device_budget_bytes"].is_null());
+  // The time to the first step, and its parts: setup (build, plan, allocate) and init.
+  EXPECT_NE(free_run.output.find("first step    after"), std::string::npos) << free_run.output;
+  const double first = a["time_to_first_step_s"].get<double>(), setup = a["setup_s"].get<double>(),
+               init = a["init_s"].get<double>();
+  EXPECT_GT(setup, 0.0);
+  EXPECT_GT(init, 0.0);
+  EXPECT_GE(first + 1e-5, setup + init);  // each printed to the microsecond
   const uint64_t used = a["device_used_peak_bytes"].get<uint64_t>();
   EXPECT_GE(used, a["peak_device_bytes"].get<uint64_t>());
   EXPECT_GE(used, a["device_used_bytes"].get<uint64_t>());
