@@ -28,6 +28,7 @@
 #include <memory>
 #include <string>
 
+#include "backend/backend_sizes.h"
 #include "core/status.h"
 #include "io/copy_engine.h"
 #include "optim/adamw.h"
@@ -40,16 +41,15 @@ struct BackendOptions {
   int device = 0;   // CUDA device ordinal
 };
 
-class Backend {
+// name(), activation_dtype(), alignment(), allocation_granularity() and the
+// workspace each op needs come from BackendSizes (backend_sizes.h).
+class Backend : public BackendSizes {
  public:
   // vocab_rows of an embedding op that covers every token.
   static constexpr int kAllRows = 0x7fffffff;
 
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;         // "cpu" or "cuda"
   virtual std::string description() const = 0;  // "NVIDIA H200, 139.8 GiB" / "CPU, 2 threads"
-  virtual DType activation_dtype() const = 0;    // F32 on CPU, BF16 on CUDA
-  virtual size_t alignment() const = 0;          // 64 on CPU, 256 on CUDA
 
   // ---- memory of the device tier ----
   virtual size_t device_capacity() const = 0;   // total device memory (SIZE_MAX on CPU)
@@ -75,9 +75,6 @@ class Backend {
   // the backend was created or since reset_device_peak().
   virtual size_t device_peak_bytes() const = 0;
   virtual void reset_device_peak() = 0;
-  // device_alloc's sizes are rounded up to this by the driver (2 MiB on CUDA), so a
-  // budget holds whole multiples of it; 1 on CPU (the budget is counted exactly).
-  virtual size_t allocation_granularity() const = 0;
   // Device memory the backend itself holds beyond the context, outside every
   // allocation it was asked for, measured once when it was made: streams, library
   // handles and the local-memory (stack) reservation of its kernels (about 266 MiB on
@@ -90,13 +87,7 @@ class Backend {
   // it once, inside the device budget, and hands it over with set_workspace before
   // running ops (the executor does this before every step); an op that needs more
   // than it was given records an Internal error naming the op and both sizes, and no
-  // op allocates memory. Bytes each op needs with these arguments (0 = none):
-  virtual size_t embedding_backward_workspace(int B, int T) const = 0;
-  virtual size_t layernorm_backward_workspace(int N, int C) const = 0;
-  // One matmul_forward / matmul_backward call (dbias: a bias gradient is computed).
-  virtual size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const = 0;
-  virtual size_t attention_backward_workspace(int B, int T, int NH) const = 0;
-  virtual size_t squared_norm_workspace() const = 0;
+  // op allocates memory. The bytes each op needs: BackendSizes (backend_sizes.h).
   // `bytes` of device memory at `base` (aligned to alignment()), used by every op until
   // the next call; (nullptr, 0) takes it back.
   virtual void set_workspace(void* base, size_t bytes) = 0;

@@ -2,15 +2,20 @@
 // peaks of each tier, the bytes each link moves per step and the predicted step
 // time — without training. `spillway simulate` is the same command, named for its
 // what-if use: describe a machine that does not exist (--machine, --h2d-gbps,
-// --storage-gbps, budgets) and ask how a model would train there.
+// --storage-gbps, budgets) and ask how a model would train there. Plans are made for
+// the backend --backend names (default: the machine's), with the device workspace
+// that backend's ops need reserved inside the device budget, as `spillway train` does;
+// no device is needed (backend_sizes.h).
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <tuple>
 
+#include "backend/backend_sizes.h"
 #include "cli/command.h"
 #include "cli/train_flags.h"
 #include "core/size.h"
+#include "exec/dispatch.h"
 #include "exec/trace.h"
 #include "model/gpt.h"
 #include "plan/planner.h"
@@ -24,6 +29,7 @@ struct PlanFlags {
   ModelFlags model;
   int batch = 8, context = 0, accum = 1;
   std::string machine = "h200";
+  std::string backend;  // "" = the machine's: cuda on h200, cpu on cpu
   std::string device_budget, host_budget, storage_budget;
   std::string policy = "auto";
   std::string prefetch = "none";
@@ -45,8 +51,11 @@ int run_plan(const PlanFlags& f) {
   else return fail(Status::invalid_argument("--machine: unknown machine '" + f.machine + "'; expected h200 or cpu"));
   if (f.h2d_gbps > 0) machine.h2d_bytes_per_s = machine.d2h_bytes_per_s = f.h2d_gbps * 1e9;
   if (f.storage_gbps > 0) machine.storage_read_bytes_per_s = machine.storage_write_bytes_per_s = f.storage_gbps * 1e9;
-  const DType act = f.machine == "cpu" ? DType::F32 : DType::BF16;
-  const size_t alignment = f.machine == "cpu" ? 64 : 256;
+  const std::string backend_name = !f.backend.empty() ? f.backend : f.machine == "cpu" ? "cpu" : "cuda";
+  auto sizes = backend_sizes(backend_name);
+  if (!sizes.ok()) return fail(sizes.status().with_context("--backend"));
+  const BackendSizes& backend = **sizes;
+  const DType act = backend.activation_dtype();
   Budgets budgets;
   budgets.device = machine.device_bytes ? machine.device_bytes : UINT64_MAX;
   budgets.host = machine.host_bytes ? machine.host_bytes : UINT64_MAX;
@@ -65,16 +74,29 @@ int run_plan(const PlanFlags& f) {
     return fail(s);
   auto options = resolve_planner_options(f.policy, f.prefetch, f.order);
   if (!options.ok()) return fail(options.status());
-  options->alignment = alignment;
+  // As `spillway train` plans (plan_for_backend), except for what a backend holds
+  // itself, which only a running one can measure.
+  const Budgets allocatable = allocatable_budgets(budgets, backend, 0);
   bool tiled = false;
   auto program = build_for_budget(
       [&](bool tile_vocab) {
         return build_training_program(*cfg, {.B = f.batch, .T = T, .accum = f.accum, .tile_vocab = tile_vocab}, act);
       },
-      budgets.device, alignment, &tiled);
+      backend, allocatable.device, &tiled);
   if (!program.ok()) return fail(program.status());
-  auto plan = make_plan(*program, machine, budgets, *options);
-  if (!plan.ok()) return fail(plan.status());
+  auto planner = backend_planner_options(*program, backend, *options);
+  if (!planner.ok()) return fail(planner.status());
+  auto workspace = program_workspace(backend, *program);
+  if (!workspace.ok()) return fail(workspace.status());
+  auto plan = make_plan(*program, machine, allocatable, *planner);
+  if (!plan.ok()) {
+    Status s = plan.status();
+    if (allocatable.device != budgets.device)
+      s = s.with_context("--device-budget " + format_size(budgets.device) + " in whole " +
+                         format_size(backend.allocation_granularity()) + " pages of the " + backend.name() +
+                         " backend's allocations");
+    return fail(s.with_context("backend " + backend.name()));
+  }
   Program placed = *program;
   for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
   SimResult sim = simulate(placed, *plan, machine);
@@ -84,8 +106,17 @@ int run_plan(const PlanFlags& f) {
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
             << (budgets.storage ? format_size(budgets.storage) : "none") << "\n"
+            << "backend " << backend.name() << ": workspace "
+            << (plan->workspace_bytes ? format_size(plan->workspace_bytes) + " inside the device budget (most: " +
+                                            workspace->op + ")"
+                                      : std::string("none"))
+            << (backend.name() == "cuda" ? "; not counted: what the CUDA backend holds itself (streams, library "
+                                           "handles, kernel stacks), which train measures at start and takes out "
+                                           "of --device-budget"
+                                         : "")
+            << "\n"
             << (tiled ? "the embedding and LM head run in vocab tiles of " + std::to_string(kVocabBlock) +
-                                       " rows (the untiled ops do not fit half the budget)\n"
+                                       " rows (the untiled ops do not fit half of the budget less the workspace)\n"
                                  : "")
             << "\n"
             << format_report(report);
@@ -107,6 +138,9 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--context", f->context, "tokens per sequence (default: the model's)");
   app.add_option("--accum", f->accum, "micro-batches per step");
   app.add_option("--machine", f->machine, "h200 (the lent GPU host) or cpu (this project's CI box)");
+  app.add_option("--backend", f->backend,
+                 "cpu or cuda: whose dtype, alignment and op workspace to plan with (default: cuda on h200, cpu on "
+                 "cpu)");
   app.add_option("--h2d-gbps", f->h2d_gbps, "what if: host⇄device GB/s each way");
   app.add_option("--storage-gbps", f->storage_gbps, "what if: storage GB/s");
   app.add_option("--device-budget", f->device_budget, "device bytes, e.g. 24GiB (default: the machine's)");

@@ -138,7 +138,7 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
   return Status::internal("op " + op.name + ": unknown kind");
 }
 
-Result<uint64_t> op_workspace_bytes(const Backend& b, const Program& program, const Op& op) {
+Result<uint64_t> op_workspace_bytes(const BackendSizes& b, const Program& program, const Op& op) {
   const OpAttrs& a = op.attrs;
   const int B = static_cast<int>(a.B), T = static_cast<int>(a.T), C = static_cast<int>(a.C);
   const int N = static_cast<int>(a.N), NH = static_cast<int>(a.NH);
@@ -177,7 +177,7 @@ Result<uint64_t> op_workspace_bytes(const Backend& b, const Program& program, co
   return need;
 }
 
-Result<WorkspaceNeed> program_workspace(const Backend& backend, const Program& program) {
+Result<WorkspaceNeed> program_workspace(const BackendSizes& backend, const Program& program) {
   WorkspaceNeed w;
   for (const Op& op : program.ops) {
     SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, op_workspace_bytes(backend, program, op));

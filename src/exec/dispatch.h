@@ -26,7 +26,9 @@ Status run_device_op(Backend& backend, const Program& program, const Op& op, con
                      const OptimizerStep& step);
 // Device workspace (Backend::set_workspace) that run_device_op needs for `op`: the
 // most over the backend calls it makes. Internal when the backend cannot size it.
-Result<uint64_t> op_workspace_bytes(const Backend& backend, const Program& program, const Op& op);
+// `backend` is a Backend, or the sizes of a kind of backend without one
+// (backend_sizes("cuda")): both give the same figure.
+Result<uint64_t> op_workspace_bytes(const BackendSizes& backend, const Program& program, const Op& op);
 
 // The workspace a whole program needs: the most over its ops (the workspace is
 // reused by every op), and the op that needs it.
@@ -34,7 +36,7 @@ struct WorkspaceNeed {
   uint64_t bytes = 0;
   std::string op;  // name of the op that needs the most ("" when none needs any)
 };
-Result<WorkspaceNeed> program_workspace(const Backend& backend, const Program& program);
+Result<WorkspaceNeed> program_workspace(const BackendSizes& backend, const Program& program);
 
 // Host ops: AdamW (with param in `param_dtype`).
 Status run_host_op(const Op& op, const std::vector<void*>& ptrs, DType param_dtype, const OptimizerStep& step);

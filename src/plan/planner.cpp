@@ -998,17 +998,21 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
 
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
 // them; Plan::op_place records the choice.
-// `budgets.device` is the arena's budget: the device budget less `workspace`.
+// `budgets.device` is the arena's budget: the device budget `given_device` less
+// `workspace` (0 when the workspace alone takes more).
 Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
-                            const PlannerOptions& options, size_t alignment, uint64_t workspace) {
+                            const PlannerOptions& options, size_t alignment, uint64_t workspace,
+                            uint64_t given_device) {
   Program program = original;
   uint64_t minimum = minimum_device_budget(program, alignment);
   if (budgets.device < minimum) {
-    const uint64_t given = budgets.device + workspace, total = minimum + workspace;
+    const uint64_t given = given_device, total = minimum + workspace;
+    const uint64_t g = std::max<uint64_t>(1, options.allocation_granularity);
+    const uint64_t suggested = (total + g - 1) / g * g;
     return Status::out_of_memory("device budget " + format_size(given) + " is below the minimum " +
                                  format_size(total) + " that the largest op (" + largest_op_name(program, alignment) +
                                  ") needs (" + format_size(minimum) + " of operands and inputs, " + format_size(workspace) +
-                                 " of workspace); give --device-budget " + std::to_string((total + (1 << 20) - 1) >> 20) +
+                                 " of workspace); give --device-budget " + std::to_string((suggested + (1 << 20) - 1) >> 20) +
                                  "MiB or more");
   }
   switch (options.policy) {
@@ -1123,7 +1127,8 @@ Result<Plan> make_plan(const Program& program, const Machine& machine, const Bud
   const uint64_t workspace = align_up(options.workspace_bytes, alignment);
   Budgets arena = budgets;
   if (budgets.device != UINT64_MAX) arena.device = budgets.device > workspace ? budgets.device - workspace : 0;
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, machine, arena, options, alignment, workspace));
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan,
+                            make_plan_impl(program, machine, arena, options, alignment, workspace, budgets.device));
   plan.workspace_bytes = workspace;
   if (workspace > 0) plan.description += ", workspace " + format_size(workspace);
   SPILLWAY_RETURN_IF_ERROR(plan.validate(program, arena).with_context("planner produced an invalid plan"));

@@ -40,7 +40,7 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
                                                                             backend.activation_dtype(), false,
                                                                             tile_vocab);
                                              },
-                                             options.budgets.device, backend.alignment()));
+                                             backend, allocatable_budgets(options.budgets, backend).device));
   SPILLWAY_ASSIGN_OR_RETURN(s->plan_,
                             plan_for_backend(s->program_, backend, machine_for(backend), options.budgets, options.planner));
   ExecutorOptions eo;

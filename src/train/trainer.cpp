@@ -189,7 +189,7 @@ Status Trainer::setup() {
                                                                           options_.max_grad_norm,
                                                                           options_.weight_decay);
                                           },
-                                          options_.budgets.device, backend_.alignment(), &tiled));
+                                          backend_, allocatable_budgets(options_.budgets, backend_).device, &tiled));
   options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
   auto plan = plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
@@ -239,20 +239,23 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
   return write_named_floats(executor, program, name, values.data(), values.size(), scratch);
 }
 
-Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
+Budgets allocatable_budgets(const Budgets& budgets, const BackendSizes& sizes, uint64_t fixed_bytes) {
   Budgets b = budgets;
-  const uint64_t g = std::max<uint64_t>(1, backend.allocation_granularity());
-  if (b.device != UINT64_MAX) {
-    const uint64_t fixed = backend.fixed_device_bytes();
-    b.device = b.device > fixed ? (b.device - fixed) / g * g : 0;
-  }
+  const uint64_t g = std::max<uint64_t>(1, sizes.allocation_granularity());
+  if (b.device != UINT64_MAX) b.device = b.device > fixed_bytes ? (b.device - fixed_bytes) / g * g : 0;
   return b;
 }
 
-Result<PlannerOptions> backend_planner_options(const Program& program, const Backend& backend, PlannerOptions options) {
+Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
+  return allocatable_budgets(budgets, backend, backend.fixed_device_bytes());
+}
+
+Result<PlannerOptions> backend_planner_options(const Program& program, const BackendSizes& backend,
+                                               PlannerOptions options) {
   options.alignment = backend.alignment();
   SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, program));
   options.workspace_bytes = workspace.bytes;  // inside the device budget (planner.h)
+  options.allocation_granularity = backend.allocation_granularity();
   return options;
 }
 
@@ -269,10 +272,15 @@ Result<Plan> plan_for_backend(const Program& program, const Backend& backend, co
 }
 
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
-                                 uint64_t device_budget, size_t alignment, bool* tiled) {
+                                 const BackendSizes& backend, uint64_t device_budget, bool* tiled) {
   if (tiled) *tiled = false;
   SPILLWAY_ASSIGN_OR_RETURN(Program untiled, build(false));
-  if (minimum_device_budget(untiled, alignment) <= device_budget / 2) return untiled;
+  if (device_budget == UINT64_MAX) return untiled;
+  // What the arena gets: the budget less the workspace, as make_plan reserves it.
+  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, untiled));
+  const uint64_t reserved = (workspace.bytes + backend.alignment() - 1) / backend.alignment() * backend.alignment();
+  const uint64_t arena = device_budget > reserved ? device_budget - reserved : 0;
+  if (minimum_device_budget(untiled, backend.alignment()) <= arena / 2) return untiled;
   if (tiled) *tiled = true;
   return build(true);
 }

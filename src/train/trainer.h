@@ -143,10 +143,14 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
 // allocation granularity (the driver rounds the one allocation of
 // arena and workspace up to it, and the rounded size must stay within the budget).
 Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend);
+// The same for a kind of backend (BackendSizes) holding `fixed_bytes` itself; tools
+// that plan without a device (`spillway plan`) pass 0, as they cannot measure it.
+Budgets allocatable_budgets(const Budgets& budgets, const BackendSizes& sizes, uint64_t fixed_bytes);
 
 // `options` for planning `program` on `backend`: its alignment, and the workspace the
 // program's ops need (program_workspace) reserved inside the device budget.
-Result<PlannerOptions> backend_planner_options(const Program& program, const Backend& backend, PlannerOptions options);
+Result<PlannerOptions> backend_planner_options(const Program& program, const BackendSizes& backend,
+                                               PlannerOptions options);
 
 // make_plan for `backend`: backend_planner_options within allocatable_budgets(budgets).
 // An error says how much of the budget the backend holds itself, where it holds any.
@@ -154,11 +158,13 @@ Result<Plan> plan_for_backend(const Program& program, const Backend& backend, co
                               const Budgets& budgets, const PlannerOptions& options);
 
 // A GPT program for a device budget: build(false), or when that program's largest op
-// (planner minimum_device_budget) takes more than half the budget, build(true) — the
-// same step in vocab tiles (StepShape::tile_vocab). Tiled or not, the losses are the
-// same bits. *tiled (if given) says which was built.
+// (planner minimum_device_budget) takes more than half of what the arena gets — the
+// allocatable `device_budget` (allocatable_budgets) less the workspace the program
+// needs on `backend` (program_workspace, reserved by make_plan first) — build(true),
+// the same step in vocab tiles (StepShape::tile_vocab). Tiled or not, the losses are
+// the same bits. *tiled (if given) says which was built.
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
-                                 uint64_t device_budget, size_t alignment, bool* tiled = nullptr);
+                                 const BackendSizes& backend, uint64_t device_budget, bool* tiled = nullptr);
 
 class Trainer {
  public:

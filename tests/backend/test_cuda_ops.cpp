@@ -328,6 +328,27 @@ TEST_F(CudaOps, Embedding) {
   }
 }
 
+// The workspace a plan reserves for embedding_backward (cuda_backend_sizes, known
+// without a GPU) holds what CUB's sort asks for on this GPU, from one pair to a
+// million: the op runs in exactly that workspace (the backend records an error if
+// CUB asks for more than the bound).
+TEST_F(CudaOps, EmbeddingBackwardRunsInTheWorkspaceThePlanReserves) {
+  const int C = 8, V = 50304;
+  for (auto [B, T] : std::initializer_list<std::pair<int, int>>{{1, 1}, {1, 64}, {4, 128}, {3, 1000}, {16, 1024},
+                                                                 {1024, 1024}}) {
+    SCOPED_TRACE("B=" + std::to_string(B) + " T=" + std::to_string(T));
+    const size_t need = gpu_->embedding_backward_workspace(B, T);
+    EXPECT_EQ(need, cuda_backend_sizes().embedding_backward_workspace(B, T));
+    ASSERT_TRUE(gpu_->use_own_workspace(need).ok());
+    const size_t N = size_t(B) * T;
+    Pair tok = i32(tokens(N, V));
+    Pair dout = act_random(N * C), dwte = act_random(size_t(V) * C), dwpe = act_random(size_t(T) * C);
+    gpu_->embedding_backward(dwte.g, dwpe.g, dout.g, (int32_t*)tok.g, B, T, C);
+    const Status s = gpu_->synchronize();
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+  }
+}
+
 // The vocabulary split into tiles of rows [begin, begin + rows), each op run once per
 // tile (the wpe gradient with the first tile only), gives the whole op's result: the
 // same bits as the whole op on the GPU, close to the CPU's whole op. Positions whose

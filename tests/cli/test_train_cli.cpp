@@ -21,6 +21,10 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/backend_sizes.h"
+#include "core/size.h"
+#include "exec/dispatch.h"
+#include "model/gpt.h"
 #include "model/safetensors.h"
 #include "support/test_support.h"
 
@@ -453,6 +457,55 @@ TEST(PlanCli, TilesTheVocabularyWhenTheBudgetCallsForIt) {
   EXPECT_NE(r.output.find("vocab tiles of 8192 rows"), std::string::npos) << r.output;
   expect_rejected("plan --model gpt2-124m --machine cpu --batch 1 --context 128 --device-budget 60MiB",
                   {"minimum", "lm_head.backward#0", "--device-budget"});
+}
+
+// plan and simulate reserve the device workspace of the backend --backend names, as
+// train does, and say how much; the minimum budget they state includes it. The CUDA
+// backend's figure needs no GPU (backend_sizes.h), so this runs everywhere.
+TEST(PlanCli, ReservesTheBackendsWorkspaceInsideTheDeviceBudget) {
+  const std::string flags = " --model tiny --batch 4 --policy planned";
+  auto cfg = spillway::gpt_preset("tiny");
+  ASSERT_TRUE(cfg.ok());
+  auto program =
+      spillway::build_training_program(*cfg, {.B = 4, .T = cfg->context, .accum = 1}, spillway::DType::BF16);
+  ASSERT_TRUE(program.ok());
+  auto need = spillway::program_workspace(spillway::cuda_backend_sizes(), *program);
+  ASSERT_TRUE(need.ok());
+  const uint64_t workspace = (need->bytes + 255) / 256 * 256;
+  ASSERT_GE(workspace, uint64_t{32} << 20);
+  for (const char* command : {"plan", "simulate"}) {
+    CliRun cuda = run(std::string(command) + flags + " --backend cuda --device-budget 64MiB");
+    ASSERT_EQ(cuda.code, 0) << cuda.output;
+    const std::string stated =
+        "backend cuda: workspace " + spillway::format_size(workspace) + " inside the device budget";
+    EXPECT_NE(cuda.output.find(stated), std::string::npos) << cuda.output;
+    CliRun cpu = run(std::string(command) + flags + " --backend cpu --device-budget 64MiB");
+    ASSERT_EQ(cpu.code, 0) << cpu.output;
+    EXPECT_NE(cpu.output.find("backend cpu: workspace none"), std::string::npos) << cpu.output;
+  }
+  // The h200 machine plans for the CUDA backend unless told otherwise.
+  CliRun h200 = run("plan" + flags + " --machine h200 --device-budget 64MiB");
+  EXPECT_NE(h200.output.find("backend cuda: workspace"), std::string::npos) << h200.output;
+
+  // 8 MiB runs this step on the CPU backend, but not with 32 MiB of it taken by the
+  // workspace: the minimum stated is the largest op plus the workspace.
+  ASSERT_EQ(run("plan" + flags + " --backend cpu --machine h200 --device-budget 8MiB").code, 0);
+  CliRun low = run("plan" + flags + " --backend cuda --device-budget 8MiB");
+  EXPECT_NE(low.code, 0) << low.output;
+  for (const char* needle : {"backend cuda", "device budget 8.00 MiB is below the minimum", " of workspace"})
+    EXPECT_NE(low.output.find(needle), std::string::npos) << needle << " not in: " << low.output;
+  const std::string give = "give --device-budget ";
+  const size_t at = low.output.find(give);
+  ASSERT_NE(at, std::string::npos) << low.output;
+  const uint64_t minimum_mib = std::stoull(low.output.substr(at + give.size()));
+  EXPECT_GT(minimum_mib << 20, workspace) << low.output;
+  EXPECT_EQ(minimum_mib % 2, 0u) << "the CUDA backend allocates in 2 MiB pages: " << low.output;
+  // Just below the minimum is refused too, saying the same minimum.
+  CliRun below = run("plan" + flags + " --backend cuda --device-budget " + std::to_string(minimum_mib - 1) + "MiB");
+  EXPECT_NE(below.code, 0) << below.output;
+  EXPECT_NE(below.output.find(give + std::to_string(minimum_mib) + "MiB"), std::string::npos) << below.output;
+  EXPECT_NE(below.output.find("in whole 2.00 MiB pages"), std::string::npos) << below.output;
+  expect_rejected("plan --model tiny --backend tpu", {"--backend", "tpu", "cpu or cuda"});
 }
 
 TEST(PlanCli, ReportsPlacementPeaksLinksAndPredictedStep) {

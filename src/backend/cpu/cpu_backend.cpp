@@ -20,7 +20,7 @@ namespace spillway {
 
 namespace {
 
-constexpr size_t kDeviceAlignment = 64;
+const BackendSizes& sizes() { return cpu_backend_sizes(); }
 
 size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -91,14 +91,14 @@ class CpuBackend final : public Backend {
   // Ok, or why the thread pool could not start its threads.
   const Status& pool_status() const { return pool_.status(); }
 
-  std::string name() const override { return "cpu"; }
+  std::string name() const override { return sizes().name(); }
   std::string description() const override { return "CPU, " + std::to_string(pool_.size()) + " threads"; }
-  DType activation_dtype() const override { return DType::F32; }
-  size_t alignment() const override { return kDeviceAlignment; }
+  DType activation_dtype() const override { return sizes().activation_dtype(); }
+  size_t alignment() const override { return sizes().alignment(); }
 
   size_t device_capacity() const override { return SIZE_MAX; }
   size_t device_free_bytes() const override { return SIZE_MAX - device_.in_use(); }
-  Result<void*> device_alloc(size_t bytes) override { return device_.allocate(bytes, kDeviceAlignment, "device"); }
+  Result<void*> device_alloc(size_t bytes) override { return device_.allocate(bytes, sizes().alignment(), "device"); }
   void device_free(void* p) override { device_.release(p, "device"); }
   Result<void*> host_alloc(size_t bytes) override {
     return host_.allocate(bytes, static_cast<size_t>(sysconf(_SC_PAGESIZE)), "host");
@@ -124,15 +124,22 @@ class CpuBackend final : public Backend {
   size_t device_used_bytes() const override { return device_.in_use(); }
   size_t device_peak_bytes() const override { return device_.peak(); }
   void reset_device_peak() override { device_.reset_peak(); }
-  size_t allocation_granularity() const override { return 1; }
+  size_t allocation_granularity() const override { return sizes().allocation_granularity(); }
 
-  // The CPU kernels keep their small partial sums on the heap of the host they run
-  // on, so no op needs device workspace.
-  size_t embedding_backward_workspace(int, int) const override { return 0; }
-  size_t layernorm_backward_workspace(int, int) const override { return 0; }
-  size_t matmul_workspace(int, int, bool, bool) const override { return 0; }
-  size_t attention_backward_workspace(int, int, int) const override { return 0; }
-  size_t squared_norm_workspace() const override { return 0; }
+  // No op needs device workspace (cpu_backend_sizes).
+  size_t embedding_backward_workspace(int B, int T) const override {
+    return sizes().embedding_backward_workspace(B, T);
+  }
+  size_t layernorm_backward_workspace(int N, int C) const override {
+    return sizes().layernorm_backward_workspace(N, C);
+  }
+  size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const override {
+    return sizes().matmul_workspace(N, OC, backward, dbias);
+  }
+  size_t attention_backward_workspace(int B, int T, int NH) const override {
+    return sizes().attention_backward_workspace(B, T, NH);
+  }
+  size_t squared_norm_workspace() const override { return sizes().squared_norm_workspace(); }
   void set_workspace(void*, size_t) override {}
   Status use_own_workspace(size_t) override { return Status::ok(); }
 

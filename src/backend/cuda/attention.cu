@@ -858,10 +858,6 @@ cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int
   return cudaGetLastError();
 }
 
-size_t attention_backward_scratch_bytes(int B, int T, int NH) {
-  return static_cast<size_t>(B) * NH * T * sizeof(float);
-}
-
 cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                                       const float* lse, int B, int T, int C, int NH, void* scratch,
                                       cudaStream_t stream) {

@@ -2,7 +2,7 @@
 // matrix in device memory), deterministic (no atomics).
 //
 //   cudaError_t e = launch_attention_forward(out, lse, qkv, B, T, C, NH, stream);
-//   size_t need = attention_backward_scratch_bytes(B, T, NH);
+//   size_t need = cuda_workspace::attention_backward_scratch_bytes(B, T, NH);
 //   e = launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
 //
 // Head dims that are multiples of 16 up to 128 run on tensor cores (mma.sync bf16,
@@ -11,6 +11,7 @@
 // one kernel is parallel over key blocks (dK, dV), a second over query blocks (dQ).
 #pragma once
 
+#include "backend/backend_sizes.h"
 #include "backend/cuda/cuda_common.cuh"
 
 namespace spillway::cuda_detail {
@@ -25,7 +26,7 @@ bool attention_uses_tensor_cores(int hd, const void* qkv);
 cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
                                      cudaStream_t stream);
 
-size_t attention_backward_scratch_bytes(int B, int T, int NH);
+// scratch: cuda_workspace::attention_backward_scratch_bytes(B, T, NH) (D, [B,NH,T] F32).
 // dqkv[B,T,3C] (overwritten) from dout[B,T,C], qkv[B,T,3C], out[B,T,C], lse[B,NH,T].
 cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                                       const float* lse, int B, int T, int C, int NH, void* scratch,

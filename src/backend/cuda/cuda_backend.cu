@@ -21,12 +21,10 @@ namespace spillway {
 namespace {
 
 using namespace cuda_detail;
-
-// The cuBLASLt workspace of a matrix product. Its size is part of every algorithm
-// choice (the heuristic's workspace limit), so it is the same for every product.
-constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
-constexpr size_t kWorkspaceAlign = 256;
-size_t align_ws(size_t x) { return (x + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+// The workspace's pieces and sizes: one definition, shared with planning tools that
+// have no GPU (cuda_backend_sizes, backend_sizes.h).
+using namespace cuda_workspace;
+const BackendSizes& sizes() { return cuda_backend_sizes(); }
 
 // Uses a dynamically indexed local array, so its launch makes the driver reserve the
 // device's local memory; with n = 0 it reads and writes nothing.
@@ -279,13 +277,13 @@ class CudaBackend final : public Backend {
     return Status::ok();
   }
 
-  std::string name() const override { return "cuda"; }
+  std::string name() const override { return sizes().name(); }
   std::string description() const override {
     return gpu_name_ + ", " + format_size(capacity_) + " (device " + std::to_string(device_) +
            "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace)";
   }
-  DType activation_dtype() const override { return DType::BF16; }
-  size_t alignment() const override { return 256; }
+  DType activation_dtype() const override { return sizes().activation_dtype(); }
+  size_t alignment() const override { return sizes().alignment(); }
 
   size_t device_capacity() const override { return capacity_; }
   size_t device_free_bytes() const override {
@@ -387,29 +385,25 @@ class CudaBackend final : public Backend {
   }
   size_t device_peak_bytes() const override { return peak_used_.load(); }
   void reset_device_peak() override { peak_used_.store(device_used_bytes()); }
-  // cudaMalloc maps large allocations in 2 MiB pages.
-  size_t allocation_granularity() const override { return size_t{2} << 20; }
+  size_t allocation_granularity() const override { return sizes().allocation_granularity(); }
   size_t fixed_device_bytes() const override { return fixed_bytes_; }
 
   // ---- workspace. Layout of the given workspace: scratch (reduction partials, sort
   // buffers) from its start; a matrix product puts its cuBLASLt workspace after the
   // bias gradient's partials.
   size_t embedding_backward_workspace(int B, int T) const override {
-    size_t need = 0;
-    if (embedding_backward_scratch_bytes(B * T, &need) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return SIZE_MAX;  // the caller reports it
-    }
-    return need;
+    return sizes().embedding_backward_workspace(B, T);
   }
-  size_t layernorm_backward_workspace(int N, int C) const override { return layernorm_backward_scratch_bytes(N, C); }
+  size_t layernorm_backward_workspace(int N, int C) const override {
+    return sizes().layernorm_backward_workspace(N, C);
+  }
   size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const override {
-    return (backward && dbias ? align_ws(bias_backward_scratch_bytes(N, OC)) : 0) + kLtWorkspaceBytes;
+    return sizes().matmul_workspace(N, OC, backward, dbias);
   }
   size_t attention_backward_workspace(int B, int T, int NH) const override {
-    return attention_backward_scratch_bytes(B, T, NH);
+    return sizes().attention_backward_workspace(B, T, NH);
   }
-  size_t squared_norm_workspace() const override { return squared_norm_scratch_bytes(); }
+  size_t squared_norm_workspace() const override { return sizes().squared_norm_workspace(); }
   void set_workspace(void* base, size_t bytes) override {
     workspace_ = base;
     workspace_bytes_ = base ? bytes : 0;
@@ -446,8 +440,20 @@ class CudaBackend final : public Backend {
   void embedding_backward(void* dwte, void* dwpe, const void* dout, const int32_t* tokens, int B, int T, int C,
                           int vocab_begin, int vocab_rows) override {
     if (!enter()) return;
-    size_t need = 0;
-    if (!check(embedding_backward_scratch_bytes(B * T, &need), "embedding_backward (CUB sizing)")) return;
+    // The plan reserved embedding_backward_scratch_bytes, whose sort storage is a
+    // bound on what CUB asks for; CUB's own figure must stay within it.
+    size_t cub_need = 0;
+    if (!check(embedding_sort_temp_query(B * T, &cub_need), "embedding_backward (CUB sizing)")) return;
+    if (cub_need > embedding_sort_temp_bytes(B * T)) {
+      record(Status::internal("cuda backend: CUB's radix sort asks for " + std::to_string(cub_need) +
+                              " bytes of temporary storage for " + std::to_string(B * T) +
+                              " pairs, more than the " + std::to_string(embedding_sort_temp_bytes(B * T)) +
+                              " bytes cuda_workspace::embedding_sort_temp_bytes reserves (backend_sizes.cpp): "
+                              "update that bound for this CUB version or GPU"),
+             nullptr);
+      return;
+    }
+    const size_t need = embedding_backward_scratch_bytes(B * T);
     void* s = scratch(need, "embedding_backward");
     if (s == nullptr) return;
     check(launch_embedding_backward(mb(dwte), mb(dwpe), cb(dout), tokens, B, T, C, vocab_begin, vocab_rows, s,
@@ -482,7 +488,7 @@ class CudaBackend final : public Backend {
   void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
                        const void* weight, int N, int C, int OC, int ld_dout, bool accumulate_dinp) override {
     if (!enter() || !leading_dim_ok(ld_dout, OC, "matmul_backward")) return;
-    const size_t bias_bytes = dbias != nullptr ? align_ws(bias_backward_scratch_bytes(N, OC)) : 0;
+    const size_t bias_bytes = dbias != nullptr ? align(bias_backward_scratch_bytes(N, OC)) : 0;
     if (!lt_workspace(bias_bytes, "matmul_backward")) return;
     if (dbias != nullptr) {
       void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");

@@ -4,7 +4,7 @@
 // No kernel uses atomics: every reduction runs in a fixed order, so the same
 // inputs give the same bits on every run.
 //
-//   size_t need = layernorm_backward_scratch_bytes(N, C);   // caller owns scratch
+//   size_t need = cuda_workspace::layernorm_backward_scratch_bytes(N, C);  // caller owns scratch
 //   cudaError_t e = launch_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd,
 //                                             N, C, scratch, stream);
 #pragma once
@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/backend_sizes.h"
 #include "backend/cuda/cuda_common.cuh"
 #include "optim/adamw.h"
 
@@ -25,9 +26,11 @@ cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf1
                                      int B, int T, int C, int vocab_begin, int vocab_rows,
                                      cudaStream_t stream);
 
-// Scratch for launch_embedding_backward: the (row, position) pairs before and after
-// sorting and CUB's temporary storage. Fails only if CUB cannot size its storage.
-cudaError_t embedding_backward_scratch_bytes(int N, size_t* bytes);
+// Scratch for launch_embedding_backward: cuda_workspace::embedding_backward_scratch_bytes(N),
+// the (row, position) pairs before and after sorting, then CUB's temporary storage.
+// What CUB itself asks for that storage with N pairs (on this device), to check the
+// bound cuda_workspace::embedding_sort_temp_bytes against; fails only if CUB cannot size it.
+cudaError_t embedding_sort_temp_query(int N, size_t* bytes);
 // dwte[row,C] += Σ over the positions whose token is vocab_begin + row of dout (in
 // position order), for the tokens in [vocab_begin, vocab_begin + vocab_rows) only;
 // dwpe[T_max,C] += Σ_b dout[b,t] (b in order) unless dwpe is null. dout[B,T,C],
@@ -41,7 +44,7 @@ cudaError_t launch_layernorm_forward(bf16* out, float* mean, float* rstd, const 
                                      const bf16* weight, const bf16* bias, int N, int C,
                                      cudaStream_t stream);
 
-size_t layernorm_backward_scratch_bytes(int N, int C);
+// scratch: cuda_workspace::layernorm_backward_scratch_bytes(N, C).
 // dinp[N,C] += ..., dweight[C] += ..., dbias[C] += ...; dout[N,C], inp[N,C],
 // weight[C], mean[N], rstd[N].
 cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout,
@@ -49,7 +52,7 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
                                       const float* rstd, int N, int C, void* scratch,
                                       cudaStream_t stream);
 
-size_t bias_backward_scratch_bytes(int N, int OC);
+// scratch: cuda_workspace::bias_backward_scratch_bytes(N, OC).
 // dbias[OC] += Σ_n dout[n, :]; dout[N,OC] with rows ld_dout ≥ OC elements apart.
 cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, int ld_dout, void* scratch,
                                  cudaStream_t stream);
@@ -68,7 +71,7 @@ cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, siz
 cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V, int ld,
                                 bool backward, float dlogits_scale, cudaStream_t stream);
 
-size_t squared_norm_scratch_bytes();
+// scratch: cuda_workspace::squared_norm_scratch_bytes().
 // out_sq[0] = Σ grad[i]²; grad[n]. Two passes: fixed-size partials, then one block.
 cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void* scratch,
                                 cudaStream_t stream);

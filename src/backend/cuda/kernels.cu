@@ -228,17 +228,10 @@ __global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* 
   }
 }
 
-// Row chunks of the column reductions: a function of N alone, never of the device.
-struct Chunks {
-  int count;  // P
-  int rows;   // rows per chunk
-};
-Chunks column_chunks(int N) {
-  int p = (N + 31) / 32;
-  if (p > 256) p = 256;
-  if (p < 1) p = 1;
-  return {p, (N + p - 1) / p};
-}
+// Row chunks of the column reductions: a function of N alone, never of the device
+// (the scratch they need is sized by cuda_workspace, backend_sizes.h).
+using cuda_workspace::column_chunks;
+using Chunks = cuda_workspace::ColumnChunks;
 
 // Per-chunk column sums: partial_b[P,C] = Σ_{rows of chunk} x[r,c]; with LN, also
 // partial_w[P,C] = Σ dout[r,c] * (inp[r,c] - mean[r]) * rstd[r] (x = dout).
@@ -389,7 +382,7 @@ __global__ void crossentropy_kernel(float* losses, bf16* logits, const int32_t* 
 
 // ---------------------------------------------------------------- norms, AdamW
 
-constexpr int kNormBlocks = 256;
+using cuda_workspace::kNormBlocks;  // squared_norm_scratch_bytes() holds one partial per block
 
 unsigned norm_blocks(size_t n) {
   size_t g = (n + 8 * kThreads * 4 - 1) / (8 * kThreads * 4);
@@ -531,18 +524,11 @@ cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf1
   return launched();
 }
 
-namespace {
-size_t round_up(size_t x) { return (x + 255) / 256 * 256; }
-}  // namespace
-
-cudaError_t embedding_backward_scratch_bytes(int N, size_t* bytes) {
-  size_t temp = 0;
-  cudaError_t e = cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const int32_t*>(nullptr),
-                                                  static_cast<int32_t*>(nullptr),
-                                                  static_cast<const int32_t*>(nullptr),
-                                                  static_cast<int32_t*>(nullptr), N);
-  *bytes = 4 * round_up(static_cast<size_t>(N) * 4) + round_up(temp);
-  return e;
+cudaError_t embedding_sort_temp_query(int N, size_t* bytes) {
+  *bytes = 0;
+  return cub::DeviceRadixSort::SortPairs(nullptr, *bytes, static_cast<const int32_t*>(nullptr),
+                                         static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                         static_cast<int32_t*>(nullptr), N);
 }
 
 cudaError_t launch_embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, const int32_t* tokens,
@@ -553,7 +539,7 @@ cudaError_t launch_embedding_backward(bf16* dwte, bf16* dwpe, const bf16* dout, 
   cudaError_t e = cudaSuccess;
   if (vocab_rows > 0) {
     char* s = static_cast<char*>(scratch);
-    const size_t vec_bytes = round_up(static_cast<size_t>(N) * 4);
+    const size_t vec_bytes = cuda_workspace::align(static_cast<size_t>(N) * 4);
     int32_t* keys_in = reinterpret_cast<int32_t*>(s);
     int32_t* vals_in = reinterpret_cast<int32_t*>(s + vec_bytes);
     int32_t* keys_out = reinterpret_cast<int32_t*>(s + 2 * vec_bytes);
@@ -599,10 +585,6 @@ cudaError_t launch_layernorm_forward(bf16* out, float* mean, float* rstd, const 
   return launched();
 }
 
-size_t layernorm_backward_scratch_bytes(int N, int C) {
-  return 2 * static_cast<size_t>(column_chunks(N).count) * C * sizeof(float);
-}
-
 cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, const bf16* dout,
                                       const bf16* inp, const bf16* weight, const float* mean,
                                       const float* rstd, int N, int C, void* scratch,
@@ -626,10 +608,6 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
   if (e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
   return launched();
-}
-
-size_t bias_backward_scratch_bytes(int N, int OC) {
-  return static_cast<size_t>(column_chunks(N).count) * OC * sizeof(float);
 }
 
 cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, int ld_dout, void* scratch,
@@ -670,8 +648,6 @@ cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targ
     crossentropy_kernel<1><<<N, 512, 0, stream>>>(losses, logits, targets, V, ld, backward, dlogits_scale);
   return launched();
 }
-
-size_t squared_norm_scratch_bytes() { return kNormBlocks * sizeof(float); }
 
 cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void* scratch,
                                 cudaStream_t stream) {
