@@ -281,6 +281,11 @@ Status run_train(const TrainFlags& f) {
     metrics.close();
     if (!metrics) return errno_status("--metrics: close " + f.metrics, errno);
   }
+  // The last step's optimizer may still run on host (it overlaps the next step).
+  if (Status s = trainer->drain(); !s.is_ok()) {
+    progress.interrupt();
+    return s.with_context("finishing step " + std::to_string(f.steps));
+  }
   if (!f.save.empty()) SPILLWAY_RETURN_IF_ERROR(trainer->save(f.save).with_context("--save"));
   if (!f.save_grads.empty())
     SPILLWAY_RETURN_IF_ERROR(trainer->save_gradients(f.save_grads).with_context("--save-grads"));

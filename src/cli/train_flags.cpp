@@ -68,6 +68,11 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
                  "forward order with --accum: micro-batch, layer (each layer for every micro-batch, so "
                  "streamed parameters cross the link once), or auto (the auto policy tries both)")
       ->capture_default_str();
+  app.add_option("--device-optimizer", f.device_optimizer,
+                 "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
+                 "first parameters (their AdamW runs there), e.g. 4GiB; auto = what leaves half the device "
+                 "budget free; 0 = all on host")
+      ->capture_default_str();
 }
 
 Result<uint64_t> available_host_memory() {
@@ -104,6 +109,10 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   ResolvedMemory r;
   SPILLWAY_ASSIGN_OR_RETURN(r.planner, resolve_planner_options(f.policy, f.prefetch, f.order));
   r.planner.alignment = backend.alignment();
+  if (f.device_optimizer != "auto") {
+    SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, parse_size(f.device_optimizer, "--device-optimizer"));
+    r.planner.device_optimizer_bytes = static_cast<int64_t>(bytes);
+  }
 
   if (!f.device_budget.empty()) {
     SPILLWAY_ASSIGN_OR_RETURN(r.budgets.device, parse_budget(f.device_budget, "--device-budget"));

@@ -70,6 +70,9 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     fn(0, n);
     return;
   }
+  // One loop at a time: callers on other threads (the executor's host queue runs
+  // AdamW while the main thread converts weights) take turns.
+  std::lock_guard<std::mutex> call(call_mu_);
   std::vector<std::pair<int64_t, int64_t>> chunks;
   for (int64_t p = 0; p < parts; ++p) chunks.emplace_back(n * p / parts, n * (p + 1) / parts);
   {

@@ -52,7 +52,8 @@ class ThreadPool {
   const Status& status() const { return status_; }
   int size() const { return static_cast<int>(workers_.size()) + 1; }
   // Runs fn(begin, end) over `size()` contiguous chunks of [0, n); the calling
-  // thread takes one chunk. Chunks shorter than `grain` are merged.
+  // thread takes one chunk. Chunks shorter than `grain` are merged. Calls from
+  // several threads run one after another (fn must not call parallel_for itself).
   void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t grain = 1);
 
  private:
@@ -61,6 +62,7 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   Status status_;
   std::mutex mu_;
+  std::mutex call_mu_;  // held by the thread whose parallel_for is running
   std::condition_variable cv_, done_cv_;
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
   std::vector<std::pair<int64_t, int64_t>> chunks_;

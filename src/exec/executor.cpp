@@ -4,12 +4,15 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <optional>
 
 #include "core/size.h"
 #include "exec/dispatch.h"
+#include "exec/host_queue.h"
 #include "exec/spill.h"
 #include "exec/trace.h"
+#include "core/thread_pool.h"
 #include "memory/device_arena.h"
 #include "memory/host_pool.h"
 
@@ -33,6 +36,8 @@ class PlanExecutor final : public Executor {
   }
 
   ~PlanExecutor() override {
+    (void)host_.wait_all();
+    (void)resolve_all_deferred();
     (void)b_.synchronize();
     (void)b_.copy_engine().wait_all();
     if (spill_) (void)spill_->wait_all();
@@ -44,6 +49,7 @@ class PlanExecutor final : public Executor {
   }
 
   Status init() {
+    SPILLWAY_RETURN_IF_ERROR(host_.start());
     // Every op's workspace must fit in what the plan reserved inside the budget.
     SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(b_, p_));
     if (need.bytes > plan_.workspace_bytes)
@@ -87,6 +93,19 @@ class PlanExecutor final : public Executor {
                                    format_size(opt_.host_budget));
     SPILLWAY_ASSIGN_OR_RETURN(host_memory_, b_.host_alloc(host_bytes));
     host_arena_ = std::make_unique<DeviceArena>(host_memory_, host_bytes, 4096);
+    // Host-homed state starts zeroed: the whole arena, in parallel (tens of GiB for
+    // a large model; one thread would take most of the time to the first step).
+    {
+      constexpr uint64_t kChunk = uint64_t{64} << 20;
+      const auto chunks = static_cast<int64_t>((host_bytes + kChunk - 1) / kChunk);
+      char* base = static_cast<char*>(host_memory_);
+      global_thread_pool().parallel_for(chunks, [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint64_t begin = static_cast<uint64_t>(c) * kChunk;
+          std::memset(base + begin, 0, std::min(kChunk, host_bytes - begin));
+        }
+      });
+    }
     bool uses_storage = plan_.storage_bytes > 0;
     if (uses_storage) {
       if (opt_.spill_dir.empty())
@@ -109,8 +128,7 @@ class PlanExecutor final : public Executor {
           break;
         }
         case Tier::Host: {
-          SPILLWAY_RETURN_IF_ERROR(place_host(t, plan_.home_host_offset[i]));
-          std::memset(slots_[i].host, 0, bytes);
+          SPILLWAY_RETURN_IF_ERROR(place_host(t, plan_.home_host_offset[i]));  // zeroed above
           table_.mark_written(t, Tier::Host);
           break;
         }
@@ -137,6 +155,7 @@ class PlanExecutor final : public Executor {
     if (!p_.is_persistent(t))
       return Status::invalid_argument("write_tensor: " + p_.tensors.info(t).name +
                                       " is not an input or state tensor; only those are set between steps");
+    SPILLWAY_RETURN_IF_ERROR(settle(t));
     Slot& s = slots_[t];
     switch (plan_.home[t]) {
       case Tier::Device:
@@ -155,6 +174,7 @@ class PlanExecutor final : public Executor {
 
   Status read_tensor(TensorId t, void* dst, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(check_tensor(t, bytes, "read_tensor"));
+    SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
     const Residency& r = table_.state(t);
     Slot& s = slots_[t];
     if (r.valid(Tier::Device) && s.device) return b_.download(dst, s.device, bytes);
@@ -187,6 +207,8 @@ class PlanExecutor final : public Executor {
     if (!st.is_ok()) {
       failure_ = st;
       // Let in-flight work drain so that no copy writes into freed memory.
+      (void)host_.wait_all();
+      (void)resolve_all_deferred();
       (void)b_.synchronize();
       (void)b_.copy_engine().wait_all();
       if (spill_) (void)spill_->wait_all();
@@ -212,6 +234,27 @@ class PlanExecutor final : public Executor {
   }
 
   const StepMetrics& metrics() const override { return metrics_; }
+
+  Status drain() override {
+    if (!failure_.is_ok()) return failure_;
+    Status s = host_.wait_all();
+    if (s.is_ok()) s = resolve_all_deferred();
+    if (s.is_ok()) s = b_.copy_engine().wait_all();
+    if (s.is_ok()) s = b_.synchronize();
+    if (!s.is_ok()) {
+      failure_ = s.with_context("the optimizer's host work of the last step failed");
+      return failure_;
+    }
+    host_busy_.clear();
+    h2d_sources_.clear();
+    for (auto& sl : slots_) {
+      sl.to_device.reset();
+      sl.last_h2d.reset();
+      sl.host_job_write = sl.host_job_use = 0;
+    }
+    return Status::ok();
+  }
+
   DeviceRegion idle_device_region() const override {
     // After a failed step, tensors may still hold regions anywhere in the arena.
     if (!failure_.is_ok()) return {};
@@ -237,6 +280,15 @@ class PlanExecutor final : public Executor {
     std::optional<SpillTicket> from_storage; // storage → `host` in flight
     std::optional<SpillTicket> to_storage;   // `host` → storage in flight
     uint64_t host_offset = 0;
+    // Host ops queued on the host engine (HostQueue tickets; 0 = none): the last one
+    // writing `host`, and the last one reading or writing it.
+    uint64_t host_job_write = 0, host_job_use = 0;
+    // A fetch into `device` that waits for host op `deferred_after` (which writes the
+    // source) before it is issued; the executor goes on meanwhile. Its source is
+    // `deferred_src` (the host buffer may be released before the copy is issued).
+    uint64_t deferred_after = 0;
+    const void* deferred_src = nullptr;
+    std::optional<CopyTicket> last_h2d;      // the newest H2D copy into `device`
   };
   // A device range whose last occupant still has a copy in flight that reads or
   // writes it; the range is not reused before the copy is done.
@@ -286,6 +338,97 @@ class PlanExecutor final : public Executor {
     return s;
   }
 
+  // Waits for host op `job` (0: none). Fetches deferred behind host ops go out as
+  // their ops finish, also while this waits.
+  Status timed_wait_host(uint64_t job, const char* why, TensorId id) {
+    if (job == 0) return Status::ok();
+    if (host_.is_done(job)) {
+      SPILLWAY_RETURN_IF_ERROR(issue_ready_fetches());
+      return host_.wait(job);
+    }
+    auto t0 = Clock::now();
+    for (;;) {
+      uint64_t next = job;  // the earliest host op a deferred fetch waits for, if earlier
+      for (TensorId d : deferred_) next = std::min(next, slots_[d].deferred_after);
+      Status s = host_.wait(next);
+      if (!s.is_ok()) return s;
+      SPILLWAY_RETURN_IF_ERROR(issue_ready_fetches());
+      if (next == job) break;
+    }
+    double d = seconds_since(t0);
+    metrics_.stall_s += d;
+    if (trace_) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
+    return Status::ok();
+  }
+
+  // Issues the H2D copy of a fetch whose source is ready.
+  Status issue_fetch(TensorId t, const void* src) {
+    Slot& s = slots_[t];
+    // Stream-ordered reuse: the copy waits for compute only when an op since the last
+    // synchronization used its region (an earlier occupant); a tensor fetched back
+    // into its home after a host update waits for nothing the next step queued.
+    const uint64_t end = s.offset + device_bytes(t);
+    bool after_compute = false;
+    for (const auto& [b, e] : used_since_sync_)
+      if (b < end && s.offset < e) {
+        after_compute = true;
+        break;
+      }
+    SPILLWAY_ASSIGN_OR_RETURN(CopyTicket k, b_.copy_engine().copy(CopyDirection::HostToDevice, s.device, src,
+                                                                  p_.tensors.info(t).bytes(), after_compute));
+    s.to_device = k;
+    s.last_h2d = k;
+    h2d_sources_.emplace_back(k, t);
+    if (trace_) open_slices_.push_back({k, "h2d", p_.tensors.info(t).name, now_s(), p_.tensors.info(t).bytes()});
+    return Status::ok();
+  }
+  Status issue_deferred(TensorId t) {
+    Slot& s = slots_[t];
+    SPILLWAY_RETURN_IF_ERROR(host_.wait(s.deferred_after));
+    const void* src = s.deferred_src;
+    s.deferred_after = 0;
+    s.deferred_src = nullptr;
+    std::erase(deferred_, t);
+    return issue_fetch(t, src);
+  }
+  Status issue_ready_fetches() {
+    for (size_t i = 0; i < deferred_.size();) {
+      TensorId t = deferred_[i];
+      if (host_.is_done(slots_[t].deferred_after)) SPILLWAY_RETURN_IF_ERROR(issue_deferred(t));
+      else ++i;
+    }
+    return Status::ok();
+  }
+  // t's deferred fetch, if any, is issued now (waiting for its host op).
+  Status resolve_deferred(TensorId t) {
+    if (slots_[t].deferred_after == 0) return Status::ok();
+    SPILLWAY_RETURN_IF_ERROR(timed_wait_host(slots_[t].deferred_after, "wait host op", t));
+    if (slots_[t].deferred_after != 0) SPILLWAY_RETURN_IF_ERROR(issue_deferred(t));
+    return Status::ok();
+  }
+  void cancel_deferred(TensorId t) {
+    slots_[t].deferred_after = 0;
+    slots_[t].deferred_src = nullptr;
+    std::erase(deferred_, t);
+  }
+  Status resolve_all_deferred() {
+    while (!deferred_.empty()) SPILLWAY_RETURN_IF_ERROR(resolve_deferred(deferred_.front()));
+    return Status::ok();
+  }
+  // Everything in flight that involves t has finished: its value may be read or set
+  // directly (between steps).
+  // Reading waits for what writes t; writing also for what reads it (host ops that
+  // read t may still run: the step's scale is read by every host AdamW).
+  Status settle(TensorId t, bool for_write = true) {
+    SPILLWAY_RETURN_IF_ERROR(resolve_deferred(t));
+    Slot& s = slots_[t];
+    if (s.to_device) {
+      SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait(*s.to_device));
+      s.to_device.reset();
+    }
+    return for_write ? host_ready_for_write(t) : host_ready_for_read(t);
+  }
+
   Status place(TensorId t, uint64_t offset) {
     const uint64_t end = offset + device_bytes(t);
     for (auto it = busy_.begin(); it != busy_.end();) {
@@ -326,12 +469,20 @@ class PlanExecutor final : public Executor {
 
   Status place_host(TensorId t, uint64_t offset) {
     const uint64_t end = offset + host_buffer_bytes(t);
-    for (auto it = host_busy_.begin(); it != host_busy_.end();) {
-      if (it->begin < end && offset < it->end) {  // a store still reads the last occupant
-        SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(it->ticket, "host reuse", t));
-        it = host_busy_.erase(it);
+    for (size_t i = 0; i < host_busy_.size();) {
+      if (host_busy_[i].begin < end && offset < host_busy_[i].end) {  // the last occupant is still read
+        HostBusyRange r = host_busy_[i];
+        host_busy_.erase(host_busy_.begin() + static_cast<long>(i));
+        if (r.store) SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*r.store, "host reuse", t));
+        SPILLWAY_RETURN_IF_ERROR(timed_wait_host(r.host_job, "host reuse", t));
+        if (r.fetch_of != kNoTensor) {
+          SPILLWAY_RETURN_IF_ERROR(resolve_deferred(r.fetch_of));
+          if (slots_[r.fetch_of].last_h2d)
+            SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*slots_[r.fetch_of].last_h2d, "host reuse", t));
+        }
+        i = 0;  // the list may have changed
       } else {
-        ++it;
+        ++i;
       }
     }
     auto ptr = host_arena_->place(offset, host_buffer_bytes(t));
@@ -345,6 +496,11 @@ class PlanExecutor final : public Executor {
   // The host buffer of t is about to be read (copied out or used by a host op):
   // data coming into it must have arrived.
   Status host_ready_for_read(TensorId t) {
+    SPILLWAY_RETURN_IF_ERROR(host_data_arrived(t));
+    return timed_wait_host(slots_[t].host_job_write, "wait host op", t);
+  }
+  // Copies and loads into t's host buffer have completed (host ops writing it aside).
+  Status host_data_arrived(TensorId t) {
     Slot& s = slots_[t];
     if (s.to_host) {
       SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_host, "wait d2h", t));
@@ -359,6 +515,8 @@ class PlanExecutor final : public Executor {
   // The host buffer of t is about to be overwritten or freed: nothing may still read it.
   Status host_ready_for_write(TensorId t) {
     SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(t));
+    SPILLWAY_RETURN_IF_ERROR(resolve_deferred(t));  // a deferred fetch reads the buffer
+    SPILLWAY_RETURN_IF_ERROR(timed_wait_host(slots_[t].host_job_use, "wait host op", t));
     Slot& s = slots_[t];
     if (s.to_storage) {
       SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.to_storage, "wait store", t));
@@ -375,9 +533,13 @@ class PlanExecutor final : public Executor {
   Status free_host(TensorId t) {
     Slot& s = slots_[t];
     if (!s.host) return Status::ok();
-    if (s.to_storage) host_busy_.push_back({s.host_offset, s.host_offset + host_buffer_bytes(t), *s.to_storage});
+    const bool job = s.host_job_use != 0 && !host_.is_done(s.host_job_use);
+    if (s.to_storage || job || s.deferred_after != 0)
+      host_busy_.push_back({s.host_offset, s.host_offset + host_buffer_bytes(t), s.to_storage,
+                            job ? s.host_job_use : 0, s.deferred_after != 0 ? t : kNoTensor});
     SPILLWAY_RETURN_IF_ERROR(host_arena_->release_placed(s.host_offset, host_buffer_bytes(t)));
     s.host = nullptr;
+    s.host_job_write = s.host_job_use = 0;
     count_memory();
     return Status::ok();
   }
@@ -400,23 +562,36 @@ class PlanExecutor final : public Executor {
   Status run_instruction(const Instruction& in) {
     CopyEngine& ce = b_.copy_engine();
     const TensorId t = in.tensor;
+    SPILLWAY_RETURN_IF_ERROR(issue_ready_fetches());
+    // A deferred fetch of t not yet issued: what reads the device copy issues it
+    // (waiting for its host op); what drops the device copy unread cancels it.
+    if (in.kind != InstrKind::Run && slots_[t].deferred_after != 0) {
+      const bool drops = in.kind == InstrKind::Release || (in.kind == InstrKind::Evict && !in.write_back);
+      if (drops) cancel_deferred(t);
+      else if (in.kind == InstrKind::Fetch || in.kind == InstrKind::Evict || in.kind == InstrKind::Flush)
+        SPILLWAY_RETURN_IF_ERROR(resolve_deferred(t));
+    }
     switch (in.kind) {
       case InstrKind::Run:
         return run_op(in.op, in.recompute);
       case InstrKind::Allocate:
         return place(t, in.offset);
       case InstrKind::Fetch: {
-        SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(t));
-        if (!table_.state(t).valid(Tier::Host) || !slots_[t].host)
+        SPILLWAY_RETURN_IF_ERROR(host_data_arrived(t));
+        Slot& s = slots_[t];
+        if (!table_.state(t).valid(Tier::Host) || !s.host)
           return Status::internal("fetch of " + p_.tensors.info(t).name + " which is not valid on host");
         SPILLWAY_RETURN_IF_ERROR(place(t, in.offset));
-        SPILLWAY_ASSIGN_OR_RETURN(CopyTicket k, ce.copy(CopyDirection::HostToDevice, slots_[t].device, slots_[t].host,
-                                                        p_.tensors.info(t).bytes()));
-        slots_[t].to_device = k;
-        h2d_sources_.emplace_back(k, t);
         table_.mark_copied(t, Tier::Device);
-        if (trace_) open_slices_.push_back({k, "h2d", p_.tensors.info(t).name, now_s(), p_.tensors.info(t).bytes()});
-        return Status::ok();
+        if (s.host_job_write != 0 && !host_.is_done(s.host_job_write)) {
+          // The host op writing the source is queued: the copy goes out when it is done,
+          // and the executor goes on (the next step's forward overlaps the optimizer).
+          s.deferred_after = s.host_job_write;
+          s.deferred_src = s.host;
+          deferred_.push_back(t);
+          return Status::ok();
+        }
+        return issue_fetch(t, s.host);
       }
       case InstrKind::Evict:
       case InstrKind::Flush: {
@@ -480,7 +655,13 @@ class PlanExecutor final : public Executor {
       case InstrKind::HostAllocate:
         return place_host(t, in.offset);
       case InstrKind::HostRelease: {
-        SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
+        // Copies and loads into the buffer must end, and H2D copies reading it; a
+        // store, a queued host op or a deferred fetch still reading it keeps the range
+        // busy instead (free_host), so that the executor goes on.
+        SPILLWAY_RETURN_IF_ERROR(host_data_arrived(t));
+        for (auto& [ticket, id] : h2d_sources_)
+          if (id == t) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(ticket, "wait h2d", t));
+        std::erase_if(h2d_sources_, [t](auto& e) { return e.second == t; });
         SPILLWAY_RETURN_IF_ERROR(free_host(t));
         return table_.mark_dropped(t, Tier::Host, true);
       }
@@ -515,6 +696,7 @@ class PlanExecutor final : public Executor {
       Slot& s = slots_[o.tensor];
       const TensorInfo& info = p_.tensors.info(o.tensor);
       if (place == Place::Device) {
+        SPILLWAY_RETURN_IF_ERROR(resolve_deferred(o.tensor));
         if (!s.device) return Status::internal("op " + op.name + ": " + info.name + " has no device region (plan bug)");
         if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Device))
           return Status::internal("op " + op.name + ": " + info.name + " is not valid on device (plan bug)");
@@ -534,35 +716,105 @@ class PlanExecutor final : public Executor {
       } else {
         if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Host))
           return Status::internal("host op " + op.name + ": " + info.name + " is not valid on host (plan bug)");
-        if (o.access == Access::Read) SPILLWAY_RETURN_IF_ERROR(host_ready_for_read(o.tensor));
-        else SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(o.tensor));
         if (!s.host) return Status::internal("host op " + op.name + ": " + info.name + " has no host buffer (plan bug)");
+        // What the host op must wait for, without holding up the executor: a D2H copy
+        // filling the buffer (the host engine waits for it), earlier host ops (the
+        // engine runs them in order). A load from storage is waited for here.
+        if (s.from_storage) {
+          SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.from_storage, "wait load", o.tensor));
+          s.from_storage.reset();
+        }
+        if (s.to_host) host_waits_.push_back(*s.to_host);
+        if (o.access != Access::Read) {
+          // Nothing may still read the old value: a store, a deferred or running H2D copy.
+          if (s.to_storage) {
+            SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*s.to_storage, "wait store", o.tensor));
+            s.to_storage.reset();
+          }
+          SPILLWAY_RETURN_IF_ERROR(resolve_deferred(o.tensor));
+          for (auto& [ticket, id] : h2d_sources_)
+            if (id == o.tensor) host_waits_.push_back(ticket);
+          std::erase_if(h2d_sources_, [&](auto& e) { return e.second == o.tensor; });
+        }
         ptrs_.push_back(s.host);
       }
     }
+    if (place == Place::Host) return queue_host_op(index, recompute);
     if (profile_) SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
     double t0 = trace_ || profile_ ? now_s() : 0;
-    if (place == Place::Device) {
-      SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, p_, op, ptrs_, step_));
-    } else {
-      // The host op reads data that device ops produced: they must be finished.
-      SPILLWAY_RETURN_IF_ERROR(run_host_op(op, ptrs_, b_.activation_dtype(), step_));
-    }
+    SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, p_, op, ptrs_, step_));
+    for (const Operand& o : op.operands)
+      used_since_sync_.emplace_back(slots_[o.tensor].offset, slots_[o.tensor].offset + device_bytes(o.tensor));
     if (profile_) {
       SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
       profile_->ops.push_back({index, recompute, now_s() - t0});
     }
-    if (trace_) trace_->slice(place == Place::Device ? "compute" : "host", (recompute ? "recompute " : "") + op.name, t0, now_s());
+    if (trace_) trace_->slice("compute", (recompute ? "recompute " : "") + op.name, t0, now_s());
     if (recompute) metrics_.recomputed_ops++;
     for (const Operand& o : op.operands)
-      if (o.access != Access::Read) table_.mark_written(o.tensor, place == Place::Device ? Tier::Device : Tier::Host);
+      if (o.access != Access::Read) table_.mark_written(o.tensor, Tier::Device);
     return Status::ok();
   }
 
+  // A host op goes to the host engine with the copies it must wait for (ptrs_ and
+  // host_waits_ as run_op gathered them); the executor moves on. Later readers of
+  // what it writes wait for its ticket (host_job_write); later writers of what it
+  // touches, for host_job_use.
+  Status queue_host_op(int index, bool recompute) {
+    const Op& op = p_.ops[index];
+    std::vector<CopyTicket> waits = std::move(host_waits_);
+    host_waits_.clear();
+    std::vector<void*> ptrs = ptrs_;
+    const OptimizerStep step = step_;
+    const DType dtype = b_.activation_dtype();
+    CopyEngine* ce = &b_.copy_engine();
+    const bool traced = trace_ != nullptr;
+    const std::string name = (recompute ? "recompute " : "") + op.name;
+    const Clock::time_point start = step_start_;
+    uint64_t job = host_.submit([this, &op, waits = std::move(waits), ptrs = std::move(ptrs), step, dtype, ce, traced,
+                                 name, start]() -> Status {
+      for (const CopyTicket& w : waits) SPILLWAY_RETURN_IF_ERROR(ce->wait(w));
+      const double t0 = traced ? seconds_since(start) : 0;
+      Status s = run_host_op(op, ptrs, dtype, step).with_context("host op " + op.name);
+      if (traced) {
+        std::lock_guard<std::mutex> lock(host_slices_mu_);
+        host_slices_.push_back({name, t0, seconds_since(start)});
+      }
+      return s;
+    });
+    for (const Operand& o : op.operands) {
+      Slot& s = slots_[o.tensor];
+      s.host_job_use = job;
+      if (o.access != Access::Read) {
+        s.host_job_write = job;
+        table_.mark_written(o.tensor, Tier::Host);
+      }
+    }
+    if (recompute) metrics_.recomputed_ops++;
+    // Profiling times each op alone.
+    if (profile_) {
+      const double t0 = now_s();
+      SPILLWAY_RETURN_IF_ERROR(timed_wait_host(job, "host op", op.operands.front().tensor));
+      profile_->ops.push_back({index, recompute, now_s() - t0});
+    }
+    return Status::ok();
+  }
+
+  // The end of a step: the device work and the copies issued are done. Host ops
+  // still queued (the optimizer's tail) and the fetches deferred behind them carry
+  // over into the next step, whose forward overlaps them; drain() ends them where the
+  // whole state must be settled.
   Status finish() {
     SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+    used_since_sync_.clear();
     SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait_all());
+    SPILLWAY_RETURN_IF_ERROR(host_.failure());
     close_slices(true);
+    if (trace_) {
+      std::lock_guard<std::mutex> lock(host_slices_mu_);
+      for (const HostSlice& h : host_slices_) trace_->slice("host", h.name, h.start_s, h.end_s);
+      host_slices_.clear();
+    }
     for (auto& s : slots_) {
       s.to_device.reset();
       s.to_host.reset();
@@ -576,7 +828,12 @@ class PlanExecutor final : public Executor {
         s.to_storage.reset();
       }
     }
-    host_busy_.clear();
+    // Ranges a queued host op or a deferred fetch still reads stay busy.
+    std::erase_if(host_busy_, [&](HostBusyRange& r) {
+      r.store.reset();
+      return (r.host_job == 0 || host_.is_done(r.host_job)) &&
+             (r.fetch_of == kNoTensor || slots_[r.fetch_of].deferred_after == 0);
+    });
     // Every persistent tensor must be back home (the plan promised it).
     for (size_t i = 0; i < slots_.size(); ++i) {
       auto t = static_cast<TensorId>(i);
@@ -604,12 +861,27 @@ class PlanExecutor final : public Executor {
   std::unique_ptr<SpillStore> spill_;
   std::vector<BusyRange> busy_;
   std::vector<std::pair<CopyTicket, TensorId>> h2d_sources_;  // H2D copies reading host buffers
+  // A released host range that something may still read: a store, a queued host op,
+  // or a deferred fetch of `fetch_of` (not yet issued, or its copy still running).
   struct HostBusyRange {
     uint64_t begin, end;
-    SpillTicket ticket;
+    std::optional<SpillTicket> store;
+    uint64_t host_job = 0;
+    TensorId fetch_of = kNoTensor;
   };
-  std::vector<HostBusyRange> host_busy_;  // host ranges a store still reads
+  std::vector<HostBusyRange> host_busy_;
+  HostQueue host_;                        // host ops (AdamW) run here, in order
+  std::vector<TensorId> deferred_;        // tensors with a deferred fetch, in the order they were deferred
+  std::mutex host_slices_mu_;
+  struct HostSlice {
+    std::string name;
+    double start_s, end_s;
+  };
+  std::vector<HostSlice> host_slices_;    // host ops of a traced step, written by the host engine
   std::vector<void*> ptrs_;
+  std::vector<CopyTicket> host_waits_;  // copies the host op being queued waits for
+  // Device ranges [begin, end) that ops used since the last synchronization.
+  std::vector<std::pair<uint64_t, uint64_t>> used_since_sync_;
   std::vector<OpenSlice> open_slices_;
   StepMetrics metrics_;
   OptimizerStep step_;

@@ -7,14 +7,23 @@
 //   (*ex)->read_tensor(losses_id, losses.data(), bytes);
 //   const StepMetrics& m = (*ex)->metrics();                   // bytes per link, stalls, peaks
 //
-// It walks the plan's instructions, issues copies and storage I/O asynchronously,
-// waits only where an op needs data that has not arrived, runs the op, and checks
+// It walks the plan's instructions, issues copies, storage I/O and host ops (the host
+// AdamW, on its own thread: exec/host_queue.h) asynchronously, waits only where an op
+// needs data that has not arrived, runs the op, and checks
 // the invariants of DESIGN.md as it goes: the device memory is one allocation, made
 // at creation, of the plan's arena followed by its workspace (Plan::workspace_bytes,
 // handed to the backend before every step; nothing is allocated during a step), and
 // no placement leaves it; host and storage stay within their
 // budgets; every operand is valid where its op runs. A broken invariant is an
 // Internal error naming the op and tensor — never silent wrong numbers.
+//
+// The step is a loop (DESIGN.md): run_step returns when the step's device work and
+// copies are done, while host ops at its end (the optimizer's tail) may still run,
+// and the fetches that wait for them go out as they finish. The next run_step's
+// forward overlaps them; an op that needs an updated tensor waits for its update
+// only. read_tensor and write_tensor settle the tensor they touch first; drain()
+// settles everything (before evaluation, saving, the end of a run) and reports an
+// error of the work that was still in flight.
 #pragma once
 
 #include <cstdint>
@@ -91,6 +100,9 @@ class Executor {
   // Reads a tensor's newest value from wherever it is valid.
   virtual Status read_tensor(TensorId t, void* dst, size_t bytes) = 0;
   virtual Status run_step(const StepContext& ctx) = 0;
+  // Waits for the work the last step left in flight (host ops, deferred fetches);
+  // its error, if it failed (the state is then half updated, and no step runs again).
+  virtual Status drain() = 0;
   virtual const StepMetrics& metrics() const = 0;
   // The part of this executor's device memory that no tensor occupies between steps:
   // the arena past the device homes of the persistent tensors (the planner places

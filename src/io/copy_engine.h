@@ -10,7 +10,9 @@
 //
 // Ordering rules, the same on every backend:
 // - a copy starts only after all device compute submitted before copy() was called,
-//   so a DeviceToHost copy reads what earlier ops wrote;
+//   so a DeviceToHost copy reads what earlier ops wrote; with after_compute = false
+//   it need not (the caller knows that no compute in flight touches dst or src: a
+//   fetch into a region no op used since the last synchronization);
 // - copies of one direction complete in the order they were submitted;
 // - compute submitted after order_compute_after(t) runs after copy t completed.
 #pragma once
@@ -32,7 +34,8 @@ struct CopyTicket {
 class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
-  virtual Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes) = 0;
+  virtual Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes,
+                                  bool after_compute = true) = 0;
   // Non-blocking: has copy `t` completed? An error of the copy is reported by wait().
   virtual bool is_done(CopyTicket t) = 0;
   // Blocks the host until copy `t` (and every earlier copy in its direction) completed.

@@ -64,7 +64,9 @@ class ThreadCopyEngine final : public CopyEngine {
     for (auto& lane : lanes_) lane.worker.join();
   }
 
-  Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes) override {
+  // Compute runs on the caller's thread here, so every copy is after it anyway.
+  Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes,
+                          bool /*after_compute*/) override {
     if (static_cast<size_t>(direction) >= lanes_.size()) {
       return Status::invalid_argument("copy engine: unknown copy direction " +
                                       std::to_string(static_cast<int>(direction)));

@@ -45,7 +45,8 @@ struct Config {
   // than this many ops, start its device→host copy (Flush), so that its later
   // eviction is clean and the region it leaves can be reused at once. 0 = off.
   int flush_gap = 0;
-  bool optimizer_on_host = false;
+  bool optimizer_on_host = false;    // some AdamW runs on host
+  int device_optimizer_ops = 0, host_optimizer_ops = 0;  // AdamW ops on each side
   std::vector<Tier> home;            // [tensors]
   std::vector<uint64_t> home_offset; // [tensors]
   uint64_t pinned_end = 0;           // device homes occupy [0, pinned_end)
@@ -765,12 +766,17 @@ void assign_device_offsets(const Program& program, Config& c, size_t alignment) 
 
 // Where each class rests: device, host, or storage when the host budget is short.
 // offload: 0 = all on device; 1 = master+moments (and grads) off device, optimizer
-// on host; 2 = parameters off device too.
-Config make_config(const Program& program, const Budgets& budgets, int offload, size_t alignment) {
+// on host; 2 = parameters off device too. With offload >= 1, the optimizer state of
+// the first parameters in program order (the order the next forward needs them)
+// stays on device while it fits in `device_optimizer` bytes, and their AdamW runs on
+// device: the host updates only the rest, and the next step's forward starts on the
+// layers updated on device while the host works on the later ones.
+Config make_config(const Program& program, const Budgets& budgets, int offload, size_t alignment,
+                   uint64_t device_optimizer = 0) {
+  (void)budgets;
   Config c;
   const size_t n = program.tensors.size();
   c.home.assign(n, Tier::Device);
-  c.optimizer_on_host = offload >= 1;
   for (size_t t = 0; t < n; ++t) {
     auto id = static_cast<TensorId>(t);
     if (!program.is_persistent(id)) continue;
@@ -779,8 +785,41 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
                       (offload >= 2 && k == StateClass::Param);
     if (off_device) c.home[t] = Tier::Host;
   }
+  if (offload >= 1) {
+    uint64_t used = 0;
+    bool full = false;
+    for (const Op& op : program.ops) {
+      if (op.kind != OpKind::AdamW || full) continue;
+      // (param W, master U, m U, v U, grad R, scale_norm R): the first five are its state.
+      uint64_t bytes = 0;
+      for (size_t j = 0; j < 5 && j < op.operands.size(); ++j)
+        if (c.home[op.operands[j].tensor] != Tier::Device)
+          bytes += align_up(std::max<uint64_t>(1, program.tensors.info(op.operands[j].tensor).bytes()), alignment);
+      if (used + bytes > device_optimizer) {
+        full = true;  // a prefix: the layers the next forward needs first
+        continue;
+      }
+      used += bytes;
+      for (size_t j = 0; j < 5 && j < op.operands.size(); ++j) c.home[op.operands[j].tensor] = Tier::Device;
+    }
+  }
+  for (const Op& op : program.ops)
+    if (op.kind == OpKind::AdamW && op.operands.size() > 1) {
+      if (c.home[op.operands[1].tensor] == Tier::Device) c.device_optimizer_ops++;
+      else c.host_optimizer_ops++;
+    }
+  c.optimizer_on_host = c.host_optimizer_ops > 0;
   assign_device_offsets(program, c, alignment);
   return c;
+}
+
+// Each AdamW runs where its master weights rest.
+Program with_optimizer_where_state_is(const Program& program, const Config& c) {
+  Program p = program;
+  for (Op& op : p.ops)
+    if (op.kind == OpKind::AdamW && op.operands.size() > 1)
+      op.place = c.home[op.operands[1].tensor] == Tier::Device ? Place::Device : Place::Host;
+  return p;
 }
 
 Program with_optimizer_on_host(const Program& program, bool on_host) {
@@ -901,8 +940,13 @@ Result<Plan> schedule_once(const Program& program, const Machine& machine, const
   plan.op_place.clear();
   for (const Op& op : program.ops) plan.op_place.push_back(op.place);
   std::ostringstream d;
-  d << policy_name(c.policy) << ": state on device " << format_size(c.pinned_end) << ", optimizer on "
-    << (c.optimizer_on_host ? "host" : "device") << ", recompute " << (c.recompute ? "on" : "off")
+  d << policy_name(c.policy) << ": state on device " << format_size(c.pinned_end) << ", optimizer on ";
+  if (c.host_optimizer_ops > 0 && c.device_optimizer_ops > 0)
+    d << "device for " << c.device_optimizer_ops << " of " << c.device_optimizer_ops + c.host_optimizer_ops
+      << " parameter tensors, host for the rest";
+  else
+    d << (c.optimizer_on_host ? "host" : "device");
+  d << ", recompute " << (c.recompute ? "on" : "off")
     << ", early write-back " << (c.flush_gap > 0 ? "on" : "off") << ", "
     << (order.empty() ? "micro-batch-major" : "layer-major") << " order, "
     << s.recomputes() << " recomputed ops per step";
@@ -968,8 +1012,19 @@ constexpr int kFlushGap = 16;
 // nothing when it does not).
 Result<Plan> plan_offload_level(const Program& program, const Machine& machine, const Budgets& budgets,
                                 const PlannerOptions& options, int level, bool recompute, int prefetch,
-                                int flush_gap, bool layer_major, size_t alignment, bool* roomy) {
+                                int flush_gap, bool layer_major, size_t alignment, bool* roomy,
+                                bool device_optimizer = true) {
   Config c = make_config(program, budgets, level, alignment);
+  // Optimizer state kept on device: what leaves half the budget for the step's
+  // working memory (the same rule as the level: state stays while it leaves half).
+  if (level >= 1 && device_optimizer && budgets.device != UINT64_MAX && c.pinned_end < budgets.device / 2) {
+    uint64_t share = budgets.device / 2 - c.pinned_end;
+    if (options.device_optimizer_bytes >= 0) share = static_cast<uint64_t>(options.device_optimizer_bytes);
+    // Never at the cost of the largest op's room.
+    const uint64_t room = minimum_device_budget(program, alignment);
+    const uint64_t spare = budgets.device > c.pinned_end + room ? budgets.device - c.pinned_end - room : 0;
+    c = make_config(program, budgets, level, alignment, std::min(share, spare));
+  }
   c.policy = options.policy;
   c.belady = true;
   c.prefetch = prefetch;
@@ -989,7 +1044,7 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
     *roomy = false;
     return Status::out_of_memory("state kept on device takes more than half the budget");
   }
-  Program candidate = with_optimizer_on_host(program, c.optimizer_on_host);
+  Program candidate = with_optimizer_where_state_is(program, c);
   if (!layer_major) return schedule(candidate, machine, budgets, c, alignment);
   std::vector<int> order = layer_major_order(candidate);
   if (order.size() != candidate.ops.size()) return Status::internal("planner: the program's ops have a dependency cycle");
@@ -1078,6 +1133,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
         bool recompute;
         int flush_gap;
         bool layer_major;
+        bool device_optimizer;  // part of the optimizer state stays on device (level >= 1)
       };
       std::vector<Candidate> candidates;
       for (int level : {0, 1, 2})
@@ -1089,14 +1145,17 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
               if (options.recompute >= 0 && recompute != (options.recompute == 1)) continue;
               if (options.layer_major >= 0 && layer_major != (options.layer_major == 1)) continue;
               if (layer_major && !has_accumulation) continue;
-              candidates.push_back({level, recompute, flush_gap, layer_major});
+              candidates.push_back({level, recompute, flush_gap, layer_major, false});
+              if (level >= 1 && options.device_optimizer_bytes != 0)
+                candidates.push_back({level, recompute, flush_gap, layer_major, true});
             }
       std::optional<Plan> best;
       double best_s = 0;
       Status last = Status::ok();
       for (const Candidate& k : candidates) {
         auto plan = plan_offload_level(program, machine, budgets, options, k.level, k.recompute,
-                                       options.prefetch_distance, k.flush_gap, k.layer_major, alignment, nullptr);
+                                       options.prefetch_distance, k.flush_gap, k.layer_major, alignment, nullptr,
+                                       k.device_optimizer);
         if (!plan.ok()) {
           last = plan.status();
           continue;

@@ -28,6 +28,10 @@ struct PlannerOptions {
   bool learned_prefetch = false;  // paging only
   // planned: -1 = choose; else forces the choice (auto enumerates these)
   int optimizer_on_host = -1;     // 1 = master/moments live on host and AdamW runs there
+  // With the optimizer offloaded: bytes of optimizer state (grad, master, moments of a
+  // prefix of the parameters) that stay on device, their AdamW running there.
+  // -1 = what leaves half the device budget free; 0 = all on host.
+  int64_t device_optimizer_bytes = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)

@@ -344,6 +344,7 @@ Status Trainer::load_parameters(const std::string& path, const ImportOptions& op
 
 Status Trainer::save(const std::string& path) {
   SPILLWAY_RETURN_IF_ERROR(usable("save " + path));
+  SPILLWAY_RETURN_IF_ERROR(drain());
   return export_gpt2(path, options_.model, [&](const ParamSpec& p) -> Result<std::vector<float>> {
     SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, read_floats("master." + p.name));
     for (size_t i = 0; i < v.size(); ++i)
@@ -380,6 +381,15 @@ Result<StepResult> Trainer::step(DataLoader& loader) {
     loader.next(b.tokens.data(), b.targets.data());
   }
   return step(batches);
+}
+
+Status Trainer::drain() {
+  SPILLWAY_RETURN_IF_ERROR(usable("finish step " + std::to_string(step_)));
+  if (Status s = executor_->drain(); !s.is_ok()) {
+    broken_ = s.with_context("step " + std::to_string(step_) + " failed after it returned");
+    return broken_;
+  }
+  return Status::ok();
 }
 
 Status Trainer::usable(const std::string& what) const {
@@ -517,6 +527,7 @@ Status Trainer::plan_evaluation(int B, int T) {
 
 Result<float> Trainer::evaluate(DataLoader& loader, int batches) {
   SPILLWAY_RETURN_IF_ERROR(usable("evaluate"));
+  SPILLWAY_RETURN_IF_ERROR(drain());  // the pipeline's epilogue: the whole state settled
   if (batches <= 0) return Status::invalid_argument("evaluation needs at least one batch, got " + std::to_string(batches));
   if (eval_B_ != loader.B() || eval_T_ != loader.T()) SPILLWAY_RETURN_IF_ERROR(plan_evaluation(loader.B(), loader.T()));
   ExecutorOptions eo;

@@ -182,6 +182,10 @@ class Trainer {
   Status load_parameters(const std::string& path, const ImportOptions& options = {});
   // Writes the master weights (F32) with Hugging Face GPT-2 names.
   Status save(const std::string& path);
+  // Waits for the work the last step left in flight (its host AdamW overlaps the next
+  // step's forward; see Executor::drain) and reports its error. evaluate and save
+  // drain first; a training loop calls it after its last step.
+  Status drain();
   // Writes the gradients of the last step (F32, the same names and layout as
   // save()), e.g. to compare them with another framework's.
   Status save_gradients(const std::string& path);

@@ -64,13 +64,18 @@ class CudaCopyEngine final : public CopyEngine {
     return cuda_status("cudaEventCreate", cudaEventCreateWithFlags(&compute_fence_, cudaEventDisableTiming));
   }
 
-  Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes) override {
+  Result<CopyTicket> copy(CopyDirection direction, void* dst, const void* src, size_t bytes,
+                          bool after_compute) override {
     std::lock_guard<std::mutex> lock(mu_);
     Queue& q = queue(direction);
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    // The copy starts after every op submitted so far (a D2H copy reads their output).
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaEventRecord (compute fence)", cudaEventRecord(compute_fence_, compute_)));
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamWaitEvent (copy after compute)", cudaStreamWaitEvent(q.stream, compute_fence_, 0)));
+    // The copy starts after every op submitted so far (a D2H copy reads their output),
+    // unless the caller knows no op in flight touches its memory.
+    if (after_compute) {
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaEventRecord (compute fence)", cudaEventRecord(compute_fence_, compute_)));
+      SPILLWAY_RETURN_IF_ERROR(
+          cuda_status("cudaStreamWaitEvent (copy after compute)", cudaStreamWaitEvent(q.stream, compute_fence_, 0)));
+    }
     if (bytes > 0) {
       const cudaMemcpyKind kind =
           direction == CopyDirection::HostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;

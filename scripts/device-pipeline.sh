@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call on the lent H200 for issue 10 (the step as a pipelined loop): build, CUDA
+# exactness of budgeted runs against resident ones (gpt2-1.5b at 24 GiB included),
+# and the 24 GiB throughput table beside the no-limit PyTorch peer, in one call.
+# Usage (device tool, carry .deps): scripts/device-pipeline.sh   (results in $OUT)
+# PART=exact runs only the exactness checks; PART=speed only the timings.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+log() { echo "== $*" | tee -a "$out/summary.txt"; }
+t0=$(date +%s)
+scripts/device-build.sh spillway > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+log "build $(( $(date +%s) - t0 )) s"
+bin=build-device/spillway
+part=${PART:-all}
+if [ "$part" != speed ]; then
+  # Tiny: resident against planned at 40 MiB with the optimizer split and all on host.
+  $bin train --backend cuda --model tiny --steps 20 --batch 8 --eval-every 10 --metrics "$out/tiny_resident.jsonl" --quiet > "$out/exact.log" 2>&1
+  for d in auto 0; do
+    $bin train --backend cuda --model tiny --steps 20 --batch 8 --eval-every 10 --device-budget 40MiB --policy planned \
+      --device-optimizer $d --metrics "$out/tiny_planned_$d.jsonl" >> "$out/exact.log" 2>&1 || tail -3 "$out/exact.log"
+  done
+  grep "plan:" "$out/exact.log" | tee -a "$out/summary.txt"
+  scripts/same_losses.py "cuda exactness, tiny, eval every 10" "$out/tiny_resident.jsonl" "$out/tiny_planned_auto.jsonl" "$out/tiny_planned_0.jsonl" | tee -a "$out/summary.txt"
+  for a in 1 4; do
+    log "gpt2-1.5b accum $a: resident against 24 GiB planned, 5 steps (lr 3e-3: clipping active in some)"
+    timeout 200 $bin train --backend cuda --model gpt2-1.5b --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
+      --eval-every 0 --metrics "$out/xl_res_$a.jsonl" > "$out/xl_res_$a.log" 2>&1 || tail -3 "$out/xl_res_$a.log"
+    timeout 200 $bin train --backend cuda --model gpt2-1.5b --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
+      --eval-every 0 --device-budget 24GiB --policy planned --metrics "$out/xl_24_$a.jsonl" > "$out/xl_24_$a.log" 2>&1 || tail -3 "$out/xl_24_$a.log"
+    grep "plan:" "$out/xl_24_$a.log" | tee -a "$out/summary.txt"
+    scripts/same_losses.py "cuda exactness, gpt2-1.5b accum $a, 24 GiB" "$out/xl_res_$a.jsonl" "$out/xl_24_$a.jsonl" | tee -a "$out/summary.txt"
+    python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" "$out/xl_24_$a.jsonl" | tee -a "$out/summary.txt"
+  done
+fi
+if [ "$part" != exact ]; then
+  for m in "gpt2-1.5b --accum 1" "gpt2-1.5b --accum 4" "gpt2-1.5b --accum 1 --device-optimizer 0" "gpt-2.7b --accum 1" "gpt-4b --accum 1"; do
+    log "24 GiB budget: $m (planned)"
+    timeout 240 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --device-budget 24GiB --policy planned \
+      --json "$out/b24_${m// /_}.json" > "$out/b24_${m// /_}.log" 2>&1
+    grep -E "plan:|tokens/s|stall share|first step|MFU" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
+  done
+  log "PyTorch peer, no memory limit, same machine"
+  NMEAS=2 timeout 200 python3 bench/peers/torch_gpt.py 1.5B:full:8 2.7B:full:8 2>&1 | tail -3 | tee -a "$out/summary.txt"
+fi
+log "total $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,203 @@
+// The step as a pipelined loop (issue 10, DESIGN.md "The step is a loop"): host
+// AdamW runs on the host engine and overlaps the next step, part of the optimizer
+// state may stay on device, and the runs still give the resident run's bits —
+// losses, evaluation, and saved weights — under budgets of 1/2, 1/4 and 1/10 of the
+// resident peak, with accumulation, with clipping active and inactive, and with
+// evaluation and saving in the middle of the run.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+#include "support/test_support.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+namespace spillway {
+namespace {
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+std::vector<TokenBatch> batches(int accum, int B, int T, uint64_t seed) {
+  std::vector<TokenBatch> out(static_cast<size_t>(accum));
+  uint64_t s = seed;
+  auto next = [&] {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int32_t>((s >> 33) % 64);
+  };
+  for (TokenBatch& b : out)
+    for (int i = 0; i < B * T; ++i) {
+      int32_t t = next();
+      b.tokens.push_back(t);
+      b.targets.push_back((t * 7 + 3) % 64);  // learnable
+    }
+  return out;
+}
+
+struct PipelinedRun {
+  std::vector<float> losses, norms;  // [steps]
+  float val = 0;                     // evaluation after step 3
+  std::string saved_mid, saved_end;  // the --save files' bytes after step 3 and 6
+  Plan plan;
+};
+
+// 3 steps, evaluate, save, 3 steps, save.
+PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string& tag) {
+  PipelinedRun run;
+  auto t = Trainer::create(backend, o);
+  EXPECT_TRUE(t.ok()) << tag << ": " << t.status().to_string();
+  if (!t.ok()) return run;
+  Trainer& tr = **t;
+  run.plan = tr.plan();
+  EXPECT_TRUE(tr.init_parameters().is_ok());
+  std::vector<uint16_t> stream;
+  for (const TokenBatch& b : batches(1, 4, 16, 99))
+    for (int32_t tok : b.tokens) stream.push_back(static_cast<uint16_t>(tok));
+  TokenSplit split{.source = "test", .tokens = std::make_shared<const std::vector<uint16_t>>(stream)};
+  const std::string dir = testing::TempDir();
+  for (int s = 1; s <= 6; ++s) {
+    auto r = tr.step(batches(o.shape.accum, o.shape.B, o.shape.T, 100 + s));
+    EXPECT_TRUE(r.ok()) << tag << " step " << s << ": " << r.status().to_string();
+    if (!r.ok()) return run;
+    run.losses.push_back(r->loss);
+    run.norms.push_back(r->grad_norm);
+    const std::string path = dir + "/pipelined_" + std::to_string(s) + ".safetensors";
+    if (s == 3) {
+      auto loader = DataLoader::create(split, 1, o.shape.T, LoaderMode::Sequential);
+      EXPECT_TRUE(loader.ok());
+      auto v = tr.evaluate(*loader, 2);
+      EXPECT_TRUE(v.ok()) << tag << ": " << v.status().to_string();
+      if (v.ok()) run.val = *v;
+    }
+    if (s == 3 || s == 6) {
+      Status saved = tr.save(path);
+      EXPECT_TRUE(saved.is_ok()) << tag << ": " << saved.to_string();
+      (s == 3 ? run.saved_mid : run.saved_end) = testing_support::read_file(path);
+      std::filesystem::remove(path);
+    }
+  }
+  EXPECT_TRUE(tr.drain().is_ok());
+  return run;
+}
+
+void expect_same(const PipelinedRun& r, const PipelinedRun& ref, const std::string& tag) {
+  ASSERT_EQ(r.losses.size(), ref.losses.size()) << tag;
+  for (size_t i = 0; i < r.losses.size(); ++i) {
+    EXPECT_EQ(bits(r.losses[i]), bits(ref.losses[i])) << tag << ": loss of step " << i + 1;
+    EXPECT_EQ(bits(r.norms[i]), bits(ref.norms[i])) << tag << ": gradient norm of step " << i + 1;
+  }
+  EXPECT_EQ(bits(r.val), bits(ref.val)) << tag << ": evaluation after step 3";
+  EXPECT_FALSE(ref.saved_mid.empty());
+  EXPECT_TRUE(r.saved_mid == ref.saved_mid) << tag << ": the weights saved after step 3 differ";
+  EXPECT_TRUE(r.saved_end == ref.saved_end) << tag << ": the weights saved after step 6 differ";
+}
+
+int adamw_on(const Plan& plan, const Program& program, Place where) {
+  int n = 0;
+  for (size_t i = 0; i < program.ops.size(); ++i)
+    if (program.ops[i].kind == OpKind::AdamW && plan.op_place[i] == where) ++n;
+  return n;
+}
+
+TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  TrainerOptions o;
+  o.model = {.layers = 2, .width = 32, .heads = 2, .context = 16, .vocab = 64};
+  o.shape = {.B = 2, .T = 16, .accum = 2};
+  o.seed = 7;
+  o.machine = Machine::cpu_dev_box();
+  struct Clip {
+    const char* name;
+    float lr, max_norm;
+    bool active;
+  };
+  for (Clip clip : {Clip{"clipping active", 3e-2f, 0.05f, true}, Clip{"clipping inactive", 1e-3f, 1e6f, false}}) {
+    TrainerOptions base = o;
+    base.schedule = {.peak = clip.lr, .warmup_steps = 0, .total_steps = 6};
+    base.max_grad_norm = clip.max_norm;
+    PipelinedRun ref = train(**backend, base, "resident");
+    ASSERT_EQ(ref.losses.size(), 6u);
+    int clipped = 0;
+    for (float n : ref.norms) clipped += n > clip.max_norm;
+    if (clip.active) EXPECT_GT(clipped, 0) << "the test needs steps where clipping is active";
+    else EXPECT_EQ(clipped, 0);
+    auto program = build_training_program(o.model, o.shape, DType::F32);
+    ASSERT_TRUE(program.ok());
+    const uint64_t peak = ref.plan.device_bytes;
+    int mixed = 0, host_only = 0;
+    for (int divisor : {2, 4, 10}) {
+      for (int64_t device_optimizer : {int64_t{-1}, int64_t{0}}) {
+        TrainerOptions b = base;
+        b.planner.policy = Policy::Planned;
+        b.planner.optimizer_on_host = 1;  // the host engine is what is under test
+        b.planner.device_optimizer_bytes = device_optimizer;
+        b.budgets.device = peak / divisor;
+        const std::string tag = std::string(clip.name) + ", budget 1/" + std::to_string(divisor) +
+                                (device_optimizer == 0 ? ", optimizer all on host" : ", optimizer split");
+        PipelinedRun r = train(**backend, b, tag);
+        expect_same(r, ref, tag);
+        ASSERT_EQ(r.plan.op_place.size(), program->ops.size()) << tag;
+        const int host = adamw_on(r.plan, *program, Place::Host), device = adamw_on(r.plan, *program, Place::Device);
+        EXPECT_GT(host, 0) << tag;
+        if (device_optimizer == 0) EXPECT_EQ(device, 0) << tag;
+        mixed += host > 0 && device > 0;
+        host_only += device == 0;
+      }
+    }
+    EXPECT_GT(mixed, 0) << clip.name << ": no budget split the optimizer between device and host";
+    EXPECT_GT(host_only, 0);
+  }
+}
+
+// The optimizer state kept on device is a prefix of the parameters in program order
+// (the order the next forward needs them), within the bytes allowed.
+TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
+  GPTConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
+  auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, DType::F32);
+  ASSERT_TRUE(program.ok());
+  PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
+  auto whole = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
+  ASSERT_TRUE(whole.ok());
+  const Budgets budgets{.device = whole->device_bytes};
+  for (int64_t allowed : {int64_t{0}, int64_t{100'000}, int64_t{400'000}}) {
+    o.device_optimizer_bytes = allowed;
+    auto plan = make_plan(*program, Machine::cpu_dev_box(), budgets, o);
+    ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+    bool seen_host = false;
+    uint64_t kept = 0;
+    int on_device = 0;
+    for (size_t i = 0; i < program->ops.size(); ++i) {
+      const Op& op = program->ops[i];
+      if (op.kind != OpKind::AdamW) continue;
+      if (plan->op_place[i] == Place::Host) {
+        seen_host = true;
+        continue;
+      }
+      EXPECT_FALSE(seen_host) << "AdamW " << op.name << " runs on device after one on host";
+      ++on_device;
+      for (size_t j = 1; j < 5; ++j) {  // master, m, v, grad rest on device with it
+        EXPECT_EQ(plan->home[op.operands[j].tensor], Tier::Device) << op.name;
+        kept += program->tensors.info(op.operands[j].tensor).bytes();
+      }
+    }
+    EXPECT_LE(kept, static_cast<uint64_t>(allowed));
+    if (allowed == 0) EXPECT_EQ(on_device, 0);
+    if (allowed >= 400'000) EXPECT_GT(on_device, 0);
+    EXPECT_TRUE(seen_host);
+  }
+}
+
+}  // namespace
+}  // namespace spillway
