@@ -68,6 +68,10 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
                  "forward order with --accum: micro-batch, layer (each layer for every micro-batch, so "
                  "streamed parameters cross the link once), or auto (the auto policy tries both)")
       ->capture_default_str();
+  app.add_option("--stream-optimizer", f.stream_optimizer,
+                 "planned/auto, when the optimizer state is offloaded: on = some AdamW runs on device with its "
+                 "state fetched from host and written back, so the link and the host share the update; off")
+      ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
                  "first parameters (their AdamW runs there), e.g. 4GiB; auto = what leaves half the device "
@@ -109,6 +113,9 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   ResolvedMemory r;
   SPILLWAY_ASSIGN_OR_RETURN(r.planner, resolve_planner_options(f.policy, f.prefetch, f.order));
   r.planner.alignment = backend.alignment();
+  if (f.stream_optimizer == "off") r.planner.stream_optimizer = 0;
+  else if (f.stream_optimizer != "on")
+    return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
   if (f.device_optimizer != "auto") {
     SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, parse_size(f.device_optimizer, "--device-optimizer"));
     r.planner.device_optimizer_bytes = static_cast<int64_t>(bytes);

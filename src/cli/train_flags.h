@@ -43,7 +43,8 @@ struct MemoryFlags {
   std::string policy = "planned";
   std::string prefetch = "none";
   std::string order = "auto";  // planned/auto: micro-batch, layer, or auto (planned: micro-batch)
-  std::string device_optimizer = "auto";  // --device-optimizer: optimizer state kept on device when offloading
+  std::string device_optimizer = "auto";
+  std::string stream_optimizer = "on";    // --stream-optimizer on|off  // --device-optimizer: optimizer state kept on device when offloading
 };
 void add_memory_flags(CLI::App& app, MemoryFlags& f);
 

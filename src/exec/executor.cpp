@@ -140,6 +140,9 @@ class PlanExecutor final : public Executor {
         }
       }
     }
+    // Host mirrors keep their buffers for the whole run (Plan::host_mirror).
+    for (size_t i = 0; i < plan_.host_mirror.size() && i < slots_.size(); ++i)
+      if (plan_.host_mirror[i]) SPILLWAY_RETURN_IF_ERROR(place_host(static_cast<TensorId>(i), plan_.home_host_offset[i]));
     // Every extent a step will store into is reserved now (the store fallocates it), so
     // a disk too small is found here, before any step, never halfway through one
     // with the training state half updated.

@@ -171,6 +171,16 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
         break;
     }
   }
+  auto mirror = [&](size_t i) { return i < host_mirror.size() && host_mirror[i]; };
+  for (size_t i = 0; i < n; ++i) {
+    if (!mirror(i)) continue;
+    auto t = static_cast<TensorId>(i);
+    const std::string where = "plan: host mirror of " + name(t);
+    if (program.is_persistent(t) && home[i] != Tier::Device)
+      return Status::internal(where + ": it rests on " + tier_name(home[i]) + ", not on device");
+    if (home_host_offset.size() != n) return Status::internal(where + ": no host offset table");
+    SPILLWAY_RETURN_IF_ERROR(host.place(t, name(t), home_host_offset[i], bytes(t), where, name));
+  }
   // Versions: [tensors] newest version and the op that wrote it; [ops] the versions
   // of each operand before (read) and after (written) the op's run.
   std::vector<uint64_t> version(n, 0);
@@ -292,6 +302,7 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
         break;
       case InstrKind::HostRelease:
         if (!host.holds(t)) return Status::internal(where + ": host release of " + name(t) + " which has no host buffer");
+        if (mirror(static_cast<size_t>(t))) return Status::internal(where + ": host release of the host mirror of " + name(t));
         host.release(t);
         on_host[t] = false;
         break;
@@ -305,8 +316,12 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
     auto t = static_cast<TensorId>(i);
     const bool persistent = program.is_persistent(t);
     const bool host_home = persistent && home[i] == Tier::Host;
-    if (host.holds(t) && !host_home)
+    if (mirror(i)) {
+      if (!host.holds(t) || host.offset_of(t) != home_host_offset[i])
+        return Status::internal("plan: the host mirror of " + name(t) + " left its buffer during the step");
+    } else if (host.holds(t) && !host_home) {
       return Status::internal("plan: " + name(t) + " still holds a host buffer at the end of the step");
+    }
     if (host_home && (!host.holds(t) || host.offset_of(t) != home_host_offset[i]))
       return Status::internal("plan: " + name(t) + " does not end the step in its home host buffer");
     if (!persistent) {

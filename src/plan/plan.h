@@ -78,6 +78,12 @@ struct Plan {
   std::vector<Tier> home;                   // [tensors] where each persistent tensor rests between steps
   std::vector<uint64_t> home_offset;        // [tensors] device offset, for tensors homed on device
   std::vector<uint64_t> home_host_offset;   // [tensors] host arena offset, for tensors homed on host
+                                            // and for host mirrors
+  // [tensors] host mirrors: tensors a host op touches that do not rest on host (a
+  // device-homed parameter the host AdamW writes, the clip scale it reads). Each keeps
+  // its host buffer at home_host_offset for the whole run, valid or not, so that the
+  // host ops of one step may still use it while the next step begins (empty: none).
+  std::vector<bool> host_mirror;
   std::vector<Place> op_place;              // [ops] where each op runs under this plan (the
                                             // optimizer runs where its state lives)
   uint64_t device_bytes = 0;                // arena bytes the plan uses (≤ budget − workspace_bytes)

@@ -47,6 +47,9 @@ struct Config {
   int flush_gap = 0;
   bool optimizer_on_host = false;    // some AdamW runs on host
   int device_optimizer_ops = 0, host_optimizer_ops = 0;  // AdamW ops on each side
+  int streamed_optimizer_ops = 0;    // AdamW on device with its state streamed from host
+  std::vector<bool> streamed;        // [ops] AdamW ops streamed so (make_config)
+  bool is_streamed(size_t op) const { return op < streamed.size() && streamed[op]; }
   std::vector<Tier> home;            // [tensors]
   std::vector<uint64_t> home_offset; // [tensors]
   uint64_t pinned_end = 0;           // device homes occupy [0, pinned_end)
@@ -119,6 +122,29 @@ class Scheduler {
         }
       }
     }
+    // Host mirrors: a tensor that a host op touches but that does not rest on host
+    // (a device-homed parameter the host AdamW writes, the clip scale it reads) keeps
+    // one host buffer for the whole run. The step is a loop: the host ops at the end
+    // of step k still use those buffers while step k+1 begins, so no early buffer of
+    // the next step may reuse their bytes.
+    for (const Op& op : p_.ops) {
+      if (op.place != Place::Host) continue;
+      for (const Operand& o : op.operands) {
+        const TensorId t = o.tensor;
+        if (mirror_[t] || (persistent(t) && c_.home[t] != Tier::Device)) continue;
+        auto off = host_.allocate(host_bytes(t));
+        if (!off.ok()) {
+          host_short_ = true;
+          return Status::out_of_memory("host budget " + format_size(budgets_.host) +
+                                       " cannot hold the host copies the optimizer writes (" + name(t) + " does not fit)");
+        }
+        mirror_[t] = true;
+        st_[t].host_buffer = true;
+        st_[t].host_offset = *off;
+        home_host_offset_[t] = *off;
+        host_end_ = std::max(host_end_, *off + host_bytes(t));
+      }
+    }
     for (size_t i = 0; i < p_.ops.size(); ++i) SPILLWAY_RETURN_IF_ERROR(schedule_op(static_cast<int>(i)));
     SPILLWAY_RETURN_IF_ERROR(finish_step());
     Plan plan;
@@ -129,6 +155,7 @@ class Scheduler {
     plan.device_bytes = max_end_;
     plan.host_bytes = std::max(host_end_, host_.peak());
     plan.home_host_offset = home_host_offset_;
+    plan.host_mirror = mirror_;
     plan.storage_bytes = storage_used_;
     plan.alignment = align_;
     return plan;
@@ -202,7 +229,7 @@ class Scheduler {
     for (size_t t = 0; t < st_.size(); ++t) {
       auto id = static_cast<TensorId>(t);
       const State& s = st_[t];
-      if (!s.host_buffer || locked_.count(id)) continue;
+      if (!s.host_buffer || locked_.count(id) || mirror_[t]) continue;
       if (persistent(id) && c_.home[t] == Tier::Host) continue;  // lives there
       bool dead = !persistent(id) && next_use(id, now) == kNever;
       bool only_copy = s.host_valid && !s.storage_valid && !(s.region && s.device_valid);
@@ -587,7 +614,7 @@ class Scheduler {
             s.region = false;
             s.device_valid = false;
           }
-          if (s.host_buffer) {
+          if (s.host_buffer && !mirror_[t]) {
             emit(InstrKind::HostRelease, t);
             SPILLWAY_RETURN_IF_ERROR(release_host(t));
           }
@@ -623,14 +650,14 @@ class Scheduler {
           SPILLWAY_RETURN_IF_ERROR(device_.free(s.offset));
           s.region = false;
         }
-        if (s.host_buffer) {
+        if (s.host_buffer && !mirror_[t]) {
           emit(InstrKind::HostRelease, id);
           SPILLWAY_RETURN_IF_ERROR(release_host(id));
         }
         continue;
       }
       if (pinned_home(id)) {
-        if (s.host_buffer) {  // a host copy made for a host op; the device holds it
+        if (s.host_buffer && !mirror_[t]) {  // a host copy made for a host op; the device holds it
           emit(InstrKind::HostRelease, id);
           SPILLWAY_RETURN_IF_ERROR(release_host(id));
         }
@@ -687,6 +714,7 @@ class Scheduler {
   uint64_t max_end_ = 0;
   uint64_t host_end_ = 0, storage_used_ = 0;
   std::vector<uint64_t> home_host_offset_ = std::vector<uint64_t>(p_.tensors.size(), 0);  // [tensors]
+  std::vector<bool> mirror_ = std::vector<bool>(p_.tensors.size(), false);  // [tensors] host mirrors (run())
   int recomputes_ = 0;
 };
 
@@ -772,7 +800,7 @@ void assign_device_offsets(const Program& program, Config& c, size_t alignment) 
 // device: the host updates only the rest, and the next step's forward starts on the
 // layers updated on device while the host works on the later ones.
 Config make_config(const Program& program, const Budgets& budgets, int offload, size_t alignment,
-                   uint64_t device_optimizer = 0) {
+                   uint64_t device_optimizer = 0, int64_t streamed_params = 0) {
   (void)budgets;
   Config c;
   const size_t n = program.tensors.size();
@@ -802,12 +830,29 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
       used += bytes;
       for (size_t j = 0; j < 5 && j < op.operands.size(); ++j) c.home[op.operands[j].tensor] = Tier::Device;
     }
-  }
-  for (const Op& op : program.ops)
-    if (op.kind == OpKind::AdamW && op.operands.size() > 1) {
-      if (c.home[op.operands[1].tensor] == Tier::Device) c.device_optimizer_ops++;
-      else c.host_optimizer_ops++;
+    // Streamed: the next parameters after the prefix keep master and moments on host
+    // but run AdamW on device; the planner fetches the state, and writes it back after
+    // the update, over a link with time to spare, while the host updates the rest. The
+    // gradient stays on device (no round trip).
+    c.streamed.assign(program.ops.size(), false);
+    int64_t left = streamed_params;
+    for (size_t i = 0; i < program.ops.size() && left > 0; ++i) {
+      const Op& op = program.ops[i];
+      if (op.kind != OpKind::AdamW || op.operands.size() < 5 || c.home[op.operands[1].tensor] == Tier::Device) continue;
+      const int64_t n = program.tensors.info(op.operands[0].tensor).shape.numel();
+      if (n > left) break;  // whole tensors, within the count (a prefix, like the device one)
+      c.streamed[i] = true;
+      c.home[op.operands[4].tensor] = Tier::Device;  // the gradient
+      left -= n;
     }
+  }
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const Op& op = program.ops[i];
+    if (op.kind != OpKind::AdamW || op.operands.size() < 2) continue;
+    if (c.home[op.operands[1].tensor] == Tier::Device) c.device_optimizer_ops++;
+    else if (c.is_streamed(i)) c.streamed_optimizer_ops++;
+    else c.host_optimizer_ops++;
+  }
   c.optimizer_on_host = c.host_optimizer_ops > 0;
   assign_device_offsets(program, c, alignment);
   return c;
@@ -816,9 +861,11 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
 // Each AdamW runs where its master weights rest.
 Program with_optimizer_where_state_is(const Program& program, const Config& c) {
   Program p = program;
-  for (Op& op : p.ops)
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    Op& op = p.ops[i];
     if (op.kind == OpKind::AdamW && op.operands.size() > 1)
-      op.place = c.home[op.operands[1].tensor] == Tier::Device ? Place::Device : Place::Host;
+      op.place = c.home[op.operands[1].tensor] == Tier::Device || c.is_streamed(i) ? Place::Device : Place::Host;
+  }
   return p;
 }
 
@@ -941,9 +988,10 @@ Result<Plan> schedule_once(const Program& program, const Machine& machine, const
   for (const Op& op : program.ops) plan.op_place.push_back(op.place);
   std::ostringstream d;
   d << policy_name(c.policy) << ": state on device " << format_size(c.pinned_end) << ", optimizer on ";
-  if (c.host_optimizer_ops > 0 && c.device_optimizer_ops > 0)
-    d << "device for " << c.device_optimizer_ops << " of " << c.device_optimizer_ops + c.host_optimizer_ops
-      << " parameter tensors, host for the rest";
+  if (c.device_optimizer_ops + c.streamed_optimizer_ops > 0 && c.host_optimizer_ops > 0)
+    d << "device for " << c.device_optimizer_ops << " of "
+      << c.device_optimizer_ops + c.streamed_optimizer_ops + c.host_optimizer_ops << " parameter tensors, streamed through the device for "
+      << c.streamed_optimizer_ops << ", host for the rest";
   else
     d << (c.optimizer_on_host ? "host" : "device");
   d << ", recompute " << (c.recompute ? "on" : "off")
@@ -1023,7 +1071,32 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
     // Never at the cost of the largest op's room.
     const uint64_t room = minimum_device_budget(program, alignment);
     const uint64_t spare = budgets.device > c.pinned_end + room ? budgets.device - c.pinned_end - room : 0;
-    c = make_config(program, budgets, level, alignment, std::min(share, spare));
+    share = std::min(share, spare);
+    c = make_config(program, budgets, level, alignment, share);
+    if (options.stream_optimizer != 0 && c.host_optimizer_ops > 0) {
+      // Split what the prefix leaves between the host and the link so that both take
+      // about as long: a streamed parameter moves master and moments both ways (12
+      // bytes each way); the host updates one in 1/host_adam_params_per_s.
+      int64_t host_params = 0;
+      double grad_bytes_per_param = 0;
+      for (const Op& op : program.ops) {
+        if (op.kind != OpKind::AdamW || op.operands.size() < 5 || c.home[op.operands[1].tensor] == Tier::Device) continue;
+        const TensorInfo& g = program.tensors.info(op.operands[4].tensor);
+        host_params += g.shape.numel();
+        grad_bytes_per_param = static_cast<double>(g.bytes()) / static_cast<double>(std::max<int64_t>(1, g.shape.numel()));
+      }
+      const double host_s = 1.0 / machine.host_adam_params_per_s;
+      const double link_s = 12.0 / (std::min(machine.h2d_bytes_per_s, machine.d2h_bytes_per_s) * machine.duplex_factor);
+      auto streamed = static_cast<int64_t>(static_cast<double>(host_params) * host_s / (host_s + link_s));
+      // Streamed gradients stay on device: their bytes come out of the prefix's share
+      // (fewer are streamed when the share cannot hold them).
+      auto grads = static_cast<uint64_t>(static_cast<double>(streamed) * grad_bytes_per_param);
+      if (grads > share) {
+        streamed = grad_bytes_per_param > 0 ? static_cast<int64_t>(static_cast<double>(share) / grad_bytes_per_param) : 0;
+        grads = share;
+      }
+      c = make_config(program, budgets, level, alignment, share - grads, streamed);
+    }
   }
   c.policy = options.policy;
   c.belady = true;

@@ -32,6 +32,11 @@ struct PlannerOptions {
   // prefix of the parameters) that stay on device, their AdamW running there.
   // -1 = what leaves half the device budget free; 0 = all on host.
   int64_t device_optimizer_bytes = -1;
+  // With the optimizer offloaded: run AdamW on device for some of the parameters whose
+  // state rests on host, fetching it and writing it back, so that the link and the
+  // host share the update (sized so both take about as long on the Machine).
+  // -1 = on, 0 = off.
+  int stream_optimizer = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)

@@ -168,6 +168,7 @@ TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
   auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, DType::F32);
   ASSERT_TRUE(program.ok());
   PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
+  o.stream_optimizer = 0;  // the device prefix alone (streaming: the next test)
   auto whole = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
   ASSERT_TRUE(whole.ok());
   const Budgets budgets{.device = whole->device_bytes};
@@ -197,6 +198,40 @@ TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
     if (allowed >= 400'000) EXPECT_GT(on_device, 0);
     EXPECT_TRUE(seen_host);
   }
+}
+
+// Streaming: after the device prefix, some AdamW ops run on device with master and
+// moments resting on host (fetched, updated, written back), their gradients on
+// device; then the host's. Each class is a contiguous run in program order.
+TEST(PipelinedLoop, StreamedOptimizerFollowsThePrefixAndPrecedesTheHost) {
+  GPTConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
+  auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, DType::F32);
+  ASSERT_TRUE(program.ok());
+  auto whole = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
+  ASSERT_TRUE(whole.ok());
+  PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
+  o.device_optimizer_bytes = 600'000;
+  auto plan = make_plan(*program, Machine::cpu_dev_box(), {.device = whole->device_bytes}, o);
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  int phase = 0;  // 0: resident on device, 1: streamed, 2: host
+  int counts[3] = {0, 0, 0};
+  for (size_t i = 0; i < program->ops.size(); ++i) {
+    const Op& op = program->ops[i];
+    if (op.kind != OpKind::AdamW) continue;
+    const bool master_on_device = plan->home[op.operands[1].tensor] == Tier::Device;
+    const int kind = master_on_device ? 0 : plan->op_place[i] == Place::Device ? 1 : 2;
+    EXPECT_GE(kind, phase) << op.name << " is out of order";
+    phase = kind;
+    counts[kind]++;
+    if (kind == 1) {
+      EXPECT_EQ(plan->home[op.operands[4].tensor], Tier::Device) << op.name << ": a streamed gradient stays on device";
+      EXPECT_EQ(plan->home[op.operands[2].tensor], Tier::Host) << op.name;
+    }
+  }
+  EXPECT_GT(counts[0], 0);
+  EXPECT_GT(counts[1], 0) << "nothing streamed";
+  EXPECT_GT(counts[2], 0);
+  EXPECT_NE(plan->description.find("streamed through the device"), std::string::npos) << plan->description;
 }
 
 }  // namespace
