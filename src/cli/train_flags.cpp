@@ -75,7 +75,7 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
                  "first parameters (their AdamW runs there), e.g. 4GiB; auto = what leaves half the device "
-                 "budget free; 0 = all on host")
+                 "budget free, divided by --accum; 0 = all on host (and nothing streamed)")
       ->capture_default_str();
 }
 

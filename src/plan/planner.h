@@ -30,7 +30,8 @@ struct PlannerOptions {
   int optimizer_on_host = -1;     // 1 = master/moments live on host and AdamW runs there
   // With the optimizer offloaded: bytes of optimizer state (grad, master, moments of a
   // prefix of the parameters) that stay on device, their AdamW running there.
-  // -1 = what leaves half the device budget free; 0 = all on host.
+  // -1 = what leaves half the device budget free, divided by the micro-batches of a
+  // step (accumulation makes activation memory worth more); 0 = all on host.
   int64_t device_optimizer_bytes = -1;
   // With the optimizer offloaded: run AdamW on device for some of the parameters whose
   // state rests on host, fetching it and writing it back, so that the link and the
