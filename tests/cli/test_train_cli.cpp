@@ -378,7 +378,7 @@ TEST(InfoCli, ListsBackendsAndPresets) {
 TEST(BenchTrainCli, ReportsThroughput) {
   CliRun r = run("bench train --steps 2 " + kSmall);
   ASSERT_EQ(r.code, 0) << r.output;
-  for (const char* needle : {"tokens/s", "step time", "stall share"})
+  for (const char* needle : {"tokens/s", "step time", "executor waits"})
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
 }
 
