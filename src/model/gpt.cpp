@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 #include <optional>
-#include <set>
 #include <utility>
 
 #include "core/random.h"
@@ -382,19 +381,10 @@ class Builder {
     return m;
   }
 
-  // Gradients are zeroed just before the first op that adds into them (op() does it),
-  // not at the start of the step: a gradient resting on host then need not sit on
-  // device through the forward, be written back as zeros and fetched again (issue
-  // 10). Zero then add is the same arithmetic wherever the zero goes. Any gradient
-  // nothing added into is zeroed before the optimizer reads it.
-  void zero_grads_lazily() { lazy_zero_ = true; }
-  void zero_remaining_grads() {
+  void zero_grads() {
     for (size_t p = 0; p < specs_.size(); ++p)
       for (const ParamTensors& t : params_[p])
-        if (!zeroed_.count(t.grad))
-          emit(OpKind::Zero, "zero." + p_.tensors.info(t.grad).name, {w(t.grad)}, {}, Phase::Backward,
-               specs_[p].layer, 0);
-    lazy_zero_ = false;
+        op(OpKind::Zero, "zero." + p_.tensors.info(t.grad).name, {w(t.grad)}, {}, Phase::Forward, specs_[p].layer, 0);
   }
 
   // Forward of micro-batch k up to the logits.
@@ -565,17 +555,6 @@ class Builder {
   }
   void op(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs attrs, Phase phase, int layer,
           int micro_batch) {
-    if (lazy_zero_)
-      for (const Operand& x : operands)
-        if (x.access == Access::Update && p_.tensors.info(x.tensor).role == Role::Grad && !zeroed_.count(x.tensor)) {
-          zeroed_.insert(x.tensor);
-          emit(OpKind::Zero, "zero." + p_.tensors.info(x.tensor).name, {w(x.tensor)}, {}, phase, layer, micro_batch);
-        }
-    emit(kind, std::move(name), std::move(operands), attrs, phase, layer, micro_batch);
-  }
-  void emit(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs attrs, Phase phase, int layer,
-            int micro_batch) {
-    if (kind == OpKind::Zero && lazy_zero_) zeroed_.insert(operands.front().tensor);
     Op o;
     o.kind = kind;
     o.name = std::move(name);
@@ -625,8 +604,6 @@ class Builder {
   std::vector<std::vector<ParamTensors>> params_;  // by ParamSpec index: its pieces in row order
   std::vector<LayerScratch> scratch_;  // by layer
   TensorId d_lnf_out_ = kNoTensor;     // [B,T,C] scratch
-  bool lazy_zero_ = false;             // op() zeroes a gradient before the first op adding into it
-  std::set<TensorId> zeroed_;          // gradients zeroed so far (lazy_zero_)
 };
 
 }  // namespace
@@ -644,13 +621,12 @@ Result<Program> build_training_program(const GPTConfig& cfg, StepShape shape, DT
   b.add_scratch();
   std::vector<MicroBatch> mbs;
   for (int k = 0; k < shape.accum; ++k) mbs.push_back(b.add_micro_batch(k, /*with_targets=*/true, false));
-  b.zero_grads_lazily();
+  b.zero_grads();
   for (int k = 0; k < shape.accum; ++k) {
     b.forward(k, mbs[k]);
     b.loss(k, mbs[k], shape.accum, /*backward=*/true);
     b.backward(k, mbs[k]);
   }
-  b.zero_remaining_grads();
   b.optimizer(max_grad_norm, weight_decay);
   Program p = b.take();
   SPILLWAY_RETURN_IF_ERROR(p.validate().with_context("built training program for " + cfg.to_string()));

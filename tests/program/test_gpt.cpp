@@ -5,7 +5,6 @@
 #include <limits>
 #include <utility>
 #include <vector>
-#include <map>
 #include <set>
 #include <string>
 
@@ -265,92 +264,65 @@ void check_training_program(const GPTConfig& c, StepShape s, DType act) {
   EXPECT_EQ(p.tensors.info(p.outputs[0]).name, "mb0.losses");
   EXPECT_EQ(p.tensors.info(p.outputs.back()).name, "clip.scale_norm");
 
-  // Op order. Each gradient is zeroed once (a Write), in micro-batch 0's backward just
-  // before the first op that adds into it, not at the start of the step; the rest of
-  // the order is checked without those zeros.
-  std::map<TensorId, size_t> zero_at;
-  for (size_t i = 0; i < p.ops.size(); ++i) {
-    const Op& op = p.ops[i];
-    if (op.kind != OpKind::Zero || p.tensors.info(op.operands[0].tensor).role != Role::Grad) continue;
-    EXPECT_TRUE(zero_at.emplace(op.operands[0].tensor, i).second) << op.name << " twice";
-    EXPECT_EQ(op.operands[0].access, Access::Write);
-    EXPECT_EQ(op.phase, Phase::Backward) << op.name;
-    EXPECT_EQ(op.micro_batch, 0) << op.name;
-  }
-  EXPECT_EQ(zero_at.size(), P);
-  for (size_t i = 0; i < p.ops.size(); ++i)
-    for (const Operand& o : p.ops[i].operands) {
-      if (o.access != Access::Update || p.tensors.info(o.tensor).role != Role::Grad) continue;
-      auto z = zero_at.find(o.tensor);
-      ASSERT_NE(z, zero_at.end()) << p.tensors.info(o.tensor).name << " is never zeroed";
-      EXPECT_LT(z->second, i) << p.ops[i].name << " adds into " << p.tensors.info(o.tensor).name << " before its zero";
-      bool first = true;  // this op is the first to add into it: only zeros lie between
-      for (size_t j = z->second + 1; j < i; ++j)
-        for (const Operand& x : p.ops[j].operands) first = first && x.tensor != o.tensor;
-      if (first)
-        for (size_t j = z->second + 1; j < i; ++j)
-          EXPECT_TRUE(zero_at.count(p.ops[j].operands[0].tensor) && p.ops[j].kind == OpKind::Zero)
-              << "the zero of " << p.tensors.info(o.tensor).name << " is not just before its first add: "
-              << p.ops[j].name << " lies between";
-    }
-  Program order = p;
-  std::erase_if(order.ops, [&](const Op& op) {
-    return op.kind == OpKind::Zero && p.tensors.info(op.operands[0].tensor).role == Role::Grad;
-  });
+  // Op order.
   const size_t per_mb = 1 + 10 * L + 2 + 1 + 3 + 8 * L + 1;
-  ASSERT_EQ(order.ops.size(), s.accum * per_mb + 1 + P + 1 + P);
+  ASSERT_EQ(p.ops.size(), P + s.accum * per_mb + 1 + P + 1 + P);
   std::set<std::string> op_names;
-  for (const Op& op : order.ops) {
+  for (const Op& op : p.ops) {
     EXPECT_TRUE(op_names.insert(op.name).second) << "duplicate op name " << op.name;
     EXPECT_FALSE(op.name.empty());
   }
-
+  for (size_t i = 0; i < P; ++i) {
+    EXPECT_EQ(p.ops[i].kind, OpKind::Zero);
+    EXPECT_EQ(p.ops[i].operands[0].access, Access::Write);
+    EXPECT_EQ(p.tensors.info(p.ops[i].operands[0].tensor).role, Role::Grad);
+  }
   for (int k = 0; k < s.accum; ++k) {
     std::string mb = "mb" + std::to_string(k) + ".";
-    size_t base = k * per_mb;
-    EXPECT_EQ(order.ops[base].name, mb + "embedding.forward");
+    size_t base = P + k * per_mb;
+    EXPECT_EQ(p.ops[base].name, mb + "embedding.forward");
     const char* fwd[] = {"ln1", "qkv", "attn", "proj", "residual1", "ln2", "fc", "gelu", "fc2", "residual2"};
     for (int i = 0; i < L; ++i)
       for (int j = 0; j < 10; ++j) {
-        const Op& op = order.ops[base + 1 + 10 * i + j];
+        const Op& op = p.ops[base + 1 + 10 * i + j];
         EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + fwd[j] + ".forward");
         EXPECT_EQ(op.layer, i);
         EXPECT_EQ(op.micro_batch, k);
         EXPECT_EQ(op.phase, Phase::Forward);
       }
-    size_t ce = find_op(order, mb + "crossentropy");
-    EXPECT_EQ(order.ops[ce].kind, OpKind::CrossEntropyBackward);
-    EXPECT_FLOAT_EQ(order.ops[ce].attrs.scale, static_cast<float>(1.0 / (double(B) * T * s.accum)));
-    EXPECT_EQ(order.ops[ce - 1].name, mb + "lm_head.forward");
-    EXPECT_EQ(order.ops[ce - 1].operands.size(), 3u);  // no bias
-    EXPECT_EQ(p.tensors.info(order.ops[ce - 1].operands[2].tensor).name, "transformer.wte.weight");
-    EXPECT_EQ(order.ops[ce + 1].name, mb + "lm_head.backward");
-    EXPECT_EQ(p.tensors.info(order.ops[ce + 1].operands[1].tensor).name, "grad.transformer.wte.weight");
-    EXPECT_EQ(order.ops[ce + 2].name, mb + "dres.zero");
-    EXPECT_EQ(order.ops[ce + 3].name, mb + "ln_f.backward");
+    size_t ce = find_op(p, mb + "crossentropy");
+    EXPECT_EQ(p.ops[ce].kind, OpKind::CrossEntropyBackward);
+    EXPECT_FLOAT_EQ(p.ops[ce].attrs.scale, static_cast<float>(1.0 / (double(B) * T * s.accum)));
+    EXPECT_EQ(p.ops[ce - 1].name, mb + "lm_head.forward");
+    EXPECT_EQ(p.ops[ce - 1].operands.size(), 3u);  // no bias
+    EXPECT_EQ(p.tensors.info(p.ops[ce - 1].operands[2].tensor).name, "transformer.wte.weight");
+    EXPECT_EQ(p.ops[ce + 1].name, mb + "lm_head.backward");
+    EXPECT_EQ(p.tensors.info(p.ops[ce + 1].operands[1].tensor).name, "grad.transformer.wte.weight");
+    EXPECT_EQ(p.ops[ce + 2].name, mb + "dres.zero");
+    EXPECT_EQ(p.ops[ce + 3].name, mb + "ln_f.backward");
     const char* bwd[] = {"fc2", "gelu", "fc", "ln2", "proj", "attn", "qkv", "ln1"};
     for (int i = L - 1, n = 0; i >= 0; --i, ++n)
       for (int j = 0; j < 8; ++j) {
-        const Op& op = order.ops[ce + 4 + 8 * n + j];
+        const Op& op = p.ops[ce + 4 + 8 * n + j];
         EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + bwd[j] + ".backward");
         EXPECT_EQ(op.phase, Phase::Backward);
         EXPECT_EQ(op.layer, i);
       }
-    EXPECT_EQ(order.ops[ce + 4 + 8 * L].name, mb + "embedding.backward");
+    EXPECT_EQ(p.ops[ce + 4 + 8 * L].name, mb + "embedding.backward");
   }
   // Squared norms, packed: Zero grad_sqnorms, SquaredNorm p updates element p, wte's
   // one element per kVocabBlock rows (7 for 50257), so the others come 6 later.
   const int64_t wte_blocks = (V + kVocabBlock - 1) / kVocabBlock;
   const int64_t norms = static_cast<int64_t>(P) - 1 + wte_blocks;
-  size_t zero_sq = s.accum * per_mb;
-  EXPECT_EQ(order.ops[zero_sq].kind, OpKind::Zero);
-  TensorId sq = order.ops[zero_sq].operands[0].tensor;
+  size_t zero_sq = P + s.accum * per_mb;
+  EXPECT_EQ(p.ops[zero_sq].kind, OpKind::Zero);
+  TensorId sq = p.ops[zero_sq].operands[0].tensor;
   EXPECT_EQ(p.tensors.info(sq).name, "grad_sqnorms");
   EXPECT_EQ(p.tensors.info(sq).shape, (Shape{norms}));
   EXPECT_EQ(p.tensors.info(sq).dtype, DType::F32);
   size_t opt = zero_sq + 1;
   for (size_t i = 0; i < P; ++i) {
-    const Op& op = order.ops[opt + i];
+    const Op& op = p.ops[opt + i];
     EXPECT_EQ(op.kind, OpKind::SquaredNorm);
     EXPECT_EQ(op.attrs.index, i == 0 ? 0 : static_cast<int64_t>(i) + wte_blocks - 1);
     EXPECT_EQ(op.attrs.block, i == 0 ? kVocabBlock * C : 0);
@@ -358,7 +330,7 @@ void check_training_program(const GPTConfig& c, StepShape s, DType act) {
     EXPECT_EQ(op.operands[0].access, Access::Update);
     EXPECT_EQ(op.phase, Phase::Optimizer);
   }
-  const Op& clip = order.ops[opt + P];
+  const Op& clip = p.ops[opt + P];
   EXPECT_EQ(clip.kind, OpKind::ClipScale);
   EXPECT_EQ(clip.attrs.P, norms);
   ASSERT_EQ(clip.operands.size(), 2u);
@@ -366,7 +338,7 @@ void check_training_program(const GPTConfig& c, StepShape s, DType act) {
   EXPECT_FLOAT_EQ(clip.attrs.scale, 1.0f);
   std::vector<ParamSpec> specs = parameter_specs(c);
   for (size_t i = 0; i < P; ++i) {
-    const Op& a = order.ops[opt + P + 1 + i];
+    const Op& a = p.ops[opt + P + 1 + i];
     EXPECT_EQ(a.kind, OpKind::AdamW);
     EXPECT_EQ(a.phase, Phase::Optimizer);
     EXPECT_EQ(a.micro_batch, -1);
