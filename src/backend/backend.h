@@ -81,6 +81,12 @@ class Backend : public BackendSizes {
   // an H200). Budgets leave it out (allocatable_budgets), so that device_used_bytes()
   // stays within --device-budget. 0 on CPU.
   virtual size_t fixed_device_bytes() const { return 0; }
+  // Measures fixed_device_bytes() again, for device memory the backend took since it
+  // was made that no allocation accounts for: kernel code loaded lazily at a kernel's
+  // first launch (warm_up_kernels runs every kernel a program needs once, before the
+  // budgets are computed, so that this code is counted and never lands beyond the
+  // budget in the middle of a step). Call it while no device allocation is live.
+  virtual void remeasure_fixed_device_bytes() {}
 
   // ---- workspace: device memory an op uses besides its operands ----
   // (reduction partials, sort buffers, the cuBLASLt workspace.) The caller allocates

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <set>
+#include <string>
 
 #include "optim/adamw.h"
 
@@ -187,6 +189,46 @@ Result<WorkspaceNeed> program_workspace(const BackendSizes& backend, const Progr
     }
   }
   return w;
+}
+
+Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit) {
+  if (backend.name() == "cpu") return Status::ok();  // nothing is loaded lazily
+  std::set<std::string> seen;
+  const size_t align = backend.alignment();
+  for (const Op& op : program.ops) {
+    if (op.place != Place::Device) continue;
+    // One of each kind and operand shapes (and attributes that pick a kernel).
+    std::string key = std::to_string(static_cast<int>(op.kind));
+    uint64_t bytes = 0;
+    for (const Operand& o : op.operands) {
+      const TensorInfo& info = program.tensors.info(o.tensor);
+      key += "|" + std::to_string(static_cast<int>(info.dtype));
+      for (int64_t d : info.shape.dims) key += "," + std::to_string(d);
+      bytes += (std::max<uint64_t>(1, info.bytes()) + align - 1) / align * align;
+    }
+    key += "|" + std::to_string(op.attrs.ld) + "," + std::to_string(op.attrs.begin) + "," +
+           std::to_string(op.attrs.block) + "," + std::to_string(op.attrs.V);
+    if (!seen.insert(key).second) continue;
+    SPILLWAY_ASSIGN_OR_RETURN(uint64_t workspace, op_workspace_bytes(backend, program, op));
+    const uint64_t ws = (workspace + align - 1) / align * align;
+    if (bytes + ws > limit) continue;
+    SPILLWAY_ASSIGN_OR_RETURN(void* block, backend.device_alloc(bytes + ws));
+    backend.fill_zero(block, bytes + ws);
+    std::vector<void*> ptrs;
+    uint64_t at = 0;
+    for (const Operand& o : op.operands) {
+      ptrs.push_back(static_cast<char*>(block) + at);
+      at += (std::max<uint64_t>(1, program.tensors.info(o.tensor).bytes()) + align - 1) / align * align;
+    }
+    backend.set_workspace(ws ? static_cast<char*>(block) + at : nullptr, ws);
+    Status s = run_device_op(backend, program, op, ptrs, OptimizerStep{1, 0.0f});
+    if (s.is_ok()) s = backend.synchronize();
+    backend.set_workspace(nullptr, 0);
+    backend.device_free(block);
+    if (!s.is_ok()) return s.with_context("loading the kernels of " + op.name + " before planning");
+  }
+  backend.remeasure_fixed_device_bytes();
+  return Status::ok();
 }
 
 Status run_host_op(const Op& op, const std::vector<void*>& x, DType param_dtype, const OptimizerStep& step) {

@@ -38,6 +38,15 @@ struct WorkspaceNeed {
 };
 Result<WorkspaceNeed> program_workspace(const BackendSizes& backend, const Program& program);
 
+// Runs every distinct device op of `program` once (ops of one kind with the same
+// operand shapes count once: each layer's), on zeroed scratch memory allocated and
+// freed here, so that the kernels they launch, and cuBLASLt's algorithm for every
+// product shape, are loaded before any budget is computed; then the backend
+// measures what it holds itself again (Backend::remeasure_fixed_device_bytes). Ops
+// whose operands and workspace exceed `limit` bytes are left out (no plan could run
+// them). Call it while no device allocation is live. A no-op on the CPU backend.
+Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit);
+
 // Host ops: AdamW (with param in `param_dtype`).
 Status run_host_op(const Op& op, const std::vector<void*>& ptrs, DType param_dtype, const OptimizerStep& step);
 

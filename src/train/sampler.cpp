@@ -1,5 +1,7 @@
 #include "train/sampler.h"
 
+#include "exec/dispatch.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -41,6 +43,9 @@ Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConf
                                                                             tile_vocab);
                                              },
                                              backend, allocatable_budgets(options.budgets, backend).device));
+  // Kernel code CUDA would load lazily during the first token: loaded and counted now.
+  SPILLWAY_RETURN_IF_ERROR(
+      warm_up_kernels(backend, s->program_, allocatable_budgets(options.budgets, backend).device));
   SPILLWAY_ASSIGN_OR_RETURN(s->plan_,
                             plan_for_backend(s->program_, backend, machine_for(backend), options.budgets, options.planner));
   ExecutorOptions eo;

@@ -191,6 +191,16 @@ Status Trainer::setup() {
                                           },
                                           backend_, allocatable_budgets(options_.budgets, backend_).device, &tiled));
   options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
+  {
+    // Load every kernel the step (and an evaluation of the step's shape) will launch
+    // now, before the budgets are computed: CUDA loads kernel code lazily, and what it
+    // loads in the middle of a step would sit beyond --device-budget (issue 9).
+    const uint64_t limit = allocatable_budgets(options_.budgets, backend_).device;
+    SPILLWAY_RETURN_IF_ERROR(warm_up_kernels(backend_, program_, limit));
+    SPILLWAY_ASSIGN_OR_RETURN(Program eval, build_forward_program(cfg, shape.B, shape.T, backend_.activation_dtype(),
+                                                                  true, options_.shape.tile_vocab));
+    SPILLWAY_RETURN_IF_ERROR(warm_up_kernels(backend_, eval, limit));
+  }
   auto plan = plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);

@@ -392,6 +392,7 @@ class CudaBackend final : public Backend {
   void reset_device_peak() override { peak_used_.store(device_used_bytes()); }
   size_t allocation_granularity() const override { return sizes().allocation_granularity(); }
   size_t fixed_device_bytes() const override { return fixed_bytes_; }
+  void remeasure_fixed_device_bytes() override { fixed_bytes_ = std::max(fixed_bytes_, device_used_bytes()); }
 
   // ---- workspace. Layout of the given workspace: scratch (reduction partials, sort
   // buffers) from its start; a matrix product puts its cuBLASLt workspace after the
