@@ -49,6 +49,7 @@ class CpuSizes final : public BackendSizes {
   DType activation_dtype() const override { return DType::F32; }
   size_t alignment() const override { return 64; }
   size_t allocation_granularity() const override { return 1; }
+  uint64_t host_mapping_device_bytes(uint64_t) const override { return 0; }
   // The CPU kernels keep their small partial sums on the heap of the host they run
   // on, so no op needs device workspace.
   size_t embedding_backward_workspace(int, int) const override { return 0; }
@@ -68,6 +69,12 @@ class CudaSizes final : public BackendSizes {
   size_t alignment() const override { return 256; }
   // cudaMalloc maps large allocations in 2 MiB pages.
   size_t allocation_granularity() const override { return size_t{2} << 20; }
+  uint64_t host_mapping_device_bytes(uint64_t host_bytes) const override {
+    if (host_bytes == 0) return 0;
+    const uint64_t page = uint64_t{2} << 20;
+    const uint64_t entries = (host_bytes + 4095) / 4096 * 8;
+    return (entries + page - 1) / page * page + page;  // and one page of slack
+  }
   size_t embedding_backward_workspace(int B, int T) const override {
     return cuda_workspace::embedding_backward_scratch_bytes(B * T);
   }

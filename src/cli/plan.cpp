@@ -88,7 +88,10 @@ int run_plan(const PlanFlags& f) {
   if (!planner.ok()) return fail(planner.status());
   auto workspace = program_workspace(backend, *program);
   if (!workspace.ok()) return fail(workspace.status());
-  auto plan = make_plan(*program, machine, allocatable, *planner);
+  Budgets arena = allocatable;  // less the GPU's mapping of the pinned host arena, as train reserves it
+  const uint64_t mapping = host_mapping_reserve(*program, backend, budgets);
+  if (arena.device != UINT64_MAX) arena.device = arena.device > mapping ? arena.device - mapping : 0;
+  auto plan = make_plan(*program, machine, arena, *planner);
   if (!plan.ok()) {
     Status s = plan.status();
     if (allocatable.device != budgets.device)

@@ -260,6 +260,14 @@ Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend) {
   return allocatable_budgets(budgets, backend, backend.fixed_device_bytes());
 }
 
+uint64_t host_mapping_reserve(const Program& program, const BackendSizes& backend, const Budgets& budgets) {
+  if (budgets.device == UINT64_MAX) return 0;
+  uint64_t most = 0;
+  for (size_t i = 0; i < program.tensors.size(); ++i)
+    most += (std::max<uint64_t>(1, program.tensors.info(static_cast<TensorId>(i)).bytes()) + 4095) / 4096 * 4096;
+  return backend.host_mapping_device_bytes(std::min(most, budgets.host));
+}
+
 Result<PlannerOptions> backend_planner_options(const Program& program, const BackendSizes& backend,
                                                PlannerOptions options) {
   options.alignment = backend.alignment();
@@ -272,7 +280,10 @@ Result<PlannerOptions> backend_planner_options(const Program& program, const Bac
 Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
                               const Budgets& budgets, const PlannerOptions& options) {
   SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions o, backend_planner_options(program, backend, options));
-  auto plan = make_plan(program, machine, allocatable_budgets(budgets, backend), o);
+  Budgets allocatable = allocatable_budgets(budgets, backend);
+  const uint64_t mapping = host_mapping_reserve(program, backend, budgets);
+  if (allocatable.device != UINT64_MAX) allocatable.device = allocatable.device > mapping ? allocatable.device - mapping : 0;
+  auto plan = make_plan(program, machine, allocatable, o);
   const uint64_t fixed = backend.fixed_device_bytes();
   if (plan.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plan;
   return plan.status().with_context("the device budget " + format_size(budgets.device) + " less the " +

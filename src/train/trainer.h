@@ -143,6 +143,11 @@ Status write_named_floats(Executor& executor, const Program& program, const std:
 // allocation granularity (the driver rounds the one allocation of
 // arena and workspace up to it, and the rounded size must stay within the budget).
 Budgets allocatable_budgets(const Budgets& budgets, const Backend& backend);
+// Device memory to reserve for the GPU's mapping of the executor's pinned host arena
+// (BackendSizes::host_mapping_device_bytes): the arena holds at most every tensor of
+// the program once (4096-aligned), or the host budget, whichever is smaller. 0 without
+// a device budget. plan_for_backend plans the arena within the budget less this.
+uint64_t host_mapping_reserve(const Program& program, const BackendSizes& backend, const Budgets& budgets);
 // The same for a kind of backend (BackendSizes) holding `fixed_bytes` itself; tools
 // that plan without a device (`spillway plan`) pass 0, as they cannot measure it.
 Budgets allocatable_budgets(const Budgets& budgets, const BackendSizes& sizes, uint64_t fixed_bytes);

@@ -120,3 +120,35 @@ TEST(WorkspaceBudget, RefusalNamesTheBudgetGivenWhenTheWorkspaceTakesItAll) {
 
 }  // namespace
 }  // namespace spillway
+
+namespace spillway {
+namespace {
+
+// Pinning host memory takes device memory for the GPU's mapping of it (measured on the
+// H200: 18399694848 pinned bytes took 35651584 device bytes); plans on CUDA reserve it
+// for the most the host arena could hold, and none on the CPU.
+TEST(HostMapping, CudaReservesTheMappingOfThePinnedArenaAndTheCpuNone) {
+  const BackendSizes& cuda = cuda_backend_sizes();
+  const BackendSizes& cpu = cpu_backend_sizes();
+  EXPECT_GE(cuda.host_mapping_device_bytes(18399694848ull), 35651584ull);
+  EXPECT_LE(cuda.host_mapping_device_bytes(18399694848ull), 35651584ull + (uint64_t{4} << 20));
+  EXPECT_EQ(cuda.host_mapping_device_bytes(0), 0u);
+  EXPECT_EQ(cpu.host_mapping_device_bytes(18399694848ull), 0u);
+  EXPECT_EQ(cuda.host_mapping_device_bytes(1) % cuda.allocation_granularity(), 0u);
+  GPTConfig cfg{.layers = 2, .width = 64, .heads = 2, .context = 32, .vocab = 512};
+  auto program = build_training_program(cfg, {.B = 2, .T = 32, .accum = 1}, DType::BF16);
+  ASSERT_TRUE(program.ok());
+  uint64_t total = 0;
+  for (size_t i = 0; i < program->tensors.size(); ++i)
+    total += (std::max<uint64_t>(1, program->tensors.info(static_cast<TensorId>(i)).bytes()) + 4095) / 4096 * 4096;
+  Budgets b{.device = uint64_t{1} << 30, .host = uint64_t{1} << 40};
+  EXPECT_EQ(host_mapping_reserve(*program, cuda, b), cuda.host_mapping_device_bytes(total));
+  b.host = 4096;  // a host budget below the program's tensors bounds the arena
+  EXPECT_EQ(host_mapping_reserve(*program, cuda, b), cuda.host_mapping_device_bytes(4096));
+  b.device = UINT64_MAX;  // no device budget: nothing to reserve
+  EXPECT_EQ(host_mapping_reserve(*program, cuda, b), 0u);
+  EXPECT_EQ(host_mapping_reserve(*program, cpu, {.device = uint64_t{1} << 30}), 0u);
+}
+
+}  // namespace
+}  // namespace spillway

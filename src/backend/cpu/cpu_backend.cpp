@@ -125,6 +125,9 @@ class CpuBackend final : public Backend {
   size_t device_peak_bytes() const override { return device_.peak(); }
   void reset_device_peak() override { device_.reset_peak(); }
   size_t allocation_granularity() const override { return sizes().allocation_granularity(); }
+  uint64_t host_mapping_device_bytes(uint64_t host_bytes) const override {
+    return sizes().host_mapping_device_bytes(host_bytes);
+  }
 
   // No op needs device workspace (cpu_backend_sizes).
   size_t embedding_backward_workspace(int B, int T) const override {

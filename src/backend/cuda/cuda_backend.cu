@@ -391,6 +391,9 @@ class CudaBackend final : public Backend {
   size_t device_peak_bytes() const override { return peak_used_.load(); }
   void reset_device_peak() override { peak_used_.store(device_used_bytes()); }
   size_t allocation_granularity() const override { return sizes().allocation_granularity(); }
+  uint64_t host_mapping_device_bytes(uint64_t host_bytes) const override {
+    return sizes().host_mapping_device_bytes(host_bytes);
+  }
   size_t fixed_device_bytes() const override { return fixed_bytes_; }
   void remeasure_fixed_device_bytes() override { fixed_bytes_ = std::max(fixed_bytes_, device_used_bytes()); }
 
