@@ -73,7 +73,8 @@ class CudaSizes final : public BackendSizes {
     if (host_bytes == 0) return 0;
     const uint64_t page = uint64_t{2} << 20;
     const uint64_t entries = (host_bytes + 4095) / 4096 * 8;
-    return (entries + page - 1) / page * page + page;  // and one page of slack
+    // One page more: an evaluation's own small arena, and host-arena fragmentation.
+    return (entries + page - 1) / page * page + page;
   }
   size_t embedding_backward_workspace(int B, int T) const override {
     return cuda_workspace::embedding_backward_scratch_bytes(B * T);

@@ -29,7 +29,8 @@ class BackendSizes {
   // budget holds whole multiples of it; 1 on CPU (the budget is counted exactly).
   virtual size_t allocation_granularity() const = 0;
   // Device memory that pinning `host_bytes` of host memory (Backend::host_alloc) takes
-  // for the GPU's mapping of it: on CUDA 8 bytes per 4 KiB page, in 2 MiB pages
+  // for the GPU's mapping of it: on CUDA 8 bytes per 4 KiB page, in 2 MiB pages, and
+  // one page more
   // (measured on the H200: pinning 18399694848 bytes took 35651584 bytes of device
   // memory, 1/516). 0 on CPU.
   virtual uint64_t host_mapping_device_bytes(uint64_t host_bytes) const = 0;

@@ -88,10 +88,9 @@ int run_plan(const PlanFlags& f) {
   if (!planner.ok()) return fail(planner.status());
   auto workspace = program_workspace(backend, *program);
   if (!workspace.ok()) return fail(workspace.status());
-  Budgets arena = allocatable;  // less the GPU's mapping of the pinned host arena, as train reserves it
-  const uint64_t mapping = host_mapping_reserve(*program, backend, budgets);
-  if (arena.device != UINT64_MAX) arena.device = arena.device > mapping ? arena.device - mapping : 0;
-  auto plan = make_plan(*program, machine, arena, *planner);
+  // The GPU's mapping of the pinned host arena, reserved as train reserves it.
+  planner->reserved_device_bytes = host_mapping_reserve(*program, backend, budgets);
+  auto plan = make_plan(*program, machine, allocatable, *planner);
   if (!plan.ok()) {
     Status s = plan.status();
     if (allocatable.device != budgets.device)

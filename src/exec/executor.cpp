@@ -395,9 +395,11 @@ class PlanExecutor final : public Executor {
     return issue_fetch(t, src);
   }
   Status issue_ready_fetches() {
+    if (deferred_.empty()) return Status::ok();
+    const uint64_t done = host_.completed();  // one lock for the whole list (checked before every instruction)
     for (size_t i = 0; i < deferred_.size();) {
       TensorId t = deferred_[i];
-      if (host_.is_done(slots_[t].deferred_after)) SPILLWAY_RETURN_IF_ERROR(issue_deferred(t));
+      if (slots_[t].deferred_after <= done) SPILLWAY_RETURN_IF_ERROR(issue_deferred(t));
       else ++i;
     }
     return Status::ok();

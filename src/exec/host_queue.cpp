@@ -67,6 +67,11 @@ Status HostQueue::failure() {
 
 Status HostQueue::wait_all() { return wait(last_ticket()); }
 
+uint64_t HostQueue::completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_;
+}
+
 uint64_t HostQueue::last_ticket() {
   std::lock_guard<std::mutex> lock(mu_);
   return submitted_;

@@ -1136,17 +1136,20 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
 // `workspace` (0 when the workspace alone takes more).
 Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
                             const PlannerOptions& options, size_t alignment, uint64_t workspace,
-                            uint64_t given_device) {
+                            uint64_t given_device, uint64_t reserved) {
   Program program = original;
   uint64_t minimum = minimum_device_budget(program, alignment);
   if (budgets.device < minimum) {
-    const uint64_t given = given_device, total = minimum + workspace;
+    const uint64_t given = given_device, total = minimum + workspace + reserved;
     const uint64_t g = std::max<uint64_t>(1, options.allocation_granularity);
     const uint64_t suggested = (total + g - 1) / g * g;
     return Status::out_of_memory("device budget " + format_size(given) + " is below the minimum " +
                                  format_size(total) + " that the largest op (" + largest_op_name(program, alignment) +
                                  ") needs (" + format_size(minimum) + " of operands and inputs, " + format_size(workspace) +
-                                 " of workspace); give --device-budget " + std::to_string((suggested + (1 << 20) - 1) >> 20) +
+                                 " of workspace" +
+                                 (reserved > 0 ? ", " + format_size(reserved) + " for the GPU's mapping of pinned host memory"
+                                               : std::string()) +
+                                 "); give --device-budget " + std::to_string((suggested + (1 << 20) - 1) >> 20) +
                                  "MiB or more");
   }
   switch (options.policy) {
@@ -1263,10 +1266,12 @@ Result<Plan> make_plan(const Program& program, const Machine& machine, const Bud
   const size_t alignment = options.alignment;
   // The workspace comes out of the device budget first; the arena gets the rest.
   const uint64_t workspace = align_up(options.workspace_bytes, alignment);
+  const uint64_t reserved = budgets.device == UINT64_MAX ? 0 : options.reserved_device_bytes;
   Budgets arena = budgets;
-  if (budgets.device != UINT64_MAX) arena.device = budgets.device > workspace ? budgets.device - workspace : 0;
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan,
-                            make_plan_impl(program, machine, arena, options, alignment, workspace, budgets.device));
+  if (budgets.device != UINT64_MAX)
+    arena.device = budgets.device > workspace + reserved ? budgets.device - workspace - reserved : 0;
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, machine, arena, options, alignment, workspace,
+                                                      budgets.device, reserved));
   plan.workspace_bytes = workspace;
   if (workspace > 0) plan.description += ", workspace " + format_size(workspace);
   SPILLWAY_RETURN_IF_ERROR(plan.validate(program, arena).with_context("planner produced an invalid plan"));

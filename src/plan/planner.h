@@ -45,6 +45,9 @@ struct PlannerOptions {
   // Device workspace the ops need besides their operands (exec/dispatch.h
   // program_workspace): the arena is planned within the device budget minus this.
   uint64_t workspace_bytes = 0;
+  // Device memory outside the arena and the workspace that the budget must also hold
+  // (the GPU's mapping of the executor's pinned host memory, host_mapping_reserve).
+  uint64_t reserved_device_bytes = 0;
   // The backend's allocation granularity (Backend::allocation_granularity): budgets
   // are used in whole multiples of it, so a refusal's suggested budget is one.
   uint64_t allocation_granularity = 1;

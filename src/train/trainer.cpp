@@ -280,10 +280,8 @@ Result<PlannerOptions> backend_planner_options(const Program& program, const Bac
 Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
                               const Budgets& budgets, const PlannerOptions& options) {
   SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions o, backend_planner_options(program, backend, options));
-  Budgets allocatable = allocatable_budgets(budgets, backend);
-  const uint64_t mapping = host_mapping_reserve(program, backend, budgets);
-  if (allocatable.device != UINT64_MAX) allocatable.device = allocatable.device > mapping ? allocatable.device - mapping : 0;
-  auto plan = make_plan(program, machine, allocatable, o);
+  o.reserved_device_bytes = host_mapping_reserve(program, backend, budgets);
+  auto plan = make_plan(program, machine, allocatable_budgets(budgets, backend), o);
   const uint64_t fixed = backend.fixed_device_bytes();
   if (plan.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plan;
   return plan.status().with_context("the device budget " + format_size(budgets.device) + " less the " +

@@ -32,6 +32,7 @@ TEST(HostQueue, RunsJobsInOrderAndTicketsSayWhenTheyAreDone) {
   release = true;
   ASSERT_TRUE(q.wait(second).is_ok());
   EXPECT_TRUE(q.is_done(first));
+  EXPECT_EQ(q.completed(), 2u);
   EXPECT_EQ(order, (std::vector<int>{1, 2}));
 }
 
