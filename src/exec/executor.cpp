@@ -80,6 +80,7 @@ class PlanExecutor final : public Executor {
     }
     if (plan_.workspace_bytes > 0) workspace_ = static_cast<char*>(arena_memory_) + workspace_offset_;
     arena_ = std::make_unique<DeviceArena>(arena_memory_, arena_bytes, align);
+    used_since_sync_.assign(arena_bytes / kUseGranule + 1, 0);
     for (size_t i = 0; i < slots_.size(); ++i) {
       auto t = static_cast<TensorId>(i);
       if (p_.is_persistent(t) && plan_.home[i] == Tier::Device)
@@ -370,13 +371,9 @@ class PlanExecutor final : public Executor {
     // Stream-ordered reuse: the copy waits for compute only when an op since the last
     // synchronization used its region (an earlier occupant); a tensor fetched back
     // into its home after a host update waits for nothing the next step queued.
-    const uint64_t end = s.offset + device_bytes(t);
     bool after_compute = false;
-    for (const auto& [b, e] : used_since_sync_)
-      if (b < end && s.offset < e) {
-        after_compute = true;
-        break;
-      }
+    for (uint64_t g = s.offset / kUseGranule; g <= (s.offset + device_bytes(t) - 1) / kUseGranule && !after_compute; ++g)
+      after_compute = g >= used_since_sync_.size() || used_since_sync_[g];
     SPILLWAY_ASSIGN_OR_RETURN(CopyTicket k, b_.copy_engine().copy(CopyDirection::HostToDevice, s.device, src,
                                                                   p_.tensors.info(t).bytes(), after_compute));
     s.to_device = k;
@@ -748,8 +745,11 @@ class PlanExecutor final : public Executor {
     if (profile_) SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
     double t0 = trace_ || profile_ ? now_s() : 0;
     SPILLWAY_RETURN_IF_ERROR(run_device_op(b_, p_, op, ptrs_, step_));
-    for (const Operand& o : op.operands)
-      used_since_sync_.emplace_back(slots_[o.tensor].offset, slots_[o.tensor].offset + device_bytes(o.tensor));
+    for (const Operand& o : op.operands) {
+      const uint64_t first = slots_[o.tensor].offset / kUseGranule;
+      const uint64_t last = (slots_[o.tensor].offset + device_bytes(o.tensor) - 1) / kUseGranule;
+      for (uint64_t g = first; g <= last && g < used_since_sync_.size(); ++g) used_since_sync_[g] = 1;
+    }
     if (profile_) {
       SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
       profile_->ops.push_back({index, recompute, now_s() - t0});
@@ -811,7 +811,7 @@ class PlanExecutor final : public Executor {
   // whole state must be settled.
   Status finish() {
     SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
-    used_since_sync_.clear();
+    std::fill(used_since_sync_.begin(), used_since_sync_.end(), uint8_t{0});
     SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait_all());
     SPILLWAY_RETURN_IF_ERROR(host_.failure());
     close_slices(true);
@@ -885,8 +885,10 @@ class PlanExecutor final : public Executor {
   std::vector<HostSlice> host_slices_;    // host ops of a traced step, written by the host engine
   std::vector<void*> ptrs_;
   std::vector<CopyTicket> host_waits_;  // copies the host op being queued waits for
-  // Device ranges [begin, end) that ops used since the last synchronization.
-  std::vector<std::pair<uint64_t, uint64_t>> used_since_sync_;
+  // [arena bytes / kUseGranule] 1 where an op used a byte of that granule since the
+  // last synchronization (conservative: a copy into a marked granule waits for compute).
+  static constexpr uint64_t kUseGranule = uint64_t{1} << 20;
+  std::vector<uint8_t> used_since_sync_;
   std::vector<OpenSlice> open_slices_;
   StepMetrics metrics_;
   OptimizerStep step_;
