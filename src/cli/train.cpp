@@ -16,6 +16,8 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <set>
+#include <sstream>
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
@@ -25,6 +27,7 @@
 #include "exec/trace.h"
 #include "memory/storage_store.h"
 #include "model/safetensors.h"
+#include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/trainer.h"
 
@@ -43,7 +46,67 @@ struct TrainFlags {
   std::string save, save_grads, load, metrics, trace;
   bool allow_nonfinite_weights = false;  // --load: accept NaN and Inf in the weights
   bool quiet = false;
+  std::string checkpoint_dir, resume;    // --checkpoint-dir, --resume
+  int checkpoint_every = 0, keep = 2, stop_after = 0;
+  std::set<std::string> given;           // the flags given on the command line (--resume compares them)
 };
+
+// What a run's math depends on, as a checkpoint records it (--resume refuses a
+// given flag that differs, and takes the rest from here).
+nlohmann::json run_config(const GPTConfig& cfg, const TrainFlags& f, int T, float lr, const std::string& data) {
+  return {{"model", {{"layers", cfg.layers}, {"width", cfg.width}, {"heads", cfg.heads}, {"context", cfg.context},
+                     {"vocab", cfg.vocab}}},
+          {"batch", f.batch}, {"context", T}, {"accum", f.accum}, {"lr", lr}, {"warmup", f.warmup},
+          {"steps", f.steps}, {"seed", f.seed}, {"data", data}};
+}
+
+// --resume: the run's flags from the checkpoint's config; a flag given on the
+// command line that changes the math must agree (the error names each difference).
+Status apply_checkpoint_config(const nlohmann::json& c, TrainFlags& f) {
+  std::vector<std::string> differ;
+  auto take = [&](const char* flag, auto& field, const nlohmann::json& value) {
+    using V = std::decay_t<decltype(field)>;
+    const V v = value.get<V>();
+    if (f.given.count(flag) && field != v) {
+      std::ostringstream d;
+      d << flag << " " << field << " (the checkpoint's: " << v << ")";
+      differ.push_back(d.str());
+    }
+    field = v;
+  };
+  try {
+    const nlohmann::json& m = c.at("model");
+    take("--layers", f.model.layers, m.at("layers"));
+    take("--width", f.model.width, m.at("width"));
+    take("--heads", f.model.heads, m.at("heads"));
+    take("--model-context", f.model.model_context, m.at("context"));
+    take("--vocab", f.model.vocab, m.at("vocab"));
+    take("--batch", f.batch, c.at("batch"));
+    take("--context", f.context, c.at("context"));
+    take("--accum", f.accum, c.at("accum"));
+    take("--lr", f.lr, c.at("lr"));
+    take("--warmup", f.warmup, c.at("warmup"));
+    take("--steps", f.steps, c.at("steps"));
+    take("--seed", f.seed, c.at("seed"));
+    take("--data", f.data, c.at("data"));
+  } catch (const nlohmann::json::exception& e) {
+    return Status::corrupt(std::string("the checkpoint's config: ") + e.what());
+  }
+  if (f.given.count("--model") && !f.given.count("--layers")) {
+    // A preset named on the command line must be the checkpoint's model.
+    auto preset = gpt_preset(f.model.model);
+    if (preset.ok() && (preset->layers != f.model.layers || preset->width != f.model.width ||
+                        preset->heads != f.model.heads || preset->vocab != f.model.vocab))
+      differ.push_back("--model " + f.model.model + " (the checkpoint's model is " +
+                       std::to_string(f.model.layers) + " layers, width " + std::to_string(f.model.width) + ")");
+  }
+  if (!differ.empty()) {
+    std::string m = "--resume: these flags change the training's math and differ from the checkpoint's: ";
+    for (size_t i = 0; i < differ.size(); ++i) m += (i ? "; " : "") + differ[i];
+    return Status::invalid_argument(m + " (leave them out to continue the run as it was)");
+  }
+  return Status::ok();
+}
 
 std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) s = 0;
@@ -125,9 +188,27 @@ Status stop_after_failed_step(Trainer& trainer, const Status& error, const Train
   return Status(error.code(), error.message() + outcome);
 }
 
-Status run_train(const TrainFlags& f) {
+Status run_train(const TrainFlags& given_flags) {
   // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
   SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
+  TrainFlags f = given_flags;
+  std::optional<Checkpoint> resume;
+  if (!f.resume.empty()) {
+    if (!f.load.empty()) return Status::invalid_argument("--resume and --load: give one (the checkpoint holds the weights)");
+    std::vector<std::string> skipped;
+    auto c = newest_checkpoint(f.resume, &skipped);
+    for (const std::string& s : skipped) std::cerr << "spillway: warning: --resume: skipped " << s << "\n";
+    if (!c.ok()) return c.status().with_context("--resume");
+    SPILLWAY_RETURN_IF_ERROR(apply_checkpoint_config(c->meta.config, f).with_context(c->path));
+    if (f.checkpoint_dir.empty()) f.checkpoint_dir = f.resume;
+    resume = std::move(*c);
+  }
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.checkpoint_every, "--checkpoint-every", 0));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.keep, "--keep"));
+  SPILLWAY_RETURN_IF_ERROR(check_positive(f.stop_after, "--stop-after", 0));
+  if ((f.checkpoint_every > 0 || f.stop_after > 0) && f.checkpoint_dir.empty())
+    return Status::invalid_argument(std::string(f.checkpoint_every > 0 ? "--checkpoint-every" : "--stop-after") +
+                                    " needs --checkpoint-dir DIR (where the checkpoints go)");
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.steps, "--steps"));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.batch, "--batch"));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.accum, "--accum"));
@@ -198,7 +279,13 @@ Status run_train(const TrainFlags& f) {
   o.machine = machine_for(*backend);
   o.spill_dir = mem.spill_dir;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
-  if (!f.load.empty()) {
+  const nlohmann::json config = run_config(cfg, f, T, lr, f.data);
+  if (resume) {
+    SPILLWAY_RETURN_IF_ERROR(load_checkpoint(*trainer, *resume).with_context("--resume " + resume->path));
+    train_loader->seek(resume->meta.data_batch);
+    if (!f.quiet)
+      std::cerr << "spillway train: resuming from " << resume->path << " after step " << resume->meta.step << "\n";
+  } else if (!f.load.empty()) {
     SPILLWAY_RETURN_IF_ERROR(trainer->load_parameters(f.load, {.allow_nonfinite = f.allow_nonfinite_weights}).with_context("--load"));
   } else {
     SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
@@ -232,10 +319,22 @@ Status run_train(const TrainFlags& f) {
   int64_t timed_tokens = 0;
   StepMetrics peaks;
   const auto loop_start = std::chrono::steady_clock::now();
-  for (int s = 1; s <= f.steps; ++s) {
+  auto checkpoint = [&]() -> Result<std::string> {
+    CheckpointMeta meta{.step = trainer->steps_done(), .data_batch = train_loader->batch_index(), .config = config};
+    return write_checkpoint(*trainer, f.checkpoint_dir, meta, f.keep);
+  };
+  const int first = static_cast<int>(trainer->steps_done()) + 1;
+  const int final_step = f.stop_after > 0 ? std::min(f.steps, f.stop_after) : f.steps;
+  for (int s = first; s <= final_step; ++s) {
     if (interrupted()) {
       progress.interrupt();
-      return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(f.steps) +
+      std::string where;
+      if (!f.checkpoint_dir.empty() && trainer->steps_done() > 0) {
+        auto written = checkpoint();
+        where = written.ok() ? "; checkpoint " + *written + " written: continue with --resume " + f.checkpoint_dir
+                             : "; the checkpoint failed: " + written.status().message();
+      }
+      return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(f.steps) + where +
                                 (mem.spill_dir.empty() ? "" : "; its spill directory is removed") +
                                 (f.save.empty() ? "" : "; nothing was saved to " + f.save));
     }
@@ -273,6 +372,13 @@ Status run_train(const TrainFlags& f) {
     }
     progress.update(*r, std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count());
     last = *r;
+    if (f.checkpoint_every > 0 && s % f.checkpoint_every == 0 && s < final_step) {
+      auto written = checkpoint();
+      if (!written.ok()) {
+        progress.interrupt();
+        return written.status().with_context("--checkpoint-dir after step " + std::to_string(s));
+      }
+    }
     if (!f.trace.empty() && s == trace_step) {
       SPILLWAY_RETURN_IF_ERROR(trace.write(f.trace).with_context("--trace"));
     }
@@ -284,7 +390,13 @@ Status run_train(const TrainFlags& f) {
   // The last step's optimizer may still run on host (it overlaps the next step).
   if (Status s = trainer->drain(); !s.is_ok()) {
     progress.interrupt();
-    return s.with_context("finishing step " + std::to_string(f.steps));
+    return s.with_context("finishing step " + std::to_string(final_step));
+  }
+  std::string checkpoint_written;
+  if (!f.checkpoint_dir.empty() && trainer->steps_done() > 0) {
+    auto written = checkpoint();
+    if (!written.ok()) return written.status().with_context("--checkpoint-dir after step " + std::to_string(final_step));
+    checkpoint_written = *written;
   }
   if (!f.save.empty()) SPILLWAY_RETURN_IF_ERROR(trainer->save(f.save).with_context("--save"));
   if (!f.save_grads.empty())
@@ -303,6 +415,12 @@ Status run_train(const TrainFlags& f) {
               format_size(peaks.peak_storage_bytes).c_str(), format_size(peaks.h2d_bytes).c_str(),
               format_size(peaks.d2h_bytes).c_str());
   if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());
+  if (!checkpoint_written.empty()) {
+    std::printf("checkpoint %s (step %lld)\n", checkpoint_written.c_str(), static_cast<long long>(trainer->steps_done()));
+    if (final_step < f.steps)
+      std::printf("stopped after step %d of %d (--stop-after): continue with --resume %s\n", final_step, f.steps,
+                  f.checkpoint_dir.c_str());
+  }
   if (!f.trace.empty()) std::printf("trace of step %d: %s (open in https://ui.perfetto.dev)\n", trace_step, f.trace.c_str());
   std::fflush(stdout);
   return Status::ok();
@@ -334,8 +452,23 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
   app.add_option("--trace", f->trace, "write a Perfetto trace of step 2 (step 1 with --steps 1)");
   app.add_flag("--quiet", f->quiet, "no banner or progress line on stderr (the summary still goes to stdout)");
+  app.add_option("--checkpoint-dir", f->checkpoint_dir,
+                 "write checkpoints of the whole training state here (every --checkpoint-every steps, at the end, "
+                 "and on SIGINT/SIGTERM); each is verified on --resume");
+  app.add_option("--checkpoint-every", f->checkpoint_every, "steps between checkpoints (0 = only at the end)")
+      ->capture_default_str();
+  app.add_option("--keep", f->keep, "the newest checkpoints kept (older ones are removed)")->capture_default_str();
+  app.add_option("--resume", f->resume,
+                 "continue from the newest checkpoint in DIR that verifies (the run's configuration comes from it; "
+                 "flags that change the math must agree)");
+  app.add_option("--stop-after", f->stop_after,
+                 "end the run after step N with a checkpoint, as if interrupted (the schedule still runs to --steps)");
   add_memory_flags(app, f->memory);
-  return [f]() -> int {
+  CLI::App* parsed = &app;
+  return [f, parsed]() -> int {
+    for (const char* flag : {"--model", "--layers", "--width", "--heads", "--model-context", "--vocab", "--batch",
+                             "--context", "--accum", "--lr", "--warmup", "--steps", "--seed", "--data"})
+      if (parsed->count(flag) > 0) f->given.insert(flag);
     Status s = run_train(*f);
     return s.is_ok() ? 0 : fail(s);
   };

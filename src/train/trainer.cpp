@@ -402,6 +402,29 @@ Result<StepResult> Trainer::step(DataLoader& loader) {
   return step(batches);
 }
 
+std::vector<TensorId> Trainer::state_tensors() const {
+  std::vector<TensorId> out;
+  for (size_t i = 0; i < program_.tensors.size(); ++i) {
+    const Role r = program_.tensors.info(static_cast<TensorId>(i)).role;
+    if (r == Role::Param || r == Role::Master || r == Role::OptState) out.push_back(static_cast<TensorId>(i));
+  }
+  return out;
+}
+
+Status Trainer::read_state_tensor(TensorId t, std::vector<uint8_t>& bytes) {
+  SPILLWAY_RETURN_IF_ERROR(usable("read the training state"));
+  bytes.resize(program_.tensors.info(t).bytes());
+  return executor_->read_tensor(t, bytes.data(), bytes.size());
+}
+
+Status Trainer::write_state_tensor(TensorId t, const void* bytes, size_t n) {
+  SPILLWAY_RETURN_IF_ERROR(usable("write the training state"));
+  moments_zero_ = false;
+  return executor_->write_tensor(t, bytes, n);
+}
+
+void Trainer::restore_steps_done(int64_t step) { step_ = step; }
+
 Status Trainer::drain() {
   SPILLWAY_RETURN_IF_ERROR(usable("finish step " + std::to_string(step_)));
   if (Status s = executor_->drain(); !s.is_ok()) {

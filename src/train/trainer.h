@@ -228,6 +228,17 @@ class Trainer {
   Executor& executor() { return *executor_; }
   Backend& backend() { return backend_; }
   int64_t steps_done() const { return step_; }
+
+  // ---- the training state, for checkpoints (train/checkpoint.h) ----
+  // The tensors that make the state: parameters (each vocab tile its own), master
+  // weights and both Adam moments, by name, in program order.
+  std::vector<TensorId> state_tensors() const;
+  // Raw bytes of one (in its dtype), read after the pipeline drained; written where
+  // it rests. Refused after a failed step, like every access to the state.
+  Status read_state_tensor(TensorId t, std::vector<uint8_t>& bytes);
+  Status write_state_tensor(TensorId t, const void* bytes, size_t n);
+  // After write_state_tensor of every state tensor: the run continues after `step`.
+  void restore_steps_done(int64_t step);
   int64_t tokens_per_step() const;
 
  private:

@@ -819,4 +819,44 @@ TEST(HostileFlags, HugeLayersOrAccumAreRefusedBeforeBuilding) {
                   {"ops", "more than 150000"});
 }
 
+// Issue 11: --stop-after writes a checkpoint and --resume continues it with the
+// uninterrupted run's losses and weights, bit for bit, here with another budget and
+// policy at the resume; flags that change the math are refused by name;
+// `checkpoint info` lists the checkpoints.
+TEST(CheckpointCli, StopAfterThenResumeMatchesTheUninterruptedRun) {
+  const auto dir = std::filesystem::temp_directory_path() / ("spillway_ckpt_cli_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string d = dir.string();
+  auto losses = [](const std::string& path) {
+    std::vector<std::string> out;
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line).at("loss").dump());
+    return out;
+  };
+  const std::string common = "train --backend cpu --steps 6 --eval-every 0 --quiet";
+  CliRun straight = run(common + " --metrics " + d + "/full.jsonl --save " + d + "/full.safetensors");
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  CliRun first = run(common + " --checkpoint-dir " + d + "/ck --stop-after 3 --metrics " + d + "/a.jsonl");
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_NE(first.output.find("stopped after step 3 of 6"), std::string::npos) << first.output;
+  CliRun refused = run("train --backend cpu --resume " + d + "/ck --batch 4 --seed 5");
+  EXPECT_EQ(refused.code, 1);
+  for (const char* needle : {"--batch 4 (the checkpoint's: 8)", "--seed 5 (the checkpoint's: 1337)"})
+    EXPECT_NE(refused.output.find(needle), std::string::npos) << refused.output;
+  CliRun second = run("train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --device-budget 8MiB --policy planned "
+                      "--metrics " + d + "/b.jsonl --save " + d + "/resumed.safetensors");
+  ASSERT_EQ(second.code, 0) << second.output;
+  std::vector<std::string> resumed = losses(d + "/a.jsonl"), tail = losses(d + "/b.jsonl");
+  resumed.insert(resumed.end(), tail.begin(), tail.end());
+  EXPECT_EQ(resumed, losses(d + "/full.jsonl"));
+  EXPECT_EQ(read_file(d + "/resumed.safetensors"), read_file(d + "/full.safetensors"));
+  CliRun info = run("checkpoint info " + d + "/ck");
+  EXPECT_EQ(info.code, 0) << info.output;
+  for (const char* needle : {"ckpt-00000006  step 6", "ckpt-00000003  step 3", "ok"})
+    EXPECT_NE(info.output.find(needle), std::string::npos) << info.output;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace

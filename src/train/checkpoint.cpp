@@ -1,0 +1,357 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/atomic_file.h"
+#include "core/checksum.h"
+#include "core/size.h"
+
+namespace spillway {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string hex64(uint64_t v) {
+  char b[17];
+  std::snprintf(b, sizeof b, "%016" PRIx64, v);
+  return b;
+}
+
+std::string checkpoint_name(int64_t step) {
+  char b[32];
+  std::snprintf(b, sizeof b, "ckpt-%08lld", static_cast<long long>(step));
+  return b;
+}
+
+// "ckpt-00000010" → 10; -1 when the name is not a checkpoint's.
+int64_t step_of(const std::string& name) {
+  if (name.size() < 6 || name.rfind("ckpt-", 0) != 0) return -1;
+  int64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || v > (INT64_MAX - 9) / 10) return -1;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
+}
+
+Status write_all(int fd, const void* data, size_t n, uint64_t offset, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno_status("write " + path + " at offset " + std::to_string(offset), errno);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return Status::ok();
+}
+
+Status read_all(int fd, void* data, size_t n, uint64_t offset, const std::string& path) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = ::pread(fd, p, n, static_cast<off_t>(offset));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno_status("read " + path + " at offset " + std::to_string(offset), errno);
+    }
+    if (r == 0) return Status::corrupt(path + ": ends at offset " + std::to_string(offset) + ", before the bytes its manifest lists");
+    p += r;
+    n -= static_cast<size_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return Status::ok();
+}
+
+Status write_file(const std::string& path, const std::string& text) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return errno_status("create " + path, errno);
+  Status s = write_all(fd, text.data(), text.size(), 0, path);
+  if (s.is_ok() && ::fsync(fd) != 0) s = errno_status("fsync " + path, errno);
+  if (::close(fd) != 0 && s.is_ok()) s = errno_status("close " + path, errno);
+  return s;
+}
+
+// Removes a folder and what it holds; errors are left out (best effort cleanup).
+void remove_tree(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+}
+
+Result<std::vector<std::pair<int64_t, std::string>>> checkpoint_folders(const std::string& root) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  fs::directory_iterator it(root, ec);
+  if (ec) return Status::io_error("list the checkpoint folder " + root + ": " + ec.message());
+  for (const fs::directory_entry& e : it) {
+    const std::string name = e.path().filename().string();
+    const int64_t step = step_of(name);
+    if (step < 0 || !e.is_directory(ec)) continue;
+    out.emplace_back(step, e.path().string());
+  }
+  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.first > b.first; });
+  return out;
+}
+
+uint64_t parse_hex64(const std::string& s, bool* ok) {
+  *ok = s.size() == 16;
+  uint64_t v = 0;
+  for (char c : s) {
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) *ok = false;
+    v = v * 16 + static_cast<uint64_t>(d < 0 ? 0 : d);
+  }
+  return v;
+}
+
+}  // namespace
+
+Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, const CheckpointMeta& meta, int keep) {
+  SPILLWAY_RETURN_IF_ERROR(trainer.drain());
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return Status::io_error("--checkpoint-dir " + root + ": cannot create it: " + ec.message());
+  const std::string name = checkpoint_name(meta.step);
+  const std::string final_path = (fs::path(root) / name).string();
+  const std::string temp = (fs::path(root) / ("." + name + ".tmp-" + std::to_string(::getpid()))).string();
+  remove_tree(temp);
+  if (::mkdir(temp.c_str(), 0755) != 0) return errno_status("create the checkpoint folder " + temp, errno);
+
+  const std::vector<TensorId> tensors = trainer.state_tensors();
+  const Program& program = trainer.program();
+  uint64_t total = 0;
+  for (TensorId t : tensors) total += program.tensors.info(t).bytes();
+  auto fail = [&](const Status& s) {
+    remove_tree(temp);
+    return s.with_context("writing checkpoint " + final_path + " (" + format_size(total) + " of state; " +
+                          "the previous checkpoints are kept)");
+  };
+
+  nlohmann::json manifest;
+  manifest["format"] = "spillway-checkpoint";
+  manifest["version"] = kCheckpointVersion;
+  manifest["step"] = meta.step;
+  manifest["data_batch"] = meta.data_batch;
+  manifest["config"] = meta.config;
+  nlohmann::json list = nlohmann::json::array();
+  const std::string state_path = temp + "/state.bin";
+  int fd = ::open(state_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return fail(errno_status("create " + state_path, errno));
+  Checksum64Stream file_sum;
+  std::vector<uint8_t> bytes;
+  uint64_t offset = 0;
+  Status s;
+  for (TensorId t : tensors) {
+    const TensorInfo& info = program.tensors.info(t);
+    s = trainer.read_state_tensor(t, bytes);
+    if (!s.is_ok()) break;
+    s = write_all(fd, bytes.data(), bytes.size(), offset, state_path);
+    if (!s.is_ok()) break;
+    file_sum.update(bytes.data(), bytes.size());
+    list.push_back({{"name", info.name},
+                    {"dtype", dtype_name(info.dtype)},
+                    {"shape", info.shape.dims},
+                    {"offset", offset},
+                    {"bytes", bytes.size()},
+                    {"xxh3", hex64(checksum64(bytes.data(), bytes.size()))}});
+    offset += bytes.size();
+  }
+  if (s.is_ok() && ::fsync(fd) != 0) s = errno_status("fsync " + state_path, errno);
+  if (::close(fd) != 0 && s.is_ok()) s = errno_status("close " + state_path, errno);
+  if (!s.is_ok()) return fail(s);
+  manifest["tensors"] = list;
+  manifest["files"] = nlohmann::json::array({{{"name", "state.bin"}, {"bytes", offset}, {"xxh3", hex64(file_sum.digest())}}});
+  if (Status w = write_file(temp + "/manifest.json", manifest.dump(1) + "\n"); !w.is_ok()) return fail(w);
+  if (Status d = fsync_directory(temp); !d.is_ok()) return fail(d);
+  if (fs::exists(final_path, ec)) remove_tree(final_path);  // the same step again (--stop-after, then the end)
+  if (::rename(temp.c_str(), final_path.c_str()) != 0) return fail(errno_status("rename " + temp + " to " + final_path, errno));
+  if (Status d = fsync_directory(root); !d.is_ok()) return d.with_context("after writing checkpoint " + final_path);
+  // Keep the newest `keep` complete checkpoints.
+  SPILLWAY_ASSIGN_OR_RETURN(auto folders, checkpoint_folders(root));
+  int kept = 0;
+  for (auto& [step, path] : folders) {
+    if (kept < std::max(1, keep)) {
+      ++kept;
+      continue;
+    }
+    remove_tree(path);
+  }
+  return final_path;
+}
+
+Result<Checkpoint> read_checkpoint(const std::string& path) {
+  Checkpoint c;
+  c.path = path;
+  const std::string manifest_path = path + "/manifest.json";
+  std::ifstream in(manifest_path);
+  if (!in) return Status::not_found(manifest_path + ": missing (an incomplete checkpoint)");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    c.manifest = nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    return Status::corrupt(manifest_path + ": not JSON: " + e.what());
+  }
+  const nlohmann::json& m = c.manifest;
+  try {
+    if (!m.is_object() || m.value("format", "") != "spillway-checkpoint")
+      return Status::corrupt(manifest_path + ": not a spillway checkpoint manifest (\"format\" is not \"spillway-checkpoint\")");
+    if (!m.contains("version") || !m["version"].is_number_integer())
+      return Status::corrupt(manifest_path + ": no format version");
+    if (m["version"].get<int64_t>() != kCheckpointVersion)
+      return Status::unsupported(manifest_path + ": format version " + std::to_string(m["version"].get<int64_t>()) +
+                                 "; this spillway reads version " + std::to_string(kCheckpointVersion));
+    c.meta.step = m.at("step").get<int64_t>();
+    c.meta.data_batch = m.at("data_batch").get<int64_t>();
+    c.meta.config = m.at("config");
+    if (c.meta.step < 0 || c.meta.data_batch < 0) return Status::corrupt(manifest_path + ": a negative step or data position");
+    // Every file: its size and checksum.
+    for (const nlohmann::json& f : m.at("files")) {
+      const std::string name = f.at("name").get<std::string>();
+      if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
+        return Status::corrupt(manifest_path + ": file name '" + name + "' is not a plain name");
+      const std::string file = path + "/" + name;
+      const uint64_t want = f.at("bytes").get<uint64_t>();
+      bool ok = false;
+      const uint64_t sum = parse_hex64(f.at("xxh3").get<std::string>(), &ok);
+      if (!ok) return Status::corrupt(manifest_path + ": the checksum of " + name + " is not 16 hex digits");
+      int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return errno_status(file, errno).with_context("the manifest lists it");
+      struct stat st {};
+      if (::fstat(fd, &st) != 0) {
+        Status e = errno_status("stat " + file, errno);
+        ::close(fd);
+        return e;
+      }
+      if (static_cast<uint64_t>(st.st_size) != want) {
+        ::close(fd);
+        return Status::corrupt(file + ": " + std::to_string(st.st_size) + " bytes, the manifest says " +
+                               std::to_string(want) + " (truncated or overwritten)");
+      }
+      Checksum64Stream stream;
+      std::vector<char> buf(size_t{8} << 20);
+      uint64_t at = 0;
+      Status r;
+      while (at < want && r.is_ok()) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), want - at));
+        r = read_all(fd, buf.data(), n, at, file);
+        stream.update(buf.data(), n);
+        at += n;
+      }
+      ::close(fd);
+      if (!r.is_ok()) return r;
+      if (stream.digest() != sum)
+        return Status::corrupt(file + ": checksum " + hex64(stream.digest()) + ", the manifest says " + hex64(sum) +
+                               " (its bytes changed after it was written)");
+      if (name == "state.bin") c.bytes = want;
+    }
+    // Every tensor inside state.bin.
+    for (const nlohmann::json& t : m.at("tensors")) {
+      const uint64_t off = t.at("offset").get<uint64_t>(), n = t.at("bytes").get<uint64_t>();
+      if (off > c.bytes || n > c.bytes - off)
+        return Status::corrupt(manifest_path + ": tensor " + t.at("name").get<std::string>() + " lies past the end of state.bin");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return Status::corrupt(manifest_path + ": a field is missing or of the wrong type: " + e.what());
+  }
+  return c;
+}
+
+Result<std::vector<CheckpointListing>> list_checkpoints(const std::string& root) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto folders, checkpoint_folders(root));
+  std::vector<CheckpointListing> out;
+  for (auto& [step, path] : folders) {
+    CheckpointListing l;
+    l.path = path;
+    l.step = step;
+    auto c = read_checkpoint(path);
+    if (c.ok()) {
+      l.bytes = c->bytes;
+      if (c->meta.step != step)
+        l.status = Status::corrupt(path + ": its manifest says step " + std::to_string(c->meta.step));
+    } else {
+      l.status = c.status();
+      std::error_code ec;
+      l.bytes = fs::file_size(path + "/state.bin", ec);
+      if (ec) l.bytes = 0;
+    }
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+Result<Checkpoint> newest_checkpoint(const std::string& root, std::vector<std::string>* skipped) {
+  SPILLWAY_ASSIGN_OR_RETURN(auto folders, checkpoint_folders(root));
+  for (auto& [step, path] : folders) {
+    auto c = read_checkpoint(path);
+    if (c.ok() && c->meta.step == step) return c;
+    const std::string why = c.ok() ? "its manifest says step " + std::to_string(c->meta.step) : c.status().message();
+    if (skipped) skipped->push_back(fs::path(path).filename().string() + ": " + why);
+  }
+  return Status::not_found("no checkpoint in " + root + " verifies" +
+                           (folders.empty() ? " (it holds none)" : " (" + std::to_string(folders.size()) + " skipped)"));
+}
+
+Status load_checkpoint(Trainer& trainer, const Checkpoint& c) {
+  const Program& program = trainer.program();
+  const std::vector<TensorId> wanted = trainer.state_tensors();
+  std::vector<bool> seen(program.tensors.size(), false);
+  const std::string state = c.path + "/state.bin";
+  int fd = ::open(state.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno_status(state, errno);
+  std::vector<uint8_t> bytes;
+  Status s;
+  try {
+    for (const nlohmann::json& t : c.manifest.at("tensors")) {
+      const std::string name = t.at("name").get<std::string>();
+      const TensorId id = program.tensors.find(name);
+      if (id == kNoTensor || std::find(wanted.begin(), wanted.end(), id) == wanted.end()) {
+        s = Status::invalid_argument(c.path + ": tensor " + name + " is not part of this model's training state");
+        break;
+      }
+      const TensorInfo& info = program.tensors.info(id);
+      if (t.at("dtype").get<std::string>() != dtype_name(info.dtype) ||
+          t.at("shape").get<std::vector<int64_t>>() != info.shape.dims || t.at("bytes").get<uint64_t>() != info.bytes()) {
+        s = Status::invalid_argument(c.path + ": tensor " + name + " is " + t.at("dtype").get<std::string>() + " " +
+                                     t.at("shape").dump() + "; this run's is " + dtype_name(info.dtype) + " " +
+                                     nlohmann::json(info.shape.dims).dump());
+        break;
+      }
+      bytes.resize(info.bytes());
+      s = read_all(fd, bytes.data(), bytes.size(), t.at("offset").get<uint64_t>(), state);
+      if (!s.is_ok()) break;
+      bool ok = false;
+      const uint64_t sum = parse_hex64(t.at("xxh3").get<std::string>(), &ok);
+      if (!ok || checksum64(bytes.data(), bytes.size()) != sum) {
+        s = Status::corrupt(state + ": tensor " + name + " does not match its checksum");
+        break;
+      }
+      s = trainer.write_state_tensor(id, bytes.data(), bytes.size());
+      if (!s.is_ok()) break;
+      seen[id] = true;
+    }
+  } catch (const nlohmann::json::exception& e) {
+    s = Status::corrupt(c.path + "/manifest.json: " + e.what());
+  }
+  ::close(fd);
+  SPILLWAY_RETURN_IF_ERROR(s);
+  for (TensorId t : wanted)
+    if (!seen[t]) return Status::invalid_argument(c.path + ": holds no " + program.tensors.info(t).name);
+  trainer.restore_steps_done(c.meta.step);
+  return Status::ok();
+}
+
+}  // namespace spillway

@@ -1,0 +1,244 @@
+// Checkpoints (issue 11): exact resume under every policy and across a change of
+// policy or budget, verification of every file, fallback to an older checkpoint, and
+// keeping the newest K.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/gpt.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+#include "support/test_support.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace spillway {
+namespace {
+
+namespace fs = std::filesystem;
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+std::vector<TokenBatch> batches(int accum, int B, int T, uint64_t seed) {
+  std::vector<TokenBatch> out(static_cast<size_t>(accum));
+  uint64_t s = seed;
+  auto next = [&] {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int32_t>((s >> 33) % 64);
+  };
+  for (TokenBatch& b : out)
+    for (int i = 0; i < B * T; ++i) {
+      int32_t t = next();
+      b.tokens.push_back(t);
+      b.targets.push_back((t * 7 + 3) % 64);
+    }
+  return out;
+}
+
+TrainerOptions base_options() {
+  TrainerOptions o;
+  o.model = {.layers = 2, .width = 32, .heads = 2, .context = 16, .vocab = 64};
+  o.shape = {.B = 2, .T = 16, .accum = 2};
+  o.schedule = {.peak = 1e-2f, .warmup_steps = 2, .total_steps = 8};
+  o.seed = 7;
+  o.machine = Machine::cpu_dev_box();
+  return o;
+}
+
+struct StateRun {
+  std::vector<float> losses;
+  std::vector<std::vector<uint8_t>> state;  // every state tensor after the last step
+};
+
+// Steps [from, to] (1-based) on `t`, then its state.
+void steps(Trainer& t, int from, int to, StateRun& run) {
+  for (int s = from; s <= to; ++s) {
+    auto r = t.step(batches(2, 2, 16, 100 + s));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    run.losses.push_back(r->loss);
+  }
+  run.state.clear();
+  for (TensorId id : t.state_tensors()) {
+    run.state.emplace_back();
+    ASSERT_TRUE(t.read_state_tensor(id, run.state.back()).is_ok());
+  }
+}
+
+TEST(Checkpoint, ResumeGivesTheUninterruptedRunsBitsUnderEveryPolicyAndAcrossAChange) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  Backend& b = **backend;
+  const TrainerOptions base = base_options();
+  StateRun straight;
+  {
+    auto t = Trainer::create(b, base);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE((*t)->init_parameters().is_ok());
+    steps(**t, 1, 8, straight);
+  }
+  uint64_t full = 0;
+  {
+    auto t = Trainer::create(b, base);
+    ASSERT_TRUE(t.ok());
+    full = (*t)->plan().device_bytes;
+  }
+  testing_support::TempDir spill;
+  auto with = [&](Policy p, uint64_t device, uint64_t host) {
+    TrainerOptions o = base;
+    o.planner.policy = p;
+    if (device) o.budgets.device = device;
+    if (host) {
+      o.budgets.host = host;
+      o.budgets.storage = 64 << 20;
+      o.spill_dir = spill.path();
+    }
+    return o;
+  };
+  struct Case {
+    const char* name;
+    TrainerOptions first, second;
+  };
+  const std::vector<Case> cases = {
+      {"resident", base, base},
+      {"planned 1/4", with(Policy::Planned, full / 4, 0), with(Policy::Planned, full / 4, 0)},
+      {"paging 1/2", with(Policy::Paging, full / 2, 0), with(Policy::Paging, full / 2, 0)},
+      {"planned with storage", with(Policy::Planned, full / 4, 512 * 1024), with(Policy::Planned, full / 4, 512 * 1024)},
+      {"resident, then planned 1/4", base, with(Policy::Planned, full / 4, 0)},
+      {"planned 1/2, then paging 1/4", with(Policy::Planned, full / 2, 0), with(Policy::Paging, full / 4, 0)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    testing_support::TempDir dir;
+    StateRun resumed;
+    {
+      auto t = Trainer::create(b, c.first);
+      ASSERT_TRUE(t.ok()) << t.status().to_string();
+      ASSERT_TRUE((*t)->init_parameters().is_ok());
+      steps(**t, 1, 4, resumed);
+      auto path = write_checkpoint(**t, dir.path(), {.step = 4, .data_batch = 0, .config = {{"run", "test"}}}, 2);
+      ASSERT_TRUE(path.ok()) << path.status().to_string();
+      EXPECT_EQ(fs::path(*path).filename(), "ckpt-00000004");
+    }
+    std::vector<std::string> skipped;
+    auto c4 = newest_checkpoint(dir.path(), &skipped);
+    ASSERT_TRUE(c4.ok()) << c4.status().to_string();
+    EXPECT_TRUE(skipped.empty());
+    EXPECT_EQ(c4->meta.step, 4);
+    EXPECT_EQ(c4->meta.config, nlohmann::json({{"run", "test"}}));
+    auto t = Trainer::create(b, c.second);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE(load_checkpoint(**t, *c4).is_ok());
+    EXPECT_EQ((*t)->steps_done(), 4);
+    steps(**t, 5, 8, resumed);
+    ASSERT_EQ(resumed.losses.size(), straight.losses.size());
+    for (size_t i = 0; i < straight.losses.size(); ++i)
+      EXPECT_EQ(bits(resumed.losses[i]), bits(straight.losses[i])) << "step " << i + 1;
+    EXPECT_TRUE(resumed.state == straight.state) << "the state after step 8 differs";
+  }
+}
+
+// Writes checkpoints at steps 1, 2, 3 (keeping 2), then damages the newest.
+struct Fixture {
+  testing_support::TempDir dir;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Trainer> trainer;
+  Fixture() {
+    auto b = make_backend("cpu", {.threads = 2});
+    backend = std::move(*b);
+    auto t = Trainer::create(*backend, base_options());
+    trainer = std::move(*t);
+    EXPECT_TRUE(trainer->init_parameters().is_ok());
+    for (int s = 1; s <= 3; ++s) {
+      EXPECT_TRUE(trainer->step(batches(2, 2, 16, s)).ok());
+      auto p = write_checkpoint(*trainer, dir.path(), {.step = s, .data_batch = s, .config = {}}, 2);
+      EXPECT_TRUE(p.ok()) << p.status().to_string();
+    }
+  }
+  std::string newest() const { return dir.path() + "/ckpt-00000003"; }
+};
+
+TEST(Checkpoint, KeepsTheNewestKAndLeavesNoTemporaryFolder) {
+  Fixture f;
+  std::vector<std::string> names = testing_support::names_in(f.dir.path());
+  EXPECT_EQ(names, (std::vector<std::string>{"ckpt-00000002", "ckpt-00000003"}));
+  auto list = list_checkpoints(f.dir.path());
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].step, 3);
+  EXPECT_TRUE((*list)[0].status.is_ok());
+  EXPECT_GT((*list)[0].bytes, 0u);
+}
+
+TEST(Checkpoint, EachKindOfDamageHasItsErrorAndResumeFallsBack) {
+  struct Damage {
+    const char* name;
+    std::function<void(const std::string&)> apply;
+    const char* expect;  // in the error
+  };
+  const std::vector<Damage> damages = {
+      {"flipped byte",
+       [](const std::string& d) {
+         std::fstream f(d + "/state.bin", std::ios::in | std::ios::out | std::ios::binary);
+         f.seekg(100);
+         char c = 0;
+         f.read(&c, 1);
+         c = static_cast<char>(c ^ 0x20);
+         f.seekp(100);
+         f.write(&c, 1);
+       },
+       "checksum"},
+      {"truncated", [](const std::string& d) { fs::resize_file(d + "/state.bin", 1000); }, "truncated"},
+      {"missing state", [](const std::string& d) { fs::remove(d + "/state.bin"); }, "state.bin"},
+      {"missing manifest", [](const std::string& d) { fs::remove(d + "/manifest.json"); }, "manifest.json: missing"},
+      {"another version",
+       [](const std::string& d) {
+         std::ifstream in(d + "/manifest.json");
+         nlohmann::json m = nlohmann::json::parse(in);
+         m["version"] = 99;
+         std::ofstream(d + "/manifest.json") << m.dump();
+       },
+       "format version 99"},
+      {"not json", [](const std::string& d) { std::ofstream(d + "/manifest.json") << "{ nope"; }, "not JSON"},
+  };
+  for (const Damage& d : damages) {
+    SCOPED_TRACE(d.name);
+    Fixture f;
+    d.apply(f.newest());
+    auto r = read_checkpoint(f.newest());
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(d.expect), std::string::npos) << r.status().to_string();
+    std::vector<std::string> skipped;
+    auto c = newest_checkpoint(f.dir.path(), &skipped);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_EQ(c->meta.step, 2);  // fell back
+    ASSERT_EQ(skipped.size(), 1u);
+    EXPECT_EQ(skipped[0].rfind("ckpt-00000003: ", 0), 0u) << skipped[0];
+  }
+}
+
+TEST(Checkpoint, AModelOfAnotherShapeIsRefusedByName) {
+  Fixture f;
+  auto c = newest_checkpoint(f.dir.path(), nullptr);
+  ASSERT_TRUE(c.ok());
+  TrainerOptions wide = base_options();
+  wide.model.width = 64;
+  auto t = Trainer::create(*f.backend, wide);
+  ASSERT_TRUE(t.ok());
+  Status s = load_checkpoint(**t, *c);
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("this run's is"), std::string::npos) << s.to_string();
+}
+
+}  // namespace
+}  // namespace spillway
