@@ -6,7 +6,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: deps configure build run test test-sanitize fuzz bench clean
+.PHONY: deps configure build run test test-sanitize fuzz crash-test bench clean
 
 deps:
 	@./scripts/install-deps.sh
@@ -22,6 +22,12 @@ run: build
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Issue 11's crash test at full count: a training run killed with SIGKILL 50 times at
+# random moments and resumed each time ends with the uninterrupted run's weights.
+CRASH_KILLS ?= 50
+crash-test: build
+	SPILLWAY_CRASH_KILLS=$(CRASH_KILLS) $(BUILD)/test_cli --gtest_filter='CheckpointCli.Killed*'
 
 # The CPU code with AddressSanitizer and UndefinedBehaviorSanitizer (CMake option
 # SPILLWAY_SANITIZE), all tests but the timing ones (sanitizers change the times).

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -128,6 +130,14 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
   const std::string final_path = (fs::path(root) / name).string();
   const std::string temp = (fs::path(root) / ("." + name + ".tmp-" + std::to_string(::getpid()))).string();
   remove_tree(temp);
+  // Temporary folders of writers that are gone (killed while writing) are removed.
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    const size_t at = n.rfind(".tmp-");
+    if (n.rfind(".ckpt-", 0) != 0 || at == std::string::npos) continue;
+    const long long pid = std::atoll(n.c_str() + at + 5);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) remove_tree(e.path().string());
+  }
   if (::mkdir(temp.c_str(), 0755) != 0) return errno_status("create the checkpoint folder " + temp, errno);
 
   const std::vector<TensorId> tensors = trainer.state_tensors();

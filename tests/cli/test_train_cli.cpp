@@ -859,4 +859,55 @@ TEST(CheckpointCli, StopAfterThenResumeMatchesTheUninterruptedRun) {
   std::filesystem::remove_all(dir);
 }
 
+// Issue 11's crash test: a run killed with SIGKILL at random moments (during setup,
+// steps and checkpoint writes), resumed each time, ends with the uninterrupted run's
+// weights bit for bit. SPILLWAY_CRASH_KILLS sets the count (8 here; `make crash-test`
+// runs 50).
+TEST(CheckpointCli, KilledAtRandomMomentsAndResumedEndsWithTheSameWeights) {
+  const char* env = std::getenv("SPILLWAY_CRASH_KILLS");
+  const int kills = env ? std::max(1, std::atoi(env)) : 8;
+  const auto dir = std::filesystem::temp_directory_path() / ("spillway_crash_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string d = dir.string();
+  const std::string common = "train --backend cpu --steps 60 --batch 4 --context 64 --eval-every 0 --quiet --threads 1";
+  CliRun straight = run(common + " --save " + d + "/full.safetensors");
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  auto has_checkpoint = [&] {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(d + "/ck", ec))
+      if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
+    return false;
+  };
+  uint64_t rng = 12345;
+  int done_kills = 0;
+  for (int i = 0; i < kills * 3 && done_kills < kills; ++i) {
+    const std::string args = (has_checkpoint() ? "train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --threads 1"
+                                               : common + " --checkpoint-dir " + d + "/ck") +
+                             " --checkpoint-every 1 --keep 2 --save " + d + "/resumed.safetensors";
+    pid_t pid = start(args, d + "/log.txt");
+    ASSERT_GT(pid, 0);
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30 + static_cast<int>((rng >> 33) % 700)));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) ++done_kills;                      // killed while it ran
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;  // finished before the kill
+    if (WIFEXITED(status)) ADD_FAILURE() << "the run failed: " << read_file(d + "/log.txt");
+  }
+  // Finish the run.
+  CliRun last = run(has_checkpoint() ? "train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --threads 1 --save " +
+                                           d + "/resumed.safetensors"
+                                     : common + " --save " + d + "/resumed.safetensors");
+  ASSERT_EQ(last.code, 0) << last.output;
+  std::printf("%d kills with SIGKILL while the run was going\n", done_kills);
+  EXPECT_GE(done_kills, (kills + 1) / 2) << "the run finished before most kills: make it longer";
+  EXPECT_EQ(read_file(d + "/resumed.safetensors"), read_file(d + "/full.safetensors"))
+      << "after " << done_kills << " kills the weights differ from the uninterrupted run's";
+  for (const auto& e : std::filesystem::directory_iterator(d + "/ck"))  // no temporary folder of a killed writer stays
+    EXPECT_EQ(e.path().filename().string().rfind("ckpt-", 0), 0u) << e.path();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
