@@ -2,7 +2,9 @@
 // policy or budget, verification of every file, fallback to an older checkpoint, and
 // keeping the newest K.
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -238,6 +240,45 @@ TEST(Checkpoint, AModelOfAnotherShapeIsRefusedByName) {
   Status s = load_checkpoint(**t, *c);
   EXPECT_FALSE(s.is_ok());
   EXPECT_NE(s.message().find("this run's is"), std::string::npos) << s.to_string();
+}
+
+// A checkpoint that does not fit on its file system (ENOSPC halfway through
+// state.bin) fails with an error naming the folder and the bytes it needed; the
+// previous checkpoints stay whole and no temporary folder is left. Needs a 1 MiB
+// tmpfs (mount(2), as root); skipped where the test cannot make one.
+TEST(Checkpoint, AFullDiskKeepsThePreviousCheckpoint) {
+  testing_support::TempDir dir;
+  if (::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=1m") != 0)
+    GTEST_SKIP() << "cannot mount a small tmpfs here (" << std::strerror(errno) << ")";
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{dir.path()};
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  auto t = Trainer::create(**backend, base_options());
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  Status failure;
+  int written = 0;
+  for (int s = 1; s <= 6 && failure.is_ok(); ++s) {
+    ASSERT_TRUE((*t)->step(batches(2, 2, 16, s)).ok());
+    auto p = write_checkpoint(**t, dir.path() + "/ck", {.step = s, .data_batch = s, .config = {}}, 10);
+    if (p.ok()) ++written;
+    else failure = p.status();
+  }
+  ASSERT_FALSE(failure.is_ok()) << "every checkpoint fitted in 1 MiB: the model is too small for this test";
+  ASSERT_GT(written, 0);
+  std::printf("the full disk: %s\n", failure.to_string().c_str());
+  EXPECT_NE(failure.message().find(dir.path() + "/ck/ckpt-"), std::string::npos) << failure.to_string();
+  EXPECT_NE(failure.message().find("of state"), std::string::npos) << failure.to_string();
+  EXPECT_NE(failure.message().find("No space"), std::string::npos) << failure.to_string();
+  auto list = list_checkpoints(dir.path() + "/ck");
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), static_cast<size_t>(written));
+  for (const CheckpointListing& c : *list) EXPECT_TRUE(c.status.is_ok()) << c.path << ": " << c.status.to_string();
+  for (const auto& e : fs::directory_iterator(dir.path() + "/ck"))
+    EXPECT_EQ(e.path().filename().string().rfind("ckpt-", 0), 0u) << "left behind: " << e.path();
 }
 
 }  // namespace
