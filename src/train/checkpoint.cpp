@@ -202,16 +202,10 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
   return final_path;
 }
 
-Result<Checkpoint> read_checkpoint(const std::string& path) {
+Result<Checkpoint> parse_checkpoint_manifest(std::string_view text, const std::string& manifest_path) {
   Checkpoint c;
-  c.path = path;
-  const std::string manifest_path = path + "/manifest.json";
-  std::ifstream in(manifest_path);
-  if (!in) return Status::not_found(manifest_path + ": missing (an incomplete checkpoint)");
-  std::stringstream text;
-  text << in.rdbuf();
   try {
-    c.manifest = nlohmann::json::parse(text.str());
+    c.manifest = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     return Status::corrupt(manifest_path + ": not JSON: " + e.what());
   }
@@ -228,6 +222,41 @@ Result<Checkpoint> read_checkpoint(const std::string& path) {
     c.meta.data_batch = m.at("data_batch").get<int64_t>();
     c.meta.config = m.at("config");
     if (c.meta.step < 0 || c.meta.data_batch < 0) return Status::corrupt(manifest_path + ": a negative step or data position");
+    for (const nlohmann::json& f : m.at("files")) {
+      const std::string name = f.at("name").get<std::string>();
+      if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
+        return Status::corrupt(manifest_path + ": file name '" + name + "' is not a plain name");
+      (void)f.at("bytes").get<uint64_t>();
+      bool ok = false;
+      (void)parse_hex64(f.at("xxh3").get<std::string>(), &ok);
+      if (!ok) return Status::corrupt(manifest_path + ": the checksum of " + name + " is not 16 hex digits");
+    }
+    for (const nlohmann::json& t : m.at("tensors")) {
+      (void)t.at("name").get<std::string>();
+      (void)t.at("dtype").get<std::string>();
+      (void)t.at("shape").get<std::vector<int64_t>>();
+      (void)t.at("offset").get<uint64_t>();
+      (void)t.at("bytes").get<uint64_t>();
+      bool ok = false;
+      (void)parse_hex64(t.at("xxh3").get<std::string>(), &ok);
+      if (!ok) return Status::corrupt(manifest_path + ": a tensor's checksum is not 16 hex digits");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return Status::corrupt(manifest_path + ": a field is missing or of the wrong type: " + e.what());
+  }
+  return c;
+}
+
+Result<Checkpoint> read_checkpoint(const std::string& path) {
+  const std::string manifest_path = path + "/manifest.json";
+  std::ifstream in(manifest_path);
+  if (!in) return Status::not_found(manifest_path + ": missing (an incomplete checkpoint)");
+  std::stringstream text;
+  text << in.rdbuf();
+  SPILLWAY_ASSIGN_OR_RETURN(Checkpoint c, parse_checkpoint_manifest(text.str(), manifest_path));
+  c.path = path;
+  const nlohmann::json& m = c.manifest;
+  try {
     // Every file: its size and checksum.
     for (const nlohmann::json& f : m.at("files")) {
       const std::string name = f.at("name").get<std::string>();

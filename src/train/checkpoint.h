@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -54,6 +55,10 @@ struct Checkpoint {
 // Writes the trainer's state (it drains the pipeline first) as a checkpoint under
 // `root` (made if missing), then keeps the newest `keep` (at least 1). Returns its path.
 Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, const CheckpointMeta& meta, int keep);
+
+// Parses manifest.json's text (named `where` in errors): the format, version and
+// every field's type; nothing is read from disk (fuzz/fuzz_checkpoint_manifest.cpp).
+Result<Checkpoint> parse_checkpoint_manifest(std::string_view text, const std::string& where);
 
 // Reads and verifies one checkpoint folder (every byte is checksummed).
 Result<Checkpoint> read_checkpoint(const std::string& path);
