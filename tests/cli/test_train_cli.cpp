@@ -910,4 +910,27 @@ TEST(CheckpointCli, KilledAtRandomMomentsAndResumedEndsWithTheSameWeights) {
   std::filesystem::remove_all(dir);
 }
 
+// SIGINT between steps writes a checkpoint before the run exits (130), and says
+// where to resume; the checkpoint verifies.
+TEST(CheckpointCli, SigintWritesACheckpointAndSaysWhereToResume) {
+  const auto dir = std::filesystem::temp_directory_path() / ("spillway_sigint_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string d = dir.string();
+  pid_t pid = start("train --backend cpu --steps 100000 --batch 4 --context 64 --eval-every 0 --threads 1 --checkpoint-dir " +
+                        d + "/ck --metrics " + d + "/m.jsonl",
+                    d + "/log.txt");
+  ASSERT_GT(pid, 0);
+  for (int i = 0; i < 600 && count_lines(d + "/m.jsonl") < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_GE(count_lines(d + "/m.jsonl"), 3u) << read_file(d + "/log.txt");
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid, 60), 130) << read_file(d + "/log.txt");
+  const std::string log = read_file(d + "/log.txt");
+  EXPECT_NE(log.find("continue with --resume " + d + "/ck"), std::string::npos) << log;
+  CliRun info = run("checkpoint info " + d + "/ck");
+  EXPECT_NE(info.output.find("  ok"), std::string::npos) << info.output;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
