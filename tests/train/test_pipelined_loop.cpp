@@ -131,8 +131,11 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
     ASSERT_EQ(ref.losses.size(), 6u);
     int clipped = 0;
     for (float n : ref.norms) clipped += n > clip.max_norm;
-    if (clip.active) EXPECT_GT(clipped, 0) << "the test needs steps where clipping is active";
-    else EXPECT_EQ(clipped, 0);
+    if (clip.active) {
+      EXPECT_GT(clipped, 0) << "the test needs steps where clipping is active";
+    } else {
+      EXPECT_EQ(clipped, 0);
+    }
     auto program = build_training_program(o.model, o.shape, DType::F32);
     ASSERT_TRUE(program.ok());
     const uint64_t peak = ref.plan.device_bytes;
@@ -151,7 +154,9 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
         ASSERT_EQ(r.plan.op_place.size(), program->ops.size()) << tag;
         const int host = adamw_on(r.plan, *program, Place::Host), device = adamw_on(r.plan, *program, Place::Device);
         EXPECT_GT(host, 0) << tag;
-        if (device_optimizer == 0) EXPECT_EQ(device, 0) << tag;
+        if (device_optimizer == 0) {
+          EXPECT_EQ(device, 0) << tag;
+        }
         mixed += host > 0 && device > 0;
         host_only += device == 0;
       }
@@ -194,8 +199,12 @@ TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
       }
     }
     EXPECT_LE(kept, static_cast<uint64_t>(allowed));
-    if (allowed == 0) EXPECT_EQ(on_device, 0);
-    if (allowed >= 400'000) EXPECT_GT(on_device, 0);
+    if (allowed == 0) {
+      EXPECT_EQ(on_device, 0);
+    }
+    if (allowed >= 400'000) {
+      EXPECT_GT(on_device, 0);
+    }
     EXPECT_TRUE(seen_host);
   }
 }
