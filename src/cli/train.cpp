@@ -14,10 +14,12 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "cli/command.h"
 #include "cli/train_flags.h"
@@ -66,6 +68,23 @@ Status apply_checkpoint_config(const nlohmann::json& c, TrainFlags& f) {
   std::vector<std::string> differ;
   auto take = [&](const char* flag, auto& field, const nlohmann::json& value) {
     using V = std::decay_t<decltype(field)>;
+    // The type first: converting a JSON float to an integer out of range is undefined.
+    bool fits = false;
+    if constexpr (std::is_same_v<V, std::string>) {
+      fits = value.is_string();
+    } else if constexpr (std::is_floating_point_v<V>) {
+      fits = value.is_number();
+    } else if constexpr (std::is_unsigned_v<V>) {
+      fits = value.is_number_unsigned() || (value.is_number_integer() && value.get<int64_t>() >= 0);
+    } else {
+      // (JSON text's non-negative integers parse as unsigned.)
+      fits = value.is_number_integer() &&
+             (value.is_number_unsigned()
+                  ? value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<V>::max())
+                  : value.get<int64_t>() >= std::numeric_limits<V>::min() &&
+                        value.get<int64_t>() <= std::numeric_limits<V>::max());
+    }
+    if (!fits) throw nlohmann::json::type_error::create(302, std::string(flag) + ": " + value.dump() + " is not a valid value", &value);
     const V v = value.get<V>();
     if (f.given.count(flag) && field != v) {
       std::ostringstream d;

@@ -108,6 +108,30 @@ Result<std::vector<std::pair<int64_t, std::string>>> checkpoint_folders(const st
   return out;
 }
 
+// Integer fields: JSON integers only (a float such as 1e30 would be undefined
+// behaviour to convert), within [lo, hi]; throws type_error like json::at does.
+int64_t int_field(const nlohmann::json& j, const char* key, int64_t lo = INT64_MIN, int64_t hi = INT64_MAX) {
+  const nlohmann::json& v = j.at(key);
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
+    throw nlohmann::json::type_error::create(302, std::string("\"") + key + "\" is not an integer", &v);
+  const int64_t x = v.get<int64_t>();
+  if (x < lo || x > hi) throw nlohmann::json::type_error::create(302, std::string("\"") + key + "\" is out of range", &v);
+  return x;
+}
+uint64_t size_field(const nlohmann::json& j, const char* key) {
+  return static_cast<uint64_t>(int_field(j, key, 0, INT64_MAX));
+}
+std::vector<int64_t> dims_field(const nlohmann::json& j, const char* key) {
+  const nlohmann::json& v = j.at(key);
+  if (!v.is_array()) throw nlohmann::json::type_error::create(302, std::string("\"") + key + "\" is not an array", &v);
+  std::vector<int64_t> out;
+  for (const nlohmann::json& d : v) {
+    if (!d.is_number_integer()) throw nlohmann::json::type_error::create(302, std::string("\"") + key + "\" holds a non-integer", &d);
+    out.push_back(d.get<int64_t>());
+  }
+  return out;
+}
+
 uint64_t parse_hex64(const std::string& s, bool* ok) {
   *ok = s.size() == 16;
   uint64_t v = 0;
@@ -215,18 +239,19 @@ Result<Checkpoint> parse_checkpoint_manifest(std::string_view text, const std::s
       return Status::corrupt(manifest_path + ": not a spillway checkpoint manifest (\"format\" is not \"spillway-checkpoint\")");
     if (!m.contains("version") || !m["version"].is_number_integer())
       return Status::corrupt(manifest_path + ": no format version");
-    if (m["version"].get<int64_t>() != kCheckpointVersion)
-      return Status::unsupported(manifest_path + ": format version " + std::to_string(m["version"].get<int64_t>()) +
+    const int64_t version = int_field(m, "version");
+    if (version != kCheckpointVersion)
+      return Status::unsupported(manifest_path + ": format version " + std::to_string(version) +
                                  "; this spillway reads version " + std::to_string(kCheckpointVersion));
-    c.meta.step = m.at("step").get<int64_t>();
-    c.meta.data_batch = m.at("data_batch").get<int64_t>();
+    c.meta.step = int_field(m, "step");
+    c.meta.data_batch = int_field(m, "data_batch");
     c.meta.config = m.at("config");
     if (c.meta.step < 0 || c.meta.data_batch < 0) return Status::corrupt(manifest_path + ": a negative step or data position");
     for (const nlohmann::json& f : m.at("files")) {
       const std::string name = f.at("name").get<std::string>();
       if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
         return Status::corrupt(manifest_path + ": file name '" + name + "' is not a plain name");
-      (void)f.at("bytes").get<uint64_t>();
+      (void)size_field(f, "bytes");
       bool ok = false;
       (void)parse_hex64(f.at("xxh3").get<std::string>(), &ok);
       if (!ok) return Status::corrupt(manifest_path + ": the checksum of " + name + " is not 16 hex digits");
@@ -234,9 +259,9 @@ Result<Checkpoint> parse_checkpoint_manifest(std::string_view text, const std::s
     for (const nlohmann::json& t : m.at("tensors")) {
       (void)t.at("name").get<std::string>();
       (void)t.at("dtype").get<std::string>();
-      (void)t.at("shape").get<std::vector<int64_t>>();
-      (void)t.at("offset").get<uint64_t>();
-      (void)t.at("bytes").get<uint64_t>();
+      (void)dims_field(t, "shape");
+      (void)size_field(t, "offset");
+      (void)size_field(t, "bytes");
       bool ok = false;
       (void)parse_hex64(t.at("xxh3").get<std::string>(), &ok);
       if (!ok) return Status::corrupt(manifest_path + ": a tensor's checksum is not 16 hex digits");
@@ -263,7 +288,7 @@ Result<Checkpoint> read_checkpoint(const std::string& path) {
       if (name.find('/') != std::string::npos || name.empty() || name[0] == '.')
         return Status::corrupt(manifest_path + ": file name '" + name + "' is not a plain name");
       const std::string file = path + "/" + name;
-      const uint64_t want = f.at("bytes").get<uint64_t>();
+      const uint64_t want = size_field(f, "bytes");
       bool ok = false;
       const uint64_t sum = parse_hex64(f.at("xxh3").get<std::string>(), &ok);
       if (!ok) return Status::corrupt(manifest_path + ": the checksum of " + name + " is not 16 hex digits");
@@ -299,7 +324,7 @@ Result<Checkpoint> read_checkpoint(const std::string& path) {
     }
     // Every tensor inside state.bin.
     for (const nlohmann::json& t : m.at("tensors")) {
-      const uint64_t off = t.at("offset").get<uint64_t>(), n = t.at("bytes").get<uint64_t>();
+      const uint64_t off = size_field(t, "offset"), n = size_field(t, "bytes");
       if (off > c.bytes || n > c.bytes - off)
         return Status::corrupt(manifest_path + ": tensor " + t.at("name").get<std::string>() + " lies past the end of state.bin");
     }
@@ -363,14 +388,14 @@ Status load_checkpoint(Trainer& trainer, const Checkpoint& c) {
       }
       const TensorInfo& info = program.tensors.info(id);
       if (t.at("dtype").get<std::string>() != dtype_name(info.dtype) ||
-          t.at("shape").get<std::vector<int64_t>>() != info.shape.dims || t.at("bytes").get<uint64_t>() != info.bytes()) {
+          dims_field(t, "shape") != info.shape.dims || size_field(t, "bytes") != info.bytes()) {
         s = Status::invalid_argument(c.path + ": tensor " + name + " is " + t.at("dtype").get<std::string>() + " " +
                                      t.at("shape").dump() + "; this run's is " + dtype_name(info.dtype) + " " +
                                      nlohmann::json(info.shape.dims).dump());
         break;
       }
       bytes.resize(info.bytes());
-      s = read_all(fd, bytes.data(), bytes.size(), t.at("offset").get<uint64_t>(), state);
+      s = read_all(fd, bytes.data(), bytes.size(), size_field(t, "offset"), state);
       if (!s.is_ok()) break;
       bool ok = false;
       const uint64_t sum = parse_hex64(t.at("xxh3").get<std::string>(), &ok);

@@ -281,5 +281,27 @@ TEST(Checkpoint, AFullDiskKeepsThePreviousCheckpoint) {
     EXPECT_EQ(e.path().filename().string().rfind("ckpt-", 0), 0u) << "left behind: " << e.path();
 }
 
+// Numbers of the wrong kind are errors, never conversions (a float such as 1e30 as
+// a step or size was undefined behaviour to convert; found by the fuzzer).
+TEST(Checkpoint, ManifestNumbersOfTheWrongKindAreErrors) {
+  const std::string ok = R"({"format":"spillway-checkpoint","version":1,"step":3,"data_batch":3,"config":{},
+    "tensors":[{"name":"a","dtype":"f32","shape":[2],"offset":0,"bytes":8,"xxh3":"0123456789abcdef"}],
+    "files":[{"name":"state.bin","bytes":8,"xxh3":"0123456789abcdef"}]})";
+  EXPECT_TRUE(parse_checkpoint_manifest(ok, "m").ok());
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"step\":3", "\"step\":1e30"},
+           {"\"version\":1", "\"version\":1.5e300"},
+           {"\"offset\":0", "\"offset\":-1"},
+           {"\"bytes\":8,\"xxh3", "\"bytes\":8.5,\"xxh3"},
+           {"\"shape\":[2]", "\"shape\":[2.5e40]"},
+           {"\"data_batch\":3", "\"data_batch\":\"3\""}}) {
+    std::string bad = ok;
+    ASSERT_NE(bad.find(from), std::string::npos) << from;
+    bad.replace(bad.find(from), from.size(), to);
+    auto r = parse_checkpoint_manifest(bad, "m");
+    EXPECT_FALSE(r.ok()) << to;
+  }
+}
+
 }  // namespace
 }  // namespace spillway
