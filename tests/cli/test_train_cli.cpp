@@ -873,22 +873,37 @@ TEST(CheckpointCli, KilledAtRandomMomentsAndResumedEndsWithTheSameWeights) {
   const std::string common = "train --backend cpu --steps 60 --batch 4 --context 64 --eval-every 0 --quiet --threads 1";
   CliRun straight = run(common + " --save " + d + "/full.safetensors");
   ASSERT_EQ(straight.code, 0) << straight.output;
-  auto has_checkpoint = [&] {
+  // The newest checkpoint's step (-1: none yet).
+  auto newest_step = [&] {
+    int64_t best = -1;
     std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator(d + "/ck", ec))
-      if (e.path().filename().string().rfind("ckpt-", 0) == 0) return true;
-    return false;
+    for (const auto& e : std::filesystem::directory_iterator(d + "/ck", ec)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind("ckpt-", 0) == 0) best = std::max<int64_t>(best, std::atoll(n.c_str() + 5));
+    }
+    return best;
   };
   uint64_t rng = 12345;
-  int done_kills = 0;
+  int done_kills = 0, resumed_runs = 0;
   for (int i = 0; i < kills * 3 && done_kills < kills; ++i) {
-    const std::string args = (has_checkpoint() ? "train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --threads 1"
-                                               : common + " --checkpoint-dir " + d + "/ck") +
+    const bool resuming = newest_step() >= 0;
+    resumed_runs += resuming;
+    const std::string args = (resuming ? "train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --threads 1"
+                                       : common + " --checkpoint-dir " + d + "/ck") +
                              " --checkpoint-every 1 --keep 2 --save " + d + "/resumed.safetensors";
+    const int64_t before = newest_step();
     pid_t pid = start(args, d + "/log.txt");
     ASSERT_GT(pid, 0);
     rng = rng * 6364136223846793005ull + 1442695040888963407ull;
-    std::this_thread::sleep_for(std::chrono::milliseconds(30 + static_cast<int>((rng >> 33) % 700)));
+    if (i % 2 == 0) {
+      // Kill during setup or early steps: at a random moment after the start.
+      std::this_thread::sleep_for(std::chrono::milliseconds(30 + static_cast<int>((rng >> 33) % 400)));
+    } else {
+      // Kill after the run made progress (a new checkpoint), a little later: during
+      // a step or the next checkpoint's write. However slow the machine, runs resume.
+      for (int k = 0; k < 3000 && newest_step() <= before; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>((rng >> 33) % 120)));
+    }
     ::kill(pid, SIGKILL);
     int status = 0;
     ::waitpid(pid, &status, 0);
@@ -896,11 +911,13 @@ TEST(CheckpointCli, KilledAtRandomMomentsAndResumedEndsWithTheSameWeights) {
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;  // finished before the kill
     if (WIFEXITED(status)) ADD_FAILURE() << "the run failed: " << read_file(d + "/log.txt");
   }
-  // Finish the run.
-  CliRun last = run(has_checkpoint() ? "train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --threads 1 --save " +
-                                           d + "/resumed.safetensors"
-                                     : common + " --save " + d + "/resumed.safetensors");
+  // Finish the run (with its checkpoints, as the killed runs had).
+  const bool resuming = newest_step() >= 0;
+  CliRun last = run((resuming ? "train --backend cpu --resume " + d + "/ck --eval-every 0 --quiet --threads 1"
+                              : common + " --checkpoint-dir " + d + "/ck") +
+                    " --checkpoint-every 1 --keep 2 --save " + d + "/resumed.safetensors");
   ASSERT_EQ(last.code, 0) << last.output;
+  EXPECT_GE(resumed_runs, kills / 2 - 1) << "too few runs resumed: the kills came before any checkpoint";
   std::printf("%d kills with SIGKILL while the run was going\n", done_kills);
   EXPECT_GE(done_kills, (kills + 1) / 2) << "the run finished before most kills: make it longer";
   EXPECT_EQ(read_file(d + "/resumed.safetensors"), read_file(d + "/full.safetensors"))
