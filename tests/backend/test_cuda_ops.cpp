@@ -20,18 +20,13 @@
 #ifdef SPILLWAY_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
+#include "support/gpu_support.h"
 
 using namespace spillway;
 
 namespace {
 
-bool gpu_present() {
-#ifdef SPILLWAY_HAVE_CUDA
-  return cuda_device_present();
-#else
-  return false;
-#endif
-}
+using testing_support::gpu_present;
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

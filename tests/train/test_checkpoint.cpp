@@ -18,6 +18,7 @@
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"
+#include "support/trainer_support.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -26,27 +27,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-std::vector<TokenBatch> batches(int accum, int B, int T, uint64_t seed) {
-  std::vector<TokenBatch> out(static_cast<size_t>(accum));
-  uint64_t s = seed;
-  auto next = [&] {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<int32_t>((s >> 33) % 64);
-  };
-  for (TokenBatch& b : out)
-    for (int i = 0; i < B * T; ++i) {
-      int32_t t = next();
-      b.tokens.push_back(t);
-      b.targets.push_back((t * 7 + 3) % 64);
-    }
-  return out;
-}
+using testing_support::float_bits;
+using testing_support::learnable_batches;
 
 TrainerOptions base_options() {
   TrainerOptions o;
@@ -66,7 +48,7 @@ struct StateRun {
 // Steps [from, to] (1-based) on `t`, then its state.
 void steps(Trainer& t, int from, int to, StateRun& run) {
   for (int s = from; s <= to; ++s) {
-    auto r = t.step(batches(2, 2, 16, 100 + s));
+    auto r = t.step(learnable_batches(2, 2, 16, 100 + s));
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     run.losses.push_back(r->loss);
   }
@@ -145,7 +127,7 @@ TEST(Checkpoint, ResumeGivesTheUninterruptedRunsBitsUnderEveryPolicyAndAcrossACh
     steps(**t, 5, 8, resumed);
     ASSERT_EQ(resumed.losses.size(), straight.losses.size());
     for (size_t i = 0; i < straight.losses.size(); ++i)
-      EXPECT_EQ(bits(resumed.losses[i]), bits(straight.losses[i])) << "step " << i + 1;
+      EXPECT_EQ(float_bits(resumed.losses[i]), float_bits(straight.losses[i])) << "step " << i + 1;
     EXPECT_TRUE(resumed.state == straight.state) << "the state after step 8 differs";
   }
 }
@@ -162,7 +144,7 @@ struct Fixture {
     trainer = std::move(*t);
     EXPECT_TRUE(trainer->init_parameters().is_ok());
     for (int s = 1; s <= 3; ++s) {
-      EXPECT_TRUE(trainer->step(batches(2, 2, 16, s)).ok());
+      EXPECT_TRUE(trainer->step(learnable_batches(2, 2, 16, s)).ok());
       auto p = write_checkpoint(*trainer, dir.path(), {.step = s, .data_batch = s, .config = {}}, 2);
       EXPECT_TRUE(p.ok()) << p.status().to_string();
     }
@@ -262,7 +244,7 @@ TEST(Checkpoint, AFullDiskKeepsThePreviousCheckpoint) {
   Status failure;
   int written = 0;
   for (int s = 1; s <= 6 && failure.is_ok(); ++s) {
-    ASSERT_TRUE((*t)->step(batches(2, 2, 16, s)).ok());
+    ASSERT_TRUE((*t)->step(learnable_batches(2, 2, 16, s)).ok());
     auto p = write_checkpoint(**t, dir.path() + "/ck", {.step = s, .data_batch = s, .config = {}}, 10);
     if (p.ok()) ++written;
     else failure = p.status();

@@ -17,17 +17,12 @@
 #ifdef SPILLWAY_HAVE_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
+#include "support/gpu_support.h"
 
 namespace spillway {
 namespace {
 
-bool gpu_present() {
-#ifdef SPILLWAY_HAVE_CUDA
-  return cuda_device_present();
-#else
-  return false;
-#endif
-}
+using testing_support::gpu_present;
 
 TEST(CudaBudget, KernelCodeIsLoadedAndCountedBeforeTheStep) {
   if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU on this machine";

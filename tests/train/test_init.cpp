@@ -18,6 +18,7 @@
 #include "model/gpt.h"
 #include "optim/adamw.h"
 #include "train/trainer.h"
+#include "support/trainer_support.h"
 #include "support/test_support.h"
 
 namespace spillway {
@@ -166,16 +167,7 @@ std::vector<TokenBatch> batches(const GPTConfig& cfg, uint64_t salt) {
   return {b};
 }
 
-std::map<std::string, std::vector<float>> read_state(Trainer& t) {
-  std::map<std::string, std::vector<float>> out;
-  for (const ParamSpec& p : parameter_specs(t.options().model))
-    for (const std::string& name : {p.name, "master." + p.name, "adam_m." + p.name, "adam_v." + p.name}) {
-      auto v = t.read_floats(name);
-      EXPECT_TRUE(v.ok()) << name << ": " << v.status().to_string();
-      if (v.ok()) out[name] = std::move(*v);
-    }
-  return out;
-}
+using testing_support::read_state;
 
 void expect_initial_state(Trainer& t, const std::string& what) {
   const TrainerOptions& o = t.options();

@@ -17,33 +17,15 @@
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"
+#include "support/trainer_support.h"
 #include "train/data.h"
 #include "train/trainer.h"
 
 namespace spillway {
 namespace {
 
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-std::vector<TokenBatch> batches(int accum, int B, int T, uint64_t seed) {
-  std::vector<TokenBatch> out(static_cast<size_t>(accum));
-  uint64_t s = seed;
-  auto next = [&] {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    return static_cast<int32_t>((s >> 33) % 64);
-  };
-  for (TokenBatch& b : out)
-    for (int i = 0; i < B * T; ++i) {
-      int32_t t = next();
-      b.tokens.push_back(t);
-      b.targets.push_back((t * 7 + 3) % 64);  // learnable
-    }
-  return out;
-}
+using testing_support::float_bits;
+using testing_support::learnable_batches;
 
 struct PipelinedRun {
   std::vector<float> losses, norms;  // [steps]
@@ -62,12 +44,12 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
   run.plan = tr.plan();
   EXPECT_TRUE(tr.init_parameters().is_ok());
   std::vector<uint16_t> stream;
-  for (const TokenBatch& b : batches(1, 4, 16, 99))
+  for (const TokenBatch& b : learnable_batches(1, 4, 16, 99))
     for (int32_t tok : b.tokens) stream.push_back(static_cast<uint16_t>(tok));
   TokenSplit split{.source = "test", .tokens = std::make_shared<const std::vector<uint16_t>>(stream)};
   const std::string dir = testing::TempDir();
   for (int s = 1; s <= 6; ++s) {
-    auto r = tr.step(batches(o.shape.accum, o.shape.B, o.shape.T, 100 + s));
+    auto r = tr.step(learnable_batches(o.shape.accum, o.shape.B, o.shape.T, 100 + s));
     EXPECT_TRUE(r.ok()) << tag << " step " << s << ": " << r.status().to_string();
     if (!r.ok()) return run;
     run.losses.push_back(r->loss);
@@ -94,10 +76,10 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
 void expect_same(const PipelinedRun& r, const PipelinedRun& ref, const std::string& tag) {
   ASSERT_EQ(r.losses.size(), ref.losses.size()) << tag;
   for (size_t i = 0; i < r.losses.size(); ++i) {
-    EXPECT_EQ(bits(r.losses[i]), bits(ref.losses[i])) << tag << ": loss of step " << i + 1;
-    EXPECT_EQ(bits(r.norms[i]), bits(ref.norms[i])) << tag << ": gradient norm of step " << i + 1;
+    EXPECT_EQ(float_bits(r.losses[i]), float_bits(ref.losses[i])) << tag << ": loss of step " << i + 1;
+    EXPECT_EQ(float_bits(r.norms[i]), float_bits(ref.norms[i])) << tag << ": gradient norm of step " << i + 1;
   }
-  EXPECT_EQ(bits(r.val), bits(ref.val)) << tag << ": evaluation after step 3";
+  EXPECT_EQ(float_bits(r.val), float_bits(ref.val)) << tag << ": evaluation after step 3";
   EXPECT_FALSE(ref.saved_mid.empty());
   EXPECT_TRUE(r.saved_mid == ref.saved_mid) << tag << ": the weights saved after step 3 differ";
   EXPECT_TRUE(r.saved_end == ref.saved_end) << tag << ": the weights saved after step 6 differ";

@@ -19,6 +19,7 @@
 #include "train/sampler.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "support/trainer_support.h"
 #include "support/test_support.h"
 
 namespace spillway {
@@ -266,17 +267,7 @@ TEST(Trainer, MetricsLineIsJsonWithNonFiniteNumbers) {
   EXPECT_FALSE(nlohmann::json::parse(metrics_json(r)).contains("skipped"));
 }
 
-// Every parameter, master weight and Adam moment of a trainer, by tensor name.
-std::map<std::string, std::vector<float>> read_state(Trainer& t) {
-  std::map<std::string, std::vector<float>> out;
-  for (const ParamSpec& p : parameter_specs(t.options().model))
-    for (const std::string& name : {p.name, "master." + p.name, "adam_m." + p.name, "adam_v." + p.name}) {
-      auto v = t.read_floats(name);
-      EXPECT_TRUE(v.ok()) << name << ": " << v.status().to_string();
-      if (v.ok()) out[name] = std::move(*v);
-    }
-  return out;
-}
+using testing_support::read_state;
 
 // Bit for bit (NaN included: a NaN written in stays that NaN).
 void expect_same_state(const std::map<std::string, std::vector<float>>& got,
