@@ -3,7 +3,7 @@
 # unpacks the Debian packages carried in .deps/ into .deps/prefix, then configures
 # and builds with ninja into build-device/. Usage: scripts/device-build.sh [targets...]
 # .deps/ is not committed: on the dev box, before the device call, run
-#   mkdir -p .deps && (cd .deps && apt-get download liburing-dev liburing2 libxxhash-dev libxxhash0)
+#   mkdir -p .deps && (cd .deps && apt-get download liburing-dev liburing2 libxxhash-dev libxxhash0 libpcre2-dev)
 # and name .deps in the device tool's carry list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +18,6 @@ fi
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix/usr" -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DXXHASH_INCLUDE_DIR="$prefix/usr/include" \
-  -DURING_INCLUDE_DIR="$prefix/usr/include" -DURING_LIBRARY="$prefix/usr/lib/x86_64-linux-gnu/liburing.a" >/dev/null
+  -DURING_INCLUDE_DIR="$prefix/usr/include" -DURING_LIBRARY="$prefix/usr/lib/x86_64-linux-gnu/liburing.a" \
+  -DPCRE2_INCLUDE_DIR="$prefix/usr/include" -DPCRE2_LIBRARY="$prefix/usr/lib/x86_64-linux-gnu/libpcre2-8.a" >/dev/null
 cmake --build build-device -j "$(nproc)" ${1:+--target "$@"}

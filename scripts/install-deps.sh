@@ -6,7 +6,7 @@ packages=(
   build-essential cmake make pkg-config git
   liburing-dev libopenblas-dev
   googletest libgtest-dev libgmock-dev libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev libxxhash-dev
+  libcli11-dev nlohmann-json3-dev libxxhash-dev libpcre2-dev
   python3
   clang libclang-rt-14-dev llvm  # make fuzz: clang with libFuzzer, llvm-symbolizer for sanitizer stacks
 )
