@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <optional>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -51,6 +52,8 @@ struct BenchTrainFlags {
   std::string json;  // file for the JSON summary ("" = none)
 };
 
+  std::string checkpoint_dir;  // --checkpoint-dir: checkpoints every --checkpoint-every steps, timed with the steps
+  int checkpoint_every = 0;
 // The time split of one profiled step: matrix products, attention, other kernels of
 // the forward and backward, and the optimizer phase (norms, clipping, AdamW, on
 // device or host), then the slowest ops. Beside it, two figures measured apart from
@@ -104,6 +107,10 @@ Status run_bench(const BenchTrainFlags& f) {
   if (f.accum < 1) return Status::invalid_argument("--accum must be at least 1, got " + std::to_string(f.accum));
   if (f.context < 0) return Status::invalid_argument("--context must be positive, got " + std::to_string(f.context));
   SPILLWAY_ASSIGN_OR_RETURN(GPTConfig cfg, resolve_model(f.model));
+  if ((f.checkpoint_every > 0) != !f.checkpoint_dir.empty())
+    return Status::invalid_argument("--checkpoint-dir and --checkpoint-every go together (give both or neither)");
+  if (f.checkpoint_every < 0)
+    return Status::invalid_argument("--checkpoint-every must be positive, got " + std::to_string(f.checkpoint_every));
   const int T = f.context ? f.context : cfg.context;
   if (T > cfg.context)
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
@@ -144,6 +151,10 @@ Status run_bench(const BenchTrainFlags& f) {
   StepProfile profile;
   double profiled_step_s = 0;
   const int last_step = f.steps + (f.profile ? 1 : 0);
+  std::optional<CheckpointWriter> writer;
+  if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, 2);
+  int checkpoints = 0;
+  double checkpoint_wait_s = 0, tail_write_s = 0;
   for (int s = 1; s <= last_step; ++s) {
     if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
     const bool profiled = s > f.steps;
@@ -175,9 +186,19 @@ Status run_bench(const BenchTrainFlags& f) {
     last = r->exec;
     if (s == f.steps) {
       SPILLWAY_RETURN_IF_ERROR(trainer->drain().with_context("step " + std::to_string(s)));
+    if (writer && s < f.steps && s % f.checkpoint_every == 0) {
+      SPILLWAY_RETURN_IF_ERROR(writer->begin(*trainer, {.step = s, .data_batch = s, .config = {{"bench", "train"}}})
+                                   .with_context("--checkpoint-dir " + f.checkpoint_dir));
+      ++checkpoints;
+      if (s > 1) checkpoint_wait_s += writer->last_wait_s();
+    }
       timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
     }
+      const auto steps_end = std::chrono::steady_clock::now();
+      // The write in flight counts: the timed steps end when the last checkpoint is on disk.
+      if (writer) SPILLWAY_RETURN_IF_ERROR(writer->wait().status().with_context("--checkpoint-dir " + f.checkpoint_dir));
   }
+      tail_write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - steps_end).count();
   const int timed = f.steps - 1;
   const double step_s = timed_s / timed;
   const double tokens = static_cast<double>(trainer->tokens_per_step());
@@ -186,6 +207,12 @@ Status run_bench(const BenchTrainFlags& f) {
   std::printf("step time     %.4f s (mean of %d steps)\n", step_s, timed);
   std::printf("executor waits %.1f%% of the step (host time waiting for copies, host ops and regions; the GPU "
               "may be busy meanwhile)\n",
+  if (writer)
+    std::printf("checkpoints   %d of %s (every %d steps, written in the %s), training waited %.2f s for their "
+                "snapshots (%.1f%% of the timed steps); the last write ended %.2f s after the last step (counted)\n",
+                checkpoints, format_size(trainer->state_bytes()).c_str(), f.checkpoint_every,
+                writer->sync_reason().empty() ? "background" : "foreground", checkpoint_wait_s,
+                timed_s > 0 ? 100.0 * checkpoint_wait_s / timed_s : 0.0, tail_write_s);
               timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
   std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
               issue_s / timed);
@@ -213,10 +240,11 @@ Status run_bench(const BenchTrainFlags& f) {
     const int n = std::fprintf(out,
         "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
         "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s,"
-        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f}\n",
+        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f}\n",
         backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
         static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
-        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s);
+        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s, checkpoints,
+        checkpoint_wait_s);
     const bool closed = std::fclose(out) == 0;
     if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
   }
@@ -237,6 +265,9 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
   app.add_option("--seed", f->seed, "parameters and random tokens")->capture_default_str();
   app.add_option("--json", f->json, "also write the figures (tokens/s, step time, device memory used beyond the "
                                      "CUDA context and its peak, the budget) to this file as one JSON object");
+  app.add_option("--checkpoint-dir", f->checkpoint_dir,
+                 "also write checkpoints of the whole state here (in the background), timed with the steps");
+  app.add_option("--checkpoint-every", f->checkpoint_every, "steps between checkpoints (with --checkpoint-dir)");
   add_memory_flags(app, f->memory);
   return [f]() -> int {
     Status s = run_bench(*f);

@@ -338,9 +338,32 @@ Status run_train(const TrainFlags& given_flags) {
   int64_t timed_tokens = 0;
   StepMetrics peaks;
   const auto loop_start = std::chrono::steady_clock::now();
-  auto checkpoint = [&]() -> Result<std::string> {
+  // Checkpoints are written in the background (a snapshot in host memory first);
+  // the one at the end or on a signal is waited for.
+  std::optional<CheckpointWriter> writer;
+  if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, f.keep);
+  int64_t checkpoint_step = -1;  // the step of the newest checkpoint started
+  int checkpoints = 0;
+  double checkpoint_wait_s = 0;
+  auto start_checkpoint = [&]() -> Status {
     CheckpointMeta meta{.step = trainer->steps_done(), .data_batch = train_loader->batch_index(), .config = config};
-    return write_checkpoint(*trainer, f.checkpoint_dir, meta, f.keep);
+    SPILLWAY_RETURN_IF_ERROR(writer->begin(*trainer, meta));
+    checkpoint_step = meta.step;
+    ++checkpoints;
+    checkpoint_wait_s += writer->last_wait_s();
+    return Status::ok();
+  };
+  // The checkpoint of the current step, finished: its path.
+  auto checkpoint = [&]() -> Result<std::string> {
+    if (checkpoint_step != trainer->steps_done()) {
+      SPILLWAY_RETURN_IF_ERROR(writer->wait().status());
+      SPILLWAY_RETURN_IF_ERROR(start_checkpoint());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    auto written = writer->wait();
+    checkpoint_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (written.ok() && written->empty()) return writer->last_path();
+    return written;
   };
   const int first = static_cast<int>(trainer->steps_done()) + 1;
   const int final_step = f.stop_after > 0 ? std::min(f.steps, f.stop_after) : f.steps;
@@ -391,11 +414,15 @@ Status run_train(const TrainFlags& given_flags) {
     }
     progress.update(*r, std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count());
     last = *r;
-    if (f.checkpoint_every > 0 && s % f.checkpoint_every == 0 && s < final_step) {
-      auto written = checkpoint();
-      if (!written.ok()) {
+    if (writer) {
+      // A background write that failed stops the run (its folder is removed; the
+      // previous checkpoints stay).
+      Status c = writer->poll();
+      if (c.is_ok() && f.checkpoint_every > 0 && s % f.checkpoint_every == 0 && s < final_step) c = start_checkpoint();
+      if (!c.is_ok()) {
         progress.interrupt();
-        return written.status().with_context("--checkpoint-dir after step " + std::to_string(s));
+        return c.with_context("--checkpoint-dir " + f.checkpoint_dir + " (checkpoint of step " +
+                              std::to_string(checkpoint_step >= 0 ? checkpoint_step : s) + ")");
       }
     }
     if (!f.trace.empty() && s == trace_step) {
@@ -435,7 +462,9 @@ Status run_train(const TrainFlags& given_flags) {
               format_size(peaks.d2h_bytes).c_str());
   if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());
   if (!checkpoint_written.empty()) {
-    std::printf("checkpoint %s (step %lld)\n", checkpoint_written.c_str(), static_cast<long long>(trainer->steps_done()));
+    std::printf("checkpoint %s (step %lld); %d written, training waited %.2f s for them%s%s\n", checkpoint_written.c_str(),
+                static_cast<long long>(trainer->steps_done()), checkpoints, checkpoint_wait_s,
+                writer->sync_reason().empty() ? "" : ": ", writer->sync_reason().c_str());
     if (final_step < f.steps)
       std::printf("stopped after step %d of %d (--stop-after): continue with --resume %s\n", final_step, f.steps,
                   f.checkpoint_dir.c_str());

@@ -191,6 +191,16 @@ class PlanExecutor final : public Executor {
                                     " holds no value between steps (it lives only inside a step)");
   }
 
+  Result<const void*> host_value(TensorId t) override {
+    if (t < 0 || static_cast<size_t>(t) >= slots_.size())
+      return Status::invalid_argument("host_value: no tensor with id " + std::to_string(t));
+    SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
+    const Residency& r = table_.state(t);
+    const Slot& s = slots_[t];
+    if (r.valid(Tier::Host) && s.host) return static_cast<const void*>(s.host);
+    return static_cast<const void*>(nullptr);
+  }
+
   Status run_step(const StepContext& ctx) override {
     // A failed step leaves tensors half moved: the state is no longer trustworthy.
     if (!failure_.is_ok())

@@ -99,6 +99,10 @@ class Executor {
   virtual Status write_tensor(TensorId t, const void* src, size_t bytes) = 0;
   // Reads a tensor's newest value from wherever it is valid.
   virtual Status read_tensor(TensorId t, void* dst, size_t bytes) = 0;
+  // The host copy of a tensor's newest value (bytes(t) bytes, in its dtype), or
+  // nullptr when its newest value is not on host (read_tensor reads it then). Valid
+  // until the next run_step or write_tensor. Checkpoints copy these in parallel.
+  virtual Result<const void*> host_value(TensorId t) = 0;
   virtual Status run_step(const StepContext& ctx) = 0;
   // Waits for the work the last step left in flight (host ops, deferred fetches);
   // its error, if it failed (the state is then half updated, and no step runs again).

@@ -1,11 +1,14 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <functional>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -145,16 +148,33 @@ uint64_t parse_hex64(const std::string& s, bool* ok) {
 
 }  // namespace
 
-Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, const CheckpointMeta& meta, int keep) {
-  SPILLWAY_RETURN_IF_ERROR(trainer.drain());
+namespace {
+
+// One state tensor as the checkpoint writes it.
+struct StateEntry {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> dims;
+  uint64_t bytes = 0;
+};
+
+std::vector<StateEntry> state_entries(const Trainer& trainer, const std::vector<TensorId>& tensors) {
+  std::vector<StateEntry> out;
+  for (TensorId t : tensors) {
+    const TensorInfo& info = trainer.program().tensors.info(t);
+    out.push_back({info.name, info.dtype, info.shape.dims, info.bytes()});
+  }
+  return out;
+}
+
+// ROOT made if missing, temporary folders of writers that are gone (killed while
+// writing) removed, and this writer's temporary folder made; returns its path.
+Result<std::string> make_temp_folder(const std::string& root, const std::string& name) {
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) return Status::io_error("--checkpoint-dir " + root + ": cannot create it: " + ec.message());
-  const std::string name = checkpoint_name(meta.step);
-  const std::string final_path = (fs::path(root) / name).string();
   const std::string temp = (fs::path(root) / ("." + name + ".tmp-" + std::to_string(::getpid()))).string();
   remove_tree(temp);
-  // Temporary folders of writers that are gone (killed while writing) are removed.
   for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
     const std::string n = e.path().filename().string();
     const size_t at = n.rfind(".tmp-");
@@ -163,17 +183,24 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
     if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) remove_tree(e.path().string());
   }
   if (::mkdir(temp.c_str(), 0755) != 0) return errno_status("create the checkpoint folder " + temp, errno);
+  return temp;
+}
 
-  const std::vector<TensorId> tensors = trainer.state_tensors();
-  const Program& program = trainer.program();
+// Writes state.bin and manifest.json into `temp`, renames it to ROOT/ckpt-<step>,
+// fsyncs ROOT and keeps the newest `keep`. `bytes_of(i, scratch)` returns tensor
+// i's bytes (pointing into `scratch` or elsewhere). On an error the temporary
+// folder is removed and the error names the checkpoint and the bytes it needed.
+Result<std::string> write_folder(const std::string& root, const std::string& temp, const CheckpointMeta& meta, int keep,
+                                 const std::vector<StateEntry>& entries,
+                                 const std::function<Result<const uint8_t*>(size_t, std::vector<uint8_t>&)>& bytes_of) {
+  const std::string final_path = (fs::path(root) / checkpoint_name(meta.step)).string();
   uint64_t total = 0;
-  for (TensorId t : tensors) total += program.tensors.info(t).bytes();
+  for (const StateEntry& e : entries) total += e.bytes;
   auto fail = [&](const Status& s) {
     remove_tree(temp);
     return s.with_context("writing checkpoint " + final_path + " (" + format_size(total) + " of state; " +
                           "the previous checkpoints are kept)");
   };
-
   nlohmann::json manifest;
   manifest["format"] = "spillway-checkpoint";
   manifest["version"] = kCheckpointVersion;
@@ -185,23 +212,26 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
   int fd = ::open(state_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return fail(errno_status("create " + state_path, errno));
   Checksum64Stream file_sum;
-  std::vector<uint8_t> bytes;
+  std::vector<uint8_t> scratch;
   uint64_t offset = 0;
   Status s;
-  for (TensorId t : tensors) {
-    const TensorInfo& info = program.tensors.info(t);
-    s = trainer.read_state_tensor(t, bytes);
+  for (size_t i = 0; i < entries.size() && s.is_ok(); ++i) {
+    const StateEntry& e = entries[i];
+    auto data = bytes_of(i, scratch);
+    if (!data.ok()) {
+      s = data.status();
+      break;
+    }
+    s = write_all(fd, *data, e.bytes, offset, state_path);
     if (!s.is_ok()) break;
-    s = write_all(fd, bytes.data(), bytes.size(), offset, state_path);
-    if (!s.is_ok()) break;
-    file_sum.update(bytes.data(), bytes.size());
-    list.push_back({{"name", info.name},
-                    {"dtype", dtype_name(info.dtype)},
-                    {"shape", info.shape.dims},
+    file_sum.update(*data, e.bytes);
+    list.push_back({{"name", e.name},
+                    {"dtype", dtype_name(e.dtype)},
+                    {"shape", e.dims},
                     {"offset", offset},
-                    {"bytes", bytes.size()},
-                    {"xxh3", hex64(checksum64(bytes.data(), bytes.size()))}});
-    offset += bytes.size();
+                    {"bytes", e.bytes},
+                    {"xxh3", hex64(checksum64(*data, e.bytes))}});
+    offset += e.bytes;
   }
   if (s.is_ok() && ::fsync(fd) != 0) s = errno_status("fsync " + state_path, errno);
   if (::close(fd) != 0 && s.is_ok()) s = errno_status("close " + state_path, errno);
@@ -210,6 +240,7 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
   manifest["files"] = nlohmann::json::array({{{"name", "state.bin"}, {"bytes", offset}, {"xxh3", hex64(file_sum.digest())}}});
   if (Status w = write_file(temp + "/manifest.json", manifest.dump(1) + "\n"); !w.is_ok()) return fail(w);
   if (Status d = fsync_directory(temp); !d.is_ok()) return fail(d);
+  std::error_code ec;
   if (fs::exists(final_path, ec)) remove_tree(final_path);  // the same step again (--stop-after, then the end)
   if (::rename(temp.c_str(), final_path.c_str()) != 0) return fail(errno_status("rename " + temp + " to " + final_path, errno));
   if (Status d = fsync_directory(root); !d.is_ok()) return d.with_context("after writing checkpoint " + final_path);
@@ -224,6 +255,130 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
     remove_tree(path);
   }
   return final_path;
+}
+
+// MemAvailable from /proc/meminfo in bytes; 0 when it cannot be read.
+uint64_t available_host_memory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024;
+  return 0;
+}
+
+}  // namespace
+
+Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, const CheckpointMeta& meta, int keep) {
+  SPILLWAY_RETURN_IF_ERROR(trainer.drain());
+  SPILLWAY_ASSIGN_OR_RETURN(std::string temp, make_temp_folder(root, checkpoint_name(meta.step)));
+  const std::vector<TensorId> tensors = trainer.state_tensors();
+  return write_folder(root, temp, meta, keep, state_entries(trainer, tensors),
+                      [&](size_t i, std::vector<uint8_t>& scratch) -> Result<const uint8_t*> {
+                        SPILLWAY_RETURN_IF_ERROR(trainer.read_state_tensor(tensors[i], scratch));
+                        return static_cast<const uint8_t*>(scratch.data());
+                      });
+}
+
+// ---- CheckpointWriter ----
+
+void CheckpointWriter::HostBuffer::Free::operator()(uint8_t* p) const { std::free(p); }
+
+CheckpointWriter::CheckpointWriter(std::string root, int keep, Mode mode) : root_(std::move(root)), keep_(keep), mode_(mode) {}
+
+CheckpointWriter::~CheckpointWriter() { (void)wait(); }
+
+bool CheckpointWriter::busy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return writing_;
+}
+
+Status CheckpointWriter::poll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (writing_ || !finished_) return Status::ok();
+  return finished_->ok() ? Status::ok() : finished_->status();
+}
+
+Result<std::string> CheckpointWriter::wait() {
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!finished_) return std::string();
+  Result<std::string> r = std::move(*finished_);
+  finished_.reset();
+  if (r.ok()) last_path_ = *r;
+  return r;
+}
+
+Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
+  // The previous write first: its error is this call's (the run stops on it).
+  auto previous = wait();
+  if (!previous.ok()) return previous.status();
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<TensorId> tensors = trainer.state_tensors();
+  std::vector<StateEntry> entries = state_entries(trainer, tensors);
+  uint64_t total = 0;
+  for (const StateEntry& e : entries) total += e.bytes;
+  // In the background only when the snapshot fits beside the run: a copy of the
+  // whole state is made in host memory (kept for the next checkpoint).
+  bool async = mode_ == Mode::Background;
+  if (mode_ == Mode::Auto) {
+    const uint64_t have = snapshot_.bytes >= total ? total : 0;  // already allocated
+    const uint64_t available = available_host_memory();
+    async = have == total || (available > 0 && total - have + (uint64_t{4} << 30) <= available - available / 8);
+    if (!async && why_sync_.empty())
+      why_sync_ = "the state (" + format_size(total) + ") does not fit beside the run in host memory (" +
+                  format_size(available) + " available), so checkpoints are written while training waits";
+  }
+  if (!async) {
+    auto written = write_checkpoint(trainer, root_, meta, keep_);
+    snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = std::move(written);
+    return finished_->ok() ? Status::ok() : finished_->status();
+  }
+  SPILLWAY_ASSIGN_OR_RETURN(std::string temp, make_temp_folder(root_, checkpoint_name(meta.step)));
+  if (snapshot_.bytes < total) {
+    snapshot_ = HostBuffer();
+    const uint64_t huge = uint64_t{2} << 20, rounded = (total + huge - 1) / huge * huge;
+    void* p = std::aligned_alloc(huge, std::max<uint64_t>(rounded, huge));
+    if (!p) {
+      remove_tree(temp);
+      return Status::out_of_memory("checkpoint snapshot: cannot allocate " + format_size(rounded) +
+                                        " of host memory for a copy of the state");
+    }
+    (void)::madvise(p, rounded, MADV_HUGEPAGE);  // fewer page faults on first touch; advice only
+    snapshot_.data.reset(static_cast<uint8_t*>(p));
+    snapshot_.bytes = rounded;
+  }
+  std::vector<uint8_t*> dst;
+  std::vector<uint64_t> offsets;
+  uint64_t at = 0;
+  for (const StateEntry& e : entries) {
+    dst.push_back(snapshot_.data.get() + at);
+    offsets.push_back(at);
+    at += e.bytes;
+  }
+  if (Status s = trainer.snapshot_state(tensors, dst); !s.is_ok()) {
+    remove_tree(temp);
+    return s.with_context("checkpoint snapshot of step " + std::to_string(meta.step));
+  }
+  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = true;
+  }
+  uint8_t* base = snapshot_.data.get();
+  thread_ = std::thread([this, temp, meta, entries = std::move(entries), offsets = std::move(offsets), base]() {
+    auto written = write_folder(root_, temp, meta, keep_, entries,
+                                [&](size_t i, std::vector<uint8_t>&) -> Result<const uint8_t*> {
+                                  return static_cast<const uint8_t*>(base + offsets[i]);
+                                });
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = std::move(written);
+    writing_ = false;
+  });
+  return Status::ok();
 }
 
 Result<Checkpoint> parse_checkpoint_manifest(std::string_view text, const std::string& manifest_path) {

@@ -10,6 +10,12 @@
 //   SPILLWAY_ASSIGN_OR_RETURN(Checkpoint c, newest_checkpoint("runs/a", &skipped));
 //   SPILLWAY_RETURN_IF_ERROR(load_checkpoint(trainer, c));   // state and step restored
 //
+//   // In the background while training goes on:
+//   CheckpointWriter writer("runs/a", /*keep=*/2);
+//   SPILLWAY_RETURN_IF_ERROR(writer.begin(trainer, meta));  // drains, copies the state, returns
+//   ... more steps; writer.poll() reports a failed write ...
+//   SPILLWAY_ASSIGN_OR_RETURN(std::string path, writer.wait());
+//
 // Layout: ROOT/ckpt-<step, 8 digits>/ holds state.bin (every state tensor's bytes in
 // its dtype, back to back) and manifest.json: {"format": "spillway-checkpoint",
 // "version": 1, "step", "data_batch", "config" (the caller's: what the run's math
@@ -26,7 +32,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <string_view>
 #include <vector>
 
@@ -55,6 +65,56 @@ struct Checkpoint {
 // Writes the trainer's state (it drains the pipeline first) as a checkpoint under
 // `root` (made if missing), then keeps the newest `keep` (at least 1). Returns its path.
 Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, const CheckpointMeta& meta, int keep);
+
+// Writes checkpoints while training goes on. begin() drains the trainer and copies
+// the whole state into a host buffer (kept for the next checkpoint): the snapshot
+// of one step, taken on all cores. A thread then writes it as write_checkpoint
+// does, while the next steps run. One write is in flight at a time: begin() waits
+// for the previous one first. When the copy does not fit beside the run in host
+// memory (Auto), the checkpoint is written before begin() returns instead, and
+// sync_reason() says why. Not thread-safe: one caller.
+class CheckpointWriter {
+ public:
+  enum class Mode { Auto, Background, Foreground };
+  CheckpointWriter(std::string root, int keep, Mode mode = Mode::Auto);
+  ~CheckpointWriter();  // waits for the write in flight
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // The previous write's error, if it failed; otherwise snapshots and starts.
+  Status begin(Trainer& trainer, const CheckpointMeta& meta);
+  // Waits for the write in flight: its path, "" when there was none, or its error.
+  Result<std::string> wait();
+  // A finished write's error, without waiting (ok while one is in flight).
+  Status poll();
+  bool busy() const;
+  // Seconds training waited in the last begin() (drain, snapshot; the whole write
+  // when written in the foreground).
+  double last_wait_s() const { return snapshot_s_; }
+  // Why checkpoints are written in the foreground ("" when they are not).
+  const std::string& sync_reason() const { return why_sync_; }
+  // The newest checkpoint this writer completed ("" before the first).
+  const std::string& last_path() const { return last_path_; }
+
+ private:
+  struct HostBuffer {
+    struct Free {
+      void operator()(uint8_t* p) const;
+    };
+    std::unique_ptr<uint8_t, Free> data;  // [bytes] the state, tensor after tensor
+    uint64_t bytes = 0;
+  };
+  std::string root_;
+  int keep_;
+  Mode mode_;
+  HostBuffer snapshot_;
+  std::thread thread_;
+  mutable std::mutex mu_;
+  bool writing_ = false;                           // guarded by mu_
+  std::optional<Result<std::string>> finished_;    // guarded by mu_: the last write's result, until wait()
+  double snapshot_s_ = 0;
+  std::string why_sync_, last_path_;
+};
 
 // Parses manifest.json's text (named `where` in errors): the format, version and
 // every field's type; nothing is read from disk (fuzz/fuzz_checkpoint_manifest.cpp).

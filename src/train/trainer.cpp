@@ -417,6 +417,41 @@ Status Trainer::read_state_tensor(TensorId t, std::vector<uint8_t>& bytes) {
   return executor_->read_tensor(t, bytes.data(), bytes.size());
 }
 
+uint64_t Trainer::state_bytes() const {
+  uint64_t n = 0;
+  for (TensorId t : state_tensors()) n += program_.tensors.info(t).bytes();
+  return n;
+}
+
+Status Trainer::snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst) {
+  if (tensors.size() != dst.size())
+    return Status::invalid_argument("snapshot_state: " + std::to_string(tensors.size()) + " tensors but " +
+                                    std::to_string(dst.size()) + " destinations");
+  SPILLWAY_RETURN_IF_ERROR(drain());
+  SPILLWAY_RETURN_IF_ERROR(usable("read the training state"));
+  struct Piece {
+    const uint8_t* src;
+    uint8_t* dst;
+    size_t bytes;
+  };
+  std::vector<Piece> pieces;  // host copies, cut into pieces of at most 8 MiB
+  constexpr size_t kPiece = size_t{8} << 20;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t n = program_.tensors.info(tensors[i]).bytes();
+    SPILLWAY_ASSIGN_OR_RETURN(const void* host, executor_->host_value(tensors[i]));
+    if (!host) {
+      SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(tensors[i], dst[i], n));
+      continue;
+    }
+    for (size_t at = 0; at < n; at += kPiece)
+      pieces.push_back({static_cast<const uint8_t*>(host) + at, dst[i] + at, std::min(kPiece, n - at)});
+  }
+  global_thread_pool().parallel_for(static_cast<int64_t>(pieces.size()), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) std::memcpy(pieces[k].dst, pieces[k].src, pieces[k].bytes);
+  });
+  return Status::ok();
+}
+
 Status Trainer::write_state_tensor(TensorId t, const void* bytes, size_t n) {
   SPILLWAY_RETURN_IF_ERROR(usable("write the training state"));
   moments_zero_ = false;

@@ -233,10 +233,16 @@ class Trainer {
   // The tensors that make the state: parameters (each vocab tile its own), master
   // weights and both Adam moments, by name, in program order.
   std::vector<TensorId> state_tensors() const;
+  // Their bytes together (a checkpoint's state.bin).
+  uint64_t state_bytes() const;
   // Raw bytes of one (in its dtype), read after the pipeline drained; written where
   // it rests. Refused after a failed step, like every access to the state.
   Status read_state_tensor(TensorId t, std::vector<uint8_t>& bytes);
   Status write_state_tensor(TensorId t, const void* bytes, size_t n);
+  // Copies the newest value of each tensor (after draining the pipeline) to
+  // dst[i] (bytes(tensors[i]) bytes each): host copies in parallel on all cores,
+  // device and storage ones read one by one. The snapshot of a checkpoint.
+  Status snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst);
   // After write_state_tensor of every state tensor: the run continues after `step`.
   void restore_steps_done(int64_t step);
   int64_t tokens_per_step() const;

@@ -951,3 +951,29 @@ TEST(CheckpointCli, SigintWritesACheckpointAndSaysWhereToResume) {
 }
 
 }  // namespace
+
+namespace spillway {
+namespace {
+
+// bench train times checkpoints with the steps (issue 11's overhead figure): they
+// are written in the background, verify, and the two flags go together.
+TEST(CheckpointCli, BenchTrainWritesCheckpointsAndTimesThem) {
+  const auto dir = std::filesystem::temp_directory_path() / ("spillway_bench_ckpt_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::string d = dir.string();
+  CliRun r = run("bench train --steps 7 --checkpoint-every 3 --checkpoint-dir " + d + " " + kSmall);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoints   2 of "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("written in the background"), std::string::npos) << r.output;
+  CliRun info = run("checkpoint info " + d);
+  EXPECT_NE(info.output.find("ckpt-00000006"), std::string::npos) << info.output;
+  EXPECT_NE(info.output.find("ckpt-00000003"), std::string::npos) << info.output;
+  EXPECT_EQ(info.output.find("corrupt"), std::string::npos) << info.output;
+  CliRun half = run("bench train --steps 3 --checkpoint-every 2 " + kSmall);
+  EXPECT_NE(half.code, 0);
+  EXPECT_NE(half.output.find("--checkpoint-dir and --checkpoint-every go together"), std::string::npos) << half.output;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace spillway

@@ -5,6 +5,8 @@
 #include <sys/mount.h>
 
 #include <cerrno>
+#include <chrono>
+#include <thread>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -243,11 +245,30 @@ TEST(Checkpoint, AFullDiskKeepsThePreviousCheckpoint) {
   ASSERT_TRUE((*t)->init_parameters().is_ok());
   Status failure;
   int written = 0;
+  // Foreground writes first, then background ones (their error comes from wait()).
+  CheckpointWriter writer(dir.path() + "/ck", 10, CheckpointWriter::Mode::Background);
   for (int s = 1; s <= 6 && failure.is_ok(); ++s) {
     ASSERT_TRUE((*t)->step(learnable_batches(2, 2, 16, s)).ok());
-    auto p = write_checkpoint(**t, dir.path() + "/ck", {.step = s, .data_batch = s, .config = {}}, 10);
-    if (p.ok()) ++written;
-    else failure = p.status();
+    const CheckpointMeta meta{.step = s, .data_batch = s, .config = {}};
+    if (s <= 2) {
+      auto p = write_checkpoint(**t, dir.path() + "/ck", meta, 10);
+      if (p.ok()) ++written;
+      else failure = p.status();
+      continue;
+    }
+    failure = writer.begin(**t, meta);
+    if (!failure.is_ok()) break;
+    while (writer.busy()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (Status polled = writer.poll(); !polled.is_ok()) {
+      // The failed write is reported again by the next begin(), once.
+      Status next = writer.begin(**t, meta);
+      EXPECT_EQ(next.to_string(), polled.to_string());
+      failure = polled;
+      break;
+    }
+    auto p = writer.wait();
+    ASSERT_TRUE(p.ok());
+    ++written;
   }
   ASSERT_FALSE(failure.is_ok()) << "every checkpoint fitted in 1 MiB: the model is too small for this test";
   ASSERT_GT(written, 0);
@@ -261,6 +282,90 @@ TEST(Checkpoint, AFullDiskKeepsThePreviousCheckpoint) {
   for (const CheckpointListing& c : *list) EXPECT_TRUE(c.status.is_ok()) << c.path << ": " << c.status.to_string();
   for (const auto& e : fs::directory_iterator(dir.path() + "/ck"))
     EXPECT_EQ(e.path().filename().string().rfind("ckpt-", 0), 0u) << "left behind: " << e.path();
+}
+
+// A background checkpoint is the snapshot of its step: steps run while it is
+// written, its state.bin is byte for byte the foreground writer's of the same
+// step, and resuming from it gives the uninterrupted run's bits. Under a budget
+// that puts state on device, host and storage.
+TEST(Checkpoint, ABackgroundWriteIsTheSnapshotOfItsStep) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  Backend& b = **backend;
+  uint64_t full = 0;
+  {
+    auto t = Trainer::create(b, base_options());
+    ASSERT_TRUE(t.ok());
+    full = (*t)->plan().device_bytes;
+  }
+  testing_support::TempDir spill, fg, bg;
+  TrainerOptions o = base_options();
+  o.planner.policy = Policy::Planned;
+  o.budgets.device = full / 4;
+  o.budgets.host = 512 * 1024;
+  o.budgets.storage = 64 << 20;
+  o.spill_dir = spill.path();
+  StateRun straight, resumed;
+  {
+    auto t = Trainer::create(b, o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE((*t)->init_parameters().is_ok());
+    steps(**t, 1, 8, straight);
+  }
+  {
+    auto t = Trainer::create(b, o);
+    ASSERT_TRUE(t.ok());
+    ASSERT_TRUE((*t)->init_parameters().is_ok());
+    steps(**t, 1, 4, resumed);
+    auto f = write_checkpoint(**t, fg.path(), {.step = 4, .data_batch = 4, .config = {}}, 2);
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    CheckpointWriter writer(bg.path(), 2, CheckpointWriter::Mode::Background);
+    ASSERT_TRUE(writer.begin(**t, {.step = 4, .data_batch = 4, .config = {}}).is_ok());
+    StateRun more;
+    steps(**t, 5, 8, more);  // while the checkpoint of step 4 is written
+    EXPECT_TRUE(more.losses.size() == 4 && more.state == straight.state);
+    auto p = writer.wait();
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_EQ(*p, bg.path() + "/ckpt-00000004");
+    EXPECT_EQ(writer.last_path(), *p);
+    EXPECT_TRUE(writer.sync_reason().empty());
+    EXPECT_EQ(testing_support::read_file(*p + "/state.bin"), testing_support::read_file(*f + "/state.bin"));
+    auto again = writer.wait();  // nothing in flight
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(*again, "");
+  }
+  std::vector<std::string> skipped;
+  auto c = newest_checkpoint(bg.path(), &skipped);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  auto t = Trainer::create(b, o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(load_checkpoint(**t, *c).is_ok());
+  steps(**t, 5, 8, resumed);
+  ASSERT_EQ(resumed.losses.size(), straight.losses.size());
+  for (size_t i = 0; i < straight.losses.size(); ++i)
+    EXPECT_EQ(float_bits(resumed.losses[i]), float_bits(straight.losses[i])) << "step " << i + 1;
+  EXPECT_TRUE(resumed.state == straight.state);
+}
+
+// A checkpoint folder that cannot be made fails begin() at once, naming it;
+// nothing is left in flight.
+TEST(Checkpoint, ABackgroundCheckpointWhoseFolderCannotBeMadeFailsAtOnce) {
+  testing_support::TempDir dir;
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  auto t = Trainer::create(**backend, base_options());
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  ASSERT_TRUE((*t)->step(learnable_batches(2, 2, 16, 1)).ok());
+  const std::string file = dir.path() + "/not-a-folder";
+  std::ofstream(file) << "x";
+  CheckpointWriter writer(file, 2, CheckpointWriter::Mode::Background);
+  Status s = writer.begin(**t, {.step = 1, .data_batch = 1, .config = {}});
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find(file), std::string::npos) << s.to_string();
+  EXPECT_FALSE(writer.busy());
+  auto w = writer.wait();
+  EXPECT_TRUE(w.ok() && w->empty());
 }
 
 // Numbers of the wrong kind are errors, never conversions (a float such as 1e30 as
