@@ -50,12 +50,12 @@ struct BenchTrainFlags {
   uint64_t seed = 1337;
   bool profile = false;
   std::string json;  // file for the JSON summary ("" = none)
-};
-
   std::string checkpoint_dir;  // --checkpoint-dir: checkpoints every --checkpoint-every steps, timed with the steps
   int checkpoint_every = 0;
 // The time split of one profiled step: matrix products, attention, other kernels of
 // the forward and backward, and the optimizer phase (norms, clipping, AdamW, on
+};
+
 // device or host), then the slowest ops. Beside it, two figures measured apart from
 // the split: the sum of every op's time, and the profiled step on the wall clock
 // with the number of ops timed against the plan's Run instructions.
@@ -105,14 +105,14 @@ Status run_bench(const BenchTrainFlags& f) {
                                                    std::to_string(f.steps));
   if (f.batch < 1) return Status::invalid_argument("--batch must be at least 1, got " + std::to_string(f.batch));
   if (f.accum < 1) return Status::invalid_argument("--accum must be at least 1, got " + std::to_string(f.accum));
-  if (f.context < 0) return Status::invalid_argument("--context must be positive, got " + std::to_string(f.context));
-  SPILLWAY_ASSIGN_OR_RETURN(GPTConfig cfg, resolve_model(f.model));
   if ((f.checkpoint_every > 0) != !f.checkpoint_dir.empty())
     return Status::invalid_argument("--checkpoint-dir and --checkpoint-every go together (give both or neither)");
   if (f.checkpoint_every < 0)
     return Status::invalid_argument("--checkpoint-every must be positive, got " + std::to_string(f.checkpoint_every));
   const int T = f.context ? f.context : cfg.context;
   if (T > cfg.context)
+  if (f.context < 0) return Status::invalid_argument("--context must be positive, got " + std::to_string(f.context));
+  SPILLWAY_ASSIGN_OR_RETURN(GPTConfig cfg, resolve_model(f.model));
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
@@ -149,14 +149,14 @@ Status run_bench(const BenchTrainFlags& f) {
   std::chrono::steady_clock::time_point timed_start = std::chrono::steady_clock::now();
   StepMetrics last;
   StepProfile profile;
-  double profiled_step_s = 0;
-  const int last_step = f.steps + (f.profile ? 1 : 0);
   std::optional<CheckpointWriter> writer;
-  if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, 2);
+  if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, 1);  // keep 1: the disk holds two at most (the kept one and the one being written)
   int checkpoints = 0;
   double checkpoint_wait_s = 0, tail_write_s = 0;
   for (int s = 1; s <= last_step; ++s) {
     if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
+  double profiled_step_s = 0;
+  const int last_step = f.steps + (f.profile ? 1 : 0);
     const bool profiled = s > f.steps;
     if (profiled) trainer->profile_next_step(&profile);
     // The timed steps run from the start of step 2 to the end of the last one's
@@ -184,29 +184,27 @@ Status run_bench(const BenchTrainFlags& f) {
       issue_s += r->exec.issue_s;
     }
     last = r->exec;
-    if (s == f.steps) {
-      SPILLWAY_RETURN_IF_ERROR(trainer->drain().with_context("step " + std::to_string(s)));
     if (writer && s < f.steps && s % f.checkpoint_every == 0) {
       SPILLWAY_RETURN_IF_ERROR(writer->begin(*trainer, {.step = s, .data_batch = s, .config = {{"bench", "train"}}})
                                    .with_context("--checkpoint-dir " + f.checkpoint_dir));
       ++checkpoints;
       if (s > 1) checkpoint_wait_s += writer->last_wait_s();
     }
-      timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
-    }
+    if (s == f.steps) {
+      SPILLWAY_RETURN_IF_ERROR(trainer->drain().with_context("step " + std::to_string(s)));
       const auto steps_end = std::chrono::steady_clock::now();
       // The write in flight counts: the timed steps end when the last checkpoint is on disk.
       if (writer) SPILLWAY_RETURN_IF_ERROR(writer->wait().status().with_context("--checkpoint-dir " + f.checkpoint_dir));
-  }
+      timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
       tail_write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - steps_end).count();
   const int timed = f.steps - 1;
   const double step_s = timed_s / timed;
+    }
+  }
   const double tokens = static_cast<double>(trainer->tokens_per_step());
   const double flops = trainer->program().flops();
   std::printf("tokens/s      %s\n", format_count(tokens / step_s).c_str());
   std::printf("step time     %.4f s (mean of %d steps)\n", step_s, timed);
-  std::printf("executor waits %.1f%% of the step (host time waiting for copies, host ops and regions; the GPU "
-              "may be busy meanwhile)\n",
   if (writer)
     std::printf("checkpoints   %d of %s (every %d steps, written in the %s), training waited %.2f s for their "
                 "snapshots (%.1f%% of the timed steps); the last write ended %.2f s after the last step (counted)\n",
@@ -215,6 +213,8 @@ Status run_bench(const BenchTrainFlags& f) {
                 timed_s > 0 ? 100.0 * checkpoint_wait_s / timed_s : 0.0, tail_write_s);
               timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
   std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
+  std::printf("executor waits %.1f%% of the step (host time waiting for copies, host ops and regions; the GPU "
+              "may be busy meanwhile)\n",
               issue_s / timed);
   if (backend->name() == "cuda")
     std::printf("MFU           %.1f%% (%.1f TFLOP/s of the %.0f dense bf16 peak on the H200 data sheet; %.0f%% of the "
@@ -263,13 +263,13 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
   app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
   app.add_option("--accum", f->accum, "micro-batches per step")->capture_default_str();
   app.add_option("--seed", f->seed, "parameters and random tokens")->capture_default_str();
-  app.add_option("--json", f->json, "also write the figures (tokens/s, step time, device memory used beyond the "
-                                     "CUDA context and its peak, the budget) to this file as one JSON object");
   app.add_option("--checkpoint-dir", f->checkpoint_dir,
                  "also write checkpoints of the whole state here (in the background), timed with the steps");
   app.add_option("--checkpoint-every", f->checkpoint_every, "steps between checkpoints (with --checkpoint-dir)");
   add_memory_flags(app, f->memory);
   return [f]() -> int {
+  app.add_option("--json", f->json, "also write the figures (tokens/s, step time, device memory used beyond the "
+                                     "CUDA context and its peak, the budget) to this file as one JSON object");
     Status s = run_bench(*f);
     return s.is_ok() ? 0 : fail(s);
   };
