@@ -110,24 +110,27 @@ Result<TokenSpan> parse_token_file(const std::string& path, const Bytes& b) {
     return corrupt("truncated header: file is " + std::to_string(bytes.size()) + " bytes, the header alone is " +
                    std::to_string(header_bytes));
   int32_t version = int_at(bytes, 1);
-  if (version != kTokenFileVersion)
-    return corrupt("version " + std::to_string(version) + ", expected " + std::to_string(kTokenFileVersion));
+  if (version != kTokenFileVersion && version != kTokenFileVersion32)
+    return corrupt("version " + std::to_string(version) + ", expected " + std::to_string(kTokenFileVersion) +
+                   " (uint16 tokens) or " + std::to_string(kTokenFileVersion32) + " (uint32 tokens)");
+  const size_t width = version == kTokenFileVersion ? 2 : 4;
   int32_t count = int_at(bytes, 2);
   if (count < 0) return corrupt("negative token count " + std::to_string(count));
   if (count == 0) return Status::invalid_argument("token file " + path + ": holds no tokens (count 0)");
   const size_t body = bytes.size() - header_bytes;
-  const size_t expected = static_cast<size_t>(count) * 2;
+  const size_t expected = static_cast<size_t>(count) * width;
   if (expected > body)
     return corrupt("truncated: the header counts " + std::to_string(count) + " tokens but the file holds " +
-                   std::to_string(body / 2));
+                   std::to_string(body / width) + (width == 4 ? " (version 2: 4 bytes a token)" : ""));
   if (expected < body)
     return corrupt("the header counts " + std::to_string(count) + " tokens (" + std::to_string(expected) +
                    " bytes) but " + std::to_string(body) + " bytes follow the header (" +
                    std::to_string(header_bytes + expected) + " bytes expected in all, the file has " +
                    std::to_string(bytes.size()) + ")");
-  // Tokens start at byte 1024 of a page-aligned mapping (or of a vector): 2-aligned.
-  const auto* tokens = reinterpret_cast<const uint16_t*>(b.data + header_bytes);
-  return TokenSpan(b.owner, tokens, static_cast<size_t>(count));
+  // Tokens start at byte 1024 of a page-aligned mapping (or of a uint32 vector): 4-aligned.
+  if (width == 4)
+    return TokenSpan(b.owner, reinterpret_cast<const uint32_t*>(b.data + header_bytes), static_cast<size_t>(count));
+  return TokenSpan(b.owner, reinterpret_cast<const uint16_t*>(b.data + header_bytes), static_cast<size_t>(count));
 }
 
 // Text or token file bytes, by the magic (or a ".bin" name). `text` tells which.
@@ -149,7 +152,7 @@ Result<TokenSpan> load_tokens(const std::string& path, const std::string& what, 
 
 Status check_vocab(const std::string& path, const TokenSpan& tokens, int vocab, bool text) {
   for (size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] >= vocab)
+    if (tokens[i] >= static_cast<uint32_t>(vocab))
       return Status::invalid_argument((text ? "text file " : "token file ") + path + ": " +
                                       (text ? "byte " : "token ") + std::to_string(tokens[i]) + " at position " +
                                       std::to_string(i) + " is not below the model's vocabulary size " +
@@ -158,8 +161,7 @@ Status check_vocab(const std::string& path, const TokenSpan& tokens, int vocab, 
 }
 
 Status check_vocab_size(int vocab) {
-  if (vocab <= 0 || vocab > 65536)
-    return Status::invalid_argument("vocabulary size " + std::to_string(vocab) + " is not in 1..65536");
+  if (vocab <= 0) return Status::invalid_argument("vocabulary size " + std::to_string(vocab) + " is not positive");
   return Status::ok();
 }
 
@@ -173,20 +175,23 @@ void split_ninety_ten(Dataset& d, const std::string& name, const TokenSpan& toke
 
 }  // namespace
 
-Result<std::vector<uint16_t>> read_token_file(const std::string& path) {
+Result<std::vector<uint32_t>> read_token_file(const std::string& path) {
   SPILLWAY_ASSIGN_OR_RETURN(Bytes bytes, map_file(path, "token file"));
   SPILLWAY_ASSIGN_OR_RETURN(TokenSpan tokens, parse_token_file(path, bytes));
-  return std::vector<uint16_t>(tokens.begin(), tokens.end());
+  return std::vector<uint32_t>(tokens.begin(), tokens.end());
 }
 
-Status write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
-  if (tokens.size() > static_cast<size_t>(INT32_MAX))
-    return Status::invalid_argument("token file " + path + ": " + std::to_string(tokens.size()) +
+namespace {
+
+// Writes the header and `n` tokens of `width` bytes at `data`.
+Status write_tokens(const std::string& path, const void* data, size_t n, int width) {
+  if (n > static_cast<size_t>(INT32_MAX))
+    return Status::invalid_argument("token file " + path + ": " + std::to_string(n) +
                                     " tokens do not fit the int32 count of the header");
   std::vector<int32_t> header(kTokenFileHeaderInts, 0);
   header[0] = kTokenFileMagic;
-  header[1] = kTokenFileVersion;
-  header[2] = static_cast<int32_t>(tokens.size());
+  header[1] = width == 2 ? kTokenFileVersion : kTokenFileVersion32;
+  header[2] = static_cast<int32_t>(n);
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return errno_status("open token file " + path + " for writing", errno);
   auto write_all = [&](const void* data, size_t bytes, size_t offset) -> Status {
@@ -203,9 +208,33 @@ Status write_token_file(const std::string& path, const std::vector<uint16_t>& to
     return Status::ok();
   };
   Status s = write_all(header.data(), header.size() * 4, 0);
-  if (s.is_ok()) s = write_all(tokens.data(), tokens.size() * 2, header.size() * 4);
+  if (s.is_ok()) s = write_all(data, n * static_cast<size_t>(width), header.size() * 4);
   if (::close(fd) != 0 && s.is_ok()) s = errno_status("close token file " + path, errno);
   return s;
+}
+
+Status check_tokens(const std::string& what, const uint32_t* tokens, size_t n, int64_t vocab) {
+  for (size_t i = 0; i < n; ++i)
+    if (tokens[i] >= vocab)
+      return Status::invalid_argument(what + ": token " + std::to_string(tokens[i]) + " at position " +
+                                      std::to_string(i) + " is not below the vocabulary size " + std::to_string(vocab));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
+  return write_tokens(path, tokens.data(), tokens.size(), 2);
+}
+
+Status write_token_file(const std::string& path, const uint32_t* tokens, size_t n, int64_t vocab) {
+  if (vocab <= 0 || vocab > UINT32_MAX)
+    return Status::invalid_argument("token file " + path + ": vocabulary size " + std::to_string(vocab) +
+                                    " is not in 1..4294967295");
+  SPILLWAY_RETURN_IF_ERROR(check_tokens("token file " + path, tokens, n, vocab));
+  if (vocab > kTokenFile16Vocab) return write_tokens(path, tokens, n, 4);
+  std::vector<uint16_t> narrow(tokens, tokens + n);
+  return write_tokens(path, narrow.data(), n, 2);
 }
 
 Result<Dataset> load_dataset(const std::string& path, int vocab, const std::string& val_path) {
@@ -234,14 +263,27 @@ Result<Dataset> load_dataset(const std::string& path, int vocab, const std::stri
 Result<Dataset> load_dataset_from_memory(std::string_view bytes, const std::string& name, int vocab) {
   SPILLWAY_RETURN_IF_ERROR(check_vocab_size(vocab));
   if (bytes.empty()) return Status::invalid_argument(name + ": holds no bytes");
-  // A copy, 2-aligned for the tokens of a token file.
-  auto copy = std::make_shared<std::vector<uint16_t>>((bytes.size() + 1) / 2);
+  // A copy, 4-aligned for the tokens of a token file.
+  auto copy = std::make_shared<std::vector<uint32_t>>((bytes.size() + 3) / 4);
   std::memcpy(copy->data(), bytes.data(), bytes.size());
   Bytes b{copy, reinterpret_cast<const char*>(copy->data()), bytes.size()};
   Dataset d;
   SPILLWAY_ASSIGN_OR_RETURN(TokenSpan tokens, tokens_of(name, b, &d.text));
   SPILLWAY_RETURN_IF_ERROR(check_vocab(name, tokens, vocab, d.text));
   split_ninety_ten(d, name, tokens);
+  return d;
+}
+
+Result<Dataset> dataset_from_tokens(const std::vector<uint32_t>& tokens, const std::string& name, int vocab) {
+  SPILLWAY_RETURN_IF_ERROR(check_vocab_size(vocab));
+  if (tokens.empty()) return Status::invalid_argument(name + ": holds no tokens");
+  SPILLWAY_RETURN_IF_ERROR(check_tokens(name, tokens.data(), tokens.size(), vocab));
+  Dataset d;
+  if (vocab <= kTokenFile16Vocab) {
+    split_ninety_ten(d, name, TokenSpan(std::make_shared<const std::vector<uint16_t>>(tokens.begin(), tokens.end())));
+  } else {
+    split_ninety_ten(d, name, TokenSpan(std::make_shared<const std::vector<uint32_t>>(tokens)));
+  }
   return d;
 }
 
@@ -274,15 +316,26 @@ int64_t DataLoader::row_start(int64_t batch, int row) const {
   return static_cast<int64_t>((window % windows) * static_cast<uint64_t>(T_));
 }
 
-void DataLoader::next(int32_t* tokens, int32_t* targets) {
-  const uint16_t* data = tokens_.data();
-  for (int b = 0; b < B_; ++b) {
-    const size_t start = static_cast<size_t>(row_start(batch_, b));
-    for (int t = 0; t < T_; ++t) {
-      tokens[static_cast<size_t>(b) * T_ + t] = data[start + t];
-      targets[static_cast<size_t>(b) * T_ + t] = data[start + t + 1];
+namespace {
+template <typename Token>
+void fill_rows(const Token* data, const DataLoader& l, int64_t batch, int B, int T, int32_t* tokens,
+               int32_t* targets, int64_t (DataLoader::*row_start)(int64_t, int) const) {
+  for (int b = 0; b < B; ++b) {
+    const size_t start = static_cast<size_t>((l.*row_start)(batch, b));
+    for (int t = 0; t < T; ++t) {
+      tokens[static_cast<size_t>(b) * T + t] = static_cast<int32_t>(data[start + t]);
+      targets[static_cast<size_t>(b) * T + t] = static_cast<int32_t>(data[start + t + 1]);
     }
   }
+}
+}  // namespace
+
+void DataLoader::next(int32_t* tokens, int32_t* targets) {
+  // Tokens were checked below the vocabulary (an int) when loaded: they fit int32.
+  if (tokens_.bytes_per_token() == 2)
+    fill_rows(static_cast<const uint16_t*>(tokens_.raw()), *this, batch_, B_, T_, tokens, targets, &DataLoader::row_start);
+  else
+    fill_rows(static_cast<const uint32_t*>(tokens_.raw()), *this, batch_, B_, T_, tokens, targets, &DataLoader::row_start);
   ++batch_;
 }
 

@@ -68,7 +68,82 @@ TEST(TokenFile, WriteReadRoundTripAndLayout) {
   ASSERT_EQ(bytes, token_file_bytes(20240520, 1, 5, tokens));
   auto back = read_token_file(path);
   ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(*back, std::vector<uint32_t>(tokens.begin(), tokens.end()));
+}
+
+// llm.c's Llama 3 layout: version 2, uint32 tokens, for vocabularies above 65536.
+TEST(TokenFile, Version2HoldsThirtyTwoBitTokens) {
+  TempDir d;
+  const std::string path = d.file("llama_train.bin");
+  const std::vector<uint32_t> tokens = {0, 1, 65535, 65536, 128000, 128255, 7};
+  ASSERT_TRUE(write_token_file(path, tokens.data(), tokens.size(), 128256).is_ok());
+  std::vector<int32_t> h(256, 0);
+  h[0] = 20240520;
+  h[1] = 2;
+  h[2] = 7;
+  std::string expected(reinterpret_cast<const char*>(h.data()), h.size() * 4);
+  expected.append(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 4);
+  ASSERT_EQ(read_file(path), expected);
+  auto back = read_token_file(path);
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
   EXPECT_EQ(*back, tokens);
+
+  // Loaded in place, 32 bits a token, into batches.
+  auto r = load_dataset(path, 128256);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_FALSE(r->text);
+  EXPECT_EQ(r->train.tokens.bytes_per_token(), 4);
+  ASSERT_EQ(r->train.size() + r->val.size(), 7u);
+  EXPECT_EQ(r->train.tokens[4], 128000u);
+  auto loader = DataLoader::create(r->train, 1, 5, LoaderMode::Sequential);
+  ASSERT_TRUE(loader.ok()) << loader.status().to_string();
+  std::vector<int32_t> tok(5), tgt(5);
+  loader->next(tok.data(), tgt.data());
+  EXPECT_EQ(tok, (std::vector<int32_t>{0, 1, 65535, 65536, 128000}));
+  EXPECT_EQ(tgt, (std::vector<int32_t>{1, 65535, 65536, 128000, 128255}));
+
+  // A token at or above the model's vocabulary: the id, its position, the size.
+  r = load_dataset(path, 128000);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "token 128000 at position 4")) << r.status().message();
+  EXPECT_TRUE(contains(r.status().message(), "vocabulary size 128000")) << r.status().message();
+
+  // The writer picks version 1 when the vocabulary fits 16 bits, and refuses a token
+  // outside the vocabulary.
+  const std::vector<uint32_t> small = {3, 50256, 9};
+  ASSERT_TRUE(write_token_file(path, small.data(), small.size(), 50257).is_ok());
+  EXPECT_EQ(read_file(path), token_file_bytes(20240520, 1, 3, {3, 50256, 9}));
+  Status s = write_token_file(path, tokens.data(), tokens.size(), 65536);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_TRUE(contains(s.message(), "token 65536 at position 3 is not below the vocabulary size 65536")) << s.message();
+  EXPECT_EQ(read_file(path), token_file_bytes(20240520, 1, 3, {3, 50256, 9}));  // untouched
+
+  // A version 2 file whose body is sized for 16-bit tokens: truncated.
+  write_bytes(path, token_file_bytes(20240520, 2, 4, {1, 2, 3, 4}));
+  r = load_dataset(path, 128256);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "the header counts 4 tokens but the file holds 2")) << r.status().message();
+}
+
+TEST(Dataset, FromTokensChecksTheVocabularyAndSplits) {
+  std::vector<uint32_t> tokens(100);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(100000 + i);
+  auto r = dataset_from_tokens(tokens, "corpus.txt (tokenized)", 128256);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->train.size(), 90u);
+  EXPECT_EQ(r->val.size(), 10u);
+  EXPECT_EQ(r->val.tokens[0], 100090u);
+  EXPECT_TRUE(contains(r->val.source, "corpus.txt")) << r->val.source;
+  r = dataset_from_tokens(tokens, "corpus.txt (tokenized)", 100050);
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(contains(r.status().message(), "corpus.txt (tokenized): token 100050 at position 50")) << r.status().message();
+  EXPECT_TRUE(contains(r.status().message(), "vocabulary size 100050")) << r.status().message();
+  // A 16-bit vocabulary is held in 16 bits.
+  r = dataset_from_tokens({1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, "small", 600);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->train.tokens.bytes_per_token(), 2);
+  EXPECT_EQ(r->train.tokens[8], 9u);
+  EXPECT_FALSE(dataset_from_tokens({}, "nothing", 600).ok());
 }
 
 TEST(TokenFile, BadFilesNameTheFileAndProblem) {
@@ -92,8 +167,8 @@ TEST(TokenFile, BadFilesNameTheFileAndProblem) {
   write_bytes(path, token_file_bytes(12345, 1, 3, {1, 2, 3}));
   expect("wrong magic 12345", StatusCode::Corrupt);
 
-  write_bytes(path, token_file_bytes(20240520, 2, 3, {1, 2, 3}));
-  expect("version 2, expected 1", StatusCode::Corrupt);
+  write_bytes(path, token_file_bytes(20240520, 3, 3, {1, 2, 3}));
+  expect("version 3, expected 1 (uint16 tokens) or 2 (uint32 tokens)", StatusCode::Corrupt);
 
   write_bytes(path, token_file_bytes(20240520, 1, 10, {1, 2, 3}));
   expect("the header counts 10 tokens but the file holds 3", StatusCode::Corrupt);
@@ -319,8 +394,8 @@ TEST(Dataset, TokenFilesAreMappedNotCopied) {
   auto r = load_dataset(path, 2000);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   // Both splits point into one mapping of the file, after its 1024-byte header.
-  EXPECT_EQ(r->val.tokens.data(), r->train.tokens.data() + 900);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(r->train.tokens.data()) % 4096, 1024u);
+  EXPECT_EQ(static_cast<const char*>(r->val.tokens.raw()), static_cast<const char*>(r->train.tokens.raw()) + 900 * 2);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(r->train.tokens.raw()) % 4096, 1024u);
   EXPECT_EQ(r->train.tokens[0], 5);
   EXPECT_EQ(r->val.tokens[99], 1004);
   // The mapping outlives the dataset while a loader holds the split.
