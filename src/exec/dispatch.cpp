@@ -2,20 +2,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <set>
 #include <string>
 
 #include "optim/adamw.h"
+#include "program/op_registry.h"
 
 namespace spillway {
 
 namespace {
-Status check_count(const Op& op, const std::vector<void*>& ptrs, size_t lo, size_t hi) {
-  if (ptrs.size() < lo || ptrs.size() > hi)
-    return Status::internal("op " + op.name + " (" + op_kind_name(op.kind) + "): " + std::to_string(ptrs.size()) +
-                            " operands, expected " + std::to_string(lo) + (lo == hi ? "" : ".." + std::to_string(hi)));
-  return Status::ok();
-}
 const float* f32(void* p) { return static_cast<const float*>(p); }
 float* f32w(void* p) { return static_cast<float*>(p); }
 const int32_t* i32(void* p) { return static_cast<const int32_t*>(p); }
@@ -48,132 +44,229 @@ Status run_matmul(Backend& b, const Program& program, const Op& op, const std::v
   }
   return Status::ok();
 }
+
+// ---- One backend call per kind ----------------------------------------------------
+// `x` holds one pointer per operand, in the kind's slot order (op_registry.cpp), its
+// count already checked against the slots.
+
+Status run_zero(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x, const OptimizerStep&) {
+  b.fill_zero(x[0], program.tensors.info(op.operands[0].tensor).bytes());
+  return Status::ok();
+}
+
+// Vocab tile: V rows from row `begin` (V = 0: every row).
+int vocab_rows(const OpAttrs& a) { return a.V > 0 ? static_cast<int>(a.V) : Backend::kAllRows; }
+
+Status run_embedding_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                             const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.embedding_forward(x[0], i32(x[1]), x[2], x[3], static_cast<int>(a.B), static_cast<int>(a.T),
+                      static_cast<int>(a.C), static_cast<int>(a.begin), vocab_rows(a));
+  return Status::ok();
+}
+
+Status run_embedding_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                              const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.embedding_backward(x[0], x.size() > 3 ? x[3] : nullptr, x[1], i32(x[2]), static_cast<int>(a.B),
+                       static_cast<int>(a.T), static_cast<int>(a.C), static_cast<int>(a.begin), vocab_rows(a));
+  return Status::ok();
+}
+uint64_t embedding_backward_workspace(const BackendSizes& b, const Op& op) {
+  return b.embedding_backward_workspace(static_cast<int>(op.attrs.B), static_cast<int>(op.attrs.T));
+}
+
+Status run_layernorm_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                             const OptimizerStep&) {
+  b.layernorm_forward(x[0], f32w(x[1]), f32w(x[2]), x[3], x[4], x[5], static_cast<int>(op.attrs.N),
+                      static_cast<int>(op.attrs.C));
+  return Status::ok();
+}
+
+Status run_layernorm_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                              const OptimizerStep&) {
+  b.layernorm_backward(x[0], x[1], x[2], x[3], x[4], x[5], f32(x[6]), f32(x[7]), static_cast<int>(op.attrs.N),
+                       static_cast<int>(op.attrs.C));
+  return Status::ok();
+}
+uint64_t layernorm_backward_workspace(const BackendSizes& b, const Op& op) {
+  return b.layernorm_backward_workspace(static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.C));
+}
+
+Status run_matmul_op(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                     const OptimizerStep&) {
+  return run_matmul(b, program, op, x);
+}
+// The blocks of run_matmul, each one backend call.
+uint64_t matmul_workspace(const BackendSizes& b, const Op& op) {
+  const OpAttrs& a = op.attrs;
+  const bool backward = op.kind == OpKind::MatmulBackward;
+  const bool dbias = backward && op.operands.size() > 5;
+  const int64_t block = a.block == 0 ? a.OC : a.block;
+  uint64_t need = 0;
+  for (int64_t o0 = 0; o0 < a.OC; o0 += block) {
+    const int oc = static_cast<int>(std::min(block, a.OC - o0));
+    need = std::max<uint64_t>(need, b.matmul_workspace(static_cast<int>(a.N), oc, backward, dbias));
+  }
+  return need;
+}
+
+Status run_attention_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                             const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.attention_forward(x[0], f32w(x[1]), x[2], static_cast<int>(a.B), static_cast<int>(a.T), static_cast<int>(a.C),
+                      static_cast<int>(a.NH));
+  return Status::ok();
+}
+
+Status run_attention_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                              const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.attention_backward(x[0], x[1], x[2], x[3], f32(x[4]), static_cast<int>(a.B), static_cast<int>(a.T),
+                       static_cast<int>(a.C), static_cast<int>(a.NH));
+  return Status::ok();
+}
+uint64_t attention_backward_workspace(const BackendSizes& b, const Op& op) {
+  return b.attention_backward_workspace(static_cast<int>(op.attrs.B), static_cast<int>(op.attrs.T),
+                                        static_cast<int>(op.attrs.NH));
+}
+
+Status run_gelu_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep&) {
+  b.gelu_forward(x[0], x[1], static_cast<size_t>(op.attrs.n));
+  return Status::ok();
+}
+
+Status run_gelu_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep&) {
+  b.gelu_backward(x[0], x[1], x[2], static_cast<size_t>(op.attrs.n));
+  return Status::ok();
+}
+
+Status run_residual_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                            const OptimizerStep&) {
+  b.residual_forward(x[0], x[1], x[2], static_cast<size_t>(op.attrs.n));
+  return Status::ok();
+}
+
+// Rows of the logits: ld apart (0: V).
+int logits_ld(const OpAttrs& a) { return static_cast<int>(a.ld == 0 ? a.V : a.ld); }
+
+Status run_crossentropy_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                                const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.crossentropy_forward(f32w(x[0]), x[1], i32(x[2]), static_cast<int>(a.N), static_cast<int>(a.V), logits_ld(a));
+  return Status::ok();
+}
+
+Status run_crossentropy_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                                 const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), static_cast<int>(a.N), static_cast<int>(a.V), logits_ld(a),
+                          a.scale);
+  return Status::ok();
+}
+
+// One element of out_sq per segment of attrs.block elements (one when 0).
+Status run_squared_norm(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                        const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  const size_t n = static_cast<size_t>(a.n);
+  const size_t elem = dtype_size(program.tensors.info(op.operands[1].tensor).dtype);
+  const size_t segment = a.block > 0 ? static_cast<size_t>(a.block) : n;
+  for (size_t s0 = 0, k = 0; s0 < n; s0 += segment, ++k)
+    b.squared_norm(f32w(x[0]) + a.index + k, advance(x[1], static_cast<int64_t>(s0), elem), std::min(segment, n - s0));
+  return Status::ok();
+}
+uint64_t squared_norm_workspace(const BackendSizes& b, const Op&) { return b.squared_norm_workspace(); }
+
+Status run_clip_scale(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep&) {
+  b.clip_scale(f32w(x[0]), f32(x[1]), static_cast<int>(op.attrs.P), op.attrs.scale);
+  return Status::ok();
+}
+
+Status run_adamw(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep& step) {
+  AdamWHyper h = adamw_hyper(step.lr, step.step, op.attrs.scale);
+  b.adamw(x[0], f32w(x[1]), f32w(x[2]), f32w(x[3]), x[4], f32(x[5]), static_cast<size_t>(op.attrs.n), h);
+  return Status::ok();
+}
+Status run_adamw_host(const Op& op, const std::vector<void*>& x, DType param_dtype, const OptimizerStep& step) {
+  AdamWHyper h = adamw_hyper(step.lr, step.step, op.attrs.scale);
+  adamw_host(param_dtype, x[0], f32w(x[1]), f32w(x[2]), f32w(x[3]), x[4], f32(x[5]), static_cast<size_t>(op.attrs.n), h);
+  return Status::ok();
+}
+
+// ---- The dispatch table: one entry per OpKind, in enum order ------------------------
+
+using DeviceCall = Status (*)(Backend&, const Program&, const Op&, const std::vector<void*>&, const OptimizerStep&);
+using WorkspaceCall = uint64_t (*)(const BackendSizes&, const Op&);
+using HostCall = Status (*)(const Op&, const std::vector<void*>&, DType, const OptimizerStep&);
+
+struct DispatchEntry {
+  OpKind kind;
+  DeviceCall device;
+  WorkspaceCall workspace = nullptr;  // nullptr: no device workspace
+  HostCall host = nullptr;            // nullptr: no host implementation (op_info(kind).host is false)
+};
+
+constexpr DispatchEntry kDeviceOps[] = {
+    {OpKind::Zero, run_zero},
+    {OpKind::EmbeddingForward, run_embedding_forward},
+    {OpKind::EmbeddingBackward, run_embedding_backward, embedding_backward_workspace},
+    {OpKind::LayerNormForward, run_layernorm_forward},
+    {OpKind::LayerNormBackward, run_layernorm_backward, layernorm_backward_workspace},
+    {OpKind::MatmulForward, run_matmul_op, matmul_workspace},
+    {OpKind::MatmulBackward, run_matmul_op, matmul_workspace},
+    {OpKind::AttentionForward, run_attention_forward},
+    {OpKind::AttentionBackward, run_attention_backward, attention_backward_workspace},
+    {OpKind::GeluForward, run_gelu_forward},
+    {OpKind::GeluBackward, run_gelu_backward},
+    {OpKind::ResidualForward, run_residual_forward},
+    {OpKind::CrossEntropyForward, run_crossentropy_forward},
+    {OpKind::CrossEntropyBackward, run_crossentropy_backward},
+    {OpKind::SquaredNorm, run_squared_norm, squared_norm_workspace},
+    {OpKind::ClipScale, run_clip_scale},
+    {OpKind::AdamW, run_adamw, nullptr, run_adamw_host},
+};
+
+constexpr bool dispatch_complete() {
+  for (size_t i = 0; i < std::size(kDeviceOps); ++i)
+    if (static_cast<size_t>(kDeviceOps[i].kind) != i || kDeviceOps[i].device == nullptr) return false;
+  return true;
+}
+static_assert(std::size(kDeviceOps) == kOpKindCount, "the dispatch table needs one entry per OpKind");
+static_assert(dispatch_complete(), "the dispatch table's entries follow OpKind's order, each with a device call");
+
+const DispatchEntry* dispatch_entry(OpKind k) {
+  return static_cast<size_t>(k) < kOpKindCount ? &kDeviceOps[static_cast<size_t>(k)] : nullptr;
+}
+
+// The operand count the op's registry slots allow.
+Status check_count(const Op& op, const std::vector<void*>& ptrs) {
+  const size_t lo = op_required_operands(op.kind), hi = op_info(op.kind).slots.size();
+  if (ptrs.size() < lo || ptrs.size() > hi)
+    return Status::internal("op " + op.name + " (" + op_kind_name(op.kind) + "): " + std::to_string(ptrs.size()) +
+                            " operands, expected " + std::to_string(lo) + (lo == hi ? "" : ".." + std::to_string(hi)));
+  return Status::ok();
+}
+
 }  // namespace
+
+bool has_host_implementation(OpKind kind) {
+  const DispatchEntry* e = dispatch_entry(kind);
+  return e != nullptr && e->host != nullptr;
+}
 
 Status run_device_op(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
                      const OptimizerStep& step) {
-  const OpAttrs& a = op.attrs;
-  const int B = static_cast<int>(a.B), T = static_cast<int>(a.T), C = static_cast<int>(a.C);
-  const int N = static_cast<int>(a.N), NH = static_cast<int>(a.NH);
-  const int V = static_cast<int>(a.V);
-  const size_t n = static_cast<size_t>(a.n);
-  switch (op.kind) {
-    case OpKind::Zero:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 1, 1));
-      b.fill_zero(x[0], program.tensors.info(op.operands[0].tensor).bytes());
-      return Status::ok();
-    case OpKind::EmbeddingForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 4, 4));
-      b.embedding_forward(x[0], i32(x[1]), x[2], x[3], B, T, C, static_cast<int>(a.begin),
-                          a.V > 0 ? V : Backend::kAllRows);
-      return Status::ok();
-    case OpKind::EmbeddingBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 4));
-      b.embedding_backward(x[0], x.size() > 3 ? x[3] : nullptr, x[1], i32(x[2]), B, T, C,
-                           static_cast<int>(a.begin), a.V > 0 ? V : Backend::kAllRows);
-      return Status::ok();
-    case OpKind::LayerNormForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 6, 6));
-      b.layernorm_forward(x[0], f32w(x[1]), f32w(x[2]), x[3], x[4], x[5], N, C);
-      return Status::ok();
-    case OpKind::LayerNormBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 8, 8));
-      b.layernorm_backward(x[0], x[1], x[2], x[3], x[4], x[5], f32(x[6]), f32(x[7]), N, C);
-      return Status::ok();
-    case OpKind::MatmulForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 4));
-      return run_matmul(b, program, op, x);
-    case OpKind::MatmulBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 5, 6));
-      return run_matmul(b, program, op, x);
-    case OpKind::AttentionForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.attention_forward(x[0], f32w(x[1]), x[2], B, T, C, NH);
-      return Status::ok();
-    case OpKind::AttentionBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 5, 5));
-      b.attention_backward(x[0], x[1], x[2], x[3], f32(x[4]), B, T, C, NH);
-      return Status::ok();
-    case OpKind::GeluForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 2, 2));
-      b.gelu_forward(x[0], x[1], n);
-      return Status::ok();
-    case OpKind::GeluBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.gelu_backward(x[0], x[1], x[2], n);
-      return Status::ok();
-    case OpKind::ResidualForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.residual_forward(x[0], x[1], x[2], n);
-      return Status::ok();
-    case OpKind::CrossEntropyForward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.crossentropy_forward(f32w(x[0]), x[1], i32(x[2]), N, V, static_cast<int>(a.ld == 0 ? a.V : a.ld));
-      return Status::ok();
-    case OpKind::CrossEntropyBackward:
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 3, 3));
-      b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), N, V, static_cast<int>(a.ld == 0 ? a.V : a.ld), a.scale);
-      return Status::ok();
-    case OpKind::SquaredNorm: {
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 2, 2));
-      // One element of out_sq per segment of attrs.block elements (one when 0).
-      const size_t elem = dtype_size(program.tensors.info(op.operands[1].tensor).dtype);
-      const size_t segment = a.block > 0 ? static_cast<size_t>(a.block) : n;
-      for (size_t s0 = 0, k = 0; s0 < n; s0 += segment, ++k)
-        b.squared_norm(f32w(x[0]) + a.index + k, advance(x[1], static_cast<int64_t>(s0), elem),
-                       std::min(segment, n - s0));
-      return Status::ok();
-    }
-    case OpKind::ClipScale: {
-      // (scale_norm W, sq[P] R)
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 2, 2));
-      b.clip_scale(f32w(x[0]), f32(x[1]), static_cast<int>(a.P), a.scale);
-      return Status::ok();
-    }
-    case OpKind::AdamW: {
-      SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 6, 6));
-      AdamWHyper h = adamw_hyper(step.lr, step.step, a.scale);
-      b.adamw(x[0], f32w(x[1]), f32w(x[2]), f32w(x[3]), x[4], f32(x[5]), n, h);
-      return Status::ok();
-    }
-  }
-  return Status::internal("op " + op.name + ": unknown kind");
+  const DispatchEntry* e = dispatch_entry(op.kind);
+  if (e == nullptr) return Status::internal("op " + op.name + ": unknown kind");
+  SPILLWAY_RETURN_IF_ERROR(check_count(op, x));
+  return e->device(b, program, op, x, step);
 }
 
 Result<uint64_t> op_workspace_bytes(const BackendSizes& b, const Program& program, const Op& op) {
-  const OpAttrs& a = op.attrs;
-  const int B = static_cast<int>(a.B), T = static_cast<int>(a.T), C = static_cast<int>(a.C);
-  const int N = static_cast<int>(a.N), NH = static_cast<int>(a.NH);
   (void)program;
-  uint64_t need = 0;
-  switch (op.kind) {
-    case OpKind::EmbeddingBackward:
-      need = b.embedding_backward_workspace(B, T);
-      break;
-    case OpKind::LayerNormBackward:
-      need = b.layernorm_backward_workspace(N, C);
-      break;
-    case OpKind::MatmulForward:
-    case OpKind::MatmulBackward: {
-      // The blocks of run_matmul, each one backend call.
-      const bool backward = op.kind == OpKind::MatmulBackward;
-      const bool dbias = backward && op.operands.size() > 5;
-      const int64_t block = a.block == 0 ? a.OC : a.block;
-      for (int64_t o0 = 0; o0 < a.OC; o0 += block) {
-        const int oc = static_cast<int>(std::min(block, a.OC - o0));
-        need = std::max<uint64_t>(need, b.matmul_workspace(N, oc, backward, dbias));
-      }
-      break;
-    }
-    case OpKind::AttentionBackward:
-      need = b.attention_backward_workspace(B, T, NH);
-      break;
-    case OpKind::SquaredNorm:
-      need = b.squared_norm_workspace();
-      break;
-    default:
-      break;
-  }
+  const DispatchEntry* e = dispatch_entry(op.kind);
+  const uint64_t need = e != nullptr && e->workspace != nullptr ? e->workspace(b, op) : 0;
   if (need == SIZE_MAX)
     return Status::internal("the " + b.name() + " backend cannot size the workspace of op " + op.name);
   return need;
@@ -232,12 +325,11 @@ Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit)
 }
 
 Status run_host_op(const Op& op, const std::vector<void*>& x, DType param_dtype, const OptimizerStep& step) {
-  if (op.kind != OpKind::AdamW)
+  const DispatchEntry* e = dispatch_entry(op.kind);
+  if (e == nullptr || e->host == nullptr)
     return Status::internal("op " + op.name + " (" + op_kind_name(op.kind) + ") has no host implementation");
-  SPILLWAY_RETURN_IF_ERROR(check_count(op, x, 6, 6));
-  AdamWHyper h = adamw_hyper(step.lr, step.step, op.attrs.scale);
-  adamw_host(param_dtype, x[0], f32w(x[1]), f32w(x[2]), f32w(x[3]), x[4], f32(x[5]), static_cast<size_t>(op.attrs.n), h);
-  return Status::ok();
+  SPILLWAY_RETURN_IF_ERROR(check_count(op, x));
+  return e->host(op, x, param_dtype, step);
 }
 
 }  // namespace spillway

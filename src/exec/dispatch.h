@@ -1,6 +1,12 @@
 // Runs one Program op on a Backend (device ops) or on the host (host ops), given a
 // pointer for each operand in the op's operand order.
 //
+// The calls live in one table in dispatch.cpp, kDeviceOps, one entry per OpKind
+// (its device call, its workspace size, its host call if any), checked complete and
+// in enum order by static_asserts. It sits here rather than in the op registry
+// (program/op_registry.h) because the program module comes before the backend in
+// DESIGN.md's flow: the registry says what an op is, this table how a backend runs it.
+//
 //   std::vector<void*> ptrs = {out_ptr, inp_ptr};           // GeluForward: (out, inp)
 //   SPILLWAY_RETURN_IF_ERROR(run_device_op(backend, program, op, ptrs, step));
 //   auto ws = program_workspace(backend, program);          // device workspace to reserve
@@ -47,6 +53,9 @@ Result<WorkspaceNeed> program_workspace(const BackendSizes& backend, const Progr
 // them). Call it while no device allocation is live. A no-op on the CPU backend.
 Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit);
 
+// Whether run_host_op runs `kind` (AdamW); equals op_info(kind).host (a unit test
+// holds them together).
+bool has_host_implementation(OpKind kind);
 // Host ops: AdamW (with param in `param_dtype`).
 Status run_host_op(const Op& op, const std::vector<void*>& ptrs, DType param_dtype, const OptimizerStep& step);
 

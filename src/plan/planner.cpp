@@ -25,6 +25,7 @@
 
 #include "core/size.h"
 #include "memory/range_allocator.h"
+#include "program/op_registry.h"
 #include "sim/simulator.h"
 
 namespace spillway {
@@ -32,6 +33,20 @@ namespace spillway {
 namespace {
 
 constexpr int kNever = std::numeric_limits<int>::max();
+
+// Ops that may run on host, where their state rests (the op registry's host ops:
+// AdamW). The planner places them by the tier of their home slot (master weights)
+// and leaves them out of the minimum device budget.
+bool is_host_op(const Op& op) { return op_info(op.kind).host; }
+
+// The tensor in slot `name` of op ("param", "master", "grad"), or kNoTensor when
+// the op's kind has no such slot or the op leaves it off.
+TensorId slot_tensor(const Op& op, const char* name) {
+  const int i = name == nullptr ? -1 : op_slot(op.kind, name);
+  return i >= 0 && static_cast<size_t>(i) < op.operands.size() ? op.operands[static_cast<size_t>(i)].tensor
+                                                                : kNoTensor;
+}
+TensorId home_tensor(const Op& op) { return slot_tensor(op, op_info(op.kind).home); }
 
 
 struct Config {
@@ -817,18 +832,20 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
     uint64_t used = 0;
     bool full = false;
     for (const Op& op : program.ops) {
-      if (op.kind != OpKind::AdamW || full) continue;
-      // (param W, master U, m U, v U, grad R, scale_norm R): the first five are its state.
+      if (!is_host_op(op) || full) continue;
+      // Its state slots (AdamW: param, master, m, v, grad) go to the device together.
+      const std::span<const OpSlot> slots = op_info(op.kind).slots;
       uint64_t bytes = 0;
-      for (size_t j = 0; j < 5 && j < op.operands.size(); ++j)
-        if (c.home[op.operands[j].tensor] != Tier::Device)
+      for (size_t j = 0; j < slots.size() && j < op.operands.size(); ++j)
+        if (slots[j].state && c.home[op.operands[j].tensor] != Tier::Device)
           bytes += align_up(std::max<uint64_t>(1, program.tensors.info(op.operands[j].tensor).bytes()), alignment);
       if (used + bytes > device_optimizer) {
         full = true;  // a prefix: the layers the next forward needs first
         continue;
       }
       used += bytes;
-      for (size_t j = 0; j < 5 && j < op.operands.size(); ++j) c.home[op.operands[j].tensor] = Tier::Device;
+      for (size_t j = 0; j < slots.size() && j < op.operands.size(); ++j)
+        if (slots[j].state) c.home[op.operands[j].tensor] = Tier::Device;
     }
     // Streamed: the next parameters after the prefix keep master and moments on host
     // but run AdamW on device; the planner fetches the state, and writes it back after
@@ -838,18 +855,22 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
     int64_t left = streamed_params;
     for (size_t i = 0; i < program.ops.size() && left > 0; ++i) {
       const Op& op = program.ops[i];
-      if (op.kind != OpKind::AdamW || op.operands.size() < 5 || c.home[op.operands[1].tensor] == Tier::Device) continue;
-      const int64_t n = program.tensors.info(op.operands[0].tensor).shape.numel();
+      const TensorId home = home_tensor(op), param = slot_tensor(op, "param"), grad = slot_tensor(op, "grad");
+      if (!is_host_op(op) || home == kNoTensor || param == kNoTensor || grad == kNoTensor ||
+          c.home[home] == Tier::Device)
+        continue;
+      const int64_t n = program.tensors.info(param).shape.numel();
       if (n > left) break;  // whole tensors, within the count (a prefix, like the device one)
       c.streamed[i] = true;
-      c.home[op.operands[4].tensor] = Tier::Device;  // the gradient
+      c.home[grad] = Tier::Device;  // the gradient
       left -= n;
     }
   }
   for (size_t i = 0; i < program.ops.size(); ++i) {
     const Op& op = program.ops[i];
-    if (op.kind != OpKind::AdamW || op.operands.size() < 2) continue;
-    if (c.home[op.operands[1].tensor] == Tier::Device) c.device_optimizer_ops++;
+    const TensorId home = home_tensor(op);
+    if (!is_host_op(op) || home == kNoTensor) continue;
+    if (c.home[home] == Tier::Device) c.device_optimizer_ops++;
     else if (c.is_streamed(i)) c.streamed_optimizer_ops++;
     else c.host_optimizer_ops++;
   }
@@ -863,8 +884,9 @@ Program with_optimizer_where_state_is(const Program& program, const Config& c) {
   Program p = program;
   for (size_t i = 0; i < p.ops.size(); ++i) {
     Op& op = p.ops[i];
-    if (op.kind == OpKind::AdamW && op.operands.size() > 1)
-      op.place = c.home[op.operands[1].tensor] == Tier::Device || c.is_streamed(i) ? Place::Device : Place::Host;
+    const TensorId home = home_tensor(op);
+    if (is_host_op(op) && home != kNoTensor)
+      op.place = c.home[home] == Tier::Device || c.is_streamed(i) ? Place::Device : Place::Host;
   }
   return p;
 }
@@ -872,7 +894,7 @@ Program with_optimizer_where_state_is(const Program& program, const Config& c) {
 Program with_optimizer_on_host(const Program& program, bool on_host) {
   Program p = program;
   for (Op& op : p.ops)
-    if (op.kind == OpKind::AdamW) op.place = on_host ? Place::Host : Place::Device;
+    if (is_host_op(op)) op.place = on_host ? Place::Host : Place::Device;
   return p;
 }
 
@@ -880,9 +902,9 @@ Program with_optimizer_on_host(const Program& program, bool on_host) {
 
 uint64_t minimum_device_budget(const Program& program, size_t alignment, uint64_t workspace_bytes) {
   uint64_t m = 0;
-  // AdamW is left out: it can always run on host, where its state lives.
+  // AdamW (a host op) is left out: it can always run on host, where its state lives.
   for (const Op& op : program.ops)
-    if (op.place == Place::Device && op.kind != OpKind::AdamW) m = std::max(m, op_working_set(program, op, alignment));
+    if (op.place == Place::Device && !is_host_op(op)) m = std::max(m, op_working_set(program, op, alignment));
   // Inputs and outputs stay on device under every policy.
   for (TensorId t : program.inputs) m += align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), alignment);
   for (TensorId t : program.outputs) m += align_up(std::max<uint64_t>(1, program.tensors.info(t).bytes()), alignment);
@@ -896,7 +918,7 @@ std::string largest_op_name(const Program& program, size_t alignment) {
   std::string name;
   for (const Op& op : program.ops) {
     uint64_t w = op_working_set(program, op, alignment);
-    if (op.place == Place::Device && op.kind != OpKind::AdamW && w > m) {
+    if (op.place == Place::Device && !is_host_op(op) && w > m) {
       m = w;
       name = op.name;
     }
@@ -1086,8 +1108,9 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
       int64_t host_params = 0;
       double grad_bytes_per_param = 0;
       for (const Op& op : program.ops) {
-        if (op.kind != OpKind::AdamW || op.operands.size() < 5 || c.home[op.operands[1].tensor] == Tier::Device) continue;
-        const TensorInfo& g = program.tensors.info(op.operands[4].tensor);
+        const TensorId home = home_tensor(op), grad = slot_tensor(op, "grad");
+        if (!is_host_op(op) || home == kNoTensor || grad == kNoTensor || c.home[home] == Tier::Device) continue;
+        const TensorInfo& g = program.tensors.info(grad);
         host_params += g.shape.numel();
         grad_bytes_per_param = static_cast<double>(g.bytes()) / static_cast<double>(std::max<int64_t>(1, g.shape.numel()));
       }
@@ -1175,7 +1198,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       // working set cannot fit there at all (then on host, as ZeRO-Offload does).
       uint64_t adam = 0;
       for (const Op& op : program.ops)
-        if (op.kind == OpKind::AdamW) adam = std::max(adam, op_working_set(program, op, alignment));
+        if (is_host_op(op)) adam = std::max(adam, op_working_set(program, op, alignment));
       c.optimizer_on_host = c.pinned_end + adam > budgets.device;
       program = with_optimizer_on_host(program, c.optimizer_on_host);
       return schedule(program, machine, budgets, c, alignment);

@@ -2,65 +2,26 @@
 //
 // Derived op time (when no measurement is given):
 //   device op: max(flops / matmul_flops_per_s, bytes touched / device_bytes_per_s) + op_launch_s
-//   host op:   elements / host_adam_params_per_s (AdamW: n; other host ops: the
-//              largest operand's element count)
-// Flops are counted for matrix products and attention only; every other op is
-// memory-bound. Bytes touched: each distinct operand once for Read or Write, twice
-// for Update (read and written back); embedding ops touch only the rows their
-// tokens select.
+//   host op:   elements / host_adam_params_per_s (ops with a host implementation,
+//              AdamW: attrs.n; other ops: the largest operand's element count)
+// Flops and bytes are the op registry's (program/op_registry.h: op_cost_flops,
+// op_bytes_moved): flops for matrix products and attention only, every other op is
+// memory-bound; bytes: each distinct operand once for Read or Write, twice for
+// Update (read and written back); embedding ops touch only the rows their tokens
+// select.
 #include "sim/machine.h"
 
 #include <algorithm>
-#include <set>
+
+#include "program/op_registry.h"
 
 namespace spillway {
 
 namespace {
 
-double tensor_bytes(const Program& program, TensorId t) {
-  if (t < 0 || static_cast<size_t>(t) >= program.tensors.size()) return 0;
-  return static_cast<double>(program.tensors.info(t).bytes());
-}
-
 double tensor_numel(const Program& program, TensorId t) {
   if (t < 0 || static_cast<size_t>(t) >= program.tensors.size()) return 0;
   return static_cast<double>(program.tensors.info(t).shape.numel());
-}
-
-// Floating-point operations of the compute-bound ops; 0 for memory-bound ones.
-double op_flops(const Op& op) {
-  const OpAttrs& a = op.attrs;
-  const double N = static_cast<double>(a.N), C = static_cast<double>(a.C), OC = static_cast<double>(a.OC);
-  const double B = static_cast<double>(a.B), T = static_cast<double>(a.T);
-  switch (op.kind) {
-    case OpKind::MatmulForward: return 2 * N * C * OC;
-    case OpKind::MatmulBackward: return 4 * N * C * OC;  // dinp and dweight products
-    // Causal attention: QKᵀ and PV over the lower triangle, 4·B·T²·C / 2.
-    case OpKind::AttentionForward: return 2 * B * T * T * C;
-    // The backward recomputes P and runs four more products: 2.5× the forward.
-    case OpKind::AttentionBackward: return 5 * B * T * T * C;
-    default: return 0;
-  }
-}
-
-double op_bytes(const Program& program, const Op& op) {
-  if (op.kind == OpKind::EmbeddingForward || op.kind == OpKind::EmbeddingBackward) {
-    // out/dout [B,T,C] written or read once, the selected wte rows and wpe rows once
-    // each (updated in place for the backward).
-    const double rows = static_cast<double>(op.attrs.B * op.attrs.T * op.attrs.C);
-    const TensorId act = op.operands.empty() ? kNoTensor : op.operands[op.kind == OpKind::EmbeddingForward ? 0 : 1].tensor;
-    const double elem = rows > 0 ? tensor_bytes(program, act) / rows : 0;
-    const double factor = op.kind == OpKind::EmbeddingForward ? 3 : 5;
-    return factor * rows * elem + 4 * static_cast<double>(op.attrs.B * op.attrs.T);
-  }
-  double bytes = 0;
-  std::set<TensorId> seen;
-  for (const Operand& o : op.operands) {
-    if (!seen.insert(o.tensor).second) continue;
-    const double b = tensor_bytes(program, o.tensor);
-    bytes += o.access == Access::Update ? 2 * b : b;
-  }
-  return bytes;
 }
 
 }  // namespace
@@ -73,15 +34,15 @@ double Machine::op_seconds(const Program& program, size_t op_index) const {
   const Op& op = program.ops[op_index];
   if (op.place == Place::Host) {
     double elements = 0;
-    if (op.kind == OpKind::AdamW) {
+    if (op_info(op.kind).host) {
       elements = static_cast<double>(op.attrs.n);
     } else {
       for (const Operand& o : op.operands) elements = std::max(elements, tensor_numel(program, o.tensor));
     }
     return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
   }
-  const double compute = matmul_flops_per_s > 0 ? op_flops(op) / matmul_flops_per_s : 0;
-  const double memory = device_bytes_per_s > 0 ? op_bytes(program, op) / device_bytes_per_s : 0;
+  const double compute = matmul_flops_per_s > 0 ? op_cost_flops(op) / matmul_flops_per_s : 0;
+  const double memory = device_bytes_per_s > 0 ? op_bytes_moved(program, op) / device_bytes_per_s : 0;
   return std::max(compute, memory) + op_launch_s;
 }
 

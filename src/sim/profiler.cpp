@@ -71,7 +71,7 @@ std::string shape_key(const Program& program, const Op& op) {
 }
 
 bool has_standalone_form(const Op& op) {
-  return op.place != Place::Host || op.kind == OpKind::AdamW;
+  return op.place != Place::Host || has_host_implementation(op.kind);
 }
 
 Result<double> time_op(Backend& backend, const Program& program, const Op& op, int repeats) {

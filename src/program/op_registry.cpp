@@ -1,0 +1,484 @@
+// The op registry's table: one entry per OpKind, in enum order.
+//
+// Each entry documents its kind: operand slots in order (W = Write, U = Update,
+// R = Read; W|U: Write for the first tile, Update after), the attrs it reads, and
+// what its check, flops and bytes compute.
+#include "program/op_registry.h"
+
+#include <algorithm>
+#include <array>
+#include <iterator>
+#include <set>
+#include <string>
+
+namespace spillway {
+
+namespace {
+
+using A = Access;
+using D = SlotDType;
+
+// ---- Shared formulas ----------------------------------------------------------
+
+double tensor_bytes(const Program& program, TensorId t) {
+  if (t < 0 || static_cast<size_t>(t) >= program.tensors.size()) return 0;
+  return static_cast<double>(program.tensors.info(t).bytes());
+}
+
+// The default: each distinct operand once for Read or Write, twice for Update
+// (read and written back).
+double bytes_per_operand(const Program& program, const Op& op) {
+  double bytes = 0;
+  std::set<TensorId> seen;
+  for (const Operand& o : op.operands) {
+    if (!seen.insert(o.tensor).second) continue;
+    const double b = tensor_bytes(program, o.tensor);
+    bytes += o.access == Access::Update ? 2 * b : b;
+  }
+  return bytes;
+}
+
+// Embedding ops touch only the rows their tokens select: out/dout [B,T,C] written
+// or read once, the selected wte rows and wpe rows once each (updated in place for
+// the backward), and the tokens.
+double embedding_bytes(const Program& program, const Op& op) {
+  const bool forward = op.kind == OpKind::EmbeddingForward;
+  const double rows = static_cast<double>(op.attrs.B * op.attrs.T * op.attrs.C);
+  const TensorId act = op.operands.empty() ? kNoTensor : op.operands[forward ? 0 : 1].tensor;
+  const double elem = rows > 0 ? tensor_bytes(program, act) / rows : 0;
+  const double factor = forward ? 3 : 5;
+  return factor * rows * elem + 4 * static_cast<double>(op.attrs.B * op.attrs.T);
+}
+
+// ---- Zero: (t W) --------------------------------------------------------------
+
+constexpr OpSlot kZeroSlots[] = {{"t", A::Write, D::Act}};
+
+// ---- Embedding ----------------------------------------------------------------
+// EmbeddingForward  (out W|U, tokens R, wte R, wpe R)        attrs B T C [V begin]
+// EmbeddingBackward (dwte U, dout R, tokens R [, dwpe U])    attrs B T C [V begin]
+// wte/dwte may be one vocab tile: V rows from row `begin` (V = 0: the whole table);
+// only tokens in the tile are gathered/scattered, so the forward's out is Write for
+// the first tile and Update after.
+
+constexpr OpSlot kEmbeddingForwardSlots[] = {{"out", A::Write, D::Act, false, true},
+                                             {"tokens", A::Read, D::I32},
+                                             {"wte", A::Read, D::Act},
+                                             {"wpe", A::Read, D::Act}};
+constexpr OpSlot kEmbeddingBackwardSlots[] = {{"dwte", A::Update, D::Act},
+                                              {"dout", A::Read, D::Act},
+                                              {"tokens", A::Read, D::I32},
+                                              {"dwpe", A::Update, D::Act, true}};
+
+Status check_embedding(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"B", a.B}, {"T", a.T}, {"C", a.C}}));
+  if (a.V < 0 || a.begin < 0)
+    return c.fail("attrs.V " + std::to_string(a.V) + " and attrs.begin " + std::to_string(a.begin) +
+                  " must not be negative");
+  const bool fwd = c.op().kind == OpKind::EmbeddingForward;
+  const size_t act = fwd ? 0 : 1, tokens = fwd ? 1 : 2, wte = fwd ? 2 : 0, wpe = 3;
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(act, a.B * a.T * a.C, "B*T*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(tokens, a.B * a.T, "B*T"));
+  if (a.V > 0) SPILLWAY_RETURN_IF_ERROR(c.numel_is(wte, a.V * a.C, "V*C (rows of the vocab tile)"));
+  SPILLWAY_RETURN_IF_ERROR(c.rows_of(wte, a.C, 1, "rows of C"));
+  if (wpe < c.operands()) return c.rows_of(wpe, a.C, a.T, "at least T rows of C");
+  return Status::ok();
+}
+
+// ---- LayerNorm ----------------------------------------------------------------
+// LayerNormForward  (out W, mean W, rstd W, inp R, weight R, bias R)                    attrs N C
+// LayerNormBackward (dinp U, dweight U, dbias U, dout R, inp R, weight R, mean R, rstd R)  attrs N C
+
+constexpr OpSlot kLayerNormForwardSlots[] = {{"out", A::Write, D::Act},   {"mean", A::Write, D::F32},
+                                             {"rstd", A::Write, D::F32},  {"inp", A::Read, D::Act},
+                                             {"weight", A::Read, D::Act}, {"bias", A::Read, D::Act}};
+constexpr OpSlot kLayerNormBackwardSlots[] = {{"dinp", A::Update, D::Act},    {"dweight", A::Update, D::Act},
+                                              {"dbias", A::Update, D::Act},   {"dout", A::Read, D::Act},
+                                              {"inp", A::Read, D::Act},       {"weight", A::Read, D::Act},
+                                              {"mean", A::Read, D::F32},      {"rstd", A::Read, D::F32}};
+
+Status check_layernorm_forward(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}}));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.N, "N"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N, "N"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(4, a.C, "C"));
+  return c.numel_is(5, a.C, "C");
+}
+
+Status check_layernorm_backward(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}}));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.C, "C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.C, "C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(4, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(5, a.C, "C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(6, a.N, "N"));
+  return c.numel_is(7, a.N, "N");
+}
+
+// ---- Matmul -------------------------------------------------------------------
+// MatmulForward  (out W|U, inp R, weight R [, bias R])                    attrs N C OC [ld begin block]
+// MatmulBackward (dinp W|U, dweight U, dout R, inp R, weight R [, dbias U])  attrs N C OC [ld begin block]
+// out/dout may be OC columns from column `begin` of an [N, ld] matrix (a tile of the
+// output channels); dinp Update adds into it. block > 0: computed as consecutive
+// blocks of `block` output channels, dinp summed block by block in order, so tiles
+// made of whole blocks give the same bits as the whole op.
+
+constexpr OpSlot kMatmulForwardSlots[] = {{"out", A::Write, D::Act, false, true},
+                                          {"inp", A::Read, D::Act},
+                                          {"weight", A::Read, D::Act},
+                                          {"bias", A::Read, D::Act, true}};
+constexpr OpSlot kMatmulBackwardSlots[] = {{"dinp", A::Write, D::Act, false, true},
+                                           {"dweight", A::Update, D::Act},
+                                           {"dout", A::Read, D::Act},
+                                           {"inp", A::Read, D::Act},
+                                           {"weight", A::Read, D::Act},
+                                           {"dbias", A::Update, D::Act, true}};
+
+Status check_matmul(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}, {"OC", a.OC}}));
+  const int64_t ld = a.ld == 0 ? a.OC : a.ld;
+  if (a.begin < 0 || a.block < 0 || a.begin + a.OC > ld)
+    return c.fail("columns [" + std::to_string(a.begin) + ", " + std::to_string(a.begin + a.OC) + ") with block " +
+                  std::to_string(a.block) + " do not fit rows of ld = " + std::to_string(ld));
+  const bool fwd = c.op().kind == OpKind::MatmulForward;
+  // A column block of out/dout: a Write of the first tile leaves the other columns.
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(fwd ? 0 : 2, a.N * ld, "N*ld (ld = OC unless given)"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(fwd ? 1 : 3, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(fwd ? 2 : 4, a.OC * a.C, "OC*C"));
+  if (fwd) return c.numel_is(3, a.OC, "OC");
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.OC * a.C, "OC*C"));
+  return c.numel_is(5, a.OC, "OC");
+}
+
+double matmul_forward_flops(const OpAttrs& a) { return 2.0 * a.N * a.C * a.OC; }
+// dinp = dout·W and dW += doutᵀ·inp.
+double matmul_backward_flops(const OpAttrs& a) { return 4.0 * a.N * a.C * a.OC; }
+
+// ---- Attention ----------------------------------------------------------------
+// AttentionForward  (out W, lse W, qkv R)                     attrs B T C NH
+// AttentionBackward (dqkv W, dout R, qkv R, out R, lse R)     attrs B T C NH
+
+constexpr OpSlot kAttentionForwardSlots[] = {
+    {"out", A::Write, D::Act}, {"lse", A::Write, D::F32}, {"qkv", A::Read, D::Act}};
+constexpr OpSlot kAttentionBackwardSlots[] = {{"dqkv", A::Write, D::Act},
+                                              {"dout", A::Read, D::Act},
+                                              {"qkv", A::Read, D::Act},
+                                              {"out", A::Read, D::Act},
+                                              {"lse", A::Read, D::F32}};
+
+Status check_attention(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"B", a.B}, {"T", a.T}, {"C", a.C}, {"NH", a.NH}}));
+  if (a.C % a.NH != 0)
+    return c.fail("attrs.C = " + std::to_string(a.C) + " is not divisible by attrs.NH = " + std::to_string(a.NH));
+  int64_t btc = a.B * a.T * a.C, lse = a.B * a.NH * a.T;
+  if (c.op().kind == OpKind::AttentionForward) {
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, btc, "B*T*C"));
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, lse, "B*NH*T"));
+    return c.numel_is(2, 3 * btc, "B*T*3C");
+  }
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, 3 * btc, "B*T*3C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, btc, "B*T*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, 3 * btc, "B*T*3C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, btc, "B*T*C"));
+  return c.numel_is(4, lse, "B*NH*T");
+}
+
+// Q·Kᵀ and P·V are 2·B·T²·C each without a mask; the causal mask halves the work
+// actually needed: 4·B·T²·C / 2.
+double attention_forward_flops(const OpAttrs& a) { return 2.0 * a.B * a.T * a.T * a.C; }
+// Twice the forward (dQ, dK from dS; dV, dP).
+double attention_backward_flops(const OpAttrs& a) { return 4.0 * a.B * a.T * a.T * a.C; }
+// The kernel recomputes P and runs four more products: 2.5× the forward.
+double attention_backward_cost_flops(const OpAttrs& a) { return 5.0 * a.B * a.T * a.T * a.C; }
+
+// ---- Elementwise --------------------------------------------------------------
+// GeluForward     (out W, inp R)           attrs n
+// GeluBackward    (dinp W, inp R, dout R)  attrs n
+// ResidualForward (out W, a R, b R)        attrs n
+
+constexpr OpSlot kGeluForwardSlots[] = {{"out", A::Write, D::Act}, {"inp", A::Read, D::Act}};
+constexpr OpSlot kGeluBackwardSlots[] = {
+    {"dinp", A::Write, D::Act}, {"inp", A::Read, D::Act}, {"dout", A::Read, D::Act}};
+constexpr OpSlot kResidualForwardSlots[] = {{"out", A::Write, D::Act}, {"a", A::Read, D::Act}, {"b", A::Read, D::Act}};
+
+// Every operand has n elements.
+Status check_elementwise(const OpCheck& c) {
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"n", c.attrs().n}}));
+  for (size_t i = 0; i < c.operands(); ++i) SPILLWAY_RETURN_IF_ERROR(c.numel_is(i, c.attrs().n, "n"));
+  return Status::ok();
+}
+
+// ---- CrossEntropy -------------------------------------------------------------
+// CrossEntropyForward  (losses W, logits R, targets R)          attrs N V [ld]
+// CrossEntropyBackward (losses W, logits U→dlogits, targets R)  attrs N V [ld], scale = dloss scale
+// logits rows ld ≥ V apart (a padded stride), columns past V unused.
+
+constexpr OpSlot kCrossEntropyForwardSlots[] = {
+    {"losses", A::Write, D::F32}, {"logits", A::Read, D::Act}, {"targets", A::Read, D::I32}};
+constexpr OpSlot kCrossEntropyBackwardSlots[] = {
+    {"losses", A::Write, D::F32}, {"logits", A::Update, D::Act}, {"targets", A::Read, D::I32}};
+
+Status check_crossentropy(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"V", a.V}}));
+  if (a.ld != 0 && a.ld < a.V)
+    return c.fail("attrs.ld " + std::to_string(a.ld) + " is below attrs.V " + std::to_string(a.V));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N, "N"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.N * (a.ld == 0 ? a.V : a.ld), "N*ld (ld = V unless given)"));
+  return c.numel_is(2, a.N, "N");
+}
+
+// ---- SquaredNorm: (out_sq W, grad R)  attrs n -----------------------------------
+// or packed (the GPT builder's form): (out_sq[P] U, grad R), writing element
+// attrs.index of a P-element F32 tensor zeroed before; with attrs.block > 0, one
+// element per segment of `block` elements (index, index+1, ...), so a tiled gradient
+// gives the same norms.
+
+constexpr OpSlot kSquaredNormSlots[] = {{"out_sq", A::Write, D::F32, false, true}, {"grad", A::Read, D::Act}};
+
+Status check_squared_norm(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"n", a.n}}));
+  if (a.block < 0) return c.fail("attrs.block is " + std::to_string(a.block) + "; must not be negative");
+  const int64_t segments = a.block > 0 ? (a.n + a.block - 1) / a.block : 1;
+  if (c.access(0) == Access::Write) {
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, 1, "1"));
+    if (a.index != 0 || segments != 1)
+      return c.fail("attrs.index is " + std::to_string(a.index) + " with " + std::to_string(segments) +
+                    " segments; a written out_sq has one element");
+  } else {
+    int64_t len = c.numel(0);
+    if (a.index < 0 || a.index + segments > len)
+      return c.fail("elements [" + std::to_string(a.index) + ", " + std::to_string(a.index + segments) +
+                    ") are outside out_sq's " + std::to_string(len) + " elements");
+  }
+  return c.numel_is(1, a.n, "n");
+}
+
+// ---- ClipScale: (scale_norm W, squared_norms[P] R)  attrs P, scale = max norm ----
+
+constexpr OpSlot kClipScaleSlots[] = {{"scale_norm", A::Write, D::F32}, {"squared_norms", A::Read, D::F32}};
+
+Status check_clip_scale(const OpCheck& c) {
+  if (c.attrs().P < 1) return c.fail("attrs.P is " + std::to_string(c.attrs().P) + "; need at least 1");
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, 2, "2 (scale, norm)"));
+  return c.numel_is(1, c.attrs().P, "P");
+}
+
+// ---- AdamW: (param W, master U, m U, v U, grad R, scale_norm R) ------------------
+// attrs n, index = parameter number, scale = weight decay. Runs on host where its
+// master weights rest (run_host_op).
+
+constexpr OpSlot kAdamWSlots[] = {{"param", A::Write, D::Act, false, false, true},
+                                  {"master", A::Update, D::F32, false, false, true},
+                                  {"m", A::Update, D::F32, false, false, true},
+                                  {"v", A::Update, D::F32, false, false, true},
+                                  {"grad", A::Read, D::Act, false, false, true},
+                                  {"scale_norm", A::Read, D::F32}};
+
+Status check_adamw(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"n", a.n}}));
+  if (a.index < 0) return c.fail("attrs.index is " + std::to_string(a.index) + "; must be >= 0");
+  for (size_t i = 0; i < 5; ++i) SPILLWAY_RETURN_IF_ERROR(c.numel_is(i, a.n, "n"));
+  return c.numel_is(5, 2, "2 (scale, norm)");
+}
+
+// ---- The table ----------------------------------------------------------------
+
+constexpr OpKindInfo kOpKinds[] = {
+    {.kind = OpKind::Zero, .name = "Zero", .slots = kZeroSlots},
+    {.kind = OpKind::EmbeddingForward, .name = "EmbeddingForward", .slots = kEmbeddingForwardSlots,
+     .check = check_embedding, .bytes = embedding_bytes},
+    {.kind = OpKind::EmbeddingBackward, .name = "EmbeddingBackward", .slots = kEmbeddingBackwardSlots,
+     .check = check_embedding, .bytes = embedding_bytes},
+    {.kind = OpKind::LayerNormForward, .name = "LayerNormForward", .slots = kLayerNormForwardSlots,
+     .check = check_layernorm_forward},
+    {.kind = OpKind::LayerNormBackward, .name = "LayerNormBackward", .slots = kLayerNormBackwardSlots,
+     .check = check_layernorm_backward},
+    {.kind = OpKind::MatmulForward, .name = "MatmulForward", .slots = kMatmulForwardSlots, .check = check_matmul,
+     .flops = matmul_forward_flops, .op_class = OpClass::Matmul},
+    {.kind = OpKind::MatmulBackward, .name = "MatmulBackward", .slots = kMatmulBackwardSlots, .check = check_matmul,
+     .flops = matmul_backward_flops, .op_class = OpClass::Matmul},
+    {.kind = OpKind::AttentionForward, .name = "AttentionForward", .slots = kAttentionForwardSlots,
+     .check = check_attention, .flops = attention_forward_flops, .op_class = OpClass::Attention},
+    {.kind = OpKind::AttentionBackward, .name = "AttentionBackward", .slots = kAttentionBackwardSlots,
+     .check = check_attention, .flops = attention_backward_flops, .cost_flops = attention_backward_cost_flops,
+     .op_class = OpClass::Attention},
+    {.kind = OpKind::GeluForward, .name = "GeluForward", .slots = kGeluForwardSlots, .check = check_elementwise},
+    {.kind = OpKind::GeluBackward, .name = "GeluBackward", .slots = kGeluBackwardSlots, .check = check_elementwise},
+    {.kind = OpKind::ResidualForward, .name = "ResidualForward", .slots = kResidualForwardSlots,
+     .check = check_elementwise},
+    {.kind = OpKind::CrossEntropyForward, .name = "CrossEntropyForward", .slots = kCrossEntropyForwardSlots,
+     .check = check_crossentropy},
+    {.kind = OpKind::CrossEntropyBackward, .name = "CrossEntropyBackward", .slots = kCrossEntropyBackwardSlots,
+     .check = check_crossentropy},
+    {.kind = OpKind::SquaredNorm, .name = "SquaredNorm", .slots = kSquaredNormSlots, .check = check_squared_norm},
+    {.kind = OpKind::ClipScale, .name = "ClipScale", .slots = kClipScaleSlots, .check = check_clip_scale},
+    {.kind = OpKind::AdamW, .name = "AdamW", .slots = kAdamWSlots, .check = check_adamw, .host = true,
+     .home = "master"},
+};
+
+constexpr bool in_kind_order() {
+  for (size_t i = 0; i < std::size(kOpKinds); ++i)
+    if (static_cast<size_t>(kOpKinds[i].kind) != i) return false;
+  return true;
+}
+// Optional slots come last; a host op names a slot that exists as its home.
+constexpr bool slots_well_formed() {
+  for (const OpKindInfo& info : kOpKinds) {
+    bool optional = false;
+    for (const OpSlot& s : info.slots) {
+      if (optional && !s.optional) return false;
+      optional = optional || s.optional;
+    }
+    if (info.host != (info.home != nullptr)) return false;
+  }
+  return true;
+}
+static_assert(std::size(kOpKinds) == kOpKindCount, "the op registry needs one entry per OpKind");
+static_assert(in_kind_order(), "the op registry's entries must follow OpKind's order");
+static_assert(slots_well_formed(), "optional slots go last; host ops name their home slot");
+
+const OpKindInfo kUnknown{.kind = OpKind::Zero, .name = "?", .slots = {}};
+
+bool known(OpKind k) { return static_cast<size_t>(k) < kOpKindCount; }
+
+bool persists_across_steps(Role r) {
+  return r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input;
+}
+
+}  // namespace
+
+const char* op_kind_name(OpKind k) { return op_info(k).name; }
+
+const OpKindInfo& op_info(OpKind k) { return known(k) ? kOpKinds[static_cast<size_t>(k)] : kUnknown; }
+
+size_t op_required_operands(OpKind k) {
+  const OpKindInfo& info = op_info(k);
+  return static_cast<size_t>(std::count_if(info.slots.begin(), info.slots.end(),
+                                           [](const OpSlot& s) { return !s.optional; }));
+}
+
+int op_slot(OpKind k, std::string_view name) {
+  const OpKindInfo& info = op_info(k);
+  for (size_t i = 0; i < info.slots.size(); ++i)
+    if (name == info.slots[i].name) return static_cast<int>(i);
+  return -1;
+}
+
+const char* access_name(Access a) {
+  switch (a) {
+    case Access::Read: return "Read";
+    case Access::Update: return "Update";
+    case Access::Write: return "Write";
+  }
+  return "?";
+}
+
+double op_flops(const Op& op) {
+  const OpKindInfo& info = op_info(op.kind);
+  return info.flops ? info.flops(op.attrs) : 0;
+}
+
+double op_cost_flops(const Op& op) {
+  const OpKindInfo& info = op_info(op.kind);
+  if (info.cost_flops) return info.cost_flops(op.attrs);
+  return info.flops ? info.flops(op.attrs) : 0;
+}
+
+double op_bytes_moved(const Program& program, const Op& op) {
+  const OpKindInfo& info = op_info(op.kind);
+  return info.bytes ? info.bytes(program, op) : bytes_per_operand(program, op);
+}
+
+// ---- Checking an op against its entry -------------------------------------------
+
+int64_t OpCheck::numel(size_t i) const { return p_.tensors.info(op_.operands[i].tensor).shape.numel(); }
+
+std::string OpCheck::op_text() const {
+  return "op " + std::to_string(index_) + " '" + op_.name + "' (" + op_kind_name(op_.kind) + ")";
+}
+
+Status OpCheck::fail(const std::string& what) const { return Status::invalid_argument(op_text() + ": " + what); }
+
+Status OpCheck::fail_operand(size_t i, const std::string& what) const {
+  const std::span<const OpSlot> slots = op_info(op_.kind).slots;
+  std::string slot = i < slots.size() ? slots[i].name : "extra";
+  std::string tensor;
+  TensorId id = op_.operands[i].tensor;
+  if (id >= 0 && static_cast<size_t>(id) < p_.tensors.size()) tensor = " '" + p_.tensors.info(id).name + "'";
+  return fail("operand " + std::to_string(i) + " (" + slot + ")" + tensor + " " + what);
+}
+
+Status OpCheck::positive(std::initializer_list<std::pair<const char*, int64_t>> attrs) const {
+  for (auto& [name, v] : attrs)
+    if (v <= 0) return fail(std::string("attrs.") + name + " is " + std::to_string(v) + "; must be positive");
+  return Status::ok();
+}
+
+Status OpCheck::numel_is(size_t i, int64_t want, const char* formula) const {
+  if (i >= op_.operands.size()) return Status::ok();
+  int64_t got = numel(i);
+  if (got != want)
+    return fail_operand(i, "has " + std::to_string(got) + " elements; expected " + formula + " = " +
+                               std::to_string(want));
+  return Status::ok();
+}
+
+Status OpCheck::rows_of(size_t i, int64_t width, int64_t min_rows, const char* what) const {
+  int64_t got = numel(i);
+  if (got % width != 0 || got / width < min_rows)
+    return fail_operand(i, "has " + std::to_string(got) + " elements; expected " + what);
+  return Status::ok();
+}
+
+Status check_op(const Program& program, size_t index, const std::vector<bool>& written) {
+  const Op& op = program.ops[index];
+  const OpCheck c(program, index);
+  if (!known(op.kind))
+    return c.fail("kind " + std::to_string(static_cast<int>(op.kind)) + " is not in the op registry");
+  const OpKindInfo& info = op_info(op.kind);
+  const size_t min_count = op_required_operands(op.kind), max_count = info.slots.size();
+  if (op.operands.size() < min_count || op.operands.size() > max_count) {
+    std::string want = min_count == max_count ? std::to_string(min_count)
+                                              : std::to_string(min_count) + " or " + std::to_string(max_count);
+    return c.fail("has " + std::to_string(op.operands.size()) + " operands; " + info.name + " takes " + want);
+  }
+  for (size_t i = 0; i < op.operands.size(); ++i) {
+    const Operand& o = op.operands[i];
+    const OpSlot& s = info.slots[i];
+    if (o.tensor < 0 || static_cast<size_t>(o.tensor) >= program.tensors.size())
+      return c.fail_operand(i, "tensor id " + std::to_string(o.tensor) + " is out of range (table has " +
+                                   std::to_string(program.tensors.size()) + " tensors)");
+    for (size_t j = 0; j < i; ++j)
+      if (op.operands[j].tensor == o.tensor) return c.fail_operand(i, "is the same tensor as operand " + std::to_string(j));
+    if (o.access != s.access && !(s.may_update && o.access == Access::Update))
+      return c.fail_operand(i, std::string("has access ") + access_name(o.access) + "; " + info.name + " needs " +
+                                   access_name(s.access));
+    const TensorInfo& t = program.tensors.info(o.tensor);
+    bool dtype_ok = s.dtype == SlotDType::F32   ? t.dtype == DType::F32
+                    : s.dtype == SlotDType::I32 ? t.dtype == DType::I32
+                                                : (t.dtype == DType::F32 || t.dtype == DType::BF16);
+    if (!dtype_ok) {
+      const char* want = s.dtype == SlotDType::F32 ? "f32" : s.dtype == SlotDType::I32 ? "i32" : "f32 or bf16";
+      return c.fail_operand(i, std::string("has dtype ") + dtype_name(t.dtype) + "; expected " + want);
+    }
+    if (o.access != Access::Write && !persists_across_steps(t.role) && !written[o.tensor])
+      return c.fail_operand(i, std::string("is ") + (o.access == Access::Read ? "read" : "updated") +
+                                   " before any earlier op writes it (role " + role_name(t.role) + ")");
+  }
+  return info.check ? info.check(c) : Status::ok();
+}
+
+}  // namespace spillway
