@@ -32,6 +32,7 @@
 #include "core/interrupt.h"
 #include "core/random.h"
 #include "core/size.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace spillway::cli {
@@ -52,10 +53,10 @@ struct BenchTrainFlags {
   std::string json;  // file for the JSON summary ("" = none)
   std::string checkpoint_dir;  // --checkpoint-dir: checkpoints every --checkpoint-every steps, timed with the steps
   int checkpoint_every = 0;
-// The time split of one profiled step: matrix products, attention, other kernels of
-// the forward and backward, and the optimizer phase (norms, clipping, AdamW, on
 };
 
+// The time split of one profiled step: matrix products, attention, other kernels of
+// the forward and backward, and the optimizer phase (norms, clipping, AdamW, on
 // device or host), then the slowest ops. Beside it, two figures measured apart from
 // the split: the sum of every op's time, and the profiled step on the wall clock
 // with the number of ops timed against the plan's Run instructions.
@@ -109,10 +110,10 @@ Status run_bench(const BenchTrainFlags& f) {
     return Status::invalid_argument("--checkpoint-dir and --checkpoint-every go together (give both or neither)");
   if (f.checkpoint_every < 0)
     return Status::invalid_argument("--checkpoint-every must be positive, got " + std::to_string(f.checkpoint_every));
-  const int T = f.context ? f.context : cfg.context;
-  if (T > cfg.context)
   if (f.context < 0) return Status::invalid_argument("--context must be positive, got " + std::to_string(f.context));
   SPILLWAY_ASSIGN_OR_RETURN(GPTConfig cfg, resolve_model(f.model));
+  const int T = f.context ? f.context : cfg.context;
+  if (T > cfg.context)
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
@@ -153,10 +154,10 @@ Status run_bench(const BenchTrainFlags& f) {
   if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, 1);  // keep 1: the disk holds two at most (the kept one and the one being written)
   int checkpoints = 0;
   double checkpoint_wait_s = 0, tail_write_s = 0;
-  for (int s = 1; s <= last_step; ++s) {
-    if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
   double profiled_step_s = 0;
   const int last_step = f.steps + (f.profile ? 1 : 0);
+  for (int s = 1; s <= last_step; ++s) {
+    if (interrupted()) return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(last_step));
     const bool profiled = s > f.steps;
     if (profiled) trainer->profile_next_step(&profile);
     // The timed steps run from the start of step 2 to the end of the last one's
@@ -197,10 +198,10 @@ Status run_bench(const BenchTrainFlags& f) {
       if (writer) SPILLWAY_RETURN_IF_ERROR(writer->wait().status().with_context("--checkpoint-dir " + f.checkpoint_dir));
       timed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
       tail_write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - steps_end).count();
-  const int timed = f.steps - 1;
-  const double step_s = timed_s / timed;
     }
   }
+  const int timed = f.steps - 1;
+  const double step_s = timed_s / timed;
   const double tokens = static_cast<double>(trainer->tokens_per_step());
   const double flops = trainer->program().flops();
   std::printf("tokens/s      %s\n", format_count(tokens / step_s).c_str());
@@ -211,10 +212,10 @@ Status run_bench(const BenchTrainFlags& f) {
                 checkpoints, format_size(trainer->state_bytes()).c_str(), f.checkpoint_every,
                 writer->sync_reason().empty() ? "background" : "foreground", checkpoint_wait_s,
                 timed_s > 0 ? 100.0 * checkpoint_wait_s / timed_s : 0.0, tail_write_s);
-              timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
-  std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
   std::printf("executor waits %.1f%% of the step (host time waiting for copies, host ops and regions; the GPU "
               "may be busy meanwhile)\n",
+              timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
+  std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
               issue_s / timed);
   if (backend->name() == "cuda")
     std::printf("MFU           %.1f%% (%.1f TFLOP/s of the %.0f dense bf16 peak on the H200 data sheet; %.0f%% of the "
@@ -266,10 +267,10 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
   app.add_option("--checkpoint-dir", f->checkpoint_dir,
                  "also write checkpoints of the whole state here (in the background), timed with the steps");
   app.add_option("--checkpoint-every", f->checkpoint_every, "steps between checkpoints (with --checkpoint-dir)");
-  add_memory_flags(app, f->memory);
-  return [f]() -> int {
   app.add_option("--json", f->json, "also write the figures (tokens/s, step time, device memory used beyond the "
                                      "CUDA context and its peak, the budget) to this file as one JSON object");
+  add_memory_flags(app, f->memory);
+  return [f]() -> int {
     Status s = run_bench(*f);
     return s.is_ok() ? 0 : fail(s);
   };
