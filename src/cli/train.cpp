@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "cli/command.h"
+#include "cli/text_data.h"
 #include "cli/train_flags.h"
 #include "core/atomic_file.h"
 #include "core/interrupt.h"
@@ -40,6 +41,7 @@ struct TrainFlags {
   ModelFlags model;
   MemoryFlags memory;
   std::string data;
+  std::string tokenizer;  // --tokenizer: a tokenizer.json (or its directory) that encodes --data
   int steps = 300, batch = 8, context = 0, accum = 1;
   float lr = 0;  // 0: 4e-3 for models up to 10M parameters, else 6e-4
   int warmup = 20;
@@ -59,7 +61,7 @@ nlohmann::json run_config(const GPTConfig& cfg, const TrainFlags& f, int T, floa
   return {{"model", {{"layers", cfg.layers}, {"width", cfg.width}, {"heads", cfg.heads}, {"context", cfg.context},
                      {"vocab", cfg.vocab}}},
           {"batch", f.batch}, {"context", T}, {"accum", f.accum}, {"lr", lr}, {"warmup", f.warmup},
-          {"steps", f.steps}, {"seed", f.seed}, {"data", data}};
+          {"steps", f.steps}, {"seed", f.seed}, {"data", data}, {"tokenizer", f.tokenizer}};
 }
 
 // --resume: the run's flags from the checkpoint's config; a flag given on the
@@ -108,6 +110,7 @@ Status apply_checkpoint_config(const nlohmann::json& c, TrainFlags& f) {
     take("--steps", f.steps, c.at("steps"));
     take("--seed", f.seed, c.at("seed"));
     take("--data", f.data, c.at("data"));
+    if (c.contains("tokenizer")) take("--tokenizer", f.tokenizer, c.at("tokenizer"));
   } catch (const nlohmann::json::exception& e) {
     return Status::corrupt(std::string("the checkpoint's config: ") + e.what());
   }
@@ -261,7 +264,11 @@ Status run_train(const TrainFlags& given_flags) {
   // Data.
   std::string data_path = f.data;
   Result<Dataset> data = Status::internal("no data");
-  if (data_path.empty()) {
+  if (!f.tokenizer.empty()) {
+    // Text encoded on every core (cli/text_data.h); the model's vocabulary must cover the tokenizer's.
+    data = load_tokenized_data(f.tokenizer, f.data, cfg.vocab, f.memory.threads, &data_path);
+    if (!data.ok()) return data.status();
+  } else if (data_path.empty()) {
     data = load_default_data(cfg.vocab, &data_path);  // $SPILLWAY_DATA, else the bundled corpus
     if (!data.ok()) return data.status();
   } else {
@@ -366,7 +373,6 @@ Status run_train(const TrainFlags& given_flags) {
     return written;
   };
   const int first = static_cast<int>(trainer->steps_done()) + 1;
-  const int final_step = f.stop_after > 0 ? std::min(f.steps, f.stop_after) : f.steps;
   for (int s = first; s <= final_step; ++s) {
     if (interrupted()) {
       progress.interrupt();
@@ -479,6 +485,9 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   add_model_flags(app, f->model);
   app.add_option("--data", f->data, "a regular file: text (bytes are tokens) or an llm.c token file (default: $SPILLWAY_DATA, else "
                  "the bundled tinyshakespeare built into the binary)");
+  app.add_option("--tokenizer", f->tokenizer,
+                 "a Hugging Face tokenizer.json (byte-level BPE) or a directory holding one: --data's text is encoded "
+                 "with it on every core (the model's --vocab must cover its vocabulary)");
   app.add_option("--steps", f->steps, "optimizer steps")->capture_default_str();
   app.add_option("--batch", f->batch, "sequences per micro-batch")->capture_default_str();
   app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
@@ -515,7 +524,7 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   CLI::App* parsed = &app;
   return [f, parsed]() -> int {
     for (const char* flag : {"--model", "--layers", "--width", "--heads", "--model-context", "--vocab", "--batch",
-                             "--context", "--accum", "--lr", "--warmup", "--steps", "--seed", "--data"})
+                             "--context", "--accum", "--lr", "--warmup", "--steps", "--seed", "--data", "--tokenizer"})
       if (parsed->count(flag) > 0) f->given.insert(flag);
     Status s = run_train(*f);
     return s.is_ok() ? 0 : fail(s);

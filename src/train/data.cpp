@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/atomic_file.h"
 #include "core/random.h"
 
 namespace spillway {
@@ -175,6 +176,13 @@ void split_ninety_ten(Dataset& d, const std::string& name, const TokenSpan& toke
 
 }  // namespace
 
+Result<MappedBytes> map_data_file(const std::string& path, const std::string& what) {
+  SPILLWAY_ASSIGN_OR_RETURN(Bytes b, map_file(path, what));
+  return MappedBytes{b.owner, b.view()};
+}
+
+bool is_token_file(std::string_view bytes) { return has_token_magic(bytes); }
+
 Result<std::vector<uint32_t>> read_token_file(const std::string& path) {
   SPILLWAY_ASSIGN_OR_RETURN(Bytes bytes, map_file(path, "token file"));
   SPILLWAY_ASSIGN_OR_RETURN(TokenSpan tokens, parse_token_file(path, bytes));
@@ -192,25 +200,26 @@ Status write_tokens(const std::string& path, const void* data, size_t n, int wid
   header[0] = kTokenFileMagic;
   header[1] = width == 2 ? kTokenFileVersion : kTokenFileVersion32;
   header[2] = static_cast<int32_t>(n);
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return errno_status("open token file " + path + " for writing", errno);
-  auto write_all = [&](const void* data, size_t bytes, size_t offset) -> Status {
-    const char* p = static_cast<const char*>(data);
+  // Whole or not at all: a temporary file beside `path`, renamed onto it when
+  // complete (so the input of `spillway tokenize` may be its output too).
+  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::create(path));
+  auto write_all = [&](const void* bytes_at, size_t bytes, size_t offset) -> Status {
+    const char* p = static_cast<const char*>(bytes_at);
     size_t done = 0;
     while (done < bytes) {
-      ssize_t n = ::write(fd, p + done, bytes - done);
-      if (n < 0) {
+      ssize_t w = ::write(file.fd(), p + done, bytes - done);
+      if (w < 0) {
         if (errno == EINTR) continue;
-        return errno_status("write token file " + path + " at offset " + std::to_string(offset + done), errno);
+        return errno_status("write token file " + file.temp_path() + " at offset " + std::to_string(offset + done),
+                            errno);
       }
-      done += static_cast<size_t>(n);
+      done += static_cast<size_t>(w);
     }
     return Status::ok();
   };
-  Status s = write_all(header.data(), header.size() * 4, 0);
-  if (s.is_ok()) s = write_all(data, n * static_cast<size_t>(width), header.size() * 4);
-  if (::close(fd) != 0 && s.is_ok()) s = errno_status("close token file " + path, errno);
-  return s;
+  SPILLWAY_RETURN_IF_ERROR(write_all(header.data(), header.size() * 4, 0));
+  SPILLWAY_RETURN_IF_ERROR(write_all(data, n * static_cast<size_t>(width), header.size() * 4));
+  return file.commit();
 }
 
 Status check_tokens(const std::string& what, const uint32_t* tokens, size_t n, int64_t vocab) {

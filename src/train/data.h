@@ -154,6 +154,16 @@ Result<Dataset> load_dataset(const std::string& path, int vocab, const std::stri
 // tokens), so they need not outlive the call.
 Result<Dataset> load_dataset_from_memory(std::string_view bytes, const std::string& name, int vocab);
 
+// A data file's bytes, mapped read-only, with load_dataset's checks (a regular,
+// non-empty file; errors name `what` and the path), for text to tokenize.
+struct MappedBytes {
+  std::shared_ptr<const void> owner;  // keeps the mapping
+  std::string_view bytes;
+};
+Result<MappedBytes> map_data_file(const std::string& path, const std::string& what);
+// Whether bytes start with the token-file magic.
+bool is_token_file(std::string_view bytes);
+
 // Tokens made elsewhere (a tokenizer's), named `name`: every token must be below
 // vocab (the error names the token, its position and the size); the last 10% are
 // validation. Held as uint16 when vocab <= 65536.
