@@ -32,6 +32,7 @@
 #include "core/interrupt.h"
 #include "core/random.h"
 #include "core/size.h"
+#include "program/op_registry.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -68,8 +69,8 @@ void print_profile(const Program& program, const Plan& plan, const StepProfile& 
     const Op& op = program.ops[static_cast<size_t>(t.op)];
     int k = 2;
     if (op.phase == Phase::Optimizer) k = 3;
-    else if (op.kind == OpKind::MatmulForward || op.kind == OpKind::MatmulBackward) k = 0;
-    else if (op.kind == OpKind::AttentionForward || op.kind == OpKind::AttentionBackward) k = 1;
+    else if (op_info(op.kind).op_class == OpClass::Matmul) k = 0;
+    else if (op_info(op.kind).op_class == OpClass::Attention) k = 1;
     split[k] += t.seconds;
   }
   const double split_total = split[0] + split[1] + split[2] + split[3];
@@ -151,7 +152,10 @@ Status run_bench(const BenchTrainFlags& f) {
   StepMetrics last;
   StepProfile profile;
   std::optional<CheckpointWriter> writer;
-  if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, 1);  // keep 1: the disk holds two at most (the kept one and the one being written)
+  if (!f.checkpoint_dir.empty()) {
+    writer.emplace(f.checkpoint_dir, 1);
+    writer->prepare(trainer->state_bytes());
+  }  // keep 1: the disk holds two at most (the kept one and the one being written)
   int checkpoints = 0;
   double checkpoint_wait_s = 0, tail_write_s = 0;
   double profiled_step_s = 0;
@@ -190,6 +194,11 @@ Status run_bench(const BenchTrainFlags& f) {
                                    .with_context("--checkpoint-dir " + f.checkpoint_dir));
       ++checkpoints;
       if (s > 1) checkpoint_wait_s += writer->last_wait_s();
+      const SnapshotTimes& st = writer->last_snapshot();
+      std::printf("checkpoint of step %d: training waited %.3f s (drain %.3f s, %s device copies %.3f s; %s host "
+                  "copies queued behind the next step's device work, %s read from storage)\n",
+                  s, writer->last_wait_s(), st.drain_s, format_size(st.device_bytes).c_str(), st.device_s,
+                  format_size(st.host_bytes).c_str(), format_size(st.storage_bytes).c_str());
     }
     if (s == f.steps) {
       SPILLWAY_RETURN_IF_ERROR(trainer->drain().with_context("step " + std::to_string(s)));

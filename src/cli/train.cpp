@@ -345,10 +345,12 @@ Status run_train(const TrainFlags& given_flags) {
   int64_t timed_tokens = 0;
   StepMetrics peaks;
   const auto loop_start = std::chrono::steady_clock::now();
+  const int final_step = f.stop_after > 0 ? std::min(f.steps, f.stop_after) : f.steps;
   // Checkpoints are written in the background (a snapshot in host memory first);
   // the one at the end or on a signal is waited for.
   std::optional<CheckpointWriter> writer;
   if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, f.keep);
+  if (writer && f.checkpoint_every > 0 && f.checkpoint_every < final_step) writer->prepare(trainer->state_bytes());
   int64_t checkpoint_step = -1;  // the step of the newest checkpoint started
   int checkpoints = 0;
   double checkpoint_wait_s = 0;

@@ -201,6 +201,25 @@ class PlanExecutor final : public Executor {
     return static_cast<const void*>(nullptr);
   }
 
+  Result<const void*> device_value(TensorId t) override {
+    if (t < 0 || static_cast<size_t>(t) >= slots_.size())
+      return Status::invalid_argument("device_value: no tensor with id " + std::to_string(t));
+    SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
+    const Residency& r = table_.state(t);
+    const Slot& s = slots_[t];
+    if (r.valid(Tier::Device) && s.device && !(r.valid(Tier::Host) && s.host)) return static_cast<const void*>(s.device);
+    return static_cast<const void*>(nullptr);
+  }
+
+  Status submit_host_reader(const std::vector<TensorId>& tensors, std::function<Status()> job) override {
+    for (TensorId t : tensors)
+      if (t < 0 || static_cast<size_t>(t) >= slots_.size())
+        return Status::invalid_argument("submit_host_reader: no tensor with id " + std::to_string(t));
+    const uint64_t ticket = host_.submit(std::move(job));
+    for (TensorId t : tensors) slots_[t].host_job_use = ticket;  // the newest job: FIFO, so it covers earlier ones
+    return Status::ok();
+  }
+
   Status run_step(const StepContext& ctx) override {
     // A failed step leaves tensors half moved: the state is no longer trustworthy.
     if (!failure_.is_ok())

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -103,6 +104,13 @@ class Executor {
   // nullptr when its newest value is not on host (read_tensor reads it then). Valid
   // until the next run_step or write_tensor. Checkpoints copy these in parallel.
   virtual Result<const void*> host_value(TensorId t) = 0;
+  // The device copy of a tensor's newest value when it is valid on device and not
+  // on host, else nullptr. Valid until the next run_step or write_tensor.
+  virtual Result<const void*> device_value(TensorId t) = 0;
+  // Queues `job` on the host engine, after the host work queued before it, as a
+  // reader of the host copies of `tensors`: later writers of those copies (the next
+  // step's host optimizer, a write-back) and reuse of their memory wait for it.
+  virtual Status submit_host_reader(const std::vector<TensorId>& tensors, std::function<Status()> job) = 0;
   virtual Status run_step(const StepContext& ctx) = 0;
   // Waits for the work the last step left in flight (host ops, deferred fetches);
   // its error, if it failed (the state is then half updated, and no step runs again).

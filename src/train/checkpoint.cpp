@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -62,6 +63,24 @@ Status write_all(int fd, const void* data, size_t n, uint64_t offset, const std:
     n -= static_cast<size_t>(w);
     offset += static_cast<uint64_t>(w);
   }
+  return Status::ok();
+}
+
+// Writes n bytes from a page-aligned buffer at offset 0 in 64 MiB pieces; on a file
+// opened with O_DIRECT the last piece is padded to 4 KiB (the buffer extends that
+// far) and the file cut back to n bytes.
+Status write_whole(int fd, const uint8_t* data, uint64_t n, const std::string& path) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0) return errno_status("fcntl " + path, errno);
+  const bool direct = (flags & O_DIRECT) != 0;
+  constexpr uint64_t kPiece = uint64_t{64} << 20;
+  for (uint64_t at = 0; at < n; at += kPiece) {
+    uint64_t len = std::min(kPiece, n - at);
+    if (direct) len = (len + 4095) / 4096 * 4096;
+    SPILLWAY_RETURN_IF_ERROR(write_all(fd, data + at, len, at, path));
+  }
+  if (direct && n % 4096 != 0 && ::ftruncate(fd, static_cast<off_t>(n)) != 0)
+    return errno_status("truncate " + path + " to " + std::to_string(n) + " bytes", errno);
   return Status::ok();
 }
 
@@ -192,7 +211,8 @@ Result<std::string> make_temp_folder(const std::string& root, const std::string&
 // folder is removed and the error names the checkpoint and the bytes it needed.
 Result<std::string> write_folder(const std::string& root, const std::string& temp, const CheckpointMeta& meta, int keep,
                                  const std::vector<StateEntry>& entries,
-                                 const std::function<Result<const uint8_t*>(size_t, std::vector<uint8_t>&)>& bytes_of) {
+                                 const std::function<Result<const uint8_t*>(size_t, std::vector<uint8_t>&)>& bytes_of,
+                                 const uint8_t* contiguous = nullptr, uint64_t contiguous_bytes = 0) {
   const std::string final_path = (fs::path(root) / checkpoint_name(meta.step)).string();
   uint64_t total = 0;
   for (const StateEntry& e : entries) total += e.bytes;
@@ -209,12 +229,17 @@ Result<std::string> write_folder(const std::string& root, const std::string& tem
   manifest["config"] = meta.config;
   nlohmann::json list = nlohmann::json::array();
   const std::string state_path = temp + "/state.bin";
-  int fd = ::open(state_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  // A snapshot (state.bin's bytes in one page-aligned buffer) is written with
+  // O_DIRECT where the file system takes it: no copy through the page cache.
+  const bool direct = contiguous != nullptr && reinterpret_cast<uintptr_t>(contiguous) % 4096 == 0;
+  int fd = direct ? ::open(state_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_DIRECT, 0644) : -1;
+  if (fd < 0) fd = ::open(state_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return fail(errno_status("create " + state_path, errno));
+  Status s;
+  if (contiguous != nullptr) s = write_whole(fd, contiguous, contiguous_bytes, state_path);
   Checksum64Stream file_sum;
   std::vector<uint8_t> scratch;
   uint64_t offset = 0;
-  Status s;
   for (size_t i = 0; i < entries.size() && s.is_ok(); ++i) {
     const StateEntry& e = entries[i];
     auto data = bytes_of(i, scratch);
@@ -222,7 +247,7 @@ Result<std::string> write_folder(const std::string& root, const std::string& tem
       s = data.status();
       break;
     }
-    s = write_all(fd, *data, e.bytes, offset, state_path);
+    if (contiguous == nullptr) s = write_all(fd, *data, e.bytes, offset, state_path);
     if (!s.is_ok()) break;
     file_sum.update(*data, e.bytes);
     list.push_back({{"name", e.name},
@@ -287,7 +312,10 @@ void CheckpointWriter::HostBuffer::Free::operator()(uint8_t* p) const { std::fre
 
 CheckpointWriter::CheckpointWriter(std::string root, int keep, Mode mode) : root_(std::move(root)), keep_(keep), mode_(mode) {}
 
-CheckpointWriter::~CheckpointWriter() { (void)wait(); }
+CheckpointWriter::~CheckpointWriter() {
+  if (preparing_.joinable()) preparing_.join();
+  (void)wait();
+}
 
 bool CheckpointWriter::busy() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -310,6 +338,32 @@ Result<std::string> CheckpointWriter::wait() {
   return r;
 }
 
+void CheckpointWriter::prepare(uint64_t state_bytes) {
+  if (mode_ == Mode::Foreground || prepared_) return;
+  prepared_ = true;
+  const uint64_t available = available_host_memory();
+  if (mode_ == Mode::Auto && !(available > 0 && state_bytes + (uint64_t{4} << 30) <= available - available / 8)) {
+    why_sync_ = "the state (" + format_size(state_bytes) + ") does not fit beside the run in host memory (" +
+                format_size(available) + " available), so checkpoints are written while training waits";
+    return;
+  }
+  // Allocated and touched on a thread now, so that no checkpoint waits for page faults.
+  preparing_ = std::thread([this, state_bytes] {
+    const uint64_t huge = uint64_t{2} << 20, rounded = std::max(huge, (state_bytes + huge - 1) / huge * huge);
+    void* p = std::aligned_alloc(huge, rounded);
+    if (!p) {
+      prepare_error_ = Status::out_of_memory("checkpoint snapshot: cannot allocate " + format_size(rounded) +
+                                             " of host memory for a copy of the state");
+      return;
+    }
+    (void)::madvise(p, rounded, MADV_HUGEPAGE);  // fewer page faults; advice only
+    auto* bytes = static_cast<volatile uint8_t*>(p);
+    for (uint64_t at = 0; at < rounded; at += 4096) bytes[at] = 0;
+    snapshot_.data.reset(static_cast<uint8_t*>(p));
+    snapshot_.bytes = rounded;
+  });
+}
+
 Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
   // The previous write first: its error is this call's (the run stops on it).
   auto previous = wait();
@@ -319,38 +373,20 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
   std::vector<StateEntry> entries = state_entries(trainer, tensors);
   uint64_t total = 0;
   for (const StateEntry& e : entries) total += e.bytes;
-  // In the background only when the snapshot fits beside the run: a copy of the
-  // whole state is made in host memory (kept for the next checkpoint).
-  bool async = mode_ == Mode::Background;
-  if (mode_ == Mode::Auto) {
-    const uint64_t have = snapshot_.bytes >= total ? total : 0;  // already allocated
-    const uint64_t available = available_host_memory();
-    async = have == total || (available > 0 && total - have + (uint64_t{4} << 30) <= available - available / 8);
-    if (!async && why_sync_.empty())
-      why_sync_ = "the state (" + format_size(total) + ") does not fit beside the run in host memory (" +
-                  format_size(available) + " available), so checkpoints are written while training waits";
-  }
-  if (!async) {
+  if (mode_ == Mode::Background) prepare(total);
+  if (preparing_.joinable()) preparing_.join();
+  if (!prepare_error_.is_ok() && why_sync_.empty())
+    why_sync_ = prepare_error_.message() + ", so checkpoints are written while training waits";
+  // In the background only when prepared: a copy of the whole state in host memory.
+  if (!snapshot_.data || snapshot_.bytes < total) {
     auto written = write_checkpoint(trainer, root_, meta, keep_);
-    snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    times_ = SnapshotTimes();
     std::lock_guard<std::mutex> lock(mu_);
     finished_ = std::move(written);
     return finished_->ok() ? Status::ok() : finished_->status();
   }
   SPILLWAY_ASSIGN_OR_RETURN(std::string temp, make_temp_folder(root_, checkpoint_name(meta.step)));
-  if (snapshot_.bytes < total) {
-    snapshot_ = HostBuffer();
-    const uint64_t huge = uint64_t{2} << 20, rounded = (total + huge - 1) / huge * huge;
-    void* p = std::aligned_alloc(huge, std::max<uint64_t>(rounded, huge));
-    if (!p) {
-      remove_tree(temp);
-      return Status::out_of_memory("checkpoint snapshot: cannot allocate " + format_size(rounded) +
-                                        " of host memory for a copy of the state");
-    }
-    (void)::madvise(p, rounded, MADV_HUGEPAGE);  // fewer page faults on first touch; advice only
-    snapshot_.data.reset(static_cast<uint8_t*>(p));
-    snapshot_.bytes = rounded;
-  }
   std::vector<uint8_t*> dst;
   std::vector<uint64_t> offsets;
   uint64_t at = 0;
@@ -359,21 +395,37 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
     offsets.push_back(at);
     at += e.bytes;
   }
-  if (Status s = trainer.snapshot_state(tensors, dst); !s.is_ok()) {
+  auto host_done = std::make_shared<std::promise<Status>>();
+  std::future<Status> host_copied = host_done->get_future();
+  auto times = trainer.snapshot_state(tensors, dst, host_done);
+  if (!times.ok()) {
     remove_tree(temp);
-    return s.with_context("checkpoint snapshot of step " + std::to_string(meta.step));
+    return times.status().with_context("checkpoint snapshot of step " + std::to_string(meta.step));
   }
-  snapshot_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  times_ = *times;
+  wait_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
     std::lock_guard<std::mutex> lock(mu_);
     writing_ = true;
   }
-  uint8_t* base = snapshot_.data.get();
-  thread_ = std::thread([this, temp, meta, entries = std::move(entries), offsets = std::move(offsets), base]() {
-    auto written = write_folder(root_, temp, meta, keep_, entries,
-                                [&](size_t i, std::vector<uint8_t>&) -> Result<const uint8_t*> {
-                                  return static_cast<const uint8_t*>(base + offsets[i]);
-                                });
+  const uint8_t* base = snapshot_.data.get();
+  thread_ = std::thread([this, temp, meta, total, entries = std::move(entries), offsets = std::move(offsets), base,
+                         host_copied = std::move(host_copied)]() mutable {
+    Result<std::string> written = std::string();
+    Status copied;
+    try {
+      copied = host_copied.get();
+    } catch (const std::future_error&) {
+      copied = Status::internal("the host copies of the snapshot did not run: an earlier host job of the step failed");
+    }
+    if (!copied.is_ok()) {
+      remove_tree(temp);
+      written = copied.with_context("checkpoint of step " + std::to_string(meta.step));
+    } else {
+      written = write_folder(root_, temp, meta, keep_, entries,
+                             [&](size_t i, std::vector<uint8_t>&) -> Result<const uint8_t*> { return base + offsets[i]; },
+                             base, total);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     finished_ = std::move(written);
     writing_ = false;

@@ -70,9 +70,12 @@ Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, 
 // the whole state into a host buffer (kept for the next checkpoint): the snapshot
 // of one step, taken on all cores. A thread then writes it as write_checkpoint
 // does, while the next steps run. One write is in flight at a time: begin() waits
-// for the previous one first. When the copy does not fit beside the run in host
-// memory (Auto), the checkpoint is written before begin() returns instead, and
-// sync_reason() says why. Not thread-safe: one caller.
+// for the previous one first. The host buffer is made by prepare(); without it, or
+// when the copy does not fit beside the run in host memory (Auto), the checkpoint
+// is written before begin() returns instead, and sync_reason() says why. Device
+// copies are made in begin(); host copies run on the trainer's host engine while
+// the next step's device work goes on (Trainer::snapshot_state). Not thread-safe:
+// one caller.
 class CheckpointWriter {
  public:
   enum class Mode { Auto, Background, Foreground };
@@ -81,6 +84,11 @@ class CheckpointWriter {
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
+  // Allocates the host copy of a state of `state_bytes` on a thread now (Auto:
+  // when it fits beside the run in available host memory; else checkpoints are
+  // written in the foreground and sync_reason() says why). Without it, Auto writes
+  // in the foreground (right for a checkpoint only at the end of a run).
+  void prepare(uint64_t state_bytes);
   // The previous write's error, if it failed; otherwise snapshots and starts.
   Status begin(Trainer& trainer, const CheckpointMeta& meta);
   // Waits for the write in flight: its path, "" when there was none, or its error.
@@ -90,7 +98,9 @@ class CheckpointWriter {
   bool busy() const;
   // Seconds training waited in the last begin() (drain, snapshot; the whole write
   // when written in the foreground).
-  double last_wait_s() const { return snapshot_s_; }
+  double last_wait_s() const { return wait_s_; }
+  // The last background snapshot's parts (zero after a foreground write).
+  const SnapshotTimes& last_snapshot() const { return times_; }
   // Why checkpoints are written in the foreground ("" when they are not).
   const std::string& sync_reason() const { return why_sync_; }
   // The newest checkpoint this writer completed ("" before the first).
@@ -107,12 +117,16 @@ class CheckpointWriter {
   std::string root_;
   int keep_;
   Mode mode_;
-  HostBuffer snapshot_;
+  HostBuffer snapshot_;      // written by preparing_ until it is joined
+  bool prepared_ = false;
+  Status prepare_error_;     // written by preparing_ until it is joined
+  std::thread preparing_;
   std::thread thread_;
   mutable std::mutex mu_;
   bool writing_ = false;                           // guarded by mu_
   std::optional<Result<std::string>> finished_;    // guarded by mu_: the last write's result, until wait()
-  double snapshot_s_ = 0;
+  double wait_s_ = 0;
+  SnapshotTimes times_;
   std::string why_sync_, last_path_;
 };
 

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <future>
 
 #include "core/size.h"
 #include "core/thread_pool.h"
@@ -265,7 +267,8 @@ uint64_t host_mapping_reserve(const Program& program, const BackendSizes& backen
   uint64_t most = 0;
   for (size_t i = 0; i < program.tensors.size(); ++i)
     most += (std::max<uint64_t>(1, program.tensors.info(static_cast<TensorId>(i)).bytes()) + 4095) / 4096 * 4096;
-  return backend.host_mapping_device_bytes(std::min(most, budgets.host));
+  // Beside the arena: the two pinned staging buffers of checkpoint snapshots.
+  return backend.host_mapping_device_bytes(std::min(most, budgets.host) + kSnapshotStagingBytes);
 }
 
 Result<PlannerOptions> backend_planner_options(const Program& program, const BackendSizes& backend,
@@ -423,33 +426,89 @@ uint64_t Trainer::state_bytes() const {
   return n;
 }
 
-Status Trainer::snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst) {
+Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst,
+                                              std::shared_ptr<std::promise<Status>> host_copies_done) {
   if (tensors.size() != dst.size())
     return Status::invalid_argument("snapshot_state: " + std::to_string(tensors.size()) + " tensors but " +
                                     std::to_string(dst.size()) + " destinations");
+  SnapshotTimes times;
+  auto t0 = std::chrono::steady_clock::now();
   SPILLWAY_RETURN_IF_ERROR(drain());
-  SPILLWAY_RETURN_IF_ERROR(usable("read the training state"));
+  times.drain_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t0 = std::chrono::steady_clock::now();
   struct Piece {
     const uint8_t* src;
     uint8_t* dst;
     size_t bytes;
   };
-  std::vector<Piece> pieces;  // host copies, cut into pieces of at most 8 MiB
-  constexpr size_t kPiece = size_t{8} << 20;
+  constexpr size_t kPiece = kSnapshotStagingBytes / 2;
+  std::vector<Piece> host_pieces, device_pieces;  // cut into pieces of at most 8 MiB
+  std::vector<TensorId> host_tensors;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const size_t n = program_.tensors.info(tensors[i]).bytes();
     SPILLWAY_ASSIGN_OR_RETURN(const void* host, executor_->host_value(tensors[i]));
-    if (!host) {
+    SPILLWAY_ASSIGN_OR_RETURN(const void* device, host ? nullptr : executor_->device_value(tensors[i]));
+    if (!host && !device) {  // in storage
       SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(tensors[i], dst[i], n));
+      times.storage_bytes += n;
       continue;
     }
-    for (size_t at = 0; at < n; at += kPiece)
-      pieces.push_back({static_cast<const uint8_t*>(host) + at, dst[i] + at, std::min(kPiece, n - at)});
+    if (host) host_tensors.push_back(tensors[i]);
+    auto& pieces = host ? host_pieces : device_pieces;
+    const auto* from = static_cast<const uint8_t*>(host ? host : device);
+    for (size_t at = 0; at < n; at += kPiece) pieces.push_back({from + at, dst[i] + at, std::min(kPiece, n - at)});
+    (host ? times.host_bytes : times.device_bytes) += n;
   }
-  global_thread_pool().parallel_for(static_cast<int64_t>(pieces.size()), [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) std::memcpy(pieces[k].dst, pieces[k].src, pieces[k].bytes);
-  });
-  return Status::ok();
+  // Device copies now (the next step's device optimizer changes them), through two
+  // pinned staging buffers: piece k+1 is copied down while piece k is spread on all cores.
+  if (!device_pieces.empty()) {
+    if (!snapshot_staging_[0]) {
+      for (auto& buffer : snapshot_staging_) {
+        SPILLWAY_ASSIGN_OR_RETURN(void* p, backend_.host_alloc(kPiece));
+        buffer = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(p), [b = &backend_](uint8_t* q) { b->host_free(q); });
+      }
+    }
+    CopyEngine& ce = backend_.copy_engine();
+    std::optional<CopyTicket> previous;
+    for (size_t k = 0; k <= device_pieces.size(); ++k) {
+      std::optional<CopyTicket> ticket;
+      if (k < device_pieces.size()) {
+        const Piece& p = device_pieces[k];
+        SPILLWAY_ASSIGN_OR_RETURN(CopyTicket t, ce.copy(CopyDirection::DeviceToHost, snapshot_staging_[k % 2].get(),
+                                                        p.src, p.bytes, /*after_compute=*/true));
+        ticket = t;
+      }
+      if (k > 0) {
+        SPILLWAY_RETURN_IF_ERROR(ce.wait(*previous));
+        const Piece& p = device_pieces[k - 1];
+        const uint8_t* staged = snapshot_staging_[(k - 1) % 2].get();
+        constexpr size_t kSpread = size_t{1} << 20;
+        global_thread_pool().parallel_for(static_cast<int64_t>((p.bytes + kSpread - 1) / kSpread),
+                                          [&](int64_t begin, int64_t end) {
+                                            const size_t from = static_cast<size_t>(begin) * kSpread;
+                                            const size_t to = std::min(p.bytes, static_cast<size_t>(end) * kSpread);
+                                            std::memcpy(p.dst + from, staged + from, to - from);
+                                          });
+      }
+      previous = ticket;
+    }
+  }
+  times.device_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Host copies: a job on the host engine, so that the next step's forward and
+  // backward run meanwhile; its host optimizer waits for it (a reader of these).
+  auto copy_host = [pieces = std::move(host_pieces), host_copies_done]() -> Status {
+    global_thread_pool().parallel_for(static_cast<int64_t>(pieces.size()), [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) std::memcpy(pieces[k].dst, pieces[k].src, pieces[k].bytes);
+    });
+    if (host_copies_done) host_copies_done->set_value(Status::ok());
+    return Status::ok();
+  };
+  if (!host_copies_done) {
+    SPILLWAY_RETURN_IF_ERROR(copy_host());
+    return times;
+  }
+  SPILLWAY_RETURN_IF_ERROR(executor_->submit_host_reader(host_tensors, std::move(copy_host)));
+  return times;
 }
 
 Status Trainer::write_state_tensor(TensorId t, const void* bytes, size_t n) {

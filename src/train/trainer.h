@@ -63,6 +63,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -171,6 +172,17 @@ Result<Plan> plan_for_backend(const Program& program, const Backend& backend, co
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,
                                  const BackendSizes& backend, uint64_t device_budget, bool* tiled = nullptr);
 
+// Pinned host memory a trainer holds beside its arena: two staging buffers through
+// which checkpoint snapshots copy device-resident state (host_mapping_reserve counts it).
+inline constexpr uint64_t kSnapshotStagingBytes = uint64_t{16} << 20;
+
+// Where a checkpoint's snapshot spent its time (Trainer::snapshot_state).
+struct SnapshotTimes {
+  double drain_s = 0;      // waiting for the last step's work in flight
+  double device_s = 0;     // device copies (and storage reads), made before returning
+  uint64_t device_bytes = 0, host_bytes = 0, storage_bytes = 0;
+};
+
 class Trainer {
  public:
   // Builds the training program for options.model and options.shape in the
@@ -239,10 +251,15 @@ class Trainer {
   // it rests. Refused after a failed step, like every access to the state.
   Status read_state_tensor(TensorId t, std::vector<uint8_t>& bytes);
   Status write_state_tensor(TensorId t, const void* bytes, size_t n);
-  // Copies the newest value of each tensor (after draining the pipeline) to
-  // dst[i] (bytes(tensors[i]) bytes each): host copies in parallel on all cores,
-  // device and storage ones read one by one. The snapshot of a checkpoint.
-  Status snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst);
+  // Copies the newest value of each tensor, after draining the pipeline, to dst[i]
+  // (bytes(tensors[i]) bytes each): the snapshot of a checkpoint. Device copies are
+  // made before it returns (through pinned staging, spread on all cores), storage
+  // ones read. Host copies: with `host_copies_done`, a job on the host engine that
+  // the next step's host optimizer waits for (so the next step's device work
+  // overlaps it), which sets the promise when done (a job skipped after an earlier
+  // failure breaks it); without, made before it returns.
+  Result<SnapshotTimes> snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst,
+                                       std::shared_ptr<std::promise<Status>> host_copies_done = nullptr);
   // After write_state_tensor of every state tensor: the run continues after `step`.
   void restore_steps_done(int64_t step);
   int64_t tokens_per_step() const;
@@ -265,6 +282,7 @@ class Trainer {
   Program program_;
   Plan plan_;
   std::unique_ptr<Executor> executor_;
+  std::shared_ptr<uint8_t> snapshot_staging_[2];  // [8 MiB] each, pinned: checkpoint device copies
   std::vector<ParamSpec> params_;
   std::vector<TensorId> tokens_, targets_, losses_;  // [accum]
   TensorId scale_norm_ = kNoTensor;
