@@ -13,7 +13,7 @@ t0=$(date +%s)
 scripts/device-build.sh spillway > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 log "build $(( $(date +%s) - t0 )) s"
 bin=build-device/spillway
-ck=/tmp/spillway-ckpt; rm -rf $ck
+ck=/tmp/spillway-ckpt; rm -rf $ck; mkdir -p $ck
 common="--backend cuda --model gpt2-124m --batch 4 --context 256 --steps 12 --eval-every 0 --device-budget 600MiB --policy planned"
 $bin train $common --metrics "$out/straight.jsonl" --save $ck/straight.safetensors > "$out/resume.log" 2>&1
 $bin train $common --metrics "$out/first.jsonl" --checkpoint-dir $ck/run --checkpoint-every 3 --stop-after 7 >> "$out/resume.log" 2>&1
@@ -28,7 +28,7 @@ for mode in plain ckpt; do
   log "gpt2-1.5b 24 GiB accum 1, $steps steps, $mode"
   timeout 400 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 1 --steps $steps --device-budget 24GiB \
     --policy planned $extra --json "$out/b_$mode.json" > "$out/b_$mode.log" 2>&1 || tail -5 "$out/b_$mode.log"
-  grep -E "^(tokens/s|step time|checkpoints|first step)" "$out/b_$mode.log" | tee -a "$out/summary.txt"
+  grep -E "^(tokens/s|step time|checkpoints|first step|checkpoint of step)" "$out/b_$mode.log" | tee -a "$out/summary.txt"
   grep -E "^step (50|51|52|100|101|102):" "$out/b_$mode.log" | tee -a "$out/summary.txt"
 done
 df -h /tmp | tail -1 | tee -a "$out/summary.txt"

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <filesystem>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -283,6 +284,17 @@ Status run_train(const TrainFlags& given_flags) {
   // Backend and memory.
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
+  // --save's folder is checked now: the weights are written only at the end.
+  if (!f.save.empty()) {
+    const std::filesystem::path parent = std::filesystem::path(f.save).parent_path();
+    const std::string folder = parent.empty() ? "." : parent.string();
+    std::error_code ec;
+    if (!std::filesystem::is_directory(folder, ec))
+      return Status::invalid_argument("--save " + f.save + ": the folder " + folder +
+                                      " does not exist (make it first: the weights are written at the end of the run)");
+    if (::access(folder.c_str(), W_OK) != 0)
+      return errno_status("--save " + f.save + ": cannot write into " + folder, errno);
+  }
   // Leftovers of killed saves beside the --save file (the spill directory's are
   // reported when the spill store opens).
   if (const std::string save_dir = f.save.empty() ? "" : parent_directory(f.save);

@@ -976,5 +976,15 @@ TEST(CheckpointCli, BenchTrainWritesCheckpointsAndTimesThem) {
   std::filesystem::remove_all(dir);
 }
 
+// A --save into a folder that does not exist is refused before training (it used
+// to fail after the last step, losing the run).
+TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
+  CliRun r = run("train --steps 2 --save /nonexistent-spillway-dir/w.safetensors " + kSmall);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("--save /nonexistent-spillway-dir/w.safetensors: the folder /nonexistent-spillway-dir does not exist"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 1"), std::string::npos) << "trained before refusing: " << r.output;
+}
+
 }  // namespace
 }  // namespace spillway
