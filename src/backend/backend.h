@@ -128,6 +128,13 @@ class Backend : public BackendSizes {
   virtual void layernorm_backward(void* dinp, void* dweight, void* dbias, const void* dout,
                                   const void* inp, const void* weight, const float* mean,
                                   const float* rstd, int N, int C) = 0;
+  // RMSNorm (Llama): out[N,C] = inp * rstd * weight; rstd[N] = 1/sqrt(mean(inp²) + eps)
+  // saved (F32)
+  virtual void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
+                               float eps) = 0;
+  // dinp[N,C] += ..., dweight[C] += ... (rstd from the forward)
+  virtual void rmsnorm_backward(void* dinp, void* dweight, const void* dout, const void* inp, const void* weight,
+                                const float* rstd, int N, int C) = 0;
   // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null). Rows of out
   // are ld_out ≥ OC elements apart (out may be a block of columns of a wider matrix).
   virtual void matmul_forward(void* out, const void* inp, const void* weight, const void* bias,

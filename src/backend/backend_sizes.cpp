@@ -12,6 +12,10 @@ size_t layernorm_backward_scratch_bytes(int N, int C) {
   return 2 * static_cast<size_t>(column_chunks(N).count) * static_cast<size_t>(std::max(C, 0)) * sizeof(float);
 }
 
+size_t rmsnorm_backward_scratch_bytes(int N, int C) {
+  return static_cast<size_t>(column_chunks(N).count) * static_cast<size_t>(std::max(C, 0)) * sizeof(float);
+}
+
 size_t bias_backward_scratch_bytes(int N, int OC) {
   return static_cast<size_t>(column_chunks(N).count) * static_cast<size_t>(std::max(OC, 0)) * sizeof(float);
 }
@@ -54,6 +58,7 @@ class CpuSizes final : public BackendSizes {
   // on, so no op needs device workspace.
   size_t embedding_backward_workspace(int, int) const override { return 0; }
   size_t layernorm_backward_workspace(int, int) const override { return 0; }
+  size_t rmsnorm_backward_workspace(int, int) const override { return 0; }
   size_t matmul_workspace(int, int, bool, bool) const override { return 0; }
   size_t attention_backward_workspace(int, int, int) const override { return 0; }
   size_t squared_norm_workspace() const override { return 0; }
@@ -81,6 +86,9 @@ class CudaSizes final : public BackendSizes {
   }
   size_t layernorm_backward_workspace(int N, int C) const override {
     return cuda_workspace::layernorm_backward_scratch_bytes(N, C);
+  }
+  size_t rmsnorm_backward_workspace(int N, int C) const override {
+    return cuda_workspace::rmsnorm_backward_scratch_bytes(N, C);
   }
   size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const override {
     using namespace cuda_workspace;

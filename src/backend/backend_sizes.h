@@ -39,6 +39,7 @@ class BackendSizes {
   // bytes (0 = none): reduction partials, sort buffers, the cuBLASLt workspace.
   virtual size_t embedding_backward_workspace(int B, int T) const = 0;
   virtual size_t layernorm_backward_workspace(int N, int C) const = 0;
+  virtual size_t rmsnorm_backward_workspace(int N, int C) const = 0;
   // One matmul_forward / matmul_backward call (dbias: a bias gradient is computed).
   virtual size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const = 0;
   virtual size_t attention_backward_workspace(int B, int T, int NH) const = 0;
@@ -79,6 +80,8 @@ constexpr int kNormBlocks = 256;
 
 // LayerNorm backward: the weight's and the bias's partial column sums [2, P, C] F32.
 size_t layernorm_backward_scratch_bytes(int N, int C);
+// RMSNorm backward: the weight's partial column sums [P, C] F32.
+size_t rmsnorm_backward_scratch_bytes(int N, int C);
 // A bias gradient: partial column sums [P, OC] F32.
 size_t bias_backward_scratch_bytes(int N, int OC);
 // Attention backward: D = rowsum(dout · out) [B, NH, T] F32.

@@ -93,6 +93,23 @@ uint64_t layernorm_backward_workspace(const BackendSizes& b, const Op& op) {
   return b.layernorm_backward_workspace(static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.C));
 }
 
+Status run_rmsnorm_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                           const OptimizerStep&) {
+  b.rmsnorm_forward(x[0], f32w(x[1]), x[2], x[3], static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.C),
+                    op.attrs.scale);
+  return Status::ok();
+}
+
+Status run_rmsnorm_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                            const OptimizerStep&) {
+  b.rmsnorm_backward(x[0], x[1], x[2], x[3], x[4], f32(x[5]), static_cast<int>(op.attrs.N),
+                     static_cast<int>(op.attrs.C));
+  return Status::ok();
+}
+uint64_t rmsnorm_backward_workspace(const BackendSizes& b, const Op& op) {
+  return b.rmsnorm_backward_workspace(static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.C));
+}
+
 Status run_matmul_op(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
                      const OptimizerStep&) {
   return run_matmul(b, program, op, x);
@@ -213,6 +230,8 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::EmbeddingBackward, run_embedding_backward, embedding_backward_workspace},
     {OpKind::LayerNormForward, run_layernorm_forward},
     {OpKind::LayerNormBackward, run_layernorm_backward, layernorm_backward_workspace},
+    {OpKind::RmsNormForward, run_rmsnorm_forward},
+    {OpKind::RmsNormBackward, run_rmsnorm_backward, rmsnorm_backward_workspace},
     {OpKind::MatmulForward, run_matmul_op, matmul_workspace},
     {OpKind::MatmulBackward, run_matmul_op, matmul_workspace},
     {OpKind::AttentionForward, run_attention_forward},

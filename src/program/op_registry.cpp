@@ -122,6 +122,40 @@ Status check_layernorm_backward(const OpCheck& c) {
   return c.numel_is(7, a.N, "N");
 }
 
+// ---- RMSNorm (Llama) --------------------------------------------------------------
+// RmsNormForward  (out W, rstd W, inp R, weight R)                      attrs N C, scale = eps
+// RmsNormBackward (dinp U, dweight U, dout R, inp R, weight R, rstd R)  attrs N C
+// rstd = 1/sqrt(mean(inp²) + eps) per row; dinp and dweight are added into.
+
+constexpr OpSlot kRmsNormForwardSlots[] = {{"out", A::Write, D::Act},
+                                           {"rstd", A::Write, D::F32},
+                                           {"inp", A::Read, D::Act},
+                                           {"weight", A::Read, D::Act}};
+constexpr OpSlot kRmsNormBackwardSlots[] = {{"dinp", A::Update, D::Act}, {"dweight", A::Update, D::Act},
+                                            {"dout", A::Read, D::Act},   {"inp", A::Read, D::Act},
+                                            {"weight", A::Read, D::Act}, {"rstd", A::Read, D::F32}};
+
+Status check_rmsnorm_forward(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}}));
+  if (!(a.scale > 0)) return c.fail("attrs.scale (eps) is " + std::to_string(a.scale) + "; must be positive");
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.N, "N"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N * a.C, "N*C"));
+  return c.numel_is(3, a.C, "C");
+}
+
+Status check_rmsnorm_backward(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}}));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.C, "C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(4, a.C, "C"));
+  return c.numel_is(5, a.N, "N");
+}
+
 // ---- Matmul -------------------------------------------------------------------
 // MatmulForward  (out W|U, inp R, weight R [, bias R])                    attrs N C OC [ld begin block]
 // MatmulBackward (dinp W|U, dweight U, dout R, inp R, weight R [, dbias U])  attrs N C OC [ld begin block]
@@ -306,6 +340,10 @@ constexpr OpKindInfo kOpKinds[] = {
      .check = check_layernorm_forward},
     {.kind = OpKind::LayerNormBackward, .name = "LayerNormBackward", .slots = kLayerNormBackwardSlots,
      .check = check_layernorm_backward},
+    {.kind = OpKind::RmsNormForward, .name = "RmsNormForward", .slots = kRmsNormForwardSlots,
+     .check = check_rmsnorm_forward},
+    {.kind = OpKind::RmsNormBackward, .name = "RmsNormBackward", .slots = kRmsNormBackwardSlots,
+     .check = check_rmsnorm_backward},
     {.kind = OpKind::MatmulForward, .name = "MatmulForward", .slots = kMatmulForwardSlots, .check = check_matmul,
      .flops = matmul_forward_flops, .op_class = OpClass::Matmul},
     {.kind = OpKind::MatmulBackward, .name = "MatmulBackward", .slots = kMatmulBackwardSlots, .check = check_matmul,

@@ -34,6 +34,8 @@ enum class OpKind : uint8_t {
   EmbeddingBackward,
   LayerNormForward,
   LayerNormBackward,
+  RmsNormForward,
+  RmsNormBackward,
   MatmulForward,
   MatmulBackward,
   AttentionForward,

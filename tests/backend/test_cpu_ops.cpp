@@ -143,6 +143,21 @@ Vec ref_layernorm(const Vec& x, const Vec& w, const Vec& bias, int N, int C, Vec
   return out;
 }
 
+// RMSNorm (Llama): out[N,C] = x / sqrt(mean(x²) + eps) * w; rstd, when given, receives
+// 1/sqrt(mean(x²) + eps) per row.
+Vec ref_rmsnorm(const Vec& x, const Vec& w, int N, int C, double eps, Vec* rstd = nullptr) {
+  Vec out(x.size());
+  if (rstd) rstd->assign(N, 0);
+  for (int n = 0; n < N; ++n) {
+    double ms = 0;
+    for (int c = 0; c < C; ++c) ms += x[n * C + c] * x[n * C + c];
+    const double s = 1.0 / std::sqrt(ms / C + eps);
+    for (int c = 0; c < C; ++c) out[n * C + c] = x[n * C + c] * s * w[c];
+    if (rstd) (*rstd)[n] = s;
+  }
+  return out;
+}
+
 Vec ref_matmul(const Vec& inp, const Vec& w, const Vec* bias, int N, int C, int OC) {
   Vec out(static_cast<size_t>(N) * OC);
   for (int n = 0; n < N; ++n)
@@ -298,6 +313,65 @@ TEST(CpuOps, LayerNormBackwardOverManyRowBlocks) {
   expect_close(buf.get(d_db, C),
                finite_difference_gradient([&](const Vec& v) { return ref_layernorm(xd, wtd, v, N, C); }, bd, wd),
                "layernorm dbias");
+}
+
+// N rows over several fixed row blocks of the dweight reduction (32 rows each), an
+// odd C (the vector loops' scalar tails), the accumulate conventions (dinp and dweight
+// added into), and an eps large enough to matter.
+void check_rmsnorm(int N, int C, float eps, int threads, uint32_t seed) {
+  auto be = cpu_backend(threads);
+  Buffers buf(*be);
+  auto x = random_floats(N * C, seed, -1.3f, 1.7f);
+  auto wt = random_floats(C, seed + 1, 0.5f, 1.5f);
+  auto w = random_floats(N * C, seed + 2);
+  auto dinp0 = random_floats(N * C, seed + 3), dw0 = random_floats(C, seed + 4);
+  float* d_x = buf.make(x);
+  float* d_wt = buf.make(wt);
+  float* d_out = buf.make(std::vector<float>(N * C, kNaN));
+  float* d_rstd = buf.make(std::vector<float>(N, kNaN));
+  float* d_w = buf.make(w);
+  float* d_dinp = buf.make(dinp0);
+  float* d_dw = buf.make(dw0);
+
+  be->rmsnorm_forward(d_out, d_rstd, d_x, d_wt, N, C, eps);
+  const Vec xd = to_double(x), wtd = to_double(wt), wd = to_double(w);
+  Vec rstd;
+  expect_close(buf.get(d_out, N * C), ref_rmsnorm(xd, wtd, N, C, eps, &rstd), "rmsnorm out");
+  expect_close(buf.get(d_rstd, N), rstd, "rmsnorm rstd");
+
+  be->rmsnorm_backward(d_dinp, d_dw, d_w, d_x, d_wt, d_rstd, N, C);
+  Vec g_x = finite_difference_gradient([&](const Vec& v) { return ref_rmsnorm(v, wtd, N, C, eps); }, xd, wd);
+  Vec g_w = finite_difference_gradient([&](const Vec& v) { return ref_rmsnorm(xd, v, N, C, eps); }, wtd, wd);
+  expect_close(buf.get(d_dinp, N * C), plus(to_double(dinp0), g_x), "rmsnorm dinp (added into)");
+  expect_close(buf.get(d_dw, C), plus(to_double(dw0), g_w), "rmsnorm dweight (added into)");
+}
+
+TEST(CpuOps, RmsNormForwardAndBackwardAccumulate) { check_rmsnorm(12, 16, 1e-5f, 2, 80); }
+TEST(CpuOps, RmsNormOverManyRowBlocksOddWidth) { check_rmsnorm(100, 23, 1e-2f, 3, 90); }
+
+TEST(CpuOps, RmsNormIsTheSameForAnyThreadCount) {
+  const int N = 70, C = 40;
+  auto x = random_floats(N * C, 100, -2.0f, 2.0f), wt = random_floats(C, 101), g = random_floats(N * C, 102);
+  std::vector<std::vector<float>> results;
+  for (int threads : {1, 3}) {
+    auto be = cpu_backend(threads);
+    Buffers buf(*be);
+    float* d_x = buf.make(x);
+    float* d_wt = buf.make(wt);
+    float* d_g = buf.make(g);
+    float* d_out = buf.make(std::vector<float>(N * C));
+    float* d_rstd = buf.make(std::vector<float>(N));
+    float* d_dinp = buf.make(std::vector<float>(N * C, 0.0f));
+    float* d_dw = buf.make(std::vector<float>(C, 0.0f));
+    be->rmsnorm_forward(d_out, d_rstd, d_x, d_wt, N, C, 1e-6f);
+    be->rmsnorm_backward(d_dinp, d_dw, d_g, d_x, d_wt, d_rstd, N, C);
+    std::vector<float> all = buf.get(d_out, N * C);
+    for (auto part : {buf.get(d_rstd, N), buf.get(d_dinp, N * C), buf.get(d_dw, C)})
+      all.insert(all.end(), part.begin(), part.end());
+    results.push_back(all);
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  EXPECT_EQ(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)), 0);
 }
 
 TEST(CpuOps, MatmulForwardAndBackwardWithBias) {

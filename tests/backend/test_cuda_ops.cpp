@@ -282,6 +282,28 @@ TEST_F(CudaOps, LayerNorm) {
   }
 }
 
+TEST_F(CudaOps, RmsNorm) {
+  for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 2048}}) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
+    Pair inp = act_random(size_t(N) * C, 2.0f), w = act_random(C);
+    Pair out = act_poison(size_t(N) * C), rstd = f32_poison(N);
+    gpu_->rmsnorm_forward(out.g, (float*)rstd.g, inp.g, w.g, N, C, 1e-5f);
+    cpu_->rmsnorm_forward(out.c, (float*)rstd.c, inp.c, w.c, N, C, 1e-5f);
+    expect_close(out, "rmsnorm_forward out");
+    expect_close(rstd, "rmsnorm_forward rstd", 1e-4);
+
+    Pair dout = act_random(size_t(N) * C), dinp = act_random(size_t(N) * C), dw = act_random(C);
+    auto r1 = saver(dinp), r2 = saver(dw);
+    gpu_->rmsnorm_backward(dinp.g, dw.g, dout.g, inp.g, w.g, (float*)rstd.g, N, C);
+    cpu_->rmsnorm_backward(dinp.c, dw.c, dout.c, inp.c, w.c, (float*)rstd.c, N, C);
+    expect_close(dinp, "rmsnorm_backward dinp");
+    expect_close(dw, "rmsnorm_backward dweight");
+    expect_deterministic({dinp, dw}, [&] { r1(); r2(); },
+                         [&] { gpu_->rmsnorm_backward(dinp.g, dw.g, dout.g, inp.g, w.g, (float*)rstd.g, N, C); },
+                         "rmsnorm_backward");
+  }
+}
+
 TEST_F(CudaOps, Elementwise) {
   for (size_t n : {size_t{8192}, size_t{10007}, size_t{3}}) {
     SCOPED_TRACE("n=" + std::to_string(n));

@@ -195,3 +195,41 @@ TEST(OpRegistry, HostOpsNameTheirStateSlots) {
   }
   EXPECT_EQ(host, 1);  // AdamW
 }
+
+// A kind added through its registry entry alone (RMSNorm, the first of the Llama
+// ops): validation knows its slots and sizes and refuses a missing eps.
+TEST(OpRegistry, RmsNormValidatesFromItsEntry) {
+  const int64_t N = 6, C = 8;
+  Program p;
+  TensorId x = p.tensors.add({"x", DType::BF16, {N, C}, Role::Input});
+  TensorId w = p.tensors.add({"w", DType::BF16, {C}, Role::Param});
+  TensorId dw = p.tensors.add({"dw", DType::BF16, {C}, Role::Grad});
+  TensorId out = p.tensors.add({"out", DType::BF16, {N, C}, Role::Activation});
+  TensorId rstd = p.tensors.add({"rstd", DType::F32, {N}, Role::Activation});
+  TensorId dout = p.tensors.add({"dout", DType::BF16, {N, C}, Role::Input});
+  TensorId dx = p.tensors.add({"dx", DType::BF16, {N, C}, Role::Scratch});
+  p.inputs = {x, dout};
+  p.add_op(make_op(OpKind::Zero, {}, {{dx, Access::Write}}));
+  p.add_op(make_op(OpKind::RmsNormForward, {.C = C, .N = N, .scale = 1e-5f},
+                   {{out, Access::Write}, {rstd, Access::Write}, {x, Access::Read}, {w, Access::Read}}));
+  p.add_op(make_op(OpKind::RmsNormBackward, {.C = C, .N = N},
+                   {{dx, Access::Update}, {dw, Access::Update}, {dout, Access::Read}, {x, Access::Read},
+                    {w, Access::Read}, {rstd, Access::Read}}));
+  p.outputs = {out};
+  ASSERT_TRUE(p.validate().is_ok()) << p.validate().to_string();
+  EXPECT_EQ(op_flops(p.ops[1]), 0.0);  // memory-bound
+  EXPECT_DOUBLE_EQ(op_bytes_moved(p, p.ops[2]), 2.0 * 96 + 2.0 * 16 + 96 + 96 + 16 + 24);
+
+  Program q = p;
+  q.ops[1].attrs.scale = 0;
+  Status st = q.validate();
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_TRUE(contains(st.message(), "op 1 'probe' (RmsNormForward): attrs.scale (eps) is 0")) << st.message();
+  q = p;
+  q.tensors = TensorTable();
+  for (const TensorInfo& t : p.tensors.infos())
+    q.tensors.add(t.name == "rstd" ? TensorInfo{"rstd", DType::F32, {N + 1}, Role::Activation} : t);
+  st = q.validate();
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_TRUE(contains(st.message(), "operand 1 (rstd) 'rstd' has 7 elements; expected N = 6")) << st.message();
+}

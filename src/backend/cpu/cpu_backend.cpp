@@ -136,6 +136,9 @@ class CpuBackend final : public Backend {
   size_t layernorm_backward_workspace(int N, int C) const override {
     return sizes().layernorm_backward_workspace(N, C);
   }
+  size_t rmsnorm_backward_workspace(int N, int C) const override {
+    return sizes().rmsnorm_backward_workspace(N, C);
+  }
   size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const override {
     return sizes().matmul_workspace(N, OC, backward, dbias);
   }
@@ -169,6 +172,16 @@ class CpuBackend final : public Backend {
                           const void* weight, const float* mean, const float* rstd, int N, int C) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
     cpu::layernorm_backward(pool_, f(dinp), f(dweight), f(dbias), f(dout), f(inp), f(weight), mean, rstd, N, C);
+  }
+  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
+                       float eps) override {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    cpu::rmsnorm_forward(pool_, f(out), rstd, f(inp), f(weight), N, C, eps);
+  }
+  void rmsnorm_backward(void* dinp, void* dweight, const void* dout, const void* inp, const void* weight,
+                        const float* rstd, int N, int C) override {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    cpu::rmsnorm_backward(pool_, f(dinp), f(dweight), f(dout), f(inp), f(weight), rstd, N, C);
   }
   void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C, int OC,
                       int ld_out) override {

@@ -1,4 +1,4 @@
-// CPU kernels other than attention: embedding, layernorm, matmul, GELU, residual,
+// CPU kernels other than attention: embedding, layernorm, RMSNorm, matmul, GELU, residual,
 // cross-entropy and the squared norm. See cpu_kernels.h for the determinism rules.
 #include "backend/cpu/cpu_kernels.h"
 
@@ -139,6 +139,52 @@ void layernorm_backward(ThreadPool& pool, float* dinp, float* dweight, float* db
     }
     add_into(dweight + c0, tw.data(), w);
     add_into(dbias + c0, tb.data(), w);
+  });
+}
+
+void rmsnorm_forward(ThreadPool& pool, float* out, float* rstd, const float* inp, const float* weight, int N, int C,
+                     float eps) {
+  pool.parallel_for(
+      N,
+      [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          const float* x = inp + n * C;
+          const float s = 1.0f / std::sqrt(lane_dot(x, x, C) / static_cast<float>(C) + eps);
+          map2(out + n * C, x, weight, C, [s](auto xv, auto w) { return (xv * s) * w; });
+          rstd[n] = s;
+        }
+      },
+      8);
+}
+
+void rmsnorm_backward(ThreadPool& pool, float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int N, int C) {
+  const int64_t blocks = (int64_t{N} + kRowBlock - 1) / kRowBlock;
+  // partial[blocks, C]: per block of rows, the dweight contributions.
+  std::vector<float> partial(static_cast<size_t>(blocks * C), 0.0f);
+  pool.parallel_for(blocks, [&](int64_t b0, int64_t b1) {
+    std::vector<float> norm(static_cast<size_t>(C)), dnorm(static_cast<size_t>(C));
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      float* pw = partial.data() + blk * C;
+      for (int64_t n = blk * kRowBlock; n < std::min<int64_t>(N, (blk + 1) * kRowBlock); ++n) {
+        const float* x = inp + n * C;
+        const float* g = dout + n * C;
+        float* dx = dinp + n * C;
+        const float s = rstd[n];
+        map1(norm.data(), x, C, [s](auto xv) { return xv * s; });
+        map2(dnorm.data(), weight, g, C, [](auto w, auto gv) { return w * gv; });
+        const float dnorm_norm_mean = lane_dot(dnorm.data(), norm.data(), C) / static_cast<float>(C);
+        map3(pw, pw, norm.data(), g, C, [](auto acc, auto nv, auto gv) { return acc + nv * gv; });
+        map3(dx, dx, dnorm.data(), norm.data(), C,
+             [=](auto acc, auto dn, auto nv) { return acc + (dn - nv * dnorm_norm_mean) * s; });
+      }
+    }
+  });
+  pool.parallel_for((C + 15) / 16, [&](int64_t g0, int64_t g1) {
+    const int64_t c0 = g0 * 16, c1 = std::min<int64_t>(C, g1 * 16), w = c1 - c0;
+    std::vector<float> tw(static_cast<size_t>(w), 0.0f);
+    for (int64_t blk = 0; blk < blocks; ++blk) add_into(tw.data(), partial.data() + blk * C + c0, w);
+    add_into(dweight + c0, tw.data(), w);
   });
 }
 

@@ -50,6 +50,16 @@ void layernorm_backward(ThreadPool& pool, float* dinp, float* dweight, float* db
                         const float* inp, const float* weight, const float* mean, const float* rstd,
                         int N, int C);
 
+// RMSNorm (Llama): out[N,C] = inp * rstd * weight; rstd[N] = 1 / sqrt(mean(inp²) + eps)
+// saved; inp[N,C]; weight[C].
+void rmsnorm_forward(ThreadPool& pool, float* out, float* rstd, const float* inp, const float* weight, int N, int C,
+                     float eps);
+// dinp[N,C] += rstd * (dnorm - norm * mean(dnorm * norm)) with norm = inp * rstd and
+// dnorm = dout * weight; dweight[C] += Σ_n dout * norm (rows in fixed blocks, in
+// order). dout[N,C]; inp[N,C]; weight[C]; rstd[N] from the forward.
+void rmsnorm_backward(ThreadPool& pool, float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int N, int C);
+
 // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC] (bias may be null); rows of out are
 // ld_out ≥ OC floats apart.
 void matmul_forward(ThreadPool& pool, float* out, const float* inp, const float* weight,

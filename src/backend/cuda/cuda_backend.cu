@@ -406,6 +406,9 @@ class CudaBackend final : public Backend {
   size_t layernorm_backward_workspace(int N, int C) const override {
     return sizes().layernorm_backward_workspace(N, C);
   }
+  size_t rmsnorm_backward_workspace(int N, int C) const override {
+    return sizes().rmsnorm_backward_workspace(N, C);
+  }
   size_t matmul_workspace(int N, int OC, bool backward, bool dbias) const override {
     return sizes().matmul_workspace(N, OC, backward, dbias);
   }
@@ -485,6 +488,21 @@ class CudaBackend final : public Backend {
     check(launch_layernorm_backward(mb(dinp), mb(dweight), mb(dbias), cb(dout), cb(inp), cb(weight), mean, rstd, N,
                                     C, s, compute_),
           "layernorm_backward");
+  }
+
+  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
+                       float eps) override {
+    if (!enter()) return;
+    check(launch_rmsnorm_forward(mb(out), rstd, cb(inp), cb(weight), N, C, eps, compute_), "rmsnorm_forward");
+  }
+
+  void rmsnorm_backward(void* dinp, void* dweight, const void* dout, const void* inp, const void* weight,
+                        const float* rstd, int N, int C) override {
+    if (!enter()) return;
+    void* s = scratch(rmsnorm_backward_scratch_bytes(N, C), "rmsnorm_backward");
+    if (s == nullptr) return;
+    check(launch_rmsnorm_backward(mb(dinp), mb(dweight), cb(dout), cb(inp), cb(weight), rstd, N, C, s, compute_),
+          "rmsnorm_backward");
   }
 
   void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C, int OC,

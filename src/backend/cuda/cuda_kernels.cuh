@@ -52,6 +52,16 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
                                       const float* rstd, int N, int C, void* scratch,
                                       cudaStream_t stream);
 
+// out[N,C] = inp * rstd * weight; rstd[N] = 1/sqrt(mean(inp²) + eps) (F32, may be null).
+cudaError_t launch_rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int N, int C,
+                                   float eps, cudaStream_t stream);
+// scratch: cuda_workspace::rmsnorm_backward_scratch_bytes(N, C).
+// dinp[N,C] += ..., dweight[C] += ... (chunks of rows in order); dout[N,C], inp[N,C],
+// weight[C], rstd[N].
+cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout, const bf16* inp,
+                                    const bf16* weight, const float* rstd, int N, int C, void* scratch,
+                                    cudaStream_t stream);
+
 // scratch: cuda_workspace::bias_backward_scratch_bytes(N, OC).
 // dbias[OC] += Σ_n dout[n, :]; dout[N,OC] with rows ld_dout ≥ OC elements apart.
 cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, int ld_dout, void* scratch,

@@ -272,6 +272,104 @@ __global__ void column_finish_kernel(bf16* out_w, const float* partial_w, bf16* 
   }
 }
 
+// ---------------------------------------------------------------- rmsnorm
+
+// One warp per row. out[N,C] = inp * rstd * weight, rstd[N] = 1/sqrt(mean(inp²) + eps).
+template <int VEC>
+__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int N, int C,
+                                       float eps) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const bf16* x = inp + static_cast<size_t>(row) * C;
+  float sq = 0.0f;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float f[8];
+      unpack8(load8(x + c), f);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sq += f[k] * f[k];
+    } else {
+      float f = __bfloat162float(x[c]);
+      sq += f * f;
+    }
+  }
+  const float rs = rsqrtf(warp_sum(sq) / C + eps);
+  bf16* o = out + static_cast<size_t>(row) * C;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float f[8], w[8];
+      unpack8(load8(x + c), f);
+      unpack8(load8(weight + c), w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * w[k];
+      store8(o + c, pack8(f));
+    } else {
+      o[c] = __float2bfloat16_rn(__bfloat162float(x[c]) * rs * __bfloat162float(weight[c]));
+    }
+  }
+  if (lane == 0 && rstd) rstd[row] = rs;
+}
+
+// dinp[N,C] += rstd * (dnorm - norm * mean(dnorm * norm)), norm = inp * rstd, dnorm =
+// dout * weight. One warp per row.
+template <int VEC>
+__global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight,
+                                    const float* rstd, int N, int C) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const size_t off = static_cast<size_t>(row) * C;
+  const float rs = rstd[row];
+  float s2 = 0.0f;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float x[8], d[8], w[8];
+      unpack8(load8(inp + off + c), x);
+      unpack8(load8(dout + off + c), d);
+      unpack8(load8(weight + c), w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) s2 += d[k] * w[k] * x[k] * rs;
+    } else {
+      s2 += __bfloat162float(dout[off + c]) * __bfloat162float(weight[c]) * __bfloat162float(inp[off + c]) * rs;
+    }
+  }
+  const float m2 = warp_sum(s2) / C;
+  for (int c = lane * VEC; c < C; c += 32 * VEC) {
+    if constexpr (VEC == 8) {
+      float x[8], d[8], w[8], g[8];
+      unpack8(load8(inp + off + c), x);
+      unpack8(load8(dout + off + c), d);
+      unpack8(load8(weight + c), w);
+      unpack8(load8(dinp + off + c), g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) g[k] += rs * (d[k] * w[k] - x[k] * rs * m2);
+      store8(dinp + off + c, pack8(g));
+    } else {
+      float x = __bfloat162float(inp[off + c]) * rs;
+      float dn = __bfloat162float(dout[off + c]) * __bfloat162float(weight[c]);
+      dinp[off + c] = __float2bfloat16_rn(__bfloat162float(dinp[off + c]) + rs * (dn - x * m2));
+    }
+  }
+}
+
+// Per-chunk column sums of the weight gradient: partial_w[P,C] = Σ_{rows of chunk}
+// dout[r,c] * inp[r,c] * rstd[r]. grid (ceil(C/256), P), one thread per column, rows in order.
+__global__ void rmsnorm_dweight_partials_kernel(float* partial_w, const bf16* dout, const bf16* inp,
+                                                const float* rstd, int N, int C, int rows) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = blockIdx.y;
+  if (c >= C) return;
+  const int r0 = p * rows;
+  const int r1 = min(N, r0 + rows);
+  float acc = 0.0f;
+  for (int r = r0; r < r1; ++r) {
+    const size_t i = static_cast<size_t>(r) * C + c;
+    acc += __bfloat162float(dout[i]) * __bfloat162float(inp[i]) * rstd[r];
+  }
+  partial_w[static_cast<size_t>(p) * C + c] = acc;
+}
+
 // ---------------------------------------------------------------- element-wise
 
 constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2/pi)
@@ -607,6 +705,38 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
   e = launched();
   if (e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
+  return launched();
+}
+
+cudaError_t launch_rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int N, int C,
+                                   float eps, cudaStream_t stream) {
+  if (N == 0 || C == 0) return cudaSuccess;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(out) && aligned16(inp) && aligned16(weight))
+    rmsnorm_forward_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(out, rstd, inp, weight, N, C, eps);
+  else
+    rmsnorm_forward_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(out, rstd, inp, weight, N, C, eps);
+  return launched();
+}
+
+cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout, const bf16* inp,
+                                    const bf16* weight, const float* rstd, int N, int C, void* scratch,
+                                    cudaStream_t stream) {
+  if (N == 0 || C == 0) return cudaSuccess;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
+    rmsnorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
+  else
+    rmsnorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+  const Chunks ch = column_chunks(N);
+  float* pw = static_cast<float*>(scratch);
+  dim3 grid(ceil_div(C, kThreads), ch.count);
+  rmsnorm_dweight_partials_kernel<<<grid, kThreads, 0, stream>>>(pw, dout, inp, rstd, N, C, ch.rows);
+  e = launched();
+  if (e != cudaSuccess) return e;
+  column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, nullptr, nullptr, ch.count, C);
   return launched();
 }
 
