@@ -965,7 +965,7 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
   std::vector<Item> items;
   SPILLWAY_RETURN_IF_ERROR(main.cut_added(items));
   std::vector<uint32_t> out;
-  out.reserve(text.size() / 3 + 16);
+  out.reserve(text.size() / 4 + 16);  // about 4 bytes a token for English with a large vocabulary
 
   // The regex that cuts a text first, and what encodes each of its pieces.
   const Regex* top = nullptr;
@@ -1018,14 +1018,16 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
     // The run from the segment's start: chunk 0, then each chunk from the first
     // state it shares with the run so far.
     out.insert(out.end(), runs[0].ids.begin(), runs[0].ids.end());
+    std::vector<uint32_t>().swap(runs[0].ids);  // each chunk's ids are freed once copied
     SplitState st = runs[0].final_state;
     for (size_t k = 1; k < runs.size() && !st.done; ++k) {
-      const ChunkRun& run = runs[k];
+      ChunkRun& run = runs[k];
       for (;;) {
         auto mark = std::lower_bound(run.marks.begin(), run.marks.end(), st.search,
                                      [](const ChunkRun::Mark& m, size_t s) { return m.state.search < s; });
         if (mark != run.marks.end() && mark->state == st) {
           out.insert(out.end(), run.ids.begin() + static_cast<std::ptrdiff_t>(mark->ids), run.ids.end());
+          std::vector<uint32_t>().swap(run.ids);
           st = run.final_state;
           break;
         }

@@ -146,7 +146,7 @@ TEST(Tokenizer, ParallelEncodingGivesTheSameIds) {
   corpus.resize(600000);
   // Long runs without a cut: spaces, digits, letters, emoji, and special tokens.
   std::string text = corpus;
-  text += std::string(70000, ' ') + "x" + std::string(70000, '7') + "\n" + std::string(70000, 'q');
+  text += std::string(70000, ' ') + "x" + std::string(70000, '7') + "\n" + std::string(250000, 'q');
   for (int i = 0; i < 3000; ++i) text += "\xF0\x9F\x98\x80 caf\xC3\xA9<|endoftext|>";
   text += corpus.substr(0, 200000);
   auto pool = ThreadPool::create(4);
