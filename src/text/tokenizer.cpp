@@ -867,8 +867,10 @@ Status build_tables(Tokenizer::Impl& t) {
     t.has_id[a->id] = 1;
     t.decoded[a->id] = decode_token(a->content);
   }
-  SPILLWAY_ASSIGN_OR_RETURN(t.word_char, compile_regex("\\w", false, "added tokens' single_word"));
-  SPILLWAY_ASSIGN_OR_RETURN(t.space_char, compile_regex("\\s", false, "added tokens' lstrip/rstrip"));
+  // The classes of the Rust regex crate, which `tokenizers` uses here: \w and \s.
+  SPILLWAY_ASSIGN_OR_RETURN(t.word_char, compile_regex(R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}])", false,
+                                                       "added tokens' single_word"));
+  SPILLWAY_ASSIGN_OR_RETURN(t.space_char, compile_regex(R"(\p{White_Space})", false, "added tokens' lstrip/rstrip"));
   return Status::ok();
 }
 

@@ -19,7 +19,8 @@
 // - added_tokens: found in the text before pre-tokenization, leftmost-longest,
 //   first those with normalized false and then those with normalized true (there is
 //   no normalizer, so both match the raw text); single_word, lstrip and rstrip
-//   as in `tokenizers` (\w and \s are PCRE2's Unicode classes).
+//   as in `tokenizers` (its word and space classes: Alphabetic, marks, decimal
+//   digits, connector punctuation, Join_Control; White_Space).
 // - normalizer: null (or an empty Sequence).
 // - pre_tokenizer: ByteLevel (add_prefix_space; use_regex: GPT-2's regex), or a
 //   Sequence of Split steps (pattern {"Regex": ...} or {"String": ...}, behavior

@@ -6,6 +6,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "core/thread_pool.h"
@@ -249,4 +250,47 @@ TEST(Tokenizer, ByteWithoutATokenIsAnErrorOrUnk) {
   const std::vector<uint32_t> ids = encode_ok(*with_unk, "\xC3\xA9");  // bytes C3 A9: a known byte then unk
   ASSERT_EQ(ids.size(), 2u);
   EXPECT_EQ(ids[1], 0u);
+}
+
+// Added tokens' options, as in the `tokenizers` library's own tests
+// (added_vocabulary.rs: options_use_cases, test_single_word_is_unicode_correct):
+// lstrip and rstrip take the spaces around the token into it; a single_word token
+// beside a word character (a letter, or a combining mark) is not cut out.
+TEST(Tokenizer, AddedTokenOptionsAsTheLibrary) {
+  const Tokenizer base = load_ok(kReference + "tok-gpt2/tokenizer.json");
+  auto with = edited([](json& j) {
+    auto add = [&](int id, const char* content, bool special, bool lstrip, bool rstrip, bool single_word) {
+      j["added_tokens"].push_back({{"id", id}, {"content", content}, {"special", special}, {"normalized", !special},
+                                   {"lstrip", lstrip}, {"rstrip", rstrip}, {"single_word", single_word}});
+    };
+    add(600, "my", false, true, true, false);
+    add(601, "name", false, false, false, false);
+    add(602, "ony", false, false, false, true);
+    add(603, "[CLS]", true, false, false, false);
+    add(604, "[SEP]", true, false, false, false);
+    add(605, "<mask>", false, false, false, true);
+  });
+  ASSERT_TRUE(with.ok()) << with.status().to_string();
+  EXPECT_EQ(with->vocab_size(), 606);
+  auto join = [&](std::initializer_list<std::variant<uint32_t, std::string>> parts) {
+    std::vector<uint32_t> ids;
+    for (const auto& p : parts) {
+      if (std::holds_alternative<uint32_t>(p)) {
+        ids.push_back(std::get<uint32_t>(p));
+      } else {
+        const std::vector<uint32_t> more = encode_ok(base, std::get<std::string>(p));
+        ids.insert(ids.end(), more.begin(), more.end());
+      }
+    }
+    return ids;
+  };
+  // "[CLS]", " my " (my, with both spaces), "name", " is anthony " ("ony" inside a word), "[SEP]".
+  // Then "<mask>" beside "a" or "ony" stays text, but the "ony" after it is a word of its own.
+  EXPECT_EQ(encode_ok(*with, "[CLS] my name is anthony [SEP]"),
+            join({603u, 600u, 601u, std::string(" is anthony "), 604u}));
+  EXPECT_EQ(encode_ok(*with, "<mask> my name <mask> a<mask> <mask>ony <mask>"),
+            join({605u, 600u, 601u, std::string(" "), 605u, std::string(" a<mask> <mask>"), 602u, std::string(" "), 605u}));
+  // Punctuation and a dash are not word characters; a combining mark (U+0330) is.
+  EXPECT_EQ(encode_ok(*with, "<mask>, <mask>- \xE2\x97\x8C\xCC\xB0<mask>"),
+            join({605u, std::string(", "), 605u, std::string("- \xE2\x97\x8C\xCC\xB0<mask>")}));
 }
