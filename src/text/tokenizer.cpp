@@ -114,14 +114,6 @@ const ByteChars& byte_chars() {
   return table;
 }
 
-// The byte-level string of raw bytes (each byte as its GPT-2 character).
-std::string byte_level_string(std::string_view bytes) {
-  std::string s;
-  s.reserve(bytes.size() * 2);
-  for (unsigned char b : bytes) append_utf8(s, byte_chars().char_of[b]);
-  return s;
-}
-
 // A printable form of text for error messages: at most 40 bytes, quoted.
 std::string shown(std::string_view s) {
   std::string q = "'";
@@ -378,17 +370,20 @@ class Encoder {
     return "in the pre-token " + shown(piece);
   }
 
+  // A pre-token's ids (the same for the same bytes, so they are cached).
   Status bpe(std::string_view piece, std::vector<uint32_t>& out) {
-    if (t_.ignore_merges) {
-      auto it = t_.vocab.find(byte_level_string(piece));
-      if (it != t_.vocab.end()) {
-        out.push_back(it->second);
-        return Status::ok();
-      }
-    }
     if (auto hit = cache_.find(piece); hit != cache_.end()) {
       out.insert(out.end(), hit->second.begin(), hit->second.end());
       return Status::ok();
+    }
+    if (t_.ignore_merges) {
+      byte_level_.clear();
+      for (unsigned char b : piece) append_utf8(byte_level_, byte_chars().char_of[b]);
+      if (auto it = t_.vocab.find(byte_level_); it != t_.vocab.end()) {
+        out.push_back(it->second);
+        if (piece.size() < 256 && cache_.size() < 200000) cache_.emplace(std::string(piece), std::vector<uint32_t>{it->second});
+        return Status::ok();
+      }
     }
     symbols_.clear();
     auto add = [&](uint32_t id, uint32_t len) {
@@ -545,6 +540,7 @@ class Encoder {
   Matcher matcher_;
   std::unordered_map<std::string, std::vector<uint32_t>, StringHash, std::equal_to<>> cache_;
   std::vector<Symbol> symbols_;
+  std::string byte_level_;  // scratch: a pre-token's byte-level characters
   std::priority_queue<MergeCandidate, std::vector<MergeCandidate>, CandidateAfter> queue_;
 };
 
