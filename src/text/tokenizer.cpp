@@ -140,17 +140,56 @@ std::string pcre2_message(int code) {
   return reinterpret_cast<const char*>(buffer);
 }
 
-Result<std::unique_ptr<Regex>> compile_regex(const std::string& pattern, bool literal, const std::string& field) {
+// `tokenizers` matches with Oniguruma, whose \s is Unicode's White_Space. PCRE2's
+// \s (with UCP) also takes U+180E (Mongolian vowel separator, a format character
+// since Unicode 6.3). So \s becomes \p{White_Space} and \S \P{White_Space}, in a
+// class or not; \Q...\E is copied as it is.
+std::string with_oniguruma_spaces(std::string_view p) {
+  std::string out;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const char c = p[i];
+    if (c != '\\' || i + 1 == p.size()) {
+      out += c;
+      continue;
+    }
+    const char n = p[i + 1];
+    if (n == 'Q') {
+      const size_t e = p.find("\\E", i + 2);
+      const size_t stop = e == std::string_view::npos ? p.size() : e + 2;
+      out.append(p.substr(i, stop - i));
+      i = stop - 1;
+      continue;
+    }
+    if (n == 's') {
+      out += "\\p{White_Space}";
+    } else if (n == 'S') {
+      out += "\\P{White_Space}";
+    } else {
+      out += c;
+      out += n;
+    }
+    ++i;
+  }
+  return out;
+}
+
+Result<std::unique_ptr<Regex>> compile_regex(const std::string& given, bool literal, const std::string& field) {
   auto re = std::make_unique<Regex>();
   re->field = field;
   int error = 0;
   PCRE2_SIZE offset = 0;
   // PCRE2_LITERAL admits PCRE2_UTF but not PCRE2_UCP (a literal has no classes).
   const uint32_t options = literal ? (PCRE2_UTF | PCRE2_LITERAL) : (PCRE2_UTF | PCRE2_UCP);
+  const std::string pattern = literal ? given : with_oniguruma_spaces(given);
   re->code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &error, &offset,
                            nullptr);
+  if (!re->code && pattern != given) {  // the error and its offset in the pattern as given
+    if (pcre2_code* plain = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(given.data()), given.size(), options, &error,
+                                          &offset, nullptr))
+      pcre2_code_free(plain);
+  }
   if (!re->code)
-    return Status::invalid_argument(field + ": the regex " + shown(pattern) + " does not compile (PCRE2, at offset " +
+    return Status::invalid_argument(field + ": the regex " + shown(given) + " does not compile (PCRE2, at offset " +
                                     std::to_string(offset) + "): " + pcre2_message(error));
   // JIT when the platform has it; the interpreter gives the same matches otherwise.
   (void)pcre2_jit_compile(re->code, PCRE2_JIT_COMPLETE);

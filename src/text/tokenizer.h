@@ -25,7 +25,8 @@
 // - pre_tokenizer: ByteLevel (add_prefix_space; use_regex: GPT-2's regex), or a
 //   Sequence of Split steps (pattern {"Regex": ...} or {"String": ...}, behavior
 //   "Isolated") ending in one ByteLevel, as Llama 3 uses. Regexes are PCRE2 with
-//   UTF and Unicode properties (\p{L}, \p{N}, (?i:...), (?!\S)).
+//   UTF and Unicode properties (\p{L}, \p{N}, (?i:...), (?!\S)); \s and \S are
+//   read as Unicode White_Space, as the library's Oniguruma does.
 // - decoder: ByteLevel (or a Sequence of it).
 // - post_processor (null, ByteLevel, TemplateProcessing, or a Sequence of them),
 //   truncation and padding are read and not applied: encode() is the library's

@@ -294,3 +294,31 @@ TEST(Tokenizer, AddedTokenOptionsAsTheLibrary) {
   EXPECT_EQ(encode_ok(*with, "<mask>, <mask>- \xE2\x97\x8C\xCC\xB0<mask>"),
             join({605u, std::string(", "), 605u, std::string("- \xE2\x97\x8C\xCC\xB0<mask>")}));
 }
+
+// U+180E (Mongolian vowel separator) is no white space to `tokenizers`' regexes
+// (Oniguruma's \s is Unicode White_Space) but is to PCRE2's \s. With GPT-2's regex,
+// " \u180E" is one pre-token, so a merge of "Ġ" (space) and "á" (byte E1, the
+// separator's first) applies; were it a space, " " and "\u180E" would be two.
+TEST(Tokenizer, WhiteSpaceIsUnicodesAsInTheLibrary) {
+  auto tok = edited([](json& j) {
+    j["model"]["vocab"]["\xC4\xA0\xC3\xA1"] = 600;  // "Ġá"
+    j["model"]["merges"].push_back(json::array({"\xC4\xA0", "\xC3\xA1"}));
+  });
+  ASSERT_TRUE(tok.ok()) << tok.status().to_string();
+  const std::vector<uint32_t> joined = encode_ok(*tok, " \xE1\xA0\x8E");
+  ASSERT_FALSE(joined.empty());
+  EXPECT_EQ(joined[0], 600u);
+  std::vector<uint32_t> expected;
+  for (const char* piece : {"a", " \xE1\xA0\x8E", "b"}) {
+    const std::vector<uint32_t> ids = encode_ok(*tok, piece);
+    expected.insert(expected.end(), ids.begin(), ids.end());
+  }
+  EXPECT_EQ(encode_ok(*tok, "a \xE1\xA0\x8E" "b"), expected);
+  // NEL (U+0085) is white space to both: "a", " ", "\u0085", "b" (no "Ġ" + "Â" pre-token).
+  std::vector<uint32_t> nel;
+  for (const char* piece : {"a", " ", "\xC2\x85", "b"}) {
+    const std::vector<uint32_t> ids = encode_ok(*tok, piece);
+    nel.insert(nel.end(), ids.begin(), ids.end());
+  }
+  EXPECT_EQ(encode_ok(*tok, "a \xC2\x85" "b"), nel);
+}
