@@ -221,6 +221,12 @@ Status run_bench(const BenchTrainFlags& f) {
                 checkpoints, format_size(trainer->state_bytes()).c_str(), f.checkpoint_every,
                 writer->sync_reason().empty() ? "background" : "foreground", checkpoint_wait_s,
                 timed_s > 0 ? 100.0 * checkpoint_wait_s / timed_s : 0.0, tail_write_s);
+  if (writer && writer->last_write().bytes > 0) {
+    const CheckpointWriteStats w = writer->last_write();
+    std::printf("last write    %s in %.2f s (%.2f GB/s%s), checksummed meanwhile\n", format_size(w.bytes).c_str(),
+                w.seconds, w.seconds > 0 ? static_cast<double>(w.bytes) / w.seconds / 1e9 : 0.0,
+                w.direct ? ", O_DIRECT" : ", through the page cache: the file system refused O_DIRECT");
+  }
   std::printf("executor waits %.1f%% of the step (host time waiting for copies, host ops and regions; the GPU "
               "may be busy meanwhile)\n",
               timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <functional>
 #include <future>
+#include <thread>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
@@ -65,6 +67,9 @@ Status write_all(int fd, const void* data, size_t n, uint64_t offset, const std:
   }
   return Status::ok();
 }
+
+// Background threads of checkpoints yield to training's threads (nice +10); advice only.
+void lower_thread_priority() { (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 10); }
 
 // Writes n bytes from a page-aligned buffer at offset 0 in 64 MiB pieces; on a file
 // opened with O_DIRECT the last piece is padded to 4 KiB (the buffer extends that
@@ -212,7 +217,9 @@ Result<std::string> make_temp_folder(const std::string& root, const std::string&
 Result<std::string> write_folder(const std::string& root, const std::string& temp, const CheckpointMeta& meta, int keep,
                                  const std::vector<StateEntry>& entries,
                                  const std::function<Result<const uint8_t*>(size_t, std::vector<uint8_t>&)>& bytes_of,
-                                 const uint8_t* contiguous = nullptr, uint64_t contiguous_bytes = 0) {
+                                 const uint8_t* contiguous = nullptr, uint64_t contiguous_bytes = 0,
+                                 CheckpointWriteStats* stats = nullptr) {
+  const auto started = std::chrono::steady_clock::now();
   const std::string final_path = (fs::path(root) / checkpoint_name(meta.step)).string();
   uint64_t total = 0;
   for (const StateEntry& e : entries) total += e.bytes;
@@ -236,7 +243,16 @@ Result<std::string> write_folder(const std::string& root, const std::string& tem
   if (fd < 0) fd = ::open(state_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return fail(errno_status("create " + state_path, errno));
   Status s;
-  if (contiguous != nullptr) s = write_whole(fd, contiguous, contiguous_bytes, state_path);
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (stats) stats->direct = fl >= 0 && (fl & O_DIRECT) != 0;
+  // A snapshot is written by a second thread while this one checksums it.
+  Status io;
+  std::thread io_thread;
+  if (contiguous != nullptr)
+    io_thread = std::thread([&] {
+      lower_thread_priority();
+      io = write_whole(fd, contiguous, contiguous_bytes, state_path);
+    });
   Checksum64Stream file_sum;
   std::vector<uint8_t> scratch;
   uint64_t offset = 0;
@@ -258,9 +274,15 @@ Result<std::string> write_folder(const std::string& root, const std::string& tem
                     {"xxh3", hex64(checksum64(*data, e.bytes))}});
     offset += e.bytes;
   }
+  if (io_thread.joinable()) io_thread.join();
+  if (s.is_ok()) s = io;
   if (s.is_ok() && ::fsync(fd) != 0) s = errno_status("fsync " + state_path, errno);
   if (::close(fd) != 0 && s.is_ok()) s = errno_status("close " + state_path, errno);
   if (!s.is_ok()) return fail(s);
+  if (stats) {
+    stats->bytes = offset;
+    stats->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  }
   manifest["tensors"] = list;
   manifest["files"] = nlohmann::json::array({{{"name", "state.bin"}, {"bytes", offset}, {"xxh3", hex64(file_sum.digest())}}});
   if (Status w = write_file(temp + "/manifest.json", manifest.dump(1) + "\n"); !w.is_ok()) return fail(w);
@@ -349,6 +371,7 @@ void CheckpointWriter::prepare(uint64_t state_bytes) {
   }
   // Allocated and touched on a thread now, so that no checkpoint waits for page faults.
   preparing_ = std::thread([this, state_bytes] {
+    lower_thread_priority();
     const uint64_t huge = uint64_t{2} << 20, rounded = std::max(huge, (state_bytes + huge - 1) / huge * huge);
     void* p = std::aligned_alloc(huge, rounded);
     if (!p) {
@@ -411,7 +434,9 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
   const uint8_t* base = snapshot_.data.get();
   thread_ = std::thread([this, temp, meta, total, entries = std::move(entries), offsets = std::move(offsets), base,
                          host_copied = std::move(host_copied)]() mutable {
+    lower_thread_priority();
     Result<std::string> written = std::string();
+    CheckpointWriteStats stats;
     Status copied;
     try {
       copied = host_copied.get();
@@ -424,9 +449,10 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
     } else {
       written = write_folder(root_, temp, meta, keep_, entries,
                              [&](size_t i, std::vector<uint8_t>&) -> Result<const uint8_t*> { return base + offsets[i]; },
-                             base, total);
+                             base, total, &stats);
     }
     std::lock_guard<std::mutex> lock(mu_);
+    if (written.ok()) write_stats_ = stats;
     finished_ = std::move(written);
     writing_ = false;
   });

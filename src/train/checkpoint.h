@@ -66,6 +66,13 @@ struct Checkpoint {
 // `root` (made if missing), then keeps the newest `keep` (at least 1). Returns its path.
 Result<std::string> write_checkpoint(Trainer& trainer, const std::string& root, const CheckpointMeta& meta, int keep);
 
+// How a checkpoint's state.bin was written.
+struct CheckpointWriteStats {
+  uint64_t bytes = 0;
+  double seconds = 0;   // the whole folder: state.bin with its checksums, fsyncs, rename
+  bool direct = false;  // state.bin written with O_DIRECT
+};
+
 // Writes checkpoints while training goes on. begin() drains the trainer and copies
 // the whole state into a host buffer (kept for the next checkpoint): the snapshot
 // of one step, taken on all cores. A thread then writes it as write_checkpoint
@@ -103,6 +110,11 @@ class CheckpointWriter {
   const SnapshotTimes& last_snapshot() const { return times_; }
   // Why checkpoints are written in the foreground ("" when they are not).
   const std::string& sync_reason() const { return why_sync_; }
+  // The last completed background write (after wait() or a begin() that waited).
+  CheckpointWriteStats last_write() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return write_stats_;
+  }
   // The newest checkpoint this writer completed ("" before the first).
   const std::string& last_path() const { return last_path_; }
 
@@ -125,6 +137,7 @@ class CheckpointWriter {
   mutable std::mutex mu_;
   bool writing_ = false;                           // guarded by mu_
   std::optional<Result<std::string>> finished_;    // guarded by mu_: the last write's result, until wait()
+  CheckpointWriteStats write_stats_;               // guarded by mu_
   double wait_s_ = 0;
   SnapshotTimes times_;
   std::string why_sync_, last_path_;
