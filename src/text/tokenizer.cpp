@@ -870,8 +870,19 @@ Status read_components(Tokenizer::Impl& t, const json& root) {
 
 Status build_tables(Tokenizer::Impl& t) {
   int64_t max_id = -1;
-  for (const auto& [token, id] : t.vocab) max_id = std::max<int64_t>(max_id, id);
-  for (const auto& a : t.added) max_id = std::max<int64_t>(max_id, a->id);
+  std::string max_token;
+  for (const auto& [token, id] : t.vocab)
+    if (id > max_id) max_id = id, max_token = token;
+  for (const auto& a : t.added)
+    if (a->id > max_id) max_id = a->id, max_token = a->content;
+  // Ids run from 0 with few gaps (the tables below have one entry per id): an id far
+  // above the count of tokens is refused rather than allocated for.
+  const int64_t tokens = static_cast<int64_t>(t.vocab.size() + t.added.size());
+  if (max_id >= 2 * tokens + 65536)
+    return Status::invalid_argument("tokenizer " + t.name + ": the token " + json_value(max_token) + " has the id " +
+                                    std::to_string(max_id) + ", far above the " + std::to_string(tokens) +
+                                    " tokens (ids must run from 0 with few gaps: below " +
+                                    std::to_string(2 * tokens + 65536) + ")");
   t.vocab_size = static_cast<int>(max_id + 1);
   t.decoded.assign(static_cast<size_t>(t.vocab_size), {});
   t.has_id.assign(static_cast<size_t>(t.vocab_size), 0);

@@ -221,6 +221,10 @@ TEST(Tokenizer, UnsupportedComponentsNameTheFieldAndType) {
   expect_error(edited([](json& j) { j["model"]["merges"][3] = json::array({"zz", "qq"}); }),
                {"model.merges[3]", "\"zz\" is not in model.vocab"});
   expect_error(edited([](json& j) { j["model"]["merges"][2] = "a b c"; }), {"model.merges[2]"});
+  // An id far above the count of tokens (found by fuzz_tokenizer: a table of 2^30 entries).
+  expect_error(edited([](json& j) { j["added_tokens"][0]["id"] = 1 << 30; }),
+               {"\"<|endoftext|>\" has the id 1073741824", "few gaps"});
+  expect_error(edited([](json& j) { j["model"]["vocab"]["!"] = 0; }), {"the id 0 to two tokens"});
   auto missing = Tokenizer::load(kReference + "no-such-dir");
   ASSERT_FALSE(missing.ok());
   EXPECT_TRUE(contains(missing.status().message(), "no-such-dir")) << missing.status().message();
