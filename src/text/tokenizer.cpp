@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <queue>
@@ -1012,8 +1013,23 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
   Encoder main(t, text);
   std::vector<Item> items;
   SPILLWAY_RETURN_IF_ERROR(main.cut_added(items));
-  std::vector<uint32_t> out;
-  out.reserve(text.size() / 4 + 16);  // about 4 bytes a token for English with a large vocabulary
+
+  // The ids in order, as stretches of vectors: what this thread encodes, and the
+  // chunks encoded on the pool (each from the state where it joins the run).
+  std::deque<std::vector<uint32_t>> held;  // stable addresses
+  struct Stretch {
+    const std::vector<uint32_t>* ids;
+    size_t from;
+  };
+  std::vector<Stretch> stretches;
+  std::vector<uint32_t>* serial = nullptr;  // where this thread's ids go now
+  auto serial_out = [&]() -> std::vector<uint32_t>& {
+    if (!serial) {
+      serial = &held.emplace_back();
+      stretches.push_back({serial, 0});
+    }
+    return *serial;
+  };
 
   // The regex that cuts a text first, and what encodes each of its pieces.
   const Regex* top = nullptr;
@@ -1028,11 +1044,13 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
   constexpr size_t kMinChunk = 64 * 1024;
   for (const Item& it : items) {
     if (it.added_id >= 0) {
-      out.push_back(static_cast<uint32_t>(it.added_id));
+      serial_out().push_back(static_cast<uint32_t>(it.added_id));
       continue;
     }
     const std::string_view segment = text.substr(it.begin, it.end - it.begin);
     if (!top || threads <= 1 || segment.size() < 2 * kMinChunk) {
+      std::vector<uint32_t>& out = serial_out();
+      if (out.empty()) out.reserve(segment.size() / 4 + 16);  // about 4 bytes a token with a large vocabulary
       SPILLWAY_RETURN_IF_ERROR(main.encode_text(segment, 0, out));
       continue;
     }
@@ -1052,6 +1070,7 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
       Encoder e(t, text);
       for (int64_t k = begin; k < end; ++k) {
         ChunkRun& run = runs[static_cast<size_t>(k)];
+        run.ids.reserve(chunk_bytes / 3);
         SplitState st{starts[static_cast<size_t>(k)], starts[static_cast<size_t>(k)], false};
         while (!st.done && st.search < run.end) {
           if (run.marks.size() < kMarksPerChunk) run.marks.push_back({st, run.ids.size()});
@@ -1064,9 +1083,12 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
     });
     for (const ChunkRun& run : runs) SPILLWAY_RETURN_IF_ERROR(run.status);
     // The run from the segment's start: chunk 0, then each chunk from the first
-    // state it shares with the run so far.
-    out.insert(out.end(), runs[0].ids.begin(), runs[0].ids.end());
-    std::vector<uint32_t>().swap(runs[0].ids);  // each chunk's ids are freed once copied
+    // state it shares with the run so far; between them, steps of the run itself.
+    auto take = [&](ChunkRun& run, size_t from) {
+      stretches.push_back({&held.emplace_back(std::move(run.ids)), from});
+      serial = nullptr;
+    };
+    take(runs[0], 0);
     SplitState st = runs[0].final_state;
     for (size_t k = 1; k < runs.size() && !st.done; ++k) {
       ChunkRun& run = runs[k];
@@ -1074,20 +1096,39 @@ Result<std::vector<uint32_t>> Tokenizer::encode(std::string_view text, ThreadPoo
         auto mark = std::lower_bound(run.marks.begin(), run.marks.end(), st.search,
                                      [](const ChunkRun::Mark& m, size_t s) { return m.state.search < s; });
         if (mark != run.marks.end() && mark->state == st) {
-          out.insert(out.end(), run.ids.begin() + static_cast<std::ptrdiff_t>(mark->ids), run.ids.end());
-          std::vector<uint32_t>().swap(run.ids);
+          take(run, mark->ids);
           st = run.final_state;
           break;
         }
         if (st.done || st.search >= run.end) break;  // this chunk is covered by the run itself
-        SPILLWAY_RETURN_IF_ERROR(
-            split_step(main.matcher(), *top, segment, st, [&](std::string_view p) { return encode_piece(main, p, out); }));
+        SPILLWAY_RETURN_IF_ERROR(split_step(main.matcher(), *top, segment, st, [&](std::string_view p) {
+          return encode_piece(main, p, serial_out());
+        }));
       }
     }
     while (!st.done)  // the last chunk never synchronized: finish the run
-      SPILLWAY_RETURN_IF_ERROR(
-          split_step(main.matcher(), *top, segment, st, [&](std::string_view p) { return encode_piece(main, p, out); }));
+      SPILLWAY_RETURN_IF_ERROR(split_step(main.matcher(), *top, segment, st, [&](std::string_view p) {
+        return encode_piece(main, p, serial_out());
+      }));
   }
+  if (stretches.empty()) return std::vector<uint32_t>{};
+  if (stretches.size() == 1 && stretches[0].from == 0) return std::move(held.front());
+  // One vector: the stretches copied at their offsets, on the pool.
+  std::vector<size_t> offsets(stretches.size() + 1, 0);
+  for (size_t i = 0; i < stretches.size(); ++i)
+    offsets[i + 1] = offsets[i] + (stretches[i].ids->size() - stretches[i].from);
+  std::vector<uint32_t> out(offsets.back());
+  auto copy = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Stretch& s = stretches[static_cast<size_t>(i)];
+      std::copy(s.ids->begin() + static_cast<std::ptrdiff_t>(s.from), s.ids->end(),
+                out.begin() + static_cast<std::ptrdiff_t>(offsets[static_cast<size_t>(i)]));
+    }
+  };
+  if (pool)
+    pool->parallel_for(static_cast<int64_t>(stretches.size()), copy);
+  else
+    copy(0, static_cast<int64_t>(stretches.size()));
   return out;
 }
 
