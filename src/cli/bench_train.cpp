@@ -112,7 +112,7 @@ Status run_bench(const BenchTrainFlags& f) {
   if (f.checkpoint_every < 0)
     return Status::invalid_argument("--checkpoint-every must be positive, got " + std::to_string(f.checkpoint_every));
   if (f.context < 0) return Status::invalid_argument("--context must be positive, got " + std::to_string(f.context));
-  SPILLWAY_ASSIGN_OR_RETURN(GPTConfig cfg, resolve_model(f.model));
+  SPILLWAY_ASSIGN_OR_RETURN(ModelConfig cfg, resolve_model(f.model));
   const int T = f.context ? f.context : cfg.context;
   if (T > cfg.context)
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +

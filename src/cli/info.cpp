@@ -8,7 +8,7 @@
 #include "cli/command.h"
 #include "cli/train_flags.h"
 #include "core/size.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "optim/adamw.h"
 
 namespace spillway::cli {
@@ -48,8 +48,8 @@ int run_info() {
   }
 
   std::printf("model presets:\n");
-  for (const std::string& name : gpt_preset_names()) {
-    auto cfg = gpt_preset(name);
+  for (const std::string& name : model_preset_names()) {
+    auto cfg = model_preset(name);
     if (!cfg.ok()) continue;
     const double params = static_cast<double>(cfg->num_parameters());
     // Training state per parameter: param + grad (bf16 on CUDA) + master, m, v (F32).

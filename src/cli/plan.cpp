@@ -17,7 +17,7 @@
 #include "core/size.h"
 #include "exec/dispatch.h"
 #include "exec/trace.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "train/trainer.h"
 #include "sim/simulator.h"

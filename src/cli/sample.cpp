@@ -43,7 +43,7 @@ Status run_sample(const SampleFlags& f) {
     return Status::invalid_argument("--temperature must be 0 (greedy) or more, got " + std::to_string(f.temperature));
   if (f.prompt.empty()) return Status::invalid_argument("--prompt is empty; give at least one character");
   // Sizes from the weights; heads from config.json beside them, their __metadata__ or --heads.
-  StatedGPTSizes flags;
+  StatedModelSizes flags;
   flags.sizes.heads = f.heads;
   flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
   auto cfg = infer_gpt_config(f.load, flags);

@@ -58,7 +58,7 @@ struct TrainFlags {
 
 // What a run's math depends on, as a checkpoint records it (--resume refuses a
 // given flag that differs, and takes the rest from here).
-nlohmann::json run_config(const GPTConfig& cfg, const TrainFlags& f, int T, float lr, const std::string& data) {
+nlohmann::json run_config(const ModelConfig& cfg, const TrainFlags& f, int T, float lr, const std::string& data) {
   return {{"model", {{"layers", cfg.layers}, {"width", cfg.width}, {"heads", cfg.heads}, {"context", cfg.context},
                      {"vocab", cfg.vocab}}},
           {"batch", f.batch}, {"context", T}, {"accum", f.accum}, {"lr", lr}, {"warmup", f.warmup},
@@ -117,7 +117,7 @@ Status apply_checkpoint_config(const nlohmann::json& c, TrainFlags& f) {
   }
   if (f.given.count("--model") && !f.given.count("--layers")) {
     // A preset named on the command line must be the checkpoint's model.
-    auto preset = gpt_preset(f.model.model);
+    auto preset = model_preset(f.model.model);
     if (preset.ok() && (preset->layers != f.model.layers || preset->width != f.model.width ||
                         preset->heads != f.model.heads || preset->vocab != f.model.vocab))
       differ.push_back("--model " + f.model.model + " (the checkpoint's model is " +
@@ -243,12 +243,12 @@ Status run_train(const TrainFlags& given_flags) {
     return Status::invalid_argument("--lr must be a positive number, got " + std::to_string(f.lr));
 
   // Model: from the checkpoint with --load, else the preset and explicit sizes.
-  GPTConfig cfg;
+  ModelConfig cfg;
   if (!f.load.empty()) {
     // Sizes from the weights' shapes; heads from config.json beside the file, its
     // __metadata__ or --heads. The size flags settle what the file does not say and
     // must agree with what it does (model/safetensors.h).
-    StatedGPTSizes flags;
+    StatedModelSizes flags;
     flags.sizes = {f.model.layers, f.model.width, f.model.heads, f.model.model_context, f.model.vocab};
     flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
     auto loaded = infer_gpt_config(f.load, flags);

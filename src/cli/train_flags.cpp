@@ -20,7 +20,7 @@ namespace spillway::cli {
 
 void add_model_flags(CLI::App& app, ModelFlags& f) {
   std::string presets;
-  for (const std::string& name : gpt_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
+  for (const std::string& name : model_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
   app.add_option("--model", f.model, "model preset: " + presets)->capture_default_str();
   app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)");
   app.add_option("--width", f.width, "channels (overrides the preset)");
@@ -29,12 +29,12 @@ void add_model_flags(CLI::App& app, ModelFlags& f) {
   app.add_option("--vocab", f.vocab, "vocabulary size (overrides the preset)");
 }
 
-Result<GPTConfig> resolve_model(const ModelFlags& f, const GPTConfig* base) {
-  GPTConfig cfg;
+Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base) {
+  ModelConfig cfg;
   if (base) {
     cfg = *base;
   } else {
-    auto preset = gpt_preset(f.model);
+    auto preset = model_preset(f.model);
     if (!preset.ok()) return preset.status().with_context("--model");
     cfg = *preset;
   }
@@ -155,11 +155,11 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   return r;
 }
 
-Result<int64_t> count_step_ops(const GPTConfig& cfg, const StepShape& shape, DType act) {
+Result<int64_t> count_step_ops(const ModelConfig& cfg, const StepShape& shape, DType act) {
   int64_t ops[2][2];  // [layers - 1][accum - 1]
   for (int l = 1; l <= 2; ++l)
     for (int a = 1; a <= 2; ++a) {
-      GPTConfig small = cfg;
+      ModelConfig small = cfg;
       small.layers = l;
       StepShape s = shape;
       s.accum = a;
@@ -176,7 +176,7 @@ Result<int64_t> count_step_ops(const GPTConfig& cfg, const StepShape& shape, DTy
   return total > INT64_MAX ? INT64_MAX : static_cast<int64_t>(total);
 }
 
-Status check_step_is_bounded(const GPTConfig& cfg, const StepShape& shape, DType act, const Budgets& budgets) {
+Status check_step_is_bounded(const ModelConfig& cfg, const StepShape& shape, DType act, const Budgets& budgets) {
   using Wide = unsigned __int128;
   auto size_text = [](Wide bytes) {
     return bytes > UINT64_MAX ? std::string("more than 16 EiB") : format_size(static_cast<uint64_t>(bytes));

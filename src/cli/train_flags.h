@@ -20,7 +20,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "train/data.h"
 
@@ -34,7 +34,7 @@ struct ModelFlags {
 void add_model_flags(CLI::App& app, ModelFlags& f);
 // The preset named by --model (or `base`, when given) with any explicit sizes
 // applied, validated.
-Result<GPTConfig> resolve_model(const ModelFlags& f, const GPTConfig* base = nullptr);
+Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base = nullptr);
 
 struct MemoryFlags {
   std::string backend = "auto";
@@ -71,12 +71,12 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
 // - the step's program has at most kMaxStepOps ops (accum × the ops of a
 //   micro-batch, plus the optimizer's), counted without building it.
 // Errors state the bytes or ops needed, the budgets given, and name the flags.
-// `cfg` has passed GPTConfig::validate().
+// `cfg` has passed ModelConfig::validate().
 inline constexpr int64_t kMaxStepOps = 150'000;  // gpt2-1.5b (896 ops a micro-batch) at --accum 167
-Status check_step_is_bounded(const GPTConfig& cfg, const StepShape& shape, DType act, const Budgets& budgets);
+Status check_step_is_bounded(const ModelConfig& cfg, const StepShape& shape, DType act, const Budgets& budgets);
 // The ops of the step's program (the vocab-tiled form, the larger), from programs of
 // one and two layers and micro-batches: exact, since the count is linear in each.
-Result<int64_t> count_step_ops(const GPTConfig& cfg, const StepShape& shape, DType act);
+Result<int64_t> count_step_ops(const ModelConfig& cfg, const StepShape& shape, DType act);
 
 // make_backend with the flag's name in the error.
 Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads);

@@ -354,18 +354,18 @@ namespace {
 constexpr uint64_t kMaxConfigBytes = 16ull << 20;  // a Hugging Face config.json is a few KiB
 const std::array<const char*, 5> kSizeNames = {"layers", "width", "heads", "context", "vocab"};
 
-int& size_field(GPTConfig& c, size_t i) {
+int& size_field(ModelConfig& c, size_t i) {
   int* fields[] = {&c.layers, &c.width, &c.heads, &c.context, &c.vocab};
   return *fields[i];
 }
-int size_field(const GPTConfig& c, size_t i) { return size_field(const_cast<GPTConfig&>(c), i); }
+int size_field(const ModelConfig& c, size_t i) { return size_field(const_cast<ModelConfig&>(c), i); }
 
 // The parameters of one block without the "h.{i}." prefix, in ParamSpec order.
 const std::vector<std::string>& block_tensor_names() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> n;
     const std::string prefix = "transformer.h.0.";
-    for (const ParamSpec& s : parameter_specs(GPTConfig{1, 1, 1, 1, 1}))
+    for (const ParamSpec& s : parameter_specs(ModelConfig{1, 1, 1, 1, 1}))
       if (s.layer == 0) n.push_back(s.name.substr(prefix.size()));
     return n;
   }();
@@ -385,8 +385,8 @@ std::optional<int> parse_size(std::string_view s) {
 }
 
 // The sizes in the file's __metadata__ (as export_gpt2 writes them), as strings.
-Result<StatedGPTSizes> metadata_sizes(const SafetensorsReader& file) {
-  StatedGPTSizes s;
+Result<StatedModelSizes> metadata_sizes(const SafetensorsReader& file) {
+  StatedModelSizes s;
   s.source = "__metadata__ of " + file.path();
   const auto& meta = file.metadata();
   const bool positions = meta.count("n_positions") > 0;
@@ -474,7 +474,7 @@ Result<int> gpt2_block_count(const SafetensorsReader& file) {
 // The file's entry for each ParamSpec of `cfg`, in order, after checking that the
 // file holds exactly those parameters (plus the ignored buffers and tied lm_head) with
 // their shapes and float dtypes. Errors name the file and the tensors.
-Result<std::vector<const SafetensorsEntry*>> match_gpt2(const SafetensorsReader& file, const GPTConfig& cfg) {
+Result<std::vector<const SafetensorsEntry*>> match_gpt2(const SafetensorsReader& file, const ModelConfig& cfg) {
   const std::string where = "safetensors file " + file.path();
   // Stored tensors by name without the "transformer." prefix.
   std::map<std::string, const SafetensorsEntry*, std::less<>> by_name;
@@ -551,7 +551,7 @@ std::string element_text(const SafetensorsEntry& e, size_t flat) {
 
 }  // namespace
 
-std::string StatedGPTSizes::describe(size_t field) const {
+std::string StatedModelSizes::describe(size_t field) const {
   const std::string text = keys[field] + " " + std::to_string(size_field(sizes, field));
   return source.empty() ? text : text + " (" + source + ")";
 }
@@ -560,7 +560,7 @@ std::string hf_config_path(const std::string& weights_path) {
   return (std::filesystem::path(weights_path).parent_path() / "config.json").string();
 }
 
-Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path) {
+Result<StatedModelSizes> read_hf_gpt2_config(const std::string& path) {
   auto bad = [&](const std::string& what) { return Status::invalid_argument("config file " + path + ": " + what); };
   int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (raw_fd < 0) {
@@ -586,7 +586,7 @@ Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path) {
     if (type != "gpt2")
       return bad("model_type is \"" + type + "\"; only GPT-2 checkpoints (model_type \"gpt2\") can be loaded");
   }
-  StatedGPTSizes s;
+  StatedModelSizes s;
   s.source = path;
   // n_positions is the rows of wpe; n_ctx, its older name, counts only without it.
   s.keys = {"n_layer", "n_embd", "n_head", j.contains("n_positions") ? "n_positions" : "n_ctx", "vocab_size"};
@@ -605,7 +605,7 @@ Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path) {
   return s;
 }
 
-Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file, const StatedGPTSizes& flags) {
+Result<ModelConfig> infer_gpt_config(const SafetensorsReader& file, const StatedModelSizes& flags) {
   auto fail = [&](const std::string& what) {
     return Status::invalid_argument("safetensors file " + file.path() + ": " + what);
   };
@@ -642,23 +642,23 @@ Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file, const StatedGP
 
   // Sizes from the weights; heads from config.json, __metadata__ or the flags. Every
   // stated size must agree with the weights and with the other sources.
-  GPTConfig cfg{layers, static_cast<int>(C), 0, static_cast<int>(wpe->shape[0]), static_cast<int>(wte->shape[0])};
+  ModelConfig cfg{layers, static_cast<int>(C), 0, static_cast<int>(wpe->shape[0]), static_cast<int>(wte->shape[0])};
   std::array<std::string, 5> chosen = {
       "the weights: " + std::to_string(layers) + " block(s), h.0 … h." + std::to_string(layers - 1),
       "the weights: width " + std::to_string(cfg.width) + " (wte.weight " + shape_text(wte->shape) + ")",
       "",
       "the weights: context " + std::to_string(cfg.context) + " (wpe.weight " + shape_text(wpe->shape) + ")",
       "the weights: vocab " + std::to_string(cfg.vocab) + " (wte.weight " + shape_text(wte->shape) + ")"};
-  std::vector<StatedGPTSizes> sources;
+  std::vector<StatedModelSizes> sources;
   const std::string config_path = hf_config_path(file.path());
   auto config = read_hf_gpt2_config(config_path);
   const bool have_config = config.ok();
   if (have_config) sources.push_back(*config);
   else if (config.status().code() != StatusCode::NotFound) return config.status();
-  SPILLWAY_ASSIGN_OR_RETURN(StatedGPTSizes meta, metadata_sizes(file));
+  SPILLWAY_ASSIGN_OR_RETURN(StatedModelSizes meta, metadata_sizes(file));
   sources.push_back(std::move(meta));
   sources.push_back(flags);
-  for (const StatedGPTSizes& s : sources) {
+  for (const StatedModelSizes& s : sources) {
     for (size_t i = 0; i < kSizeNames.size(); ++i) {
       const int v = size_field(s.sizes, i);
       if (v == 0) continue;
@@ -681,12 +681,12 @@ Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file, const StatedGP
   return cfg;
 }
 
-Result<GPTConfig> infer_gpt_config(const std::string& path, const StatedGPTSizes& flags) {
+Result<ModelConfig> infer_gpt_config(const std::string& path, const StatedModelSizes& flags) {
   SPILLWAY_ASSIGN_OR_RETURN(SafetensorsReader f, SafetensorsReader::open(path));
   return infer_gpt_config(f, flags);
 }
 
-Status import_gpt2(const std::string& path, const GPTConfig& cfg,
+Status import_gpt2(const std::string& path, const ModelConfig& cfg,
                    const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink,
                    const ImportOptions& options) {
   SPILLWAY_RETURN_IF_ERROR(cfg.validate());
@@ -715,7 +715,7 @@ Status import_gpt2(const std::string& path, const GPTConfig& cfg,
   return Status::ok();
 }
 
-Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg, const ImportOptions& options) {
+Result<GPTWeights> import_gpt2(const std::string& path, const ModelConfig& cfg, const ImportOptions& options) {
   GPTWeights w;
   SPILLWAY_RETURN_IF_ERROR(import_gpt2(
       path, cfg,
@@ -727,7 +727,7 @@ Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg, co
   return w;
 }
 
-Status export_gpt2(const std::string& path, const GPTConfig& cfg,
+Status export_gpt2(const std::string& path, const ModelConfig& cfg,
                    const std::function<Result<std::vector<float>>(const ParamSpec&)>& source) {
   SPILLWAY_RETURN_IF_ERROR(cfg.validate());
   std::vector<SafetensorsTensor> tensors;
@@ -755,7 +755,7 @@ Status export_gpt2(const std::string& path, const GPTConfig& cfg,
   return write_safetensors(path, tensors, meta);
 }
 
-Status export_gpt2(const std::string& path, const GPTConfig& cfg, const GPTWeights& weights) {
+Status export_gpt2(const std::string& path, const ModelConfig& cfg, const GPTWeights& weights) {
   return export_gpt2(path, cfg, [&](const ParamSpec& s) -> Result<std::vector<float>> {
     auto it = weights.find(s.name);
     if (it == weights.end())

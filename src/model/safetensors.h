@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "core/status.h"
-#include "model/gpt.h"
+#include "model/model.h"
 
 namespace spillway {
 
@@ -86,11 +86,11 @@ using GPTWeights = std::map<std::string, std::vector<float>>;
 
 // Sizes of a GPT-2 that one source states, 0 where it says nothing, with each size's
 // name in that source and the source itself, for messages.
-struct StatedGPTSizes {
-  GPTConfig sizes;                  // 0 = not stated
+struct StatedModelSizes {
+  ModelConfig sizes;                  // 0 = not stated
   std::array<std::string, 5> keys;  // names of layers, width, heads, context, vocab in the source
   std::string source;               // "gpt2/config.json"; empty for command-line flags
-  // "n_head 4 (gpt2/config.json)", "--heads 4": field i in GPTConfig order.
+  // "n_head 4 (gpt2/config.json)", "--heads 4": field i in ModelConfig order.
   std::string describe(size_t field) const;
 };
 
@@ -101,7 +101,7 @@ std::string hf_config_path(const std::string& weights_path);
 // it, n_ctx) and vocab_size, each a positive integer up to 2^24 where present. NotFound
 // when there is no such file; an error naming the file and key when it is not JSON,
 // a key has the wrong type or range, or model_type is not "gpt2". At most 16 MiB.
-Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path);
+Result<StatedModelSizes> read_hf_gpt2_config(const std::string& path);
 
 // The GPT-2 in `file`, nothing guessed. Layers, width, context and vocab come from the
 // weights' shapes (h.{i} blocks, wte [V,C], wpe [context,C]); heads from config.json
@@ -112,8 +112,8 @@ Result<StatedGPTSizes> read_hf_gpt2_config(const std::string& path);
 // number of tensors: the blocks are exactly h.0 … h.{L-1}, each with its 12
 // parameters, and the file has the bytes for them; then every tensor's shape and dtype
 // are checked against the result (as import_gpt2 does).
-Result<GPTConfig> infer_gpt_config(const SafetensorsReader& file, const StatedGPTSizes& flags = {});
-Result<GPTConfig> infer_gpt_config(const std::string& path, const StatedGPTSizes& flags = {});
+Result<ModelConfig> infer_gpt_config(const SafetensorsReader& file, const StatedModelSizes& flags = {});
+Result<ModelConfig> infer_gpt_config(const std::string& path, const StatedModelSizes& flags = {});
 
 struct ImportOptions {
   // Load NaN and ±Inf as they are (--allow-nonfinite-weights). By default the first
@@ -125,14 +125,14 @@ struct ImportOptions {
 // checked to be finite). Errors name the file and list every missing tensor, or the
 // tensor whose shape or dtype is wrong (expected vs got), or the first non-finite
 // element; unknown tensors are an error too.
-Status import_gpt2(const std::string& path, const GPTConfig& cfg,
+Status import_gpt2(const std::string& path, const ModelConfig& cfg,
                    const std::function<Status(const ParamSpec&, std::vector<float>&&)>& sink,
                    const ImportOptions& options = {});
-Result<GPTWeights> import_gpt2(const std::string& path, const GPTConfig& cfg, const ImportOptions& options = {});
+Result<GPTWeights> import_gpt2(const std::string& path, const ModelConfig& cfg, const ImportOptions& options = {});
 
 // Writes every parameter of `cfg`, asking `source` for each in ParamSpec order.
-Status export_gpt2(const std::string& path, const GPTConfig& cfg,
+Status export_gpt2(const std::string& path, const ModelConfig& cfg,
                    const std::function<Result<std::vector<float>>(const ParamSpec&)>& source);
-Status export_gpt2(const std::string& path, const GPTConfig& cfg, const GPTWeights& weights);
+Status export_gpt2(const std::string& path, const ModelConfig& cfg, const GPTWeights& weights);
 
 }  // namespace spillway

@@ -32,7 +32,7 @@ int32_t pick_token(const std::vector<float>& logits, float temperature, double u
   return static_cast<int32_t>(best);
 }
 
-Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const GPTConfig& cfg, const SamplerOptions& options) {
+Result<std::unique_ptr<Sampler>> Sampler::create(Backend& backend, const ModelConfig& cfg, const SamplerOptions& options) {
   SPILLWAY_RETURN_IF_ERROR(cfg.validate());
   std::unique_ptr<Sampler> s(new Sampler(backend, cfg));
   s->window_ = options.window > 0 ? std::min(options.window, cfg.context) : cfg.context;

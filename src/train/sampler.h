@@ -25,7 +25,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "exec/executor.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "model/safetensors.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
@@ -46,7 +46,7 @@ struct SampleOptions {
 
 class Sampler {
  public:
-  static Result<std::unique_ptr<Sampler>> create(Backend& backend, const GPTConfig& cfg,
+  static Result<std::unique_ptr<Sampler>> create(Backend& backend, const ModelConfig& cfg,
                                                  const SamplerOptions& options = {});
   // Parameters from a safetensors checkpoint of this config (non-finite values
   // refused unless options.allow_nonfinite).
@@ -62,10 +62,10 @@ class Sampler {
   int window() const { return window_; }
 
  private:
-  Sampler(Backend& backend, const GPTConfig& cfg) : backend_(backend), cfg_(cfg) {}
+  Sampler(Backend& backend, const ModelConfig& cfg) : backend_(backend), cfg_(cfg) {}
 
   Backend& backend_;
-  GPTConfig cfg_;
+  ModelConfig cfg_;
   int window_ = 0;
   Program program_;
   Plan plan_;

@@ -171,7 +171,7 @@ Result<TensorId> Trainer::find(const std::string& name) const {
 }
 
 Status Trainer::setup() {
-  const GPTConfig& cfg = options_.model;
+  const ModelConfig& cfg = options_.model;
   SPILLWAY_RETURN_IF_ERROR(cfg.validate());
   const StepShape& shape = options_.shape;
   if (shape.B <= 0 || shape.T <= 0 || shape.accum <= 0)

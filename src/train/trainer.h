@@ -4,7 +4,7 @@
 //   auto data = load_dataset("data/tinyshakespeare.txt", 256);
 //   auto backend = make_backend("cpu");
 //   TrainerOptions o;
-//   o.model = *gpt_preset("tiny");
+//   o.model = *model_preset("tiny");
 //   o.shape = {.B = 8, .T = 128, .accum = 1};
 //   o.schedule = {.peak = 2e-3f, .warmup_steps = 20, .total_steps = 300};
 //   o.budgets = {.device = 8 << 20};                      // forces spilling
@@ -72,7 +72,7 @@
 #include "backend/backend.h"
 #include "core/status.h"
 #include "exec/executor.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "model/safetensors.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
@@ -82,7 +82,7 @@
 namespace spillway {
 
 struct TrainerOptions {
-  GPTConfig model;
+  ModelConfig model;
   StepShape shape{.B = 8, .T = 128, .accum = 1};
   LrSchedule schedule;           // peak learning rate, warmup, total steps
   float weight_decay = 0.1f;

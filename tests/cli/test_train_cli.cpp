@@ -24,7 +24,7 @@
 #include "backend/backend_sizes.h"
 #include "core/size.h"
 #include "exec/dispatch.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "model/safetensors.h"
 #include "support/test_support.h"
 
@@ -464,7 +464,7 @@ TEST(PlanCli, TilesTheVocabularyWhenTheBudgetCallsForIt) {
 // backend's figure needs no GPU (backend_sizes.h), so this runs everywhere.
 TEST(PlanCli, ReservesTheBackendsWorkspaceInsideTheDeviceBudget) {
   const std::string flags = " --model tiny --batch 4 --policy planned";
-  auto cfg = spillway::gpt_preset("tiny");
+  auto cfg = spillway::model_preset("tiny");
   ASSERT_TRUE(cfg.ok());
   auto program =
       spillway::build_training_program(*cfg, {.B = 4, .T = cfg->context, .accum = 1}, spillway::DType::BF16);
@@ -530,7 +530,7 @@ namespace {
 // A GPT-2 in the Hugging Face layout (Conv1D weights [in, out], names without
 // "transformer."), as transformers saves it: GPT-2 initial values, `metadata` only as
 // given, and `edit` to change a tensor's values (by our name) before writing.
-void write_hf_gpt2(const std::string& path, const spillway::GPTConfig& c,
+void write_hf_gpt2(const std::string& path, const spillway::ModelConfig& c,
                    const std::map<std::string, std::string>& metadata = {},
                    const std::function<void(const std::string&, std::vector<float>&)>& edit = nullptr) {
   using namespace spillway;
@@ -567,7 +567,7 @@ const std::string kLoadRun = " --steps 1 --eval-every 0 --context 16 --batch 2 -
 TEST(LoadCli, HeadsComeFromConfigJsonOrHeadsNeverFromTheWidth) {
   // A transformers GPT-2 with head size 32 (width 128, 4 heads): width/64 would be 2.
   CheckpointDir d("hf_head32");
-  const spillway::GPTConfig c{1, 128, 4, 32, 256};
+  const spillway::ModelConfig c{1, 128, 4, 32, 256};
   const std::string weights = d.file("model.safetensors");
   write_hf_gpt2(weights, c);
   const std::string config = d.file("config.json");
@@ -606,7 +606,7 @@ TEST(LoadCli, HeadsComeFromConfigJsonOrHeadsNeverFromTheWidth) {
 
 TEST(LoadCli, NonFiniteWeightsAreRefusedUnlessAllowed) {
   CheckpointDir d("nan_weights");
-  const spillway::GPTConfig c{1, 32, 2, 32, 256};
+  const spillway::ModelConfig c{1, 32, 2, 32, 256};
   const std::string weights = d.file("nan.safetensors");
   // A NaN in a row of wpe past --context 16, so a run that loads it anyway trains.
   write_hf_gpt2(weights, c, {{"n_head", "2"}}, [](const std::string& name, std::vector<float>& v) {
@@ -627,7 +627,7 @@ TEST(LoadCli, AbsurdBlockNumberIsRefusedBeforeAnythingIsBuilt) {
   // 3 MB: one block of width 256, named transformer.h.9999999.*. Taken at its word,
   // the file would describe ten million layers.
   CheckpointDir d("h9999999");
-  const spillway::GPTConfig one{1, 256, 4, 32, 256};
+  const spillway::ModelConfig one{1, 256, 4, 32, 256};
   const std::string weights = d.file("huge.safetensors");
   std::vector<spillway::SafetensorsTensor> tensors;
   for (const spillway::ParamSpec& s : spillway::parameter_specs(one)) {

@@ -9,7 +9,7 @@
 #include "backend/backend.h"
 #include "core/size.h"
 #include "exec/executor.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"
@@ -25,7 +25,7 @@ using testing_support::TrainRun;
 using testing_support::expect_same_run;
 using testing_support::train_gpt;
 
-GPTCase small_model(int width = 32) { return {GPTConfig{2, width, 2, 16, 64}, StepShape{2, 16, 2}}; }
+GPTCase small_model(int width = 32) { return {ModelConfig{2, width, 2, 16, 64}, StepShape{2, 16, 2}}; }
 
 constexpr int kSteps = 20;
 
@@ -66,7 +66,7 @@ TEST(Exactness, BudgetedRunsMatchResidentBitForBit) {
 // run's losses bit for bit, and a budget the untiled program refuses.
 TEST(Exactness, VocabTilesMatchTheWholeTable) {
   GPTCase whole;
-  whole.cfg = GPTConfig{2, 32, 2, 16, static_cast<int>(2 * kVocabBlock + 1000)};  // 3 tiles, the last short
+  whole.cfg = ModelConfig{2, 32, 2, 16, static_cast<int>(2 * kVocabBlock + 1000)};  // 3 tiles, the last short
   whole.shape = StepShape{2, 16, 2};
   TrainRun ref = train_gpt(whole, {}, {.policy = Policy::Resident}, 10);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();

@@ -8,7 +8,7 @@
 #include "backend/backend.h"
 #include "core/size.h"
 #include "exec/executor.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"
@@ -22,7 +22,7 @@ using testing_support::train_gpt;
 namespace {
 
 // `--model tiny --batch 4` (context 128) under the device budget of the report.
-GPTCase tiny_batch4() { return {GPTConfig{4, 128, 4, 128, 256}, StepShape{4, 128, 1}}; }
+GPTCase tiny_batch4() { return {ModelConfig{4, 128, 4, 128, 256}, StepShape{4, 128, 1}}; }
 constexpr uint64_t kTinyDeviceBudget = 3501369;
 
 }  // namespace
@@ -87,7 +87,7 @@ TEST(HostBudget, ShortHostBudgetsRunExactly) {
 // that it cannot and how much it needs, naming --storage-budget and the spill
 // directory; the amount it names plans. It never hands over a plan that overruns it.
 TEST(StorageBudget, PlansWithinTheStorageBudgetOrSaysWhatItNeeds) {
-  const GPTCase model{GPTConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}};
+  const GPTCase model{ModelConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}};
   auto program = build_training_program(model.cfg, model.shape, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
   auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});

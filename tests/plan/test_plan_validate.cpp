@@ -4,7 +4,7 @@
 // plan the planner makes for the test models passes.
 #include <gtest/gtest.h>
 
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 
@@ -13,7 +13,7 @@ using namespace spillway;
 namespace {
 
 Program small_program() {
-  auto p = build_training_program(GPTConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
+  auto p = build_training_program(ModelConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
   EXPECT_TRUE(p.ok()) << p.status().to_string();
   return *p;
 }
@@ -117,14 +117,14 @@ TEST(PlanValidate, HostSizesAreRoundedAsTheExecutorRoundsThem) {
 // storage or without — passes validation (make_plan checks it; here explicitly too).
 TEST(PlanValidate, EveryPlanForTheTestModelsValidates) {
   struct Model {
-    GPTConfig cfg;
+    ModelConfig cfg;
     StepShape shape;
   };
   const std::vector<Model> models = {
-      {GPTConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}},
-      {GPTConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}},
-      {GPTConfig{2, 32, 2, 16, static_cast<int>(2 * kVocabBlock + 1000)}, StepShape{2, 16, 2, true}},
-      {GPTConfig{4, 128, 4, 128, 256}, StepShape{4, 64, 1}},  // tiny
+      {ModelConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}},
+      {ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}},
+      {ModelConfig{2, 32, 2, 16, static_cast<int>(2 * kVocabBlock + 1000)}, StepShape{2, 16, 2, true}},
+      {ModelConfig{4, 128, 4, 128, 256}, StepShape{4, 64, 1}},  // tiny
   };
   int planned = 0;
   for (const Model& m : models) {

@@ -8,7 +8,7 @@
 
 #include <map>
 
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "backend/backend.h"

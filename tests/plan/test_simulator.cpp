@@ -7,7 +7,7 @@
 #include <tuple>
 
 #include "backend/backend.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "sim/profiler.h"
@@ -137,7 +137,7 @@ TEST(Machine, DerivedOpSecondsFollowRates) {
 
 // The predicted tokens/s of a resident gpt2-124m step of B×T on machine m.
 static double predicted_tokens_per_s(const Machine& m, int B, int T, DType act) {
-  auto cfg = gpt_preset("gpt2-124m");
+  auto cfg = model_preset("gpt2-124m");
   EXPECT_TRUE(cfg.ok());
   if (!cfg.ok()) return 0;
   auto program = build_training_program(*cfg, {.B = B, .T = T, .accum = 1}, act);
@@ -407,7 +407,7 @@ TEST(Simulator, RecomputeRunsAreCounted) {
 // A planned GPT step: every Run appears once on the timeline, compute time is the
 // sum of op times, and the simulated peaks stay within the plan's.
 TEST(Simulator, PlannedGptStep) {
-  GPTConfig cfg{2, 32, 2, 16, 64};
+  ModelConfig cfg{2, 32, 2, 16, 64};
   auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 2}, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
   Machine m = Machine::cpu_dev_box();
@@ -444,7 +444,7 @@ TEST(Simulator, PlannedGptStep) {
 TEST(Profiler, ProfilesEachShapeOnceOnTheCpuBackend) {
   auto backend = make_backend("cpu", {.threads = 2});
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
-  GPTConfig cfg{2, 32, 2, 16, 64};
+  ModelConfig cfg{2, 32, 2, 16, 64};
   auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, (*backend)->activation_dtype());
   ASSERT_TRUE(program.ok()) << program.status().to_string();
   auto seconds = profile_ops(**backend, *program, 2);

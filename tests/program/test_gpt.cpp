@@ -8,7 +8,7 @@
 #include <set>
 #include <string>
 
-#include "model/gpt.h"
+#include "model/model.h"
 
 using namespace spillway;
 
@@ -31,53 +31,53 @@ size_t find_op(const Program& p, const std::string& name) {
 
 }  // namespace
 
-TEST(GPTConfig, Presets) {
-  auto tiny = gpt_preset("tiny");
+TEST(ModelConfig, Presets) {
+  auto tiny = model_preset("tiny");
   ASSERT_TRUE(tiny.ok());
-  EXPECT_EQ(*tiny, (GPTConfig{4, 128, 4, 128, 256}));
-  auto g = gpt_preset("gpt2-124m");
+  EXPECT_EQ(*tiny, (ModelConfig{4, 128, 4, 128, 256}));
+  auto g = model_preset("gpt2-124m");
   ASSERT_TRUE(g.ok());
-  EXPECT_EQ(*g, (GPTConfig{12, 768, 12, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt2-350m"), (GPTConfig{24, 1024, 16, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt2-774m"), (GPTConfig{36, 1280, 20, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt2-1.5b"), (GPTConfig{48, 1600, 25, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt-2.7b"), (GPTConfig{32, 2560, 32, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt-4b"), (GPTConfig{36, 3072, 24, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt-6.7b"), (GPTConfig{32, 4096, 32, 1024, 50257}));
-  EXPECT_EQ(*gpt_preset("gpt-13b"), (GPTConfig{40, 5120, 40, 1024, 50257}));
-  for (const std::string& name : gpt_preset_names()) {
-    auto c = gpt_preset(name);
+  EXPECT_EQ(*g, (ModelConfig{12, 768, 12, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt2-350m"), (ModelConfig{24, 1024, 16, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt2-774m"), (ModelConfig{36, 1280, 20, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt2-1.5b"), (ModelConfig{48, 1600, 25, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt-2.7b"), (ModelConfig{32, 2560, 32, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt-4b"), (ModelConfig{36, 3072, 24, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt-6.7b"), (ModelConfig{32, 4096, 32, 1024, 50257}));
+  EXPECT_EQ(*model_preset("gpt-13b"), (ModelConfig{40, 5120, 40, 1024, 50257}));
+  for (const std::string& name : model_preset_names()) {
+    auto c = model_preset(name);
     ASSERT_TRUE(c.ok()) << name;
     EXPECT_TRUE(c->validate().is_ok()) << name;
   }
 }
 
-TEST(GPTConfig, UnknownPresetListsNames) {
-  auto r = gpt_preset("gpt5");
+TEST(ModelConfig, UnknownPresetListsNames) {
+  auto r = model_preset("gpt5");
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "'gpt5'"));
-  for (const std::string& name : gpt_preset_names()) EXPECT_TRUE(contains(r.status().message(), name)) << name;
+  for (const std::string& name : model_preset_names()) EXPECT_TRUE(contains(r.status().message(), name)) << name;
 }
 
-TEST(GPTConfig, Validation) {
-  Status s = GPTConfig{2, 100, 3, 64, 256}.validate();
+TEST(ModelConfig, Validation) {
+  Status s = ModelConfig{2, 100, 3, 64, 256}.validate();
   ASSERT_FALSE(s.is_ok());
   EXPECT_TRUE(contains(s.message(), "width 100 is not divisible by heads 3")) << s.message();
-  s = GPTConfig{0, 64, 2, 64, 256}.validate();
+  s = ModelConfig{0, 64, 2, 64, 256}.validate();
   ASSERT_FALSE(s.is_ok());
   EXPECT_TRUE(contains(s.message(), "layers is 0")) << s.message();
-  EXPECT_FALSE((GPTConfig{2, 64, 2, 0, 256}.validate().is_ok()));
-  EXPECT_FALSE((GPTConfig{2, 64, 2, 64, -1}.validate().is_ok()));
+  EXPECT_FALSE((ModelConfig{2, 64, 2, 0, 256}.validate().is_ok()));
+  EXPECT_FALSE((ModelConfig{2, 64, 2, 64, -1}.validate().is_ok()));
 }
 
-TEST(GPTConfig, SizesAboveTheLimitsAreRefused) {
+TEST(ModelConfig, SizesAboveTheLimitsAreRefused) {
   // The UBSan case: --width 1073741824 overflowed in num_parameters.
-  Status s = GPTConfig{1, 1073741824, 1, 64, 256}.validate();
+  Status s = ModelConfig{1, 1073741824, 1, 64, 256}.validate();
   ASSERT_FALSE(s.is_ok());
   EXPECT_TRUE(contains(s.message(), "width is 1073741824; the limit is 2^24 = 16777216")) << s.message();
   // Each size: 2^24 passes the per-size check, 2^24 + 1 does not.
   const int over = static_cast<int>(kMaxModelDim) + 1;
-  for (const auto& [c, what] : std::vector<std::pair<GPTConfig, std::string>>{
+  for (const auto& [c, what] : std::vector<std::pair<ModelConfig, std::string>>{
            {{over, 64, 1, 64, 256}, "layers"},
            {{1, 64, over, 64, 256}, "heads"},
            {{1, 64, 1, over, 256}, "context"},
@@ -86,21 +86,21 @@ TEST(GPTConfig, SizesAboveTheLimitsAreRefused) {
     ASSERT_FALSE(s.is_ok()) << what;
     EXPECT_TRUE(contains(s.message(), what + " is " + std::to_string(over) + "; the limit is 2^24")) << s.message();
   }
-  EXPECT_TRUE((GPTConfig{1, 64, 1, static_cast<int>(kMaxModelDim), 256}.validate().is_ok()));
-  EXPECT_TRUE((GPTConfig{1, 64, 1, 64, static_cast<int>(kMaxModelDim)}.validate().is_ok()));
+  EXPECT_TRUE((ModelConfig{1, 64, 1, static_cast<int>(kMaxModelDim), 256}.validate().is_ok()));
+  EXPECT_TRUE((ModelConfig{1, 64, 1, 64, static_cast<int>(kMaxModelDim)}.validate().is_ok()));
 }
 
 // The parameter count in 128-bit arithmetic, as the reference for the 64-bit one.
-static __int128 wide_parameter_count(const GPTConfig& c) {
+static __int128 wide_parameter_count(const ModelConfig& c) {
   const __int128 C = c.width;
   return __int128{c.vocab} * C + __int128{c.context} * C + __int128{c.layers} * (12 * C * C + 13 * C) + 2 * C;
 }
 
-TEST(GPTConfig, ParameterCountLimitAndOverflow) {
+TEST(ModelConfig, ParameterCountLimitAndOverflow) {
   // Every size within 2^24 but the count past 2^63: refused, and num_parameters
   // saturates instead of overflowing.
   const int max = static_cast<int>(kMaxModelDim);
-  GPTConfig huge{max, max, 1, max, max};
+  ModelConfig huge{max, max, 1, max, max};
   ASSERT_GT(wide_parameter_count(huge), __int128{std::numeric_limits<int64_t>::max()});
   Status s = huge.validate();
   ASSERT_FALSE(s.is_ok());
@@ -108,9 +108,9 @@ TEST(GPTConfig, ParameterCountLimitAndOverflow) {
   EXPECT_EQ(huge.num_parameters(), std::numeric_limits<int64_t>::max());
   // At the 2^40 boundary (width 16384): the deepest model under it passes with the
   // exact count; one more layer is refused, its count named.
-  GPTConfig c{1, 16384, 128, 1024, 50257};
-  const __int128 per_layer = wide_parameter_count(GPTConfig{2, 16384, 128, 1024, 50257}) - wide_parameter_count(c);
-  c.layers = static_cast<int>((kMaxModelParameters - wide_parameter_count(GPTConfig{0, 16384, 128, 1024, 50257})) /
+  ModelConfig c{1, 16384, 128, 1024, 50257};
+  const __int128 per_layer = wide_parameter_count(ModelConfig{2, 16384, 128, 1024, 50257}) - wide_parameter_count(c);
+  c.layers = static_cast<int>((kMaxModelParameters - wide_parameter_count(ModelConfig{0, 16384, 128, 1024, 50257})) /
                               per_layer);
   ASSERT_LE(wide_parameter_count(c), __int128{kMaxModelParameters});
   s = c.validate();
@@ -124,8 +124,8 @@ TEST(GPTConfig, ParameterCountLimitAndOverflow) {
                                         " parameters; the limit is 2^40"))
       << s.message();
   // Accepted configs with large sizes: the count is exact.
-  for (const GPTConfig& ok : {GPTConfig{1, 64, 1, max, max}, GPTConfig{1, 65536, 1, 1, 1},
-                              GPTConfig{max, 64, 64, 64, 64}}) {
+  for (const ModelConfig& ok : {ModelConfig{1, 64, 1, max, max}, ModelConfig{1, 65536, 1, 1, 1},
+                              ModelConfig{max, 64, 64, 64, 64}}) {
     ASSERT_TRUE(ok.validate().is_ok()) << ok.to_string();
     EXPECT_EQ(__int128{ok.num_parameters()}, wide_parameter_count(ok)) << ok.to_string();
   }
@@ -133,7 +133,7 @@ TEST(GPTConfig, ParameterCountLimitAndOverflow) {
 
 TEST(GPTProgram, RefusesActivationsWhoseSizeOverflows) {
   // Context and vocab at the limit: B·T·Vp overflows 64 bits for a large batch.
-  GPTConfig c{1, 64, 1, static_cast<int>(kMaxModelDim), static_cast<int>(kMaxModelDim)};
+  ModelConfig c{1, 64, 1, static_cast<int>(kMaxModelDim), static_cast<int>(kMaxModelDim)};
   ASSERT_TRUE(c.validate().is_ok());
   auto r = build_training_program(c, {.B = 1 << 30, .T = c.context, .accum = 1}, DType::F32);
   ASSERT_FALSE(r.ok());
@@ -143,10 +143,10 @@ TEST(GPTProgram, RefusesActivationsWhoseSizeOverflows) {
   EXPECT_TRUE(contains(f.status().message(), "exceeds 2^58 elements per tensor")) << f.status().message();
 }
 
-TEST(GPTConfig, ParameterCount) {
-  EXPECT_EQ(gpt_preset("gpt2-124m")->num_parameters(), 124439808);
-  for (const std::string& name : gpt_preset_names()) {
-    GPTConfig c = *gpt_preset(name);
+TEST(ModelConfig, ParameterCount) {
+  EXPECT_EQ(model_preset("gpt2-124m")->num_parameters(), 124439808);
+  for (const std::string& name : model_preset_names()) {
+    ModelConfig c = *model_preset(name);
     int64_t sum = 0;
     for (const ParamSpec& p : parameter_specs(c)) sum += p.shape.numel();
     EXPECT_EQ(sum, c.num_parameters()) << name;
@@ -155,7 +155,7 @@ TEST(GPTConfig, ParameterCount) {
 }
 
 TEST(GPTParams, SpecsUseHuggingFaceNamesAndOurLayout) {
-  GPTConfig c = *gpt_preset("tiny");
+  ModelConfig c = *model_preset("tiny");
   std::vector<ParamSpec> specs = parameter_specs(c);
   EXPECT_EQ(specs[0].name, "transformer.wte.weight");
   EXPECT_EQ(specs[0].shape, (Shape{256, 128}));
@@ -176,7 +176,7 @@ TEST(GPTParams, SpecsUseHuggingFaceNamesAndOurLayout) {
 }
 
 TEST(GPTInit, DeterministicPortableAndGPT2Distributed) {
-  GPTConfig c = *gpt_preset("tiny");
+  ModelConfig c = *model_preset("tiny");
   std::vector<ParamSpec> specs = parameter_specs(c);
   auto wte = init_parameter(c, specs[0], 1337);
   EXPECT_EQ(wte, init_parameter(c, specs[0], 1337));
@@ -210,7 +210,7 @@ TEST(GPTInit, DeterministicPortableAndGPT2Distributed) {
   for (float x : init_parameter(c, specs[2], 1337)) EXPECT_EQ(x, 1.0f);   // ln_1.weight
   for (float x : init_parameter(c, specs[5], 1337)) EXPECT_EQ(x, 0.0f);   // c_attn.bias
   // Element j depends on (seed, name, j) only, not on the tensor's size.
-  GPTConfig bigger = c;
+  ModelConfig bigger = c;
   bigger.vocab = 300;
   auto wte2 = init_parameter(bigger, parameter_specs(bigger)[0], 1337);
   ASSERT_EQ(wte2.size(), 300u * 128);
@@ -219,7 +219,7 @@ TEST(GPTInit, DeterministicPortableAndGPT2Distributed) {
 
 namespace {
 
-void check_training_program(const GPTConfig& c, StepShape s, DType act) {
+void check_training_program(const ModelConfig& c, StepShape s, DType act) {
   auto r = build_training_program(c, s, act);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   const Program& p = *r;
@@ -358,16 +358,16 @@ void check_training_program(const GPTConfig& c, StepShape s, DType act) {
 }  // namespace
 
 TEST(GPTProgram, TinyTrainingProgram) {
-  check_training_program(*gpt_preset("tiny"), {.B = 2, .T = 16, .accum = 2}, DType::F32);
-  check_training_program(*gpt_preset("tiny"), {.B = 1, .T = 128, .accum = 1}, DType::BF16);
+  check_training_program(*model_preset("tiny"), {.B = 2, .T = 16, .accum = 2}, DType::F32);
+  check_training_program(*model_preset("tiny"), {.B = 1, .T = 128, .accum = 1}, DType::BF16);
 }
 
 TEST(GPTProgram, GPT2_124MTrainingProgramWithAccumulation) {
-  check_training_program(*gpt_preset("gpt2-124m"), {.B = 4, .T = 1024, .accum = 2}, DType::BF16);
+  check_training_program(*model_preset("gpt2-124m"), {.B = 4, .T = 1024, .accum = 2}, DType::BF16);
 }
 
 TEST(GPTProgram, RejectsBadShapes) {
-  GPTConfig c = *gpt_preset("tiny");
+  ModelConfig c = *model_preset("tiny");
   auto r = build_training_program(c, {.B = 2, .T = 129, .accum = 1}, DType::F32);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "T is 129")) << r.status().message();
@@ -376,12 +376,12 @@ TEST(GPTProgram, RejectsBadShapes) {
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "accumulation")) << r.status().message();
   EXPECT_FALSE(build_training_program(c, {.B = 1, .T = 8, .accum = 1}, DType::I32).ok());
-  EXPECT_FALSE(build_training_program(GPTConfig{2, 10, 3, 8, 16}, {.B = 1, .T = 8, .accum = 1}, DType::F32).ok());
+  EXPECT_FALSE(build_training_program(ModelConfig{2, 10, 3, 8, 16}, {.B = 1, .T = 8, .accum = 1}, DType::F32).ok());
   EXPECT_FALSE(build_forward_program(c, 1, 200, DType::F32, true).ok());
 }
 
 TEST(GPTProgram, ForwardProgram) {
-  GPTConfig c = *gpt_preset("tiny");
+  ModelConfig c = *model_preset("tiny");
   auto r = build_forward_program(c, 2, 32, DType::F32, /*with_loss=*/true);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->tensors.bytes_with_role(Role::Grad), 0u);
@@ -405,8 +405,8 @@ TEST(GPTProgram, ForwardProgram) {
 }
 
 TEST(GPTProgram, EveryPresetBuildsAndValidates) {
-  for (const std::string& name : gpt_preset_names()) {
-    GPTConfig c = *gpt_preset(name);
+  for (const std::string& name : model_preset_names()) {
+    ModelConfig c = *model_preset(name);
     auto r = build_training_program(c, {.B = 1, .T = c.context, .accum = 2}, DType::BF16);
     ASSERT_TRUE(r.ok()) << name << ": " << r.status().to_string();
     EXPECT_EQ(r->tensors.bytes_with_role(Role::Master), static_cast<size_t>(c.num_parameters()) * 4) << name;

@@ -65,13 +65,13 @@ void write_raw(const std::string& path, const std::vector<Raw>& tensors, const n
 // weights [in,out], the attention buffers and a tied lm_head. Values: multiples of
 // 1/64 with at most 8 significant bits (exact in F32, BF16 and F16), distinct within
 // each tensor of up to 256 elements so that a wrong transpose shows.
-GPTConfig micro_config() { return GPTConfig{2, 8, 2, 4, 16}; }
+ModelConfig micro_config() { return ModelConfig{2, 8, 2, 4, 16}; }
 
 float micro_value(size_t p, size_t j) {
   return static_cast<float>(static_cast<int>((p * 37 + j * 11) % 256) - 128) / 64.0f;
 }
 
-std::vector<Raw> hf_checkpoint(const GPTConfig& c, const std::string& dtype) {
+std::vector<Raw> hf_checkpoint(const ModelConfig& c, const std::string& dtype) {
   std::vector<Raw> out;
   std::vector<ParamSpec> specs = parameter_specs(c);
   for (size_t p = 0; p < specs.size(); ++p) {
@@ -121,7 +121,7 @@ std::vector<Raw> hf_checkpoint(const GPTConfig& c, const std::string& dtype) {
   return out;
 }
 
-GPTWeights random_weights(const GPTConfig& c, uint64_t seed) {
+GPTWeights random_weights(const ModelConfig& c, uint64_t seed) {
   GPTWeights w;
   for (const ParamSpec& s : parameter_specs(c)) {
     ParamSpec as_weight = s;
@@ -140,7 +140,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST(Safetensors, ExportImportRoundTripIsBitExact) {
   TempDir d;
-  GPTConfig c = *gpt_preset("tiny");
+  ModelConfig c = *model_preset("tiny");
   GPTWeights w = random_weights(c, 7);
   // Special values survive too.
   std::vector<float>& b = w["transformer.ln_f.bias"];
@@ -162,7 +162,7 @@ TEST(Safetensors, ExportImportRoundTripIsBitExact) {
 
 TEST(Safetensors, ExportUsesHuggingFaceNamesAndConv1DLayout) {
   TempDir d;
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   GPTWeights w = random_weights(c, 3);
   std::string path = d.file("m.safetensors");
   ASSERT_TRUE(export_gpt2(path, c, w).is_ok());
@@ -210,7 +210,7 @@ TEST(Safetensors, ExportUsesHuggingFaceNamesAndConv1DLayout) {
 
 TEST(Safetensors, ImportsHuggingFaceLayoutInEveryDtype) {
   TempDir d;
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   for (const char* dtype : {"F32", "BF16", "F16"}) {
     std::string path = d.file(std::string("hf_") + dtype + ".safetensors");
     write_raw(path, hf_checkpoint(c, dtype));
@@ -259,7 +259,7 @@ TEST(Safetensors, HalfPrecisionConversionIsExact) {
 
 TEST(Safetensors, AcceptsPrefixedAndUnprefixedNamesButNotBoth) {
   TempDir d;
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   std::vector<Raw> t = hf_checkpoint(c, "F32");
   for (size_t i = 0; i < t.size(); i += 2) t[i].name = "transformer." + t[i].name;  // a mix
   std::string path = d.file("mixed.safetensors");
@@ -275,7 +275,7 @@ TEST(Safetensors, AcceptsPrefixedAndUnprefixedNamesButNotBoth) {
 
 TEST(Safetensors, MissingTensorsAreNamed) {
   TempDir d;
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   std::vector<Raw> t = hf_checkpoint(c, "F32");
   std::erase_if(t, [](const Raw& r) { return r.name == "h.1.ln_2.bias" || r.name == "wpe.weight"; });
   std::string path = d.file("missing.safetensors");
@@ -289,14 +289,14 @@ TEST(Safetensors, MissingTensorsAreNamed) {
   EXPECT_TRUE(contains(r.status().message(), "h.1.ln_2.bias")) << r.status().message();
 
   // A config with more layers than the file: the missing block is named.
-  GPTConfig deeper = c;
+  ModelConfig deeper = c;
   deeper.layers = 3;
   write_raw(path, hf_checkpoint(c, "F32"));
   r = import_gpt2(path, deeper);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "h.2.ln_1.weight")) << r.status().message();
   // Fewer: the extra block is named.
-  GPTConfig shallower = c;
+  ModelConfig shallower = c;
   shallower.layers = 1;
   r = import_gpt2(path, shallower);
   ASSERT_FALSE(r.ok());
@@ -306,7 +306,7 @@ TEST(Safetensors, MissingTensorsAreNamed) {
 
 TEST(Safetensors, WrongShapeOrDtypeIsNamed) {
   TempDir d;
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   const int64_t C = c.width;
   std::string path = d.file("bad.safetensors");
 
@@ -393,7 +393,7 @@ TEST(Safetensors, OverlappingOrGappedDataIsRefused) {
     for (const std::string& part : parts) EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
   };
   // A whole GPT-2 whose tensors all point at the same bytes (the largest tensor's).
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   std::vector<Raw> t = hf_checkpoint(c, "F32");
   nlohmann::ordered_json h = nlohmann::ordered_json::object();
   h["__metadata__"] = {{"n_head", "2"}};
@@ -438,21 +438,21 @@ namespace {
 
 // A transformers-style tiny GPT-2: width 128 with 4 heads of size 32, so the head
 // count cannot be read off the width; no n_head in the __metadata__.
-GPTConfig head32_config() { return GPTConfig{2, 128, 4, 16, 64}; }
+ModelConfig head32_config() { return ModelConfig{2, 128, 4, 16, 64}; }
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
 }
 
-nlohmann::json hf_config_json(const GPTConfig& c) {
+nlohmann::json hf_config_json(const ModelConfig& c) {
   return {{"model_type", "gpt2"}, {"architectures", {"GPT2LMHeadModel"}}, {"activation_function", "gelu_new"},
           {"n_layer", c.layers}, {"n_embd", c.width}, {"n_head", c.heads}, {"n_positions", c.context},
           {"n_ctx", c.context}, {"vocab_size", c.vocab}, {"n_inner", nullptr}, {"layer_norm_epsilon", 1e-5}};
 }
 
-StatedGPTSizes flag_sizes(GPTConfig sizes) {
-  StatedGPTSizes f;
+StatedModelSizes flag_sizes(ModelConfig sizes) {
+  StatedModelSizes f;
   f.sizes = sizes;
   f.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
   return f;
@@ -462,7 +462,7 @@ StatedGPTSizes flag_sizes(GPTConfig sizes) {
 
 TEST(Safetensors, HeadsComeFromConfigJsonMetadataOrFlagsNeverGuessed) {
   TempDir d;
-  const GPTConfig c = head32_config();
+  const ModelConfig c = head32_config();
   const std::string path = d.file("model.safetensors");
   const std::string config = d.file("config.json");
   write_raw(path, hf_checkpoint(c, "F32"));
@@ -520,7 +520,7 @@ TEST(Safetensors, HeadsComeFromConfigJsonMetadataOrFlagsNeverGuessed) {
 
 TEST(Safetensors, BadConfigJsonIsNamedWithItsKey) {
   TempDir d;
-  const GPTConfig c = head32_config();
+  const ModelConfig c = head32_config();
   const std::string path = d.file("model.safetensors");
   const std::string config = d.file("config.json");
   write_raw(path, hf_checkpoint(c, "F32"));
@@ -569,7 +569,7 @@ TEST(Safetensors, BadConfigJsonIsNamedWithItsKey) {
 
 TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
   TempDir d;
-  const GPTConfig c = micro_config();
+  const ModelConfig c = micro_config();
   const std::string path = d.file("blocks.safetensors");
   const nlohmann::json heads = {{"n_head", "2"}};
   auto renumber = [](std::vector<Raw> t, int from, const std::string& to) {
@@ -588,7 +588,7 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
     for (const std::string& part : parts) EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
   };
   // One layer, numbered 9999999: refused before 10 million layers are built.
-  GPTConfig one = c;
+  ModelConfig one = c;
   one.layers = 1;
   write_raw(path, renumber(hf_checkpoint(one, "F32"), 0, "9999999"), heads);
   expect_error({"h.0 … h.{L-1} with none missing", "1 block(s) (h.9999999) and no h.0"});
@@ -598,7 +598,7 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
   write_raw(path, t, heads);
   expect_error({"1 block(s) (h.9999999) and no h.0"});
   // A gap.
-  GPTConfig three = c;
+  ModelConfig three = c;
   three.layers = 3;
   write_raw(path, renumber(hf_checkpoint(three, "F32"), 1, "3"), heads);
   expect_error({"3 block(s) (h.0, h.2, h.3) and no h.1"});
@@ -627,7 +627,7 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
   // import_gpt2 asked for far more blocks than the file has: refused without
   // listing every block's parameters.
   write_raw(path, hf_checkpoint(c, "F32"), heads);
-  GPTConfig deep = c;
+  ModelConfig deep = c;
   deep.layers = 1000000;
   const auto t0 = std::chrono::steady_clock::now();
   auto r = import_gpt2(path, deep);
@@ -639,7 +639,7 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
 
 TEST(Safetensors, NonFiniteWeightsAreRefusedUnlessAllowed) {
   TempDir d;
-  const GPTConfig c = micro_config();
+  const ModelConfig c = micro_config();
   const std::string path = d.file("nan.safetensors");
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   // F32: a NaN in a Conv1D weight, named with its place in the file's [in, out] layout.
@@ -699,7 +699,7 @@ TEST(Safetensors, NonFiniteWeightsAreRefusedUnlessAllowed) {
 
 TEST(Safetensors, ExportChecksValueCounts) {
   TempDir d;
-  GPTConfig c = micro_config();
+  ModelConfig c = micro_config();
   GPTWeights w = random_weights(c, 1);
   w["transformer.h.0.ln_1.bias"].pop_back();
   std::string path = d.file("x.safetensors");

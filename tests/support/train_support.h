@@ -1,7 +1,7 @@
 // Trains a small GPT through the planner and the executor on the CPU backend, for
 // tests that compare a plan's losses with the resident run's.
 //
-//   TrainRun ref = train_gpt({GPTConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}}, {}, {.policy = Policy::Resident}, 5);
+//   TrainRun ref = train_gpt({ModelConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}}, {}, {.policy = Policy::Resident}, 5);
 //   TrainRun r = train_gpt(model, {.device = ref.plan.device_bytes / 4}, {.policy = Policy::Planned}, 5);
 //   expect_same_losses(r.losses, ref.losses, "planned 1/4");
 //   expect_same_run(r, ref, "planned 1/4");   // the losses and the final master weights
@@ -17,14 +17,14 @@
 
 #include "backend/backend.h"
 #include "exec/executor.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 
 namespace spillway::testing_support {
 
 struct GPTCase {
-  GPTConfig cfg;
+  ModelConfig cfg;
   StepShape shape;
 };
 

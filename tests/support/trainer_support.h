@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "model/gpt.h"
+#include "model/model.h"
 #include "train/trainer.h"
 
 namespace spillway::testing_support {

@@ -9,7 +9,7 @@
 #include "backend/backend.h"
 #include "exec/dispatch.h"
 #include "exec/executor.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/profiler.h"
 #include "sim/simulator.h"
@@ -56,7 +56,7 @@ Result<Measured> measure(Backend& backend, const Program& program, const Machine
 TEST(PoliciesMeasured, PlannedStallsLessThanPagingOnTheCpu) {
   auto backend = make_backend("cpu", {.threads = 2});
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
-  GPTConfig cfg{2, 256, 4, 128, 256};
+  ModelConfig cfg{2, 256, 4, 128, 256};
   auto program = build_training_program(cfg, {4, 128, 1}, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
   auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
@@ -81,7 +81,7 @@ TEST(PoliciesMeasured, PlannedStallsLessThanPagingOnTheCpu) {
 TEST(PoliciesMeasured, SimulatorPredictsPlannedStepWithin25Percent) {
   auto backend = make_backend("cpu", {.threads = 2});
   ASSERT_TRUE(backend.ok());
-  GPTConfig cfg{2, 256, 4, 128, 256};
+  ModelConfig cfg{2, 256, 4, 128, 256};
   auto program = build_training_program(cfg, {4, 128, 1}, DType::F32);
   ASSERT_TRUE(program.ok());
   auto machine = measure_machine(**backend, Machine::cpu_dev_box());
@@ -112,7 +112,7 @@ TEST(PoliciesMeasured, SimulatorPredictsPlannedStepWithin25Percent) {
 
 TEST(PoliciesSimulated, PlannedStallsLessThanPagingInTheSimulator) {
   for (const char* model : {"tiny", "gpt2-124m"}) {
-    auto cfg = gpt_preset(model);
+    auto cfg = model_preset(model);
     ASSERT_TRUE(cfg.ok());
     int T = std::min(cfg->context, 256);
     auto program = build_training_program(*cfg, {4, T, 1}, DType::BF16);

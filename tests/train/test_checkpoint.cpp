@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"

@@ -10,7 +10,7 @@
 
 #include "backend/backend.h"
 #include "exec/dispatch.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "sim/machine.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -31,7 +31,7 @@ TEST(CudaBudget, KernelCodeIsLoadedAndCountedBeforeTheStep) {
   Backend& b = **backend;
   const size_t fixed_before = b.fixed_device_bytes();
   TrainerOptions o;
-  o.model = *gpt_preset("tiny");
+  o.model = *model_preset("tiny");
   o.shape = {.B = 4, .T = 64, .accum = 2};
   o.schedule = {.peak = 1e-3f, .warmup_steps = 0, .total_steps = 3};
   o.budgets.device = uint64_t{64} << 20;

@@ -15,7 +15,7 @@
 
 #include "backend/backend.h"
 #include "core/thread_pool.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "optim/adamw.h"
 #include "train/trainer.h"
 #include "support/trainer_support.h"
@@ -69,7 +69,7 @@ std::vector<size_t> probe_elements(size_t n) {
 // A matrix of an odd number of elements (the last has no partner in its pair),
 // spanning many chunks, and a c_proj weight (std 0.02/sqrt(2·layers)).
 TEST(ParallelInit, SameBitsForEveryThreadCountAndEqualToTheDocumentedGenerator) {
-  GPTConfig cfg = {.layers = 3, .width = 64, .heads = 2, .context = 64, .vocab = 256};
+  ModelConfig cfg = {.layers = 3, .width = 64, .heads = 2, .context = 64, .vocab = 256};
   const std::vector<ParamSpec> specs = {
       {"transformer.wte.weight", {1001, 257}, -1, true, false},
       {"transformer.h.2.mlp.c_proj.weight", {301, 700}, 2, true, true},
@@ -110,7 +110,7 @@ TEST(ParallelInit, SameBitsForEveryThreadCountAndEqualToTheDocumentedGenerator) 
 
 // Biases and LayerNorm weights are constants in every chunk.
 TEST(ParallelInit, ConstantsFillEveryChunk) {
-  GPTConfig cfg = {.layers = 1, .width = 64, .heads = 2, .context = 64, .vocab = 256};
+  ModelConfig cfg = {.layers = 1, .width = 64, .heads = 2, .context = 64, .vocab = 256};
   auto pool = ThreadPool::create(3);
   ASSERT_TRUE(pool.ok());
   const ParamSpec bias = {"transformer.h.0.mlp.c_fc.bias", {200001}, 0, false, false};
@@ -158,7 +158,7 @@ TrainerOptions tiled_options() {
   return o;
 }
 
-std::vector<TokenBatch> batches(const GPTConfig& cfg, uint64_t salt) {
+std::vector<TokenBatch> batches(const ModelConfig& cfg, uint64_t salt) {
   TokenBatch b;
   for (int i = 0; i < 16; ++i) {
     b.tokens.push_back(static_cast<int32_t>(mix(salt + 2 * i) % static_cast<uint64_t>(cfg.vocab)));

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "support/test_support.h"
@@ -151,7 +151,7 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
 // The optimizer state kept on device is a prefix of the parameters in program order
 // (the order the next forward needs them), within the bytes allowed.
 TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
-  GPTConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
+  ModelConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
   auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, DType::F32);
   ASSERT_TRUE(program.ok());
   PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
@@ -195,7 +195,7 @@ TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
 // moments resting on host (fetched, updated, written back), their gradients on
 // device; then the host's. Each class is a contiguous run in program order.
 TEST(PipelinedLoop, StreamedOptimizerFollowsThePrefixAndPrecedesTheHost) {
-  GPTConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
+  ModelConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
   auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, DType::F32);
   ASSERT_TRUE(program.ok());
   auto whole = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});

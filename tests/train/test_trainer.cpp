@@ -31,7 +31,7 @@ std::unique_ptr<Backend> cpu_backend() {
   return std::move(*b);
 }
 
-GPTConfig micro_config() { return {.layers = 2, .width = 32, .heads = 2, .context = 8, .vocab = 256}; }
+ModelConfig micro_config() { return {.layers = 2, .width = 32, .heads = 2, .context = 8, .vocab = 256}; }
 
 TrainerOptions micro_options() {
   TrainerOptions o;
@@ -710,7 +710,7 @@ TEST(TrainerConvergence, TinyBeatsBigramEntropy) {
   ASSERT_TRUE(data.ok()) << data.status().to_string();
   auto backend = cpu_backend();
   TrainerOptions o;
-  o.model = *gpt_preset("tiny");
+  o.model = *model_preset("tiny");
   o.shape = {.B = 16, .T = 64, .accum = 1};
   const int steps = 300;
   o.schedule = {.peak = 4e-3f, .warmup_steps = 20, .total_steps = steps};

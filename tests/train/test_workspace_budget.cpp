@@ -7,7 +7,7 @@
 
 #include "backend/backend_sizes.h"
 #include "exec/dispatch.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "plan/planner.h"
 #include "train/trainer.h"
 
@@ -26,7 +26,7 @@ uint64_t workspace_of(const BackendSizes& sizes, const Program& program) {
 // the 32 MiB cuBLASLt workspace is larger than that op untiled.
 TEST(WorkspaceBudget, VocabTilingComparesWithTheBudgetLessTheWorkspace) {
   const BackendSizes& cuda = cuda_backend_sizes();
-  const GPTConfig cfg{.layers = 1, .width = 64, .heads = 2, .context = 64, .vocab = 50257};
+  const ModelConfig cfg{.layers = 1, .width = 64, .heads = 2, .context = 64, .vocab = 50257};
   const StepShape shape{.B = 1, .T = 64, .accum = 1};
   auto build = [&](bool tile_vocab) {
     StepShape s = shape;
@@ -76,7 +76,7 @@ TEST(WorkspaceBudget, VocabTilingComparesWithTheBudgetLessTheWorkspace) {
 // No device workspace on the CPU: the choice is the one the whole budget gives.
 TEST(WorkspaceBudget, CpuHasNoWorkspace) {
   const BackendSizes& cpu = cpu_backend_sizes();
-  const GPTConfig cfg{.layers = 1, .width = 128, .heads = 4, .context = 128, .vocab = 50257};
+  const ModelConfig cfg{.layers = 1, .width = 128, .heads = 4, .context = 128, .vocab = 50257};
   auto untiled = build_training_program(cfg, {.B = 1, .T = 128, .accum = 1}, cpu.activation_dtype());
   ASSERT_TRUE(untiled.ok());
   EXPECT_EQ(workspace_of(cpu, *untiled), 0u);
@@ -106,7 +106,7 @@ TEST(WorkspaceBudget, SizesByName) {
 // The minimum a refusal states is the device budget the user gave, not the
 // workspace, when the workspace alone takes more than that budget.
 TEST(WorkspaceBudget, RefusalNamesTheBudgetGivenWhenTheWorkspaceTakesItAll) {
-  const GPTConfig cfg{.layers = 1, .width = 32, .heads = 2, .context = 16, .vocab = 256};
+  const ModelConfig cfg{.layers = 1, .width = 32, .heads = 2, .context = 16, .vocab = 256};
   auto program = build_training_program(cfg, {.B = 1, .T = 16, .accum = 1}, DType::BF16);
   ASSERT_TRUE(program.ok());
   auto o = backend_planner_options(*program, cuda_backend_sizes(), {.policy = Policy::Planned});
@@ -135,7 +135,7 @@ TEST(HostMapping, CudaReservesTheMappingOfThePinnedArenaAndTheCpuNone) {
   EXPECT_EQ(cuda.host_mapping_device_bytes(0), 0u);
   EXPECT_EQ(cpu.host_mapping_device_bytes(18399694848ull), 0u);
   EXPECT_EQ(cuda.host_mapping_device_bytes(1) % cuda.allocation_granularity(), 0u);
-  GPTConfig cfg{.layers = 2, .width = 64, .heads = 2, .context = 32, .vocab = 512};
+  ModelConfig cfg{.layers = 2, .width = 64, .heads = 2, .context = 32, .vocab = 512};
   auto program = build_training_program(cfg, {.B = 2, .T = 32, .accum = 1}, DType::BF16);
   ASSERT_TRUE(program.ok());
   uint64_t total = 0;
