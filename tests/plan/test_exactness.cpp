@@ -359,3 +359,88 @@ TEST(Exactness, LayerMajorOrderMatchesResidentAndRunsLayersAcrossMicroBatches) {
     EXPECT_LT(mb1_first, mb0_last);
   }
 }
+
+namespace {
+
+// A small Llama: 4 query heads on 2 key/value heads, SwiGLU, llama3 rope, untied LM
+// head unless `tied`.
+GPTCase small_llama(bool tied, int vocab = 64, int width = 32, int intermediate = 48) {
+  ModelConfig c{2, width, 4, 16, vocab};
+  c.arch = Arch::Llama;
+  c.kv_heads = 2;
+  c.intermediate = intermediate;
+  c.tied = tied;
+  c.rope = RopeParams{.theta = 500000.0f, .llama3 = true, .factor = 8.0f, .low_freq_factor = 1.0f,
+                      .high_freq_factor = 4.0f, .original_context = 8};
+  return {c, StepShape{2, 16, 2}};
+}
+
+}  // namespace
+
+// The Llama step (RMSNorm, RoPE, GQA, SwiGLU, untied or tied LM head) under every
+// policy and budget, with recomputation and with storage, gives the resident run's
+// bits.
+TEST(Exactness, LlamaBudgetedRunsMatchResidentBitForBit) {
+  for (bool tied : {false, true}) {
+    GPTCase s = small_llama(tied);
+    const std::string model = tied ? "llama tied" : "llama untied";
+    TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, kSteps);
+    ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+    EXPECT_LT(ref.losses.back(), ref.losses.front());
+    const uint64_t peak = ref.plan.device_bytes;
+    for (Policy p : {Policy::Paging, Policy::Planned, Policy::Auto}) {
+      for (int divisor : {2, 4, 10}) {
+        Budgets b;
+        b.device = peak / divisor;
+        const std::string what = model + " " + policy_name(p) + " budget 1/" + std::to_string(divisor);
+        TrainRun r = train_gpt(s, b, {.policy = p}, kSteps);
+        ASSERT_TRUE(r.status.is_ok()) << what << ": " << r.status.to_string();
+        expect_same_run(r, ref, what);
+        for (const StepMetrics& m : r.metrics) EXPECT_LE(m.peak_device_bytes, b.device) << what;
+      }
+    }
+    Budgets b;
+    b.device = peak / 4;
+    // Wide enough MLP that re-running SwiGLU costs less than a round trip of its output.
+    GPTCase wide = small_llama(tied, 64, /*width=*/64, /*intermediate=*/512);
+    TrainRun wide_ref = train_gpt(wide, {}, {.policy = Policy::Resident}, kSteps);
+    ASSERT_TRUE(wide_ref.status.is_ok()) << wide_ref.status.to_string();
+    TrainRun recompute = train_gpt(wide, {.device = wide_ref.plan.device_bytes / 4},
+                                   {.policy = Policy::Planned, .recompute = 1}, kSteps);
+    ASSERT_TRUE(recompute.status.is_ok()) << recompute.status.to_string();
+    expect_same_run(recompute, wide_ref, model + " planned with recompute");
+    int planned_recomputes = 0;
+    for (const Instruction& in : recompute.plan.instructions) planned_recomputes += in.recompute;
+    EXPECT_GT(planned_recomputes, 0) << model;
+
+    TempDir spill;
+    Budgets storage = b;
+    storage.host = 256 * 1024;  // below the state: part of it goes to storage
+    storage.storage = 64 << 20;
+    TrainRun stored = train_gpt(s, storage, {.policy = Policy::Planned}, kSteps, {.spill_dir = spill.path()});
+    ASSERT_TRUE(stored.status.is_ok()) << stored.status.to_string();
+    expect_same_run(stored, ref, model + " planned with storage");
+    EXPECT_GT(stored.metrics.back().storage_read_bytes, 0u) << model;
+  }
+}
+
+// An untied Llama's LM head is tiled like its embedding: both tables in vocab tiles
+// give the whole tables' bits.
+TEST(Exactness, LlamaVocabTilesMatchTheWholeTables) {
+  GPTCase whole = small_llama(/*tied=*/false, static_cast<int>(2 * kVocabBlock + 1000));
+  TrainRun ref = train_gpt(whole, {}, {.policy = Policy::Resident}, 5);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  GPTCase tiled = whole;
+  tiled.shape.tile_vocab = true;
+  auto program = build_training_program(tiled.cfg, tiled.shape, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  EXPECT_EQ(program->pieces("model.embed_tokens.weight").size(), 3u);
+  EXPECT_EQ(program->pieces("lm_head.weight").size(), 3u);
+  EXPECT_EQ(program->pieces("adam_m.lm_head.weight").size(), 3u);
+  const uint64_t tiled_minimum = minimum_device_budget(*program, 64);
+  Budgets b;
+  b.device = tiled_minimum + (tiled_minimum >> 2);
+  TrainRun r = train_gpt(tiled, b, {.policy = Policy::Planned}, 5);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  expect_same_run(r, ref, "llama vocab tiles, planned");
+}
