@@ -615,7 +615,10 @@ Status load_checkpoint(Trainer& trainer, const Checkpoint& c) {
     for (const nlohmann::json& t : c.manifest.at("tensors")) {
       const std::string name = t.at("name").get<std::string>();
       const TensorId id = program.tensors.find(name);
-      if (id == kNoTensor || std::find(wanted.begin(), wanted.end(), id) == wanted.end()) {
+      // Checkpoints written before the parameters were left out (they are the rounded
+      // master weights) hold them too: checked, then made again from the masters.
+      const bool derived = id != kNoTensor && program.tensors.info(id).role == Role::Param;
+      if (id == kNoTensor || (!derived && std::find(wanted.begin(), wanted.end(), id) == wanted.end())) {
         s = Status::invalid_argument(c.path + ": tensor " + name + " is not part of this model's training state");
         break;
       }
@@ -636,6 +639,7 @@ Status load_checkpoint(Trainer& trainer, const Checkpoint& c) {
         s = Status::corrupt(state + ": tensor " + name + " does not match its checksum");
         break;
       }
+      if (derived) continue;
       s = trainer.write_state_tensor(id, bytes.data(), bytes.size());
       if (!s.is_ok()) break;
       seen[id] = true;
@@ -647,6 +651,7 @@ Status load_checkpoint(Trainer& trainer, const Checkpoint& c) {
   SPILLWAY_RETURN_IF_ERROR(s);
   for (TensorId t : wanted)
     if (!seen[t]) return Status::invalid_argument(c.path + ": holds no " + program.tensors.info(t).name);
+  SPILLWAY_RETURN_IF_ERROR(trainer.restore_parameters_from_masters());
   trainer.restore_steps_done(c.meta.step);
   return Status::ok();
 }

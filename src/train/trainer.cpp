@@ -409,9 +409,19 @@ std::vector<TensorId> Trainer::state_tensors() const {
   std::vector<TensorId> out;
   for (size_t i = 0; i < program_.tensors.size(); ++i) {
     const Role r = program_.tensors.info(static_cast<TensorId>(i)).role;
-    if (r == Role::Param || r == Role::Master || r == Role::OptState) out.push_back(static_cast<TensorId>(i));
+    if (r == Role::Master || r == Role::OptState) out.push_back(static_cast<TensorId>(i));
   }
   return out;
+}
+
+Status Trainer::restore_parameters_from_masters() {
+  SPILLWAY_RETURN_IF_ERROR(usable("restore the parameters"));
+  std::vector<uint8_t> scratch;
+  for (const ParamSpec& p : params_) {
+    SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> master, read_floats("master." + p.name));
+    SPILLWAY_RETURN_IF_ERROR(write_named_floats(*executor_, program_, p.name, master.data(), master.size(), scratch));
+  }
+  return Status::ok();
 }
 
 Status Trainer::read_state_tensor(TensorId t, std::vector<uint8_t>& bytes) {

@@ -242,9 +242,15 @@ class Trainer {
   int64_t steps_done() const { return step_; }
 
   // ---- the training state, for checkpoints (train/checkpoint.h) ----
-  // The tensors that make the state: parameters (each vocab tile its own), master
-  // weights and both Adam moments, by name, in program order.
+  // The tensors that make the state: master weights and both Adam moments (each
+  // vocab tile its own), in program order. The parameters are not among them: each
+  // is always its master weight rounded to the parameter's dtype (optim/adamw.h), so
+  // restore_parameters_from_masters() makes them again, bit for bit, and a
+  // checkpoint need not hold them (2 of 14 bytes per parameter in BF16).
   std::vector<TensorId> state_tensors() const;
+  // After the master weights were written (write_state_tensor): every parameter
+  // becomes its master weight rounded to its dtype, as the optimizer writes it.
+  Status restore_parameters_from_masters();
   // Their bytes together (a checkpoint's state.bin).
   uint64_t state_bytes() const;
   // Raw bytes of one (in its dtype), read after the pipeline drained; written where

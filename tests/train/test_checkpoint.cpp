@@ -59,6 +59,14 @@ void steps(Trainer& t, int from, int to, StateRun& run) {
     run.state.emplace_back();
     ASSERT_TRUE(t.read_state_tensor(id, run.state.back()).is_ok());
   }
+  // The parameters, which a checkpoint leaves out and a resume makes again from the
+  // master weights.
+  for (size_t i = 0; i < t.program().tensors.size(); ++i) {
+    const auto id = static_cast<TensorId>(i);
+    if (t.program().tensors.info(id).role != Role::Param) continue;
+    run.state.emplace_back();
+    ASSERT_TRUE(t.read_state_tensor(id, run.state.back()).is_ok());
+  }
 }
 
 TEST(Checkpoint, ResumeGivesTheUninterruptedRunsBitsUnderEveryPolicyAndAcrossAChange) {

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -68,10 +69,12 @@ std::vector<int32_t> read_i32(const std::string& path, const SafetensorsEntry& e
   return v;
 }
 
-class ReferenceModel : public ::testing::TestWithParam<Case> {};
-
-TEST_P(ReferenceModel, FirstStepLossAndEveryGradientMatchTransformers) {
-  const Case& c = GetParam();
+// The CPU backend computes in F32: the loss within 1e-5 relative, each gradient within
+// 1e-4 of its largest element. The CUDA backend computes in BF16 (activations, and
+// the weights the step reads): a bf16 rounding is 2^-8 relative, and a few dozen of
+// them compound through two blocks, so the loss within 1e-2 relative and each
+// gradient within 5e-2 of its largest element.
+void check_against_transformers(const Case& c, const std::string& backend_name) {
   const std::string dir = kReference + c.dir + "/";
   auto ref = SafetensorsReader::open(dir + "reference.safetensors");
   ASSERT_TRUE(ref.ok()) << ref.status().to_string();
@@ -89,7 +92,9 @@ TEST_P(ReferenceModel, FirstStepLossAndEveryGradientMatchTransformers) {
       batch.targets.push_back(ids[static_cast<size_t>(b) * (T + 1) + t + 1]);
     }
 
-  auto backend = make_backend("cpu", {.threads = 2});
+  const bool cpu = backend_name == "cpu";
+  const double loss_tolerance = cpu ? 1e-5 : 1e-2, grad_tolerance = cpu ? 1e-4 : 5e-2;
+  auto backend = make_backend(backend_name, {.threads = 2});
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
   TrainerOptions o;
   o.model = c.cfg;
@@ -116,7 +121,8 @@ TEST_P(ReferenceModel, FirstStepLossAndEveryGradientMatchTransformers) {
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   auto loss = ref->read_f32(*ref->find("loss"));
   ASSERT_TRUE(loss.ok());
-  EXPECT_NEAR(r->loss, (*loss)[0], 1e-5 * std::fabs((*loss)[0])) << c.dir;
+  EXPECT_NEAR(r->loss, (*loss)[0], loss_tolerance * std::fabs((*loss)[0])) << c.dir << " on " << backend_name;
+  double worst_relative = 0;
 
   for (const ParamSpec& p : parameter_specs(c.cfg)) {
     const SafetensorsEntry* e = ref->find("grad." + p.name);
@@ -140,10 +146,22 @@ TEST_P(ReferenceModel, FirstStepLossAndEveryGradientMatchTransformers) {
       const double d = std::fabs(static_cast<double>((*got)[i]) - expect[i]);
       if (d > worst) worst = d, at = i;
     }
-    EXPECT_LE(worst, 1e-4 * scale + 1e-9) << c.dir << " grad." << p.name << " element " << at << ": "
+    worst_relative = std::max(worst_relative, worst / (scale + 1e-30));
+    EXPECT_LE(worst, grad_tolerance * scale + 1e-9) << c.dir << " on " << backend_name << " grad." << p.name << " element " << at << ": "
                                           << (*got)[at] << " vs transformers " << expect[at] << " (largest |grad| "
                                           << scale << ")";
   }
+  std::printf("%s on %s: loss %.7f vs transformers %.7f; largest gradient difference %.2e of the largest element\n",
+              c.dir, backend_name.c_str(), r->loss, (*loss)[0], worst_relative);
+}
+
+class ReferenceModel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ReferenceModel, FirstStepLossAndEveryGradientMatchTransformers) { check_against_transformers(GetParam(), "cpu"); }
+
+TEST_P(ReferenceModel, CudaBf16MatchesTransformersWithinBf16Tolerance) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU";
+  check_against_transformers(GetParam(), "cuda");
 }
 
 INSTANTIATE_TEST_SUITE_P(Transformers, ReferenceModel, ::testing::ValuesIn(cases()),
