@@ -150,7 +150,8 @@ TEST(ModelConfig, ParameterCount) {
     int64_t sum = 0;
     for (const ParamSpec& p : parameter_specs(c)) sum += p.shape.numel();
     EXPECT_EQ(sum, c.num_parameters()) << name;
-    EXPECT_EQ(parameter_specs(c).size(), static_cast<size_t>(4 + 12 * c.layers)) << name;
+    const size_t per_block = c.arch == Arch::Llama ? 9 : 12, outside = c.arch == Arch::Llama ? (c.tied ? 2 : 3) : 4;
+    EXPECT_EQ(parameter_specs(c).size(), outside + per_block * c.layers) << name;
   }
 }
 
@@ -407,8 +408,136 @@ TEST(GPTProgram, ForwardProgram) {
 TEST(GPTProgram, EveryPresetBuildsAndValidates) {
   for (const std::string& name : model_preset_names()) {
     ModelConfig c = *model_preset(name);
-    auto r = build_training_program(c, {.B = 1, .T = c.context, .accum = 2}, DType::BF16);
+    auto r = build_training_program(c, {.B = 1, .T = std::min(c.context, 4096), .accum = 2}, DType::BF16);
     ASSERT_TRUE(r.ok()) << name << ": " << r.status().to_string();
     EXPECT_EQ(r->tensors.bytes_with_role(Role::Master), static_cast<size_t>(c.num_parameters()) * 4) << name;
   }
+}
+
+// The Llama presets are the published configurations, and their parameter counts
+// are the published models' (Llama 3.2 1B and 3B tie the LM head; 3.1 8B does not).
+TEST(LlamaConfig, PresetsMatchThePublishedModels) {
+  struct Want {
+    const char* name;
+    int layers, width, heads, kv_heads, intermediate;
+    bool tied;
+    float factor;
+    int64_t params;
+  };
+  for (const Want& w : {Want{"llama-3.2-1b", 16, 2048, 32, 8, 8192, true, 32.0f, 1235814400},
+                        Want{"llama-3.2-3b", 28, 3072, 24, 8, 8192, true, 32.0f, 3212749824},
+                        Want{"llama-3.1-8b", 32, 4096, 32, 8, 14336, false, 8.0f, 8030261248}}) {
+    auto c = model_preset(w.name);
+    ASSERT_TRUE(c.ok()) << w.name;
+    EXPECT_EQ(c->arch, Arch::Llama);
+    EXPECT_EQ(c->layers, w.layers);
+    EXPECT_EQ(c->width, w.width);
+    EXPECT_EQ(c->heads, w.heads);
+    EXPECT_EQ(c->kv_heads, w.kv_heads);
+    EXPECT_EQ(c->intermediate, w.intermediate);
+    EXPECT_EQ(c->vocab, 128256);
+    EXPECT_EQ(c->tied, w.tied);
+    EXPECT_EQ(c->rope.theta, 500000.0f);
+    EXPECT_TRUE(c->rope.llama3);
+    EXPECT_EQ(c->rope.factor, w.factor);
+    EXPECT_EQ(c->rope.original_context, 8192);
+    EXPECT_EQ(c->num_parameters(), w.params) << w.name;
+    int64_t sum = 0;
+    for (const ParamSpec& p : parameter_specs(*c)) sum += p.shape.numel();
+    EXPECT_EQ(sum, w.params) << w.name;
+  }
+}
+
+TEST(LlamaConfig, ValidationNamesTheField) {
+  ModelConfig c = *model_preset("llama-tiny");
+  ASSERT_TRUE(c.validate().is_ok()) << c.validate().to_string();
+  auto refused = [](ModelConfig bad, const char* word) {
+    Status s = bad.validate();
+    EXPECT_FALSE(s.is_ok()) << word;
+    EXPECT_TRUE(contains(s.message(), word)) << s.to_string();
+  };
+  ModelConfig b = c;
+  b.kv_heads = 3;  // 4 heads
+  refused(b, "kv_heads");
+  b = c;
+  b.kv_heads = 0;
+  refused(b, "kv_heads");
+  b = c;
+  b.intermediate = 0;
+  refused(b, "intermediate");
+  b = c;
+  b.width = 12, b.heads = 4, b.kv_heads = 2;  // head size 3: no rotation pairs
+  refused(b, "odd");
+  b = c;
+  b.norm_eps = 0;
+  refused(b, "norm_eps");
+  b = c;
+  b.rope.theta = -1;
+  refused(b, "rope_theta");
+  b = c;
+  b.rope.high_freq_factor = b.rope.low_freq_factor;
+  refused(b, "high_freq_factor");
+  ModelConfig g = *model_preset("tiny");
+  g.kv_heads = 2;  // a GPT-2 has none
+  refused(g, "gpt2");
+}
+
+TEST(LlamaParams, SpecsUseHuggingFaceNamesAndStartAsTransformersDoes) {
+  ModelConfig c = *model_preset("llama-tiny");
+  c.tied = false;
+  std::vector<ParamSpec> specs = parameter_specs(c);
+  ASSERT_EQ(specs.size(), 1u + 9u * c.layers + 2u);
+  EXPECT_EQ(specs[0].name, "model.embed_tokens.weight");
+  EXPECT_TRUE(specs[0].vocab);
+  EXPECT_EQ(specs[1].name, "model.layers.0.input_layernorm.weight");
+  EXPECT_EQ(specs[1].init, ParamInit::Ones);
+  EXPECT_FALSE(specs[1].decay);
+  EXPECT_EQ(specs[3].name, "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_EQ(specs[3].shape, (Shape{2 * 32, 128}));  // kv_heads · head size, width
+  EXPECT_EQ(specs[5].name, "model.layers.0.self_attn.o_proj.weight");
+  EXPECT_EQ(specs[9].name, "model.layers.0.mlp.down_proj.weight");
+  EXPECT_EQ(specs[9].shape, (Shape{128, 256}));
+  EXPECT_EQ(specs[9].init, ParamInit::Normal);
+  EXPECT_EQ(specs[9].init_std, 0.02);
+  EXPECT_EQ(specs[specs.size() - 2].name, "model.norm.weight");
+  EXPECT_EQ(specs.back().name, "lm_head.weight");
+  EXPECT_TRUE(specs.back().vocab);
+  for (const ParamSpec& p : specs) EXPECT_FALSE(p.conv1d) << p.name;
+  std::vector<float> ones = init_parameter(c, specs[1], 7);
+  for (float x : ones) ASSERT_EQ(x, 1.0f);
+  c.tied = true;
+  EXPECT_EQ(parameter_specs(c).back().name, "model.norm.weight");
+}
+
+TEST(LlamaProgram, StepHasRopeGqaAttentionAndSwiGlu) {
+  ModelConfig c = *model_preset("llama-tiny");
+  auto p = build_training_program(c, {.B = 2, .T = 16, .accum = 2}, DType::F32);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  const int64_t W = (4 + 2 * 2) * 32;
+  EXPECT_EQ(p->tensors.info(p->tensors.find("mb0.h0.qkv_rot")).shape, (Shape{2, 16, W}));
+  EXPECT_EQ(p->tensors.info(p->tensors.find("h0.qkv")).role, Role::Scratch);
+  EXPECT_EQ(p->tensors.info(p->tensors.find("mb1.h3.fch")).shape, (Shape{2, 16, 512}));
+  EXPECT_EQ(p->tensors.find("mb0.h0.ln1_mean"), kNoTensor);
+  EXPECT_EQ(p->tensors.find("transformer.wpe.weight"), kNoTensor);
+  int rope = 0, swiglu = 0, attention = 0;
+  for (const Op& op : p->ops) {
+    rope += op.kind == OpKind::RopeForward || op.kind == OpKind::RopeBackward;
+    swiglu += op.kind == OpKind::SwiGluForward || op.kind == OpKind::SwiGluBackward;
+    if (op.kind == OpKind::AttentionForward) {
+      ++attention;
+      EXPECT_EQ(op.attrs.KVH, 2);
+      EXPECT_EQ(op.attrs.NH, 4);
+    }
+    if (op.kind == OpKind::RopeForward) EXPECT_EQ(op.attrs.rope, c.rope);
+    if (op.kind == OpKind::RmsNormForward) EXPECT_EQ(op.attrs.scale, c.norm_eps);
+  }
+  EXPECT_EQ(rope, 2 * 4 * 2);  // forward and backward, 4 layers, 2 micro-batches
+  EXPECT_EQ(swiglu, 2 * 4 * 2);
+  EXPECT_EQ(attention, 4 * 2);
+  // An untied head adds its own product per micro-batch; the forward program ends with it.
+  c.tied = false;
+  auto f = build_forward_program(c, 1, 7, DType::F32, /*with_loss=*/false);
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_EQ(f->ops.back().name, "mb0.lm_head.forward");
+  EXPECT_EQ(f->ops.back().operands[2].tensor, f->tensors.find("lm_head.weight"));
 }
