@@ -53,7 +53,7 @@ int run_info() {
     if (!cfg.ok()) continue;
     const double params = static_cast<double>(cfg->num_parameters());
     // Training state per parameter: param + grad (bf16 on CUDA) + master, m, v (F32).
-    std::printf("  %-10s %8s parameters  %s  (training state %s with bf16)\n", name.c_str(),
+    std::printf("  %-13s %8s parameters  %s  (training state %s with bf16)\n", name.c_str(),
                 format_count(params).c_str(), cfg->to_string().c_str(),
                 format_size(static_cast<uint64_t>(params * 16)).c_str());
   }
