@@ -1,4 +1,4 @@
-// Backend: the device tier's memory, its copies, and the compute ops of a GPT step.
+// Backend: the device tier's memory, its copies, and the compute ops of a GPT or Llama step.
 //
 //   auto backend = make_backend("cpu", {.threads = 2});       // or "cuda"
 //   if (!backend) die(backend.status());
@@ -32,6 +32,7 @@
 #include "core/status.h"
 #include "io/copy_engine.h"
 #include "optim/adamw.h"
+#include "tensor/rope.h"
 #include "tensor/tensor.h"
 
 namespace spillway {
@@ -106,6 +107,7 @@ class Backend : public BackendSizes {
   // out[B,T,C] = wte[tokens[b,t] - vocab_begin] + wpe[t] for the positions whose token
   // is in [vocab_begin, vocab_begin + vocab_rows); other positions are left as they
   // are. wte holds those vocab_rows rows (one vocab tile of the table, or all of it).
+  // wpe may be null (no position table, Llama): out = wte[...] alone.
   virtual void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
                                  int B, int T, int C, int vocab_begin, int vocab_rows) = 0;
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
@@ -153,12 +155,40 @@ class Backend : public BackendSizes {
                        const void* weight, int N, int C, int OC) {
     matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
   }
-  // Causal self-attention. qkv[B,T,3C] holds q, k, v side by side, each split into NH
-  // heads of C/NH. out[B,T,C]; lse[B,NH,T] = log-sum-exp of each scaled score row.
-  virtual void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) = 0;
-  // dqkv[B,T,3C] = gradient, from dout[B,T,C], qkv, out and lse of the forward.
+  // Causal self-attention, grouped-query when KVH < NH. qkv[B,T,(NH+2·KVH)·D], D = C/NH,
+  // holds NH query heads, then KVH key heads, then KVH value heads, each D wide
+  // (KVH = NH: [q C | k C | v C]); query head h attends with key/value head
+  // h / (NH/KVH). NH % KVH == 0. out[B,T,C]; lse[B,NH,T] = log-sum-exp of each scaled
+  // score row.
+  virtual void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH,
+                                 int KVH) = 0;
+  void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) {
+    attention_forward(out, lse, qkv, B, T, C, NH, NH);
+  }
+  // dqkv[B,T,(NH+2·KVH)·D] = gradient (overwritten), from dout[B,T,C], qkv, out and lse
+  // of the forward. A key/value head's gradient sums its NH/KVH query heads in head
+  // order (no atomics).
   virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
-                                  const float* lse, int B, int T, int C, int NH) = 0;
+                                  const float* lse, int B, int T, int C, int NH, int KVH) = 0;
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse, int B,
+                          int T, int C, int NH) {
+    attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, NH);
+  }
+  // Rotary position embeddings (tensor/rope.h) on a qkv-layout tensor
+  // inp/out[B,T,(NH+2·KVH)·D]: each q and k head at position t (0..T-1 in each sequence)
+  // has pair (i, i+D/2) turned by angle float(t)·rope_inv_freq(rope, D, i), in fp32;
+  // the v heads are copied. D even. out is overwritten.
+  virtual void rope_forward(void* out, const void* inp, int B, int T, int NH, int KVH, int D,
+                            const RopeParams& rope) = 0;
+  // The transpose (the inverse rotation): dinp[i] = dout[i]·cos + dout[i+D/2]·sin,
+  // dinp[i+D/2] = dout[i+D/2]·cos − dout[i]·sin; v heads copied. dinp is overwritten.
+  virtual void rope_backward(void* dinp, const void* dout, int B, int T, int NH, int KVH, int D,
+                             const RopeParams& rope) = 0;
+  // SwiGLU: inp[N,2I] = [gate | up] per row; out[N,I] = silu(gate)·up with
+  // silu(x) = x/(1+exp(−x)), in fp32, rounded once.
+  virtual void swiglu_forward(void* out, const void* inp, int64_t N, int I) = 0;
+  // dinp[N,2I] = [dout·up·silu'(gate) | dout·silu(gate)] (overwritten); inp, dout[N,I].
+  virtual void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int I) = 0;
   // GELU, tanh approximation: out = 0.5 x (1 + tanh(√(2/π)(x + 0.044715 x³)))
   virtual void gelu_forward(void* out, const void* inp, size_t n) = 0;
   virtual void gelu_backward(void* dinp, const void* inp, const void* dout, size_t n) = 0;

@@ -60,8 +60,8 @@ int vocab_rows(const OpAttrs& a) { return a.V > 0 ? static_cast<int>(a.V) : Back
 Status run_embedding_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
                              const OptimizerStep&) {
   const OpAttrs& a = op.attrs;
-  b.embedding_forward(x[0], i32(x[1]), x[2], x[3], static_cast<int>(a.B), static_cast<int>(a.T),
-                      static_cast<int>(a.C), static_cast<int>(a.begin), vocab_rows(a));
+  b.embedding_forward(x[0], i32(x[1]), x[2], x.size() > 3 ? x[3] : nullptr, static_cast<int>(a.B),
+                      static_cast<int>(a.T), static_cast<int>(a.C), static_cast<int>(a.begin), vocab_rows(a));
   return Status::ok();
 }
 
@@ -128,11 +128,14 @@ uint64_t matmul_workspace(const BackendSizes& b, const Op& op) {
   return need;
 }
 
+// Key/value heads: attrs.KVH, 0 meaning NH (multi-head attention).
+int kv_heads(const OpAttrs& a) { return static_cast<int>(a.KVH == 0 ? a.NH : a.KVH); }
+
 Status run_attention_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
                              const OptimizerStep&) {
   const OpAttrs& a = op.attrs;
   b.attention_forward(x[0], f32w(x[1]), x[2], static_cast<int>(a.B), static_cast<int>(a.T), static_cast<int>(a.C),
-                      static_cast<int>(a.NH));
+                      static_cast<int>(a.NH), kv_heads(a));
   return Status::ok();
 }
 
@@ -140,7 +143,7 @@ Status run_attention_backward(Backend& b, const Program&, const Op& op, const st
                               const OptimizerStep&) {
   const OpAttrs& a = op.attrs;
   b.attention_backward(x[0], x[1], x[2], x[3], f32(x[4]), static_cast<int>(a.B), static_cast<int>(a.T),
-                       static_cast<int>(a.C), static_cast<int>(a.NH));
+                       static_cast<int>(a.C), static_cast<int>(a.NH), kv_heads(a));
   return Status::ok();
 }
 uint64_t attention_backward_workspace(const BackendSizes& b, const Op& op) {
@@ -179,6 +182,32 @@ Status run_crossentropy_backward(Backend& b, const Program&, const Op& op, const
   const OpAttrs& a = op.attrs;
   b.crossentropy_backward(f32w(x[0]), x[1], i32(x[2]), static_cast<int>(a.N), static_cast<int>(a.V), logits_ld(a),
                           a.scale);
+  return Status::ok();
+}
+
+Status run_rope_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.rope_forward(x[0], x[1], static_cast<int>(a.B), static_cast<int>(a.T), static_cast<int>(a.NH), kv_heads(a),
+                 static_cast<int>(a.C / a.NH), a.rope);
+  return Status::ok();
+}
+
+Status run_rope_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.rope_backward(x[0], x[1], static_cast<int>(a.B), static_cast<int>(a.T), static_cast<int>(a.NH), kv_heads(a),
+                  static_cast<int>(a.C / a.NH), a.rope);
+  return Status::ok();
+}
+
+Status run_swiglu_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                          const OptimizerStep&) {
+  b.swiglu_forward(x[0], x[1], op.attrs.N, static_cast<int>(op.attrs.C));
+  return Status::ok();
+}
+
+Status run_swiglu_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                           const OptimizerStep&) {
+  b.swiglu_backward(x[0], x[1], x[2], op.attrs.N, static_cast<int>(op.attrs.C));
   return Status::ok();
 }
 
@@ -241,6 +270,10 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::ResidualForward, run_residual_forward},
     {OpKind::CrossEntropyForward, run_crossentropy_forward},
     {OpKind::CrossEntropyBackward, run_crossentropy_backward},
+    {OpKind::RopeForward, run_rope_forward},
+    {OpKind::RopeBackward, run_rope_backward},
+    {OpKind::SwiGluForward, run_swiglu_forward},
+    {OpKind::SwiGluBackward, run_swiglu_backward},
     {OpKind::SquaredNorm, run_squared_norm, squared_norm_workspace},
     {OpKind::ClipScale, run_clip_scale},
     {OpKind::AdamW, run_adamw, nullptr, run_adamw_host},

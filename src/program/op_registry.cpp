@@ -39,14 +39,15 @@ double bytes_per_operand(const Program& program, const Op& op) {
 }
 
 // Embedding ops touch only the rows their tokens select: out/dout [B,T,C] written
-// or read once, the selected wte rows and wpe rows once each (updated in place for
-// the backward), and the tokens.
+// or read once, the selected wte rows and wpe rows (when there is a position table,
+// slot 3) once each (updated in place for the backward), and the tokens.
 double embedding_bytes(const Program& program, const Op& op) {
   const bool forward = op.kind == OpKind::EmbeddingForward;
   const double rows = static_cast<double>(op.attrs.B * op.attrs.T * op.attrs.C);
-  const TensorId act = op.operands.empty() ? kNoTensor : op.operands[forward ? 0 : 1].tensor;
+  const TensorId act = op.operands.size() < 2 ? kNoTensor : op.operands[forward ? 0 : 1].tensor;
   const double elem = rows > 0 ? tensor_bytes(program, act) / rows : 0;
-  const double factor = forward ? 3 : 5;
+  const bool positions = op.operands.size() > 3;
+  const double factor = forward ? (positions ? 3 : 2) : (positions ? 5 : 3);
   return factor * rows * elem + 4 * static_cast<double>(op.attrs.B * op.attrs.T);
 }
 
@@ -55,8 +56,9 @@ double embedding_bytes(const Program& program, const Op& op) {
 constexpr OpSlot kZeroSlots[] = {{"t", A::Write, D::Act}};
 
 // ---- Embedding ----------------------------------------------------------------
-// EmbeddingForward  (out W|U, tokens R, wte R, wpe R)        attrs B T C [V begin]
+// EmbeddingForward  (out W|U, tokens R, wte R [, wpe R])     attrs B T C [V begin]
 // EmbeddingBackward (dwte U, dout R, tokens R [, dwpe U])    attrs B T C [V begin]
+// Without wpe/dwpe (Llama: no position table) out = wte[token] only.
 // wte/dwte may be one vocab tile: V rows from row `begin` (V = 0: the whole table);
 // only tokens in the tile are gathered/scattered, so the forward's out is Write for
 // the first tile and Update after.
@@ -64,7 +66,7 @@ constexpr OpSlot kZeroSlots[] = {{"t", A::Write, D::Act}};
 constexpr OpSlot kEmbeddingForwardSlots[] = {{"out", A::Write, D::Act, false, true},
                                              {"tokens", A::Read, D::I32},
                                              {"wte", A::Read, D::Act},
-                                             {"wpe", A::Read, D::Act}};
+                                             {"wpe", A::Read, D::Act, true}};
 constexpr OpSlot kEmbeddingBackwardSlots[] = {{"dwte", A::Update, D::Act},
                                               {"dout", A::Read, D::Act},
                                               {"tokens", A::Read, D::I32},
@@ -198,8 +200,11 @@ double matmul_forward_flops(const OpAttrs& a) { return 2.0 * a.N * a.C * a.OC; }
 double matmul_backward_flops(const OpAttrs& a) { return 4.0 * a.N * a.C * a.OC; }
 
 // ---- Attention ----------------------------------------------------------------
-// AttentionForward  (out W, lse W, qkv R)                     attrs B T C NH
-// AttentionBackward (dqkv W, dout R, qkv R, out R, lse R)     attrs B T C NH
+// AttentionForward  (out W, lse W, qkv R)                     attrs B T C NH [KVH]
+// AttentionBackward (dqkv W, dout R, qkv R, out R, lse R)     attrs B T C NH [KVH]
+// qkv/dqkv [B,T,(NH+2·KVH)·D] with D = C/NH: NH query heads, then KVH key heads, then
+// KVH value heads (KVH = 0: NH, so [q C | k C | v C]); query head h reads key/value
+// head h / (NH/KVH). out/dout [B,T,C]; lse [B,NH,T]. The flops count the query heads.
 
 constexpr OpSlot kAttentionForwardSlots[] = {
     {"out", A::Write, D::Act}, {"lse", A::Write, D::F32}, {"qkv", A::Read, D::Act}};
@@ -209,20 +214,37 @@ constexpr OpSlot kAttentionBackwardSlots[] = {{"dqkv", A::Write, D::Act},
                                               {"out", A::Read, D::Act},
                                               {"lse", A::Read, D::F32}};
 
-Status check_attention(const OpCheck& c) {
+// Heads: B, T, C, NH positive, C a multiple of NH, KVH (0: NH) dividing NH.
+Status check_heads(const OpCheck& c) {
   const OpAttrs& a = c.attrs();
   SPILLWAY_RETURN_IF_ERROR(c.positive({{"B", a.B}, {"T", a.T}, {"C", a.C}, {"NH", a.NH}}));
   if (a.C % a.NH != 0)
     return c.fail("attrs.C = " + std::to_string(a.C) + " is not divisible by attrs.NH = " + std::to_string(a.NH));
-  int64_t btc = a.B * a.T * a.C, lse = a.B * a.NH * a.T;
+  if (a.KVH < 0 || (a.KVH > 0 && a.NH % a.KVH != 0))
+    return c.fail("attrs.KVH = " + std::to_string(a.KVH) + " does not divide attrs.NH = " + std::to_string(a.NH) +
+                  " (key/value heads: 0 for NH, or a divisor of NH)");
+  return Status::ok();
+}
+
+// Elements of a qkv tensor: B*T*(NH+2*KVH)*(C/NH), KVH = 0 meaning NH.
+int64_t qkv_elements(const OpAttrs& a) {
+  const int64_t kvh = a.KVH == 0 ? a.NH : a.KVH;
+  return a.B * a.T * (a.NH + 2 * kvh) * (a.C / a.NH);
+}
+constexpr const char* kQkvFormula = "B*T*(NH+2*KVH)*C/NH";
+
+Status check_attention(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(check_heads(c));
+  const int64_t btc = a.B * a.T * a.C, lse = a.B * a.NH * a.T, qkv = qkv_elements(a);
   if (c.op().kind == OpKind::AttentionForward) {
     SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, btc, "B*T*C"));
     SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, lse, "B*NH*T"));
-    return c.numel_is(2, 3 * btc, "B*T*3C");
+    return c.numel_is(2, qkv, kQkvFormula);
   }
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, 3 * btc, "B*T*3C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, qkv, kQkvFormula));
   SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, btc, "B*T*C"));
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, 3 * btc, "B*T*3C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, qkv, kQkvFormula));
   SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, btc, "B*T*C"));
   return c.numel_is(4, lse, "B*NH*T");
 }
@@ -270,6 +292,56 @@ Status check_crossentropy(const OpCheck& c) {
   SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N, "N"));
   SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.N * (a.ld == 0 ? a.V : a.ld), "N*ld (ld = V unless given)"));
   return c.numel_is(2, a.N, "N");
+}
+
+// ---- RoPE (Llama) -------------------------------------------------------------
+// RopeForward  (out W, inp R)    attrs B T C NH [KVH] rope
+// RopeBackward (dinp W, dout R)  attrs B T C NH [KVH] rope
+// Both [B,T,(NH+2·KVH)·D], D = C/NH, laid out as attention's qkv: the q and k heads
+// are turned by position t (tensor/rope.h), the v heads copied; the backward turns
+// the gradient back (the transpose). D must be even (pairs i, i + D/2).
+
+constexpr OpSlot kRopeForwardSlots[] = {{"out", A::Write, D::Act}, {"inp", A::Read, D::Act}};
+constexpr OpSlot kRopeBackwardSlots[] = {{"dinp", A::Write, D::Act}, {"dout", A::Read, D::Act}};
+
+Status check_rope(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(check_heads(c));
+  const int64_t D = a.C / a.NH;
+  if (D % 2 != 0) return c.fail("head size C/NH = " + std::to_string(D) + " is odd; rotary pairs need an even one");
+  const RopeParams& r = a.rope;
+  if (!(r.theta > 0)) return c.fail("attrs.rope.theta is " + std::to_string(r.theta) + "; must be positive");
+  if (r.llama3) {
+    if (!(r.factor > 0) || !(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor) ||
+        r.original_context <= 0)
+      return c.fail("attrs.rope (llama3) has factor " + std::to_string(r.factor) + ", low_freq_factor " +
+                    std::to_string(r.low_freq_factor) + ", high_freq_factor " + std::to_string(r.high_freq_factor) +
+                    ", original_context " + std::to_string(r.original_context) +
+                    "; need factor > 0, 0 < low_freq_factor < high_freq_factor, original_context > 0");
+  }
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, qkv_elements(a), kQkvFormula));
+  return c.numel_is(1, qkv_elements(a), kQkvFormula);
+}
+
+// ---- SwiGLU (Llama MLP) ---------------------------------------------------------
+// SwiGluForward  (out W, inp R)           attrs N, C = I
+// SwiGluBackward (dinp W, inp R, dout R)  attrs N, C = I
+// inp/dinp [N, 2I] = [gate | up] per row; out/dout [N, I]: out = silu(gate) · up.
+
+constexpr OpSlot kSwiGluForwardSlots[] = {{"out", A::Write, D::Act}, {"inp", A::Read, D::Act}};
+constexpr OpSlot kSwiGluBackwardSlots[] = {
+    {"dinp", A::Write, D::Act}, {"inp", A::Read, D::Act}, {"dout", A::Read, D::Act}};
+
+Status check_swiglu(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}}));
+  if (c.op().kind == OpKind::SwiGluForward) {
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+    return c.numel_is(1, 2 * a.N * a.C, "N*2C (gate | up)");
+  }
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, 2 * a.N * a.C, "N*2C (gate | up)"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, 2 * a.N * a.C, "N*2C (gate | up)"));
+  return c.numel_is(2, a.N * a.C, "N*C");
 }
 
 // ---- SquaredNorm: (out_sq W, grad R)  attrs n -----------------------------------
@@ -361,6 +433,11 @@ constexpr OpKindInfo kOpKinds[] = {
      .check = check_crossentropy},
     {.kind = OpKind::CrossEntropyBackward, .name = "CrossEntropyBackward", .slots = kCrossEntropyBackwardSlots,
      .check = check_crossentropy},
+    {.kind = OpKind::RopeForward, .name = "RopeForward", .slots = kRopeForwardSlots, .check = check_rope},
+    {.kind = OpKind::RopeBackward, .name = "RopeBackward", .slots = kRopeBackwardSlots, .check = check_rope},
+    {.kind = OpKind::SwiGluForward, .name = "SwiGluForward", .slots = kSwiGluForwardSlots, .check = check_swiglu},
+    {.kind = OpKind::SwiGluBackward, .name = "SwiGluBackward", .slots = kSwiGluBackwardSlots,
+     .check = check_swiglu},
     {.kind = OpKind::SquaredNorm, .name = "SquaredNorm", .slots = kSquaredNormSlots, .check = check_squared_norm},
     {.kind = OpKind::ClipScale, .name = "ClipScale", .slots = kClipScaleSlots, .check = check_clip_scale},
     {.kind = OpKind::AdamW, .name = "AdamW", .slots = kAdamWSlots, .check = check_adamw, .host = true,

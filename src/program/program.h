@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tensor/rope.h"
 #include "tensor/tensor.h"
 
 namespace spillway {
@@ -45,6 +46,10 @@ enum class OpKind : uint8_t {
   ResidualForward,
   CrossEntropyForward,
   CrossEntropyBackward,
+  RopeForward,
+  RopeBackward,
+  SwiGluForward,
+  SwiGluBackward,
   SquaredNorm,
   ClipScale,
   AdamW,  // keep it last, or change kOpKindCount
@@ -70,6 +75,8 @@ struct OpAttrs {
   int64_t begin = 0;  // Matmul*: first column of out/dout; Embedding*: first vocab row of wte
   int64_t block = 0;  // Matmul*: output channels per block; SquaredNorm: elements per segment
   float scale = 0;    // CrossEntropyBackward: dloss scale; ClipScale: max norm; AdamW: weight decay
+  int64_t KVH = 0;    // Attention*, Rope*: key/value heads (0: NH, multi-head attention)
+  RopeParams rope = {};  // Rope*
 };
 
 struct Op {

@@ -169,9 +169,12 @@ Vec ref_matmul(const Vec& inp, const Vec& w, const Vec* bias, int N, int C, int 
   return out;
 }
 
-// out[B,T,C]; lse[B,NH,T] when given.
-Vec ref_attention(const Vec& qkv, int B, int T, int C, int NH, Vec* lse = nullptr) {
+// out[B,T,C]; lse[B,NH,T] when given. qkv[B,T,(NH+2·KVH)·hs]: query head h reads
+// key/value head h / (NH/KVH) (KVH = 0: NH).
+Vec ref_attention(const Vec& qkv, int B, int T, int C, int NH, Vec* lse = nullptr, int KVH = 0) {
   const int hs = C / NH;
+  if (KVH == 0) KVH = NH;
+  const int W = (NH + 2 * KVH) * hs;  // row width of qkv
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   Vec out(static_cast<size_t>(B) * T * C, 0.0);
   if (lse) lse->assign(static_cast<size_t>(B) * NH * T, 0.0);
@@ -179,10 +182,11 @@ Vec ref_attention(const Vec& qkv, int B, int T, int C, int NH, Vec* lse = nullpt
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < NH; ++h)
       for (int i = 0; i < T; ++i) {
-        const double* q = &qkv[(b * T + i) * 3 * C + h * hs];
+        const int g = h / (NH / KVH);
+        const double* q = &qkv[(b * T + i) * W + h * hs];
         double m = -1e300;
         for (int j = 0; j <= i; ++j) {
-          const double* k = &qkv[(b * T + j) * 3 * C + C + h * hs];
+          const double* k = &qkv[(b * T + j) * W + (NH + g) * hs];
           double d = 0;
           for (int e = 0; e < hs; ++e) d += q[e] * k[e];
           s[j] = d * scale;
@@ -194,7 +198,7 @@ Vec ref_attention(const Vec& qkv, int B, int T, int C, int NH, Vec* lse = nullpt
         if (lse) (*lse)[(b * NH + h) * T + i] = l;
         for (int j = 0; j <= i; ++j) {
           const double p = std::exp(s[j] - l);
-          const double* v = &qkv[(b * T + j) * 3 * C + 2 * C + h * hs];
+          const double* v = &qkv[(b * T + j) * W + (NH + KVH + g) * hs];
           for (int e = 0; e < hs; ++e) out[(b * T + i) * C + h * hs + e] += p * v[e];
         }
       }
@@ -691,4 +695,257 @@ TEST(CpuOps, ExpApproximation) {
   f32x4 x = {-3.25f, 0.125f, 7.5f, -60.0f};
   f32x4 y = exp4(x);
   for (int l = 0; l < 4; ++l) EXPECT_EQ(y[l], exp_scalar(x[l]));
+}
+
+// ---- Llama ops: RoPE, SwiGLU, grouped-query attention, embedding without positions ----
+
+namespace {
+
+// inv_freq of rotation pair i as transformers computes it, written out here apart from
+// tensor/rope.cpp: 1/theta^(2i/D); llama3 scales by wavelength band (torch.where form).
+double ref_inv_freq(const RopeParams& r, int D, int i) {
+  const double inv = 1.0 / std::pow(static_cast<double>(r.theta), 2.0 * i / D);
+  if (!r.llama3) return inv;
+  const double wavelen = 2 * M_PI / inv;
+  const double low_wl = r.original_context / static_cast<double>(r.low_freq_factor);
+  const double high_wl = r.original_context / static_cast<double>(r.high_freq_factor);
+  const double scaled = wavelen > low_wl ? inv / r.factor : inv;
+  if (wavelen < high_wl || wavelen > low_wl) return scaled;
+  const double smooth =
+      (r.original_context / wavelen - r.low_freq_factor) / (static_cast<double>(r.high_freq_factor) - r.low_freq_factor);
+  return (1 - smooth) * scaled / r.factor + smooth * scaled;
+}
+
+// RoPE of x[B,T,(NH+2·KVH)·D] in float64: q and k heads turned, v heads copied.
+Vec ref_rope(const Vec& x, int B, int T, int NH, int KVH, int D, const RopeParams& r) {
+  Vec y = x;
+  const int W = (NH + 2 * KVH) * D, half = D / 2;
+  for (int n = 0; n < B * T; ++n)
+    for (int i = 0; i < half; ++i) {
+      const double angle = (n % T) * ref_inv_freq(r, D, i), c = std::cos(angle), s = std::sin(angle);
+      for (int h = 0; h < NH + KVH; ++h) {
+        const size_t o = static_cast<size_t>(n) * W + h * D + i;
+        y[o] = x[o] * c - x[o + half] * s;
+        y[o + half] = x[o + half] * c + x[o] * s;
+      }
+    }
+  return y;
+}
+
+const RopeParams kLlama32Rope{.theta = 500000.0f, .llama3 = true, .factor = 32, .low_freq_factor = 1,
+                              .high_freq_factor = 4, .original_context = 8192};
+
+// Forward against float64, v heads copied exactly, backward against central
+// differences, and backward(forward(x)) = x (a rotation's transpose is its inverse).
+void check_rope(int B, int T, int NH, int KVH, int D, const RopeParams& r, uint32_t seed) {
+  auto be = cpu_backend(2);
+  Buffers buf(*be);
+  const int W = (NH + 2 * KVH) * D;
+  const size_t n = static_cast<size_t>(B) * T * W;
+  auto x = random_floats(n, seed, -1.5f, 1.5f);
+  auto w = random_floats(n, seed + 1);
+  float* d_x = buf.make(x);
+  float* d_out = buf.make(std::vector<float>(n, kNaN));
+  float* d_w = buf.make(w);
+  float* d_dinp = buf.make(std::vector<float>(n, kNaN));  // overwritten
+  float* d_back = buf.make(std::vector<float>(n, kNaN));
+
+  be->rope_forward(d_out, d_x, B, T, NH, KVH, D, r);
+  const Vec xd = to_double(x);
+  const std::vector<float> out = buf.get(d_out, n);
+  expect_close(out, ref_rope(xd, B, T, NH, KVH, D, r), "rope out");
+  for (size_t row = 0; row < n / W; ++row)
+    for (int c = (NH + KVH) * D; c < W; ++c) ASSERT_EQ(out[row * W + c], x[row * W + c]) << "v head copied";
+
+  be->rope_backward(d_dinp, d_w, B, T, NH, KVH, D, r);
+  Vec g = finite_difference_gradient([&](const Vec& v) { return ref_rope(v, B, T, NH, KVH, D, r); }, xd,
+                                     to_double(w));
+  expect_close(buf.get(d_dinp, n), g, "rope dinp (overwritten)");
+
+  be->rope_backward(d_back, d_out, B, T, NH, KVH, D, r);
+  expect_close(buf.get(d_back, n), xd, "rope backward(forward(x))", 1e-5, 1e-6);
+}
+
+}  // namespace
+
+TEST(CpuOps, RopeInvFreqDefaultAndLlama3Bands) {
+  // Default: 1/theta^(2i/D).
+  const RopeParams plain{};
+  EXPECT_EQ(rope_inv_freq(plain, 8, 0), 1.0f);
+  EXPECT_EQ(rope_inv_freq(plain, 8, 1), 0.1f);
+  EXPECT_EQ(rope_inv_freq(plain, 8, 3), 0.001f);
+  // Llama 3.2 (theta 500000, factor 32, bands at wavelengths 2048 and 8192): with D = 64
+  // pairs fall in each band.
+  const RopeParams& r = kLlama32Rope;
+  const RopeParams unscaled{.theta = r.theta};
+  int high = 0, medium = 0, low = 0;
+  for (int i = 0; i < 32; ++i) {
+    SCOPED_TRACE(i);
+    const double base = ref_inv_freq(unscaled, 64, i), want = ref_inv_freq(r, 64, i);
+    const float got = rope_inv_freq(r, 64, i);
+    EXPECT_LE(std::abs(got - want), 1e-7 * want);
+    const double wavelen = 2 * M_PI / base;
+    if (wavelen < 2048) {
+      EXPECT_EQ(got, static_cast<float>(base));
+      ++high;
+    } else if (wavelen > 8192) {
+      EXPECT_EQ(got, static_cast<float>(base / 32));
+      ++low;
+    } else {
+      EXPECT_GT(got, static_cast<float>(base / 32));
+      EXPECT_LT(got, static_cast<float>(base));
+      ++medium;
+    }
+  }
+  EXPECT_GT(high, 0);
+  EXPECT_GT(medium, 0);
+  EXPECT_GT(low, 0);
+}
+
+TEST(CpuOps, RopeForwardAndBackward) { check_rope(2, 5, 4, 2, 8, RopeParams{}, 200); }
+TEST(CpuOps, RopeMultiHeadAndOddPairCount) { check_rope(1, 7, 3, 3, 6, RopeParams{.theta = 100.0f}, 210); }
+TEST(CpuOps, RopeLlama3Scaling) { check_rope(1, 9, 2, 1, 64, kLlama32Rope, 220); }
+
+namespace {
+
+double ref_silu(double x) { return x / (1.0 + std::exp(-x)); }
+
+// out[N,I] = silu(gate)·up from inp[N,2I] = [gate | up], float64.
+Vec ref_swiglu(const Vec& inp, int N, int I) {
+  Vec out(static_cast<size_t>(N) * I);
+  for (int n = 0; n < N; ++n)
+    for (int i = 0; i < I; ++i) out[n * I + i] = ref_silu(inp[n * 2 * I + i]) * inp[n * 2 * I + I + i];
+  return out;
+}
+
+void check_swiglu(int N, int I, uint32_t seed) {
+  auto be = cpu_backend(2);
+  Buffers buf(*be);
+  auto x = random_floats(static_cast<size_t>(N) * 2 * I, seed, -5.0f, 5.0f);
+  x[0] = 0.0f;
+  x[1] = -30.0f;
+  x[2] = 30.0f;
+  auto w = random_floats(static_cast<size_t>(N) * I, seed + 1);
+  float* d_x = buf.make(x);
+  float* d_out = buf.make(std::vector<float>(N * I, kNaN));
+  float* d_w = buf.make(w);
+  float* d_dinp = buf.make(std::vector<float>(N * 2 * I, kNaN));  // overwritten
+  be->swiglu_forward(d_out, d_x, N, I);
+  be->swiglu_backward(d_dinp, d_x, d_w, N, I);
+  const Vec xd = to_double(x);
+  expect_close(buf.get(d_out, N * I), ref_swiglu(xd, N, I), "swiglu out");
+  Vec g = finite_difference_gradient([&](const Vec& v) { return ref_swiglu(v, N, I); }, xd, to_double(w));
+  expect_close(buf.get(d_dinp, N * 2 * I), g, "swiglu dinp (overwritten)");
+}
+
+}  // namespace
+
+TEST(CpuOps, SwiGluForwardAndBackward) { check_swiglu(6, 16, 300); }
+TEST(CpuOps, SwiGluOddWidth) { check_swiglu(5, 7, 310); }
+
+namespace {
+
+// Grouped-query attention (NH query heads, KVH key/value heads): forward and lse
+// against float64 and against multi-head attention on qkv with each key/value head
+// repeated for its query heads; the backward against central differences, its dQ
+// against the repeated run's, and dK/dV against the repeated run's summed over each
+// group.
+void check_gqa(int B, int T, int D, int NH, int KVH, uint32_t seed) {
+  auto be = cpu_backend(2);
+  Buffers buf(*be);
+  const int C = NH * D, W = (NH + 2 * KVH) * D, WM = 3 * C, group = NH / KVH;
+  const size_t rows = static_cast<size_t>(B) * T;
+  auto qkv = random_floats(rows * W, seed, -1.5f, 1.5f);
+  auto w = random_floats(rows * C, seed + 1);
+  // The repeated multi-head qkv: query heads as they are, key/value head h/group as head h.
+  std::vector<float> rep(rows * WM);
+  for (size_t r = 0; r < rows; ++r)
+    for (int h = 0; h < NH; ++h)
+      for (int e = 0; e < D; ++e) {
+        const int g = h / group;
+        rep[r * WM + h * D + e] = qkv[r * W + h * D + e];
+        rep[r * WM + C + h * D + e] = qkv[r * W + (NH + g) * D + e];
+        rep[r * WM + 2 * C + h * D + e] = qkv[r * W + (NH + KVH + g) * D + e];
+      }
+  float* d_qkv = buf.make(qkv);
+  float* d_rep = buf.make(rep);
+  float* d_w = buf.make(w);
+  float* d_out = buf.make(std::vector<float>(rows * C, kNaN));
+  float* d_lse = buf.make(std::vector<float>(B * NH * T, kNaN));
+  float* d_out_m = buf.make(std::vector<float>(rows * C, kNaN));
+  float* d_lse_m = buf.make(std::vector<float>(B * NH * T, kNaN));
+  float* d_dqkv = buf.make(std::vector<float>(rows * W, kNaN));  // overwritten
+  float* d_drep = buf.make(std::vector<float>(rows * WM, kNaN));
+
+  be->attention_forward(d_out, d_lse, d_qkv, B, T, C, NH, KVH);
+  be->attention_forward(d_out_m, d_lse_m, d_rep, B, T, C, NH);
+  const Vec qd = to_double(qkv);
+  Vec lse;
+  expect_close(buf.get(d_out, rows * C), ref_attention(qd, B, T, C, NH, &lse, KVH), "gqa out");
+  expect_close(buf.get(d_lse, B * NH * T), lse, "gqa lse");
+  expect_close(buf.get(d_out, rows * C), to_double(buf.get(d_out_m, rows * C)), "gqa out vs repeated", 1e-5, 1e-6);
+  expect_close(buf.get(d_lse, B * NH * T), to_double(buf.get(d_lse_m, B * NH * T)), "gqa lse vs repeated", 1e-6,
+               1e-7);
+
+  be->attention_backward(d_dqkv, d_w, d_qkv, d_out, d_lse, B, T, C, NH, KVH);
+  be->attention_backward(d_drep, d_w, d_rep, d_out_m, d_lse_m, B, T, C, NH);
+  const std::vector<float> dqkv = buf.get(d_dqkv, rows * W), drep = buf.get(d_drep, rows * WM);
+  Vec g = finite_difference_gradient([&](const Vec& v) { return ref_attention(v, B, T, C, NH, nullptr, KVH); }, qd,
+                                     to_double(w));
+  expect_close(dqkv, g, "gqa dqkv (overwritten)");
+  // The repeated run's gradient, key/value heads summed over each group.
+  Vec want(rows * W, 0.0);
+  for (size_t r = 0; r < rows; ++r)
+    for (int h = 0; h < NH; ++h)
+      for (int e = 0; e < D; ++e) {
+        const int kv = h / group;
+        want[r * W + h * D + e] = drep[r * WM + h * D + e];
+        want[r * W + (NH + kv) * D + e] += drep[r * WM + C + h * D + e];
+        want[r * W + (NH + KVH + kv) * D + e] += drep[r * WM + 2 * C + h * D + e];
+      }
+  expect_close(dqkv, want, "gqa dqkv vs repeated, group sums", 1e-5, 1e-6);
+}
+
+}  // namespace
+
+TEST(CpuOps, GroupedQueryAttentionTwoGroups) { check_gqa(2, 7, 4, 4, 2, 400); }
+TEST(CpuOps, GroupedQueryAttentionOneKeyValueHead) { check_gqa(2, 6, 5, 4, 1, 410); }
+TEST(CpuOps, GroupedQueryAttentionAcrossQueryBlocks) { check_gqa(1, 70, 4, 4, 1, 420); }
+
+TEST(CpuOps, GroupedQueryAttentionIsTheSameForAnyThreadCount) {
+  const int B = 3, T = 80, D = 8, NH = 6, KVH = 2, C = NH * D, W = (NH + 2 * KVH) * D;
+  auto qkv = random_floats(B * T * W, 430, -2.0f, 2.0f), g = random_floats(B * T * C, 431);
+  std::vector<std::vector<float>> results;
+  for (int threads : {1, 3}) {
+    auto be = cpu_backend(threads);
+    Buffers buf(*be);
+    float* d_qkv = buf.make(qkv);
+    float* d_g = buf.make(g);
+    float* d_out = buf.make(std::vector<float>(B * T * C));
+    float* d_lse = buf.make(std::vector<float>(B * NH * T));
+    float* d_dqkv = buf.make(std::vector<float>(B * T * W));
+    be->attention_forward(d_out, d_lse, d_qkv, B, T, C, NH, KVH);
+    be->attention_backward(d_dqkv, d_g, d_qkv, d_out, d_lse, B, T, C, NH, KVH);
+    std::vector<float> all = buf.get(d_out, B * T * C);
+    for (auto part : {buf.get(d_lse, B * NH * T), buf.get(d_dqkv, B * T * W)})
+      all.insert(all.end(), part.begin(), part.end());
+    results.push_back(all);
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  EXPECT_EQ(std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)), 0);
+}
+
+TEST(CpuOps, EmbeddingWithoutPositionTable) {
+  const int B = 2, T = 5, C = 8, V = 11;
+  auto be = cpu_backend(2);
+  Buffers buf(*be);
+  auto tokens = random_ints(B * T, 500, V);
+  auto wte = random_floats(V * C, 501);
+  int32_t* d_tokens = buf.make(tokens);
+  float* d_wte = buf.make(wte);
+  float* d_out = buf.make(std::vector<float>(B * T * C, kNaN));
+  be->embedding_forward(d_out, d_tokens, d_wte, nullptr, B, T, C);
+  const std::vector<float> out = buf.get(d_out, B * T * C);
+  for (int n = 0; n < B * T; ++n)
+    for (int c = 0; c < C; ++c) ASSERT_EQ(out[n * C + c], wte[tokens[n] * C + c]) << n << "," << c;
 }

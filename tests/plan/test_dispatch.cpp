@@ -3,6 +3,7 @@
 // before any backend call, with an error naming the op and its kind.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -64,4 +65,70 @@ TEST(Dispatch, OperandCountsComeFromTheRegistry) {
   Status st = run_device_op(**backend, program, probe(static_cast<OpKind>(kOpKindCount)), {}, OptimizerStep{});
   ASSERT_FALSE(st.is_ok());
   EXPECT_TRUE(contains(st.message(), "op probe: unknown kind")) << st.message();
+}
+
+namespace {
+
+// Runs `op` on the CPU backend with host vectors as its operands (the CPU backend's
+// device memory is host memory) and returns them afterwards.
+std::vector<std::vector<float>> run_on_cpu(const Op& op, std::vector<std::vector<float>> operands) {
+  auto backend = make_backend("cpu", {.threads = 1});
+  EXPECT_TRUE(backend.ok()) << backend.status().to_string();
+  std::vector<void*> ptrs;
+  for (auto& v : operands) ptrs.push_back(v.data());
+  Program program;
+  Status st = run_device_op(**backend, program, op, ptrs, OptimizerStep{});
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  return operands;
+}
+
+std::vector<float> ramp(size_t n, float step) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = std::sin(static_cast<float>(i) * step);
+  return v;
+}
+
+}  // namespace
+
+// The Llama ops reach their backend calls with their attrs: KVH = 0 is NH (the same
+// bits as KVH = NH), a grouped-query KVH is passed on, RoPE gets D = C/NH and its
+// params, SwiGLU gets I = C.
+TEST(Dispatch, LlamaOpsPassTheirAttrs) {
+  const int B = 1, T = 3, NH = 4, D = 4, C = NH * D;
+  Op attn = probe(OpKind::AttentionForward);
+  attn.attrs = {.B = B, .T = T, .C = C, .NH = NH};
+  const auto mha = run_on_cpu(attn, {std::vector<float>(B * T * C), std::vector<float>(B * NH * T),
+                                     ramp(B * T * 3 * C, 0.37f)});
+  attn.attrs.KVH = NH;
+  EXPECT_EQ(run_on_cpu(attn, mha), mha);
+  // Two key/value heads: qkv is [B,T,(NH+4)·D]; the backend call with KVH = 2 gives the same.
+  attn.attrs.KVH = 2;
+  const std::vector<float> qkv = ramp(B * T * (NH + 4) * D, 0.29f);
+  const auto gqa = run_on_cpu(attn, {std::vector<float>(B * T * C), std::vector<float>(B * NH * T), qkv});
+  auto backend = make_backend("cpu", {.threads = 1});
+  ASSERT_TRUE(backend.ok());
+  std::vector<float> out(B * T * C), lse(B * NH * T);
+  (*backend)->attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH, 2);
+  EXPECT_EQ(gqa[0], out);
+  EXPECT_EQ(gqa[1], lse);
+
+  Op rope = probe(OpKind::RopeForward);
+  const RopeParams params{.theta = 50.0f};
+  rope.attrs = {.B = B, .T = T, .C = C, .NH = NH, .KVH = 2, .rope = params};
+  const auto rotated = run_on_cpu(rope, {std::vector<float>(qkv.size()), qkv});
+  std::vector<float> want(qkv.size());
+  (*backend)->rope_forward(want.data(), qkv.data(), B, T, NH, 2, D, params);
+  EXPECT_EQ(rotated[0], want);
+  rope.kind = OpKind::RopeBackward;
+  const auto back = run_on_cpu(rope, {std::vector<float>(qkv.size()), rotated[0]});
+  (*backend)->rope_backward(want.data(), rotated[0].data(), B, T, NH, 2, D, params);
+  EXPECT_EQ(back[0], want);
+
+  Op swiglu = probe(OpKind::SwiGluForward);
+  swiglu.attrs = {.C = 5, .N = 3};
+  const std::vector<float> gate_up = ramp(30, 0.41f);
+  const auto act = run_on_cpu(swiglu, {std::vector<float>(15), gate_up});
+  std::vector<float> act_want(15);
+  (*backend)->swiglu_forward(act_want.data(), gate_up.data(), 3, 5);
+  EXPECT_EQ(act[0], act_want);
 }

@@ -172,8 +172,21 @@ TEST(OpRegistry, BytesMovedCountUpdatesTwiceAndEmbeddingRows) {
   EXPECT_DOUBLE_EQ(op_bytes_moved(p, ce), 40.0 + 2 * 40.0 + 20.0);
   // Embedding: out [B,T,C] once, the selected wte and wpe rows once each, the tokens.
   TensorId act = p.tensors.add({"x", DType::BF16, {1, 2, 3}, Role::Activation});
-  Op emb = make_op(OpKind::EmbeddingForward, {.B = 1, .T = 2, .C = 3}, {{act, Access::Write}});
+  TensorId tokens = p.tensors.add({"tokens", DType::I32, {1, 2}, Role::Input});
+  TensorId wte = p.tensors.add({"wte", DType::BF16, {5, 3}, Role::Param});
+  TensorId wpe = p.tensors.add({"wpe", DType::BF16, {4, 3}, Role::Param});
+  Op emb = make_op(OpKind::EmbeddingForward, {.B = 1, .T = 2, .C = 3},
+                   {{act, Access::Write}, {tokens, Access::Read}, {wte, Access::Read}, {wpe, Access::Read}});
   EXPECT_DOUBLE_EQ(op_bytes_moved(p, emb), 3 * 6 * 2.0 + 4 * 2.0);
+  // Without a position table (Llama): out and the wte rows.
+  emb.operands.pop_back();
+  EXPECT_DOUBLE_EQ(op_bytes_moved(p, emb), 2 * 6 * 2.0 + 4 * 2.0);
+  // The backward: dout read, the dwte rows (and dwpe rows) read and written.
+  Op bwd = make_op(OpKind::EmbeddingBackward, {.B = 1, .T = 2, .C = 3},
+                   {{wte, Access::Update}, {act, Access::Read}, {tokens, Access::Read}, {wpe, Access::Update}});
+  EXPECT_DOUBLE_EQ(op_bytes_moved(p, bwd), 5 * 6 * 2.0 + 4 * 2.0);
+  bwd.operands.pop_back();
+  EXPECT_DOUBLE_EQ(op_bytes_moved(p, bwd), 3 * 6 * 2.0 + 4 * 2.0);
 }
 
 TEST(OpRegistry, HostOpsNameTheirStateSlots) {
@@ -232,4 +245,151 @@ TEST(OpRegistry, RmsNormValidatesFromItsEntry) {
   st = q.validate();
   ASSERT_FALSE(st.is_ok());
   EXPECT_TRUE(contains(st.message(), "operand 1 (rstd) 'rstd' has 7 elements; expected N = 6")) << st.message();
+}
+
+namespace {
+
+// The first error of validating p, "" when it validates.
+std::string error_of(const Program& p) {
+  Status st = p.validate();
+  return st.is_ok() ? "" : st.message();
+}
+
+// A program of one forward and one backward op of `fwd`/`bwd` kind over qkv-layout
+// tensors [B,T,(NH+2·KVH)·D] with these attrs (RoPE), or of width `qkv_width` when given.
+Program rope_program(const OpAttrs& a, int64_t width) {
+  Program p;
+  TensorId x = p.tensors.add({"x", DType::BF16, {a.B, a.T, width}, Role::Input});
+  TensorId y = p.tensors.add({"y", DType::BF16, {a.B, a.T, width}, Role::Activation});
+  TensorId dy = p.tensors.add({"dy", DType::BF16, {a.B, a.T, width}, Role::Input});
+  TensorId dx = p.tensors.add({"dx", DType::BF16, {a.B, a.T, width}, Role::Activation});
+  p.inputs = {x, dy};
+  p.add_op(make_op(OpKind::RopeForward, a, {{y, Access::Write}, {x, Access::Read}}));
+  p.add_op(make_op(OpKind::RopeBackward, a, {{dx, Access::Write}, {dy, Access::Read}}));
+  p.outputs = {y, dx};
+  return p;
+}
+
+}  // namespace
+
+// RoPE over grouped-query qkv: sizes (NH+2·KVH)·D per row, KVH dividing NH, an even head
+// size and sane rope parameters, each refused with the attr named.
+TEST(OpRegistry, RopeValidatesHeadsSizesAndParams) {
+  const OpAttrs a{.B = 2, .T = 3, .C = 32, .NH = 4, .KVH = 2, .rope = {.theta = 500000.0f}};
+  const int64_t D = 8, width = (4 + 2 * 2) * D;
+  EXPECT_EQ(error_of(rope_program(a, width)), "");
+  EXPECT_EQ(op_flops(rope_program(a, width).ops[0]), 0.0);  // memory-bound
+  // KVH = 0 means NH: [q C | k C | v C].
+  OpAttrs mha = a;
+  mha.KVH = 0;
+  EXPECT_EQ(error_of(rope_program(mha, 3 * 32)), "");
+  // A wrong width names the slot and the formula.
+  std::string e = error_of(rope_program(a, 3 * 32));
+  EXPECT_TRUE(contains(e, "op 0 'probe' (RopeForward): operand 0 (out) 'y' has 576 elements; expected "
+                          "B*T*(NH+2*KVH)*C/NH = 384"))
+      << e;
+  OpAttrs bad = a;
+  bad.KVH = 3;
+  e = error_of(rope_program(bad, width));
+  EXPECT_TRUE(contains(e, "(RopeForward): attrs.KVH = 3 does not divide attrs.NH = 4")) << e;
+  bad = a;
+  bad.C = 20;  // D = 5
+  e = error_of(rope_program(bad, (4 + 4) * 5));
+  EXPECT_TRUE(contains(e, "(RopeForward): head size C/NH = 5 is odd")) << e;
+  bad = a;
+  bad.rope.theta = 0;
+  e = error_of(rope_program(bad, width));
+  EXPECT_TRUE(contains(e, "attrs.rope.theta is 0")) << e;
+  bad = a;
+  bad.rope = {.theta = 500000.0f, .llama3 = true, .factor = 32, .low_freq_factor = 4, .high_freq_factor = 1,
+              .original_context = 8192};
+  e = error_of(rope_program(bad, width));
+  EXPECT_TRUE(contains(e, "attrs.rope (llama3)") && contains(e, "low_freq_factor < high_freq_factor")) << e;
+  bad.rope.low_freq_factor = 1;
+  bad.rope.high_freq_factor = 4;
+  EXPECT_EQ(error_of(rope_program(bad, width)), "");
+  bad.rope.original_context = 0;
+  e = error_of(rope_program(bad, width));
+  EXPECT_TRUE(contains(e, "original_context 0")) << e;
+}
+
+TEST(OpRegistry, SwiGluValidatesGateAndUpHalves) {
+  const int64_t N = 6, I = 10;
+  Program p;
+  TensorId x = p.tensors.add({"x", DType::BF16, {N, 2 * I}, Role::Input});
+  TensorId y = p.tensors.add({"y", DType::BF16, {N, I}, Role::Activation});
+  TensorId dy = p.tensors.add({"dy", DType::BF16, {N, I}, Role::Input});
+  TensorId dx = p.tensors.add({"dx", DType::BF16, {N, 2 * I}, Role::Activation});
+  p.inputs = {x, dy};
+  p.add_op(make_op(OpKind::SwiGluForward, {.C = I, .N = N}, {{y, Access::Write}, {x, Access::Read}}));
+  p.add_op(make_op(OpKind::SwiGluBackward, {.C = I, .N = N},
+                   {{dx, Access::Write}, {x, Access::Read}, {dy, Access::Read}}));
+  p.outputs = {y, dx};
+  EXPECT_EQ(error_of(p), "");
+  EXPECT_EQ(op_flops(p.ops[1]), 0.0);
+  Program q = p;
+  q.ops[0].operands[1].tensor = dy;  // [N,I] where [N,2I] is due
+  std::string e = error_of(q);
+  EXPECT_TRUE(contains(e, "(SwiGluForward): operand 1 (inp) 'dy' has 60 elements; expected N*2C (gate | up) = 120"))
+      << e;
+  q = p;
+  q.ops[1].operands[0].tensor = y;
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(SwiGluBackward): operand 0 (dinp) 'y' has 60 elements; expected N*2C (gate | up) = 120"))
+      << e;
+  q = p;
+  q.ops[1].attrs.N = 0;
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(SwiGluBackward): attrs.N is 0; must be positive")) << e;
+}
+
+// Attention over grouped-query qkv: B*T*(NH+2*KVH)*D elements, KVH dividing NH; the
+// flops count the query heads only (the same as multi-head attention of width C).
+TEST(OpRegistry, GroupedQueryAttentionSizesAndFlops) {
+  const int64_t B = 2, T = 4, NH = 4, KVH = 1, D = 8, C = NH * D;
+  const int64_t width = (NH + 2 * KVH) * D;
+  Program p;
+  TensorId qkv = p.tensors.add({"qkv", DType::BF16, {B, T, width}, Role::Input});
+  TensorId out = p.tensors.add({"out", DType::BF16, {B, T, C}, Role::Activation});
+  TensorId lse = p.tensors.add({"lse", DType::F32, {B, NH, T}, Role::Activation});
+  TensorId dout = p.tensors.add({"dout", DType::BF16, {B, T, C}, Role::Input});
+  TensorId dqkv = p.tensors.add({"dqkv", DType::BF16, {B, T, width}, Role::Activation});
+  p.inputs = {qkv, dout};
+  const OpAttrs a{.B = B, .T = T, .C = C, .NH = NH, .KVH = KVH};
+  p.add_op(make_op(OpKind::AttentionForward, a, {{out, Access::Write}, {lse, Access::Write}, {qkv, Access::Read}}));
+  p.add_op(make_op(OpKind::AttentionBackward, a,
+                   {{dqkv, Access::Write}, {dout, Access::Read}, {qkv, Access::Read}, {out, Access::Read},
+                    {lse, Access::Read}}));
+  p.outputs = {dqkv};
+  EXPECT_EQ(error_of(p), "");
+  EXPECT_DOUBLE_EQ(op_flops(p.ops[0]), 2.0 * B * T * T * C);
+  EXPECT_DOUBLE_EQ(op_flops(p.ops[1]), 4.0 * B * T * T * C);
+  Program q = p;
+  q.ops[0].attrs.KVH = 0;  // multi-head: qkv would be B*T*3C
+  std::string e = error_of(q);
+  EXPECT_TRUE(contains(e, "(AttentionForward): operand 2 (qkv) 'qkv' has 384 elements; expected "
+                          "B*T*(NH+2*KVH)*C/NH = 768"))
+      << e;
+  q = p;
+  q.ops[1].attrs.KVH = 3;
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "op 1 'probe' (AttentionBackward): attrs.KVH = 3 does not divide attrs.NH = 4")) << e;
+  q = p;
+  q.ops[1].attrs.KVH = -2;
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "attrs.KVH = -2")) << e;
+}
+
+// Llama has no position table: EmbeddingForward takes three operands.
+TEST(OpRegistry, EmbeddingWithoutPositionTable) {
+  Program p;
+  TensorId tokens = p.tensors.add({"tokens", DType::I32, {2, 3}, Role::Input});
+  TensorId wte = p.tensors.add({"wte", DType::BF16, {7, 4}, Role::Param});
+  TensorId out = p.tensors.add({"out", DType::BF16, {2, 3, 4}, Role::Activation});
+  p.inputs = {tokens};
+  p.add_op(make_op(OpKind::EmbeddingForward, {.B = 2, .T = 3, .C = 4},
+                   {{out, Access::Write}, {tokens, Access::Read}, {wte, Access::Read}}));
+  p.outputs = {out};
+  EXPECT_EQ(error_of(p), "");
+  EXPECT_EQ(op_required_operands(OpKind::EmbeddingForward), 3u);
 }

@@ -194,14 +194,34 @@ class CpuBackend final : public Backend {
     cpu::matmul_backward(pool_, f(dinp), f(dweight), f(dbias), f(dout), f(inp), f(weight), N, C, OC, ld_dout,
                          accumulate_dinp);
   }
-  void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) override {
+  using Backend::attention_backward;
+  using Backend::attention_forward;
+  void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH, int KVH) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::attention_forward(pool_, f(out), lse, f(qkv), B, T, C, NH);
+    cpu::attention_forward(pool_, f(out), lse, f(qkv), B, T, C, NH, KVH);
   }
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
-                          int B, int T, int C, int NH) override {
+                          int B, int T, int C, int NH, int KVH) override {
     std::lock_guard<std::mutex> lock(compute_mu_);
-    cpu::attention_backward(pool_, f(dqkv), f(dout), f(qkv), f(out), lse, B, T, C, NH);
+    cpu::attention_backward(pool_, f(dqkv), f(dout), f(qkv), f(out), lse, B, T, C, NH, KVH);
+  }
+  void rope_forward(void* out, const void* inp, int B, int T, int NH, int KVH, int D,
+                    const RopeParams& rope) override {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    cpu::rope(pool_, f(out), f(inp), B, T, NH, KVH, D, rope, 1.0f);
+  }
+  void rope_backward(void* dinp, const void* dout, int B, int T, int NH, int KVH, int D,
+                     const RopeParams& rope) override {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    cpu::rope(pool_, f(dinp), f(dout), B, T, NH, KVH, D, rope, -1.0f);
+  }
+  void swiglu_forward(void* out, const void* inp, int64_t N, int I) override {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    cpu::swiglu_forward(pool_, f(out), f(inp), N, I);
+  }
+  void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int I) override {
+    std::lock_guard<std::mutex> lock(compute_mu_);
+    cpu::swiglu_backward(pool_, f(dinp), f(inp), f(dout), N, I);
   }
   void gelu_forward(void* out, const void* inp, size_t n) override {
     std::lock_guard<std::mutex> lock(compute_mu_);

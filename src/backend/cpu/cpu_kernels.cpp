@@ -1,5 +1,5 @@
 // CPU kernels other than attention: embedding, layernorm, RMSNorm, matmul, GELU, residual,
-// cross-entropy and the squared norm. See cpu_kernels.h for the determinism rules.
+// RoPE, SwiGLU, cross-entropy and the squared norm. See cpu_kernels.h for the determinism rules.
 #include "backend/cpu/cpu_kernels.h"
 
 #include <cblas.h>
@@ -61,6 +61,10 @@ void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, cons
           const int64_t row = vocab_row(tokens[n], vocab_begin, vocab_rows);
           if (row < 0) continue;
           const float* te = wte + row * C;
+          if (wpe == nullptr) {
+            std::copy(te, te + C, out + n * C);
+            continue;
+          }
           const float* pe = wpe + (n % T) * C;
           map2(out + n * C, te, pe, C, [](auto a, auto b) { return a + b; });
         }
@@ -283,6 +287,75 @@ void residual_forward(ThreadPool& pool, float* out, const float* a, const float*
       static_cast<int64_t>(n),
       [&](int64_t i0, int64_t i1) { map2(out + i0, a + i0, b + i0, i1 - i0, [](auto x, auto y) { return x + y; }); },
       kElementGrain);
+}
+
+void rope(ThreadPool& pool, float* out, const float* inp, int B, int T, int NH, int KVH, int D,
+          const RopeParams& rope, float sign) {
+  const int64_t N = int64_t{B} * T, half = D / 2, width = (int64_t{NH} + 2 * KVH) * D;
+  const int64_t rotated = int64_t{NH} + KVH;  // q and k heads; the v heads follow
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) inv_freq[i] = rope_inv_freq(rope, D, static_cast<int>(i));
+  pool.parallel_for(
+      N,
+      [&](int64_t n0, int64_t n1) {
+        std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+        for (int64_t n = n0; n < n1; ++n) {
+          const float t = static_cast<float>(n % T);
+          for (int64_t i = 0; i < half; ++i) {
+            const float angle = t * inv_freq[i];
+            c[i] = std::cos(angle);
+            s[i] = sign * std::sin(angle);
+          }
+          const float* x = inp + n * width;
+          float* y = out + n * width;
+          for (int64_t h = 0; h < rotated; ++h) {
+            const float* x1 = x + h * D;
+            const float* x2 = x1 + half;
+            float* y1 = y + h * D;
+            float* y2 = y1 + half;
+            for (int64_t i = 0; i < half; ++i) {
+              const float a = x1[i], b = x2[i];
+              y1[i] = a * c[i] - b * s[i];
+              y2[i] = b * c[i] + a * s[i];
+            }
+          }
+          std::copy(x + rotated * D, x + width, y + rotated * D);
+        }
+      },
+      8);
+}
+
+void swiglu_forward(ThreadPool& pool, float* out, const float* inp, int64_t N, int I) {
+  pool.parallel_for(
+      N,
+      [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          const float* gate = inp + n * 2 * I;
+          map2(out + n * I, gate, gate + I, I, [](auto g, auto u) { return (g / (1.0f + exp_any(-g))) * u; });
+        }
+      },
+      8);
+}
+
+void swiglu_backward(ThreadPool& pool, float* dinp, const float* inp, const float* dout, int64_t N, int I) {
+  pool.parallel_for(
+      N,
+      [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) {
+          const float* gate = inp + n * 2 * I;
+          const float* up = gate + I;
+          const float* d = dout + n * I;
+          float* dgate = dinp + n * 2 * I;
+          float* dup = dgate + I;
+          // dup = dout·silu(gate), then dgate = dout·up·σ(gate)·(1 + gate·(1 − σ(gate))).
+          map2(dup, gate, d, I, [](auto g, auto dv) { return dv * (g / (1.0f + exp_any(-g))); });
+          map3(dgate, gate, up, d, I, [](auto g, auto u, auto dv) {
+            auto sig = 1.0f / (1.0f + exp_any(-g));
+            return ((dv * u) * sig) * (1.0f + g * (1.0f - sig));
+          });
+        }
+      },
+      8);
 }
 
 void crossentropy_forward(ThreadPool& pool, float* losses, const float* logits, const int32_t* targets,

@@ -2,7 +2,7 @@
 //
 //   ThreadPool pool(4);
 //   cpu::layernorm_forward(pool, out, mean, rstd, inp, weight, bias, N, C);
-//   cpu::attention_forward(pool, out, lse, qkv, B, T, C, NH);
+//   cpu::attention_forward(pool, out, lse, qkv, B, T, C, NH, /*KVH=*/NH);
 //
 // Every kernel is deterministic: work is split into pieces whose size depends only
 // on the shapes (never on the thread count), each output element is computed by one
@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "core/thread_pool.h"
+#include "tensor/rope.h"
 
 namespace spillway::cpu {
 
@@ -31,7 +32,8 @@ void use_single_threaded_blas();
 
 // out[b,t] = wte[tokens[b,t] - vocab_begin] + wpe[t] where the token is in
 // [vocab_begin, vocab_begin + vocab_rows), other rows of out untouched; tokens[B,T];
-// wte[vocab_rows,C] (a vocab tile or the whole table); wpe[T_max,C]; out[B,T,C].
+// wte[vocab_rows,C] (a vocab tile or the whole table); wpe[T_max,C] or null (then
+// out = wte[...] alone); out[B,T,C].
 void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, const float* wte,
                        const float* wpe, int B, int T, int C, int vocab_begin, int vocab_rows);
 // dwte[v - vocab_begin] += Σ over (b,t) with tokens[b,t] = v in range of dout[b,t];
@@ -71,14 +73,27 @@ void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias
                      const float* inp, const float* weight, int N, int C, int OC, int ld_dout,
                      bool accumulate_dinp);
 
-// Causal self-attention, scale 1/sqrt(C/NH). qkv[B,T,3C] (q | k | v, each NH heads of
-// C/NH); out[B,T,C]; lse[B,NH,T] = log Σ_j exp(score) of each query row.
+// Causal self-attention, scale 1/sqrt(D), D = C/NH. qkv[B,T,(NH+2·KVH)·D]: NH query
+// heads, KVH key heads, KVH value heads; query head h uses key/value head h/(NH/KVH).
+// out[B,T,C]; lse[B,NH,T] = log Σ_j exp(score) of each query row.
 void attention_forward(ThreadPool& pool, float* out, float* lse, const float* qkv, int B, int T,
-                       int C, int NH);
-// dqkv[B,T,3C] (overwritten) from dout[B,T,C], qkv[B,T,3C], out[B,T,C], lse[B,NH,T].
-// Probabilities are recomputed from q, k and lse; one thread owns each (b, head).
+                       int C, int NH, int KVH);
+// dqkv[B,T,(NH+2·KVH)·D] (overwritten) from dout[B,T,C], qkv, out[B,T,C], lse[B,NH,T].
+// Probabilities are recomputed from q, k and lse; one thread owns each (b, key/value
+// head) and adds its group's query heads into dK and dV in head order.
 void attention_backward(ThreadPool& pool, float* dqkv, const float* dout, const float* qkv,
-                        const float* out, const float* lse, int B, int T, int C, int NH);
+                        const float* out, const float* lse, int B, int T, int C, int NH, int KVH);
+
+// Rotary embeddings (tensor/rope.h) of the q and k heads of inp[B,T,(NH+2·KVH)·D] into
+// out (same layout; v heads copied). sign = +1: the forward rotation; −1: its
+// transpose (the backward, on gradients). cos and sin of float(t)·inv_freq in fp32.
+void rope(ThreadPool& pool, float* out, const float* inp, int B, int T, int NH, int KVH, int D,
+          const RopeParams& rope, float sign);
+
+// SwiGLU: inp[N,2I] = [gate | up]; out[N,I] = silu(gate)·up, silu(x) = x/(1+exp(−x)).
+void swiglu_forward(ThreadPool& pool, float* out, const float* inp, int64_t N, int I);
+// dinp[N,2I] = [dout·up·silu'(gate) | dout·silu(gate)] (overwritten); dout[N,I].
+void swiglu_backward(ThreadPool& pool, float* dinp, const float* inp, const float* dout, int64_t N, int I);
 
 // out[n] = gelu(inp[n]), tanh approximation, written as x · σ(2u) with
 // u = √(2/π)(x + 0.044715 x³) (the same function as 0.5 x (1 + tanh u)).
