@@ -713,6 +713,163 @@ TEST_F(CudaOps, Attention) {
   }
 }
 
+// Grouped-query attention (KVH < NH) against the CPU, each of q, k, v on its own, and
+// the same bits twice. Also: its forward and dQ are bit-identical to multi-head
+// attention on qkv with each key/value head repeated for its query heads (the same
+// products over the same values), and its dK/dV match that run's summed over each group.
+TEST_F(CudaOps, GroupedQueryAttention) {
+  struct Shape {
+    int B, T, C, NH, KVH;
+  };
+  // Head dims 64 and 128 on tensor cores; 40 and 24 on the simple kernels.
+  for (Shape s : {Shape{2, 100, 256, 4, 2}, Shape{1, 130, 512, 4, 1}, Shape{1, 257, 1024, 16, 4},
+                  Shape{2, 70, 160, 4, 2}, Shape{1, 65, 96, 4, 1}, Shape{1, 1024, 2048, 32, 8}}) {
+    SCOPED_TRACE("B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
+                 " NH=" + std::to_string(s.NH) + " KVH=" + std::to_string(s.KVH));
+    const size_t N = size_t(s.B) * s.T;
+    const int HD = s.C / s.NH, W = (s.NH + 2 * s.KVH) * HD, group = s.NH / s.KVH;
+    const std::vector<float> qkv_v = normal(N * W);
+    Pair qkv = act(qkv_v), out = act_poison(N * s.C), lse = f32_poison(size_t(s.B) * s.NH * s.T);
+    gpu_->attention_forward(out.g, (float*)lse.g, qkv.g, s.B, s.T, s.C, s.NH, s.KVH);
+    cpu_->attention_forward(out.c, (float*)lse.c, qkv.c, s.B, s.T, s.C, s.NH, s.KVH);
+    expect_close(out, "gqa attention_forward out");
+    expect_close(lse, "gqa attention_forward lse", 1e-3);
+
+    std::vector<float> out_g = gpu_values(out), lse_g = gpu_values(lse);
+    ASSERT_TRUE(cpu_->upload(out.c, out_g.data(), out_g.size() * 4).is_ok());
+    ASSERT_TRUE(cpu_->upload(lse.c, lse_g.data(), lse_g.size() * 4).is_ok());
+    Pair dout = act_random(N * s.C), dqkv = act_poison(N * W);
+    gpu_->attention_backward(dqkv.g, dout.g, qkv.g, out.g, (float*)lse.g, s.B, s.T, s.C, s.NH, s.KVH);
+    cpu_->attention_backward(dqkv.c, dout.c, qkv.c, out.c, (float*)lse.c, s.B, s.T, s.C, s.NH, s.KVH);
+    const std::vector<float> dg = gpu_values(dqkv), dc = cpu_values(dqkv);
+    const int part_begin[4] = {0, s.NH * HD, (s.NH + s.KVH) * HD, W};
+    for (int part = 0; part < 3; ++part) {
+      std::vector<float> a, b;
+      for (size_t n = 0; n < N; ++n)
+        for (int c = part_begin[part]; c < part_begin[part + 1]; ++c) {
+          a.push_back(dg[n * W + c]);
+          b.push_back(dc[n * W + c]);
+        }
+      EXPECT_LT(rel_err(a, b), 1e-2) << "gqa attention_backward d" << "qkv"[part] << " (seed " << seed_ << ")";
+    }
+    expect_deterministic({out, lse, dqkv}, [] {},
+                         [&] {
+                           gpu_->attention_forward(out.g, (float*)lse.g, qkv.g, s.B, s.T, s.C, s.NH, s.KVH);
+                           gpu_->attention_backward(dqkv.g, dout.g, qkv.g, out.g, (float*)lse.g, s.B, s.T, s.C, s.NH,
+                                                    s.KVH);
+                         },
+                         "gqa attention");
+
+    // Multi-head attention on the repeated qkv.
+    std::vector<float> rep(N * 3 * s.C);
+    for (size_t n = 0; n < N; ++n)
+      for (int h = 0; h < s.NH; ++h)
+        for (int e = 0; e < HD; ++e) {
+          const int g = h / group;
+          rep[n * 3 * s.C + h * HD + e] = qkv_v[n * W + h * HD + e];
+          rep[n * 3 * s.C + s.C + h * HD + e] = qkv_v[n * W + (s.NH + g) * HD + e];
+          rep[n * 3 * s.C + 2 * s.C + h * HD + e] = qkv_v[n * W + (s.NH + s.KVH + g) * HD + e];
+        }
+    Pair qkv_m = act(rep), out_m = act_poison(N * s.C), lse_m = f32_poison(size_t(s.B) * s.NH * s.T);
+    Pair dqkv_m = act_poison(N * 3 * s.C);
+    gpu_->attention_forward(out_m.g, (float*)lse_m.g, qkv_m.g, s.B, s.T, s.C, s.NH);
+    gpu_->attention_backward(dqkv_m.g, dout.g, qkv_m.g, out_m.g, (float*)lse_m.g, s.B, s.T, s.C, s.NH);
+    EXPECT_TRUE(gpu_bytes(out) == gpu_bytes(out_m)) << "gqa out vs repeated multi-head";
+    EXPECT_TRUE(gpu_bytes(lse) == gpu_bytes(lse_m)) << "gqa lse vs repeated multi-head";
+    const std::vector<float> dm = gpu_values(dqkv_m);
+    std::vector<float> dq_g, dq_m, dkv_g, dkv_sum;
+    for (size_t n = 0; n < N; ++n) {
+      for (int c = 0; c < s.C; ++c) {
+        dq_g.push_back(dg[n * W + c]);
+        dq_m.push_back(dm[n * 3 * s.C + c]);
+      }
+      for (int part = 1; part < 3; ++part)
+        for (int kv = 0; kv < s.KVH; ++kv)
+          for (int e = 0; e < HD; ++e) {
+            dkv_g.push_back(dg[n * W + part_begin[part] + kv * HD + e]);
+            double sum = 0;
+            for (int h = kv * group; h < (kv + 1) * group; ++h) sum += dm[n * 3 * s.C + part * s.C + h * HD + e];
+            dkv_sum.push_back(static_cast<float>(sum));
+          }
+    }
+    EXPECT_EQ(dq_g, dq_m) << "gqa dq vs repeated multi-head";
+    EXPECT_LT(rel_err(dkv_g, dkv_sum), 1e-2) << "gqa dk, dv vs repeated multi-head group sums (seed " << seed_ << ")";
+  }
+}
+
+TEST_F(CudaOps, Rope) {
+  struct Shape {
+    int B, T, NH, KVH, D;
+  };
+  const RopeParams llama3{.theta = 500000.0f, .llama3 = true, .factor = 32, .low_freq_factor = 1,
+                          .high_freq_factor = 4, .original_context = 8192};
+  for (const RopeParams& r : {RopeParams{}, llama3}) {
+    // D 64 and 128 take the 8-pair kernel; D 10 the one-pair kernel; T 2048 turns by large angles.
+    for (Shape s : {Shape{2, 100, 4, 2, 64}, Shape{1, 300, 8, 2, 128}, Shape{2, 33, 3, 3, 10},
+                    Shape{1, 2048, 4, 1, 64}}) {
+      SCOPED_TRACE("llama3=" + std::to_string(r.llama3) + " B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) +
+                   " NH=" + std::to_string(s.NH) + " KVH=" + std::to_string(s.KVH) + " D=" + std::to_string(s.D));
+      const int W = (s.NH + 2 * s.KVH) * s.D;
+      const size_t n = size_t(s.B) * s.T * W;
+      const std::vector<float> x = normal(n, 2.0f);
+      Pair inp = act(x), out = act_poison(n);
+      gpu_->rope_forward(out.g, inp.g, s.B, s.T, s.NH, s.KVH, s.D, r);
+      cpu_->rope_forward(out.c, inp.c, s.B, s.T, s.NH, s.KVH, s.D, r);
+      expect_close(out, "rope_forward");
+      const std::vector<float> y = gpu_values(out);
+      size_t changed = 0;
+      for (size_t row = 0; row < n / W; ++row)
+        for (int c = 0; c < W; ++c) {
+          if (c >= (s.NH + s.KVH) * s.D) ASSERT_EQ(y[row * W + c], x[row * W + c]) << "v heads are copied";
+          else changed += y[row * W + c] != x[row * W + c];
+        }
+      EXPECT_GT(changed, 0u);
+      Pair dout = act_random(n), dinp = act_poison(n);
+      gpu_->rope_backward(dinp.g, dout.g, s.B, s.T, s.NH, s.KVH, s.D, r);
+      cpu_->rope_backward(dinp.c, dout.c, s.B, s.T, s.NH, s.KVH, s.D, r);
+      expect_close(dinp, "rope_backward");
+      expect_deterministic({out, dinp}, [] {},
+                           [&] {
+                             gpu_->rope_forward(out.g, inp.g, s.B, s.T, s.NH, s.KVH, s.D, r);
+                             gpu_->rope_backward(dinp.g, dout.g, s.B, s.T, s.NH, s.KVH, s.D, r);
+                           },
+                           "rope");
+    }
+  }
+}
+
+TEST_F(CudaOps, SwiGlu) {
+  // I % 8 == 0 takes the 8-wide kernel; the others one column per thread.
+  for (auto [N, I] : {std::pair{64, 512}, std::pair{1000, 2048}, std::pair{37, 100}, std::pair{5, 7}}) {
+    SCOPED_TRACE("N=" + std::to_string(N) + " I=" + std::to_string(I));
+    Pair inp = act_random(size_t(N) * 2 * I, 3.0f), out = act_poison(size_t(N) * I);
+    gpu_->swiglu_forward(out.g, inp.g, N, I);
+    cpu_->swiglu_forward(out.c, inp.c, N, I);
+    expect_close(out, "swiglu_forward");
+    Pair dout = act_random(size_t(N) * I), dinp = act_poison(size_t(N) * 2 * I);
+    gpu_->swiglu_backward(dinp.g, inp.g, dout.g, N, I);
+    cpu_->swiglu_backward(dinp.c, inp.c, dout.c, N, I);
+    expect_close(dinp, "swiglu_backward");
+    expect_deterministic({out, dinp}, [] {},
+                         [&] {
+                           gpu_->swiglu_forward(out.g, inp.g, N, I);
+                           gpu_->swiglu_backward(dinp.g, inp.g, dout.g, N, I);
+                         },
+                         "swiglu");
+  }
+}
+
+// Llama has no position table: out = the wte row, exactly.
+TEST_F(CudaOps, EmbeddingWithoutPositionTable) {
+  for (auto [B, T, C, V] : {std::tuple{2, 50, 64, 97}, std::tuple{1, 33, 40, 11}}) {
+    const size_t N = size_t(B) * T;
+    Pair tok = i32(tokens(N, V)), wte = act_random(size_t(V) * C), out = act_poison(N * C);
+    gpu_->embedding_forward(out.g, (const int32_t*)tok.g, wte.g, nullptr, B, T, C);
+    cpu_->embedding_forward(out.c, (const int32_t*)tok.c, wte.c, nullptr, B, T, C);
+    EXPECT_EQ(gpu_values(out), cpu_values(out)) << "C=" << C;
+  }
+}
+
 TEST_F(CudaOps, CopyEngineOrdering) {
   const size_t n = 1 << 20;
   CopyEngine& ce = gpu_->copy_engine();
@@ -760,6 +917,14 @@ TEST_F(CudaOps, ErrorsAreStatuses) {
   Status s = gpu_->synchronize();
   EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.to_string();
   EXPECT_TRUE(gpu_->synchronize().is_ok());  // reported once
+  gpu_->attention_forward(x, static_cast<float*>(x), x, 1, 4, 16, 4, 3);  // KVH not dividing NH
+  s = gpu_->synchronize();
+  EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("KVH=3"), std::string::npos) << s.to_string();
+  gpu_->rope_forward(x, x, 1, 2, 2, 2, 5, RopeParams{});  // odd head size
+  s = gpu_->synchronize();
+  EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.to_string();
+  EXPECT_TRUE(gpu_->synchronize().is_ok());
 }
 
 }  // namespace

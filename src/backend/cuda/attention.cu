@@ -122,12 +122,14 @@ constexpr size_t fwd_smem_bytes() {
   return static_cast<size_t>(fwd_bm<HD>() + 4 * kFwdBN) * (HD + 8) * sizeof(bf16);
 }
 
-// out[B,T,C], lse[B,NH,T], qkv[B,T,3C]. grid (ceil(T/BM), B*NH), 128 threads; each
-// warp owns MT×16 consecutive query rows; keys stream through smem 64 at a time,
+// out[B,T,C], lse[B,NH,T], qkv[B,T,(NH+2·KVH)·HD]. grid (ceil(T/BM), B*NH), 128
+// threads; each warp owns MT×16 consecutive query rows of query head h, reading key/value
+// head h/(NH/KVH) (kGrouped; else KVH = NH and head h, the multi-head kernel as it was,
+// register for register); keys stream through smem 64 at a time,
 // double-buffered. Scores stay raw until the exponent: p = 2^(s·scale·log2e − m).
-template <int HD>
+template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kTC) attention_forward_tc(bf16* out, float* lse, const bf16* qkv, int T,
-                                                            int C, int NH, float scale_log2) {
+                                                            int C, int NH, int KVH, float scale_log2) {
   constexpr int LDS = HD + 8, MT = row_tiles<HD>(), BM = fwd_bm<HD>(), BN = kFwdBN;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -138,10 +140,10 @@ __global__ void __launch_bounds__(kTC) attention_forward_tc(bf16* out, float* ls
   const int m0 = mb * BM;
   const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const size_t ld = 3 * static_cast<size_t>(C);
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
   const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = qg + C;
-  const bf16* vg = qg + 2 * C;
+  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
+  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
   const int warp_row0 = warp * 16 * MT;  // first row of this warp in the tile
   const int warp_q0 = m0 + warp_row0;
 
@@ -338,14 +340,17 @@ constexpr size_t dq_smem_bytes() {
          2 * dq_queries<HD>() * sizeof(float);
 }
 
-// dK, dV of BN keys per block: dqkv[B,T,3C] (k and v parts), dout[B,T,C],
-// qkv[B,T,3C], lse[B,NH,T], D[B,NH,T]. grid (ceil(T/BN), B*NH), 128 threads; each
-// warp owns MT×16 keys and streams query blocks (double-buffered) through smem,
-// computing Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
-template <int HD>
+// dK, dV of BN keys of key/value head kvh per block: dqkv[B,T,(NH+2·KVH)·HD] (k and v
+// parts), dout[B,T,C], qkv, lse[B,NH,T], D[B,NH,T]. grid (ceil(T/BN), B*KVH), 128
+// threads; each warp owns MT×16 keys and streams the query blocks of the group's
+// query heads, one head after the other (double-buffered) through smem, computing
+// Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q in fp32 registers: the
+// sum over the group is in a fixed order, without atomics. Without kGrouped (KVH = NH)
+// it is the multi-head kernel as it was: one query head per block.
+template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                                                  const float* lse, const float* Dg, int T, int C,
-                                                                 int NH, float scale, float scale_log2) {
+                                                                 int NH, int KVH, float scale, float scale_log2) {
   constexpr int LDS = HD + 8, MT = row_tiles<HD>(), BN = dkv_keys<HD>(), BM = kDkvQueries;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw);
@@ -356,32 +361,39 @@ __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, con
   float* Ds = Ls + 2 * BM;                                   // [2][BM]
 
   const int n0 = blockIdx.x * BN;
-  const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  // Key/value head kvh of batch b; its query heads h0 .. h0 + group - 1.
+  const int bg = blockIdx.y, b = bg / KVH, kvh = bg % KVH;
+  const int group = kGrouped ? NH / KVH : 1, h0 = kvh * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const size_t ld = 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = qg + C;
-  const bf16* vg = qg + 2 * C;
-  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h * HD;
-  const float* lse_bh = lse + static_cast<size_t>(bh) * T;
-  const float* D_bh = Dg + static_cast<size_t>(bh) * T;
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
+  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h0 * HD;  // query head h0
+  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + kvh) * HD : qg + C;
+  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
+  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h0 * HD;
+  const float* lse_bh = lse + (static_cast<size_t>(b) * NH + h0) * T;
+  const float* D_bh = Dg + (static_cast<size_t>(b) * NH + h0) * T;
   const int warp_row0 = warp * 16 * MT;
   const int warp_key_last = n0 + warp_row0 + 16 * MT - 1;
 
+  // Iteration it covers query block mb_first + it % n_mb of query head h0 + it / n_mb.
   const int mb_first = n0 / BM;
   const int mb_end = (T + BM - 1) / BM;
-  auto load_q_block = [&](int mb, int buf) {
-    load_tile<HD, BM, kTC>(Qs + buf * BM * LDS, qg, mb * BM, T, ld);
-    load_tile<HD, BM, kTC>(dOs + buf * BM * LDS, dog, mb * BM, T, C);
+  const int n_mb = mb_end - mb_first;
+  auto load_q_block = [&](int it, int buf) {
+    const int hh = kGrouped ? it / n_mb : 0, mb = kGrouped ? mb_first + it % n_mb : mb_first + it;
+    load_tile<HD, BM, kTC>(Qs + buf * BM * LDS, qg + hh * HD, mb * BM, T, ld);
+    load_tile<HD, BM, kTC>(dOs + buf * BM * LDS, dog + hh * HD, mb * BM, T, C);
+    const float* lse_h = lse_bh + static_cast<size_t>(hh) * T;
+    const float* D_h = D_bh + static_cast<size_t>(hh) * T;
     for (int i = threadIdx.x; i < BM; i += kTC) {
       const int q = mb * BM + i;
-      Ls[buf * BM + i] = q < T ? lse_bh[q] * kLog2e : INFINITY;
-      Ds[buf * BM + i] = q < T ? D_bh[q] : 0.0f;
+      Ls[buf * BM + i] = q < T ? lse_h[q] * kLog2e : INFINITY;
+      Ds[buf * BM + i] = q < T ? D_h[q] : 0.0f;
     }
   };
   load_tile<HD, BN, kTC>(Ks, kg, n0, T, ld);
   load_tile<HD, BN, kTC>(Vs, vg, n0, T, ld);
-  load_q_block(mb_first, 0);
+  load_q_block(0, 0);
   cp_async_commit();
 
   float dk[MT][HD / 8][4], dv[MT][HD / 8][4];
@@ -393,10 +405,12 @@ __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, con
       dv[mt][i][0] = dv[mt][i][1] = dv[mt][i][2] = dv[mt][i][3] = 0.0f;
     }
 
-  for (int mb = mb_first; mb < mb_end; ++mb) {
-    const int cur = (mb - mb_first) & 1;
-    if (mb + 1 < mb_end) {
-      load_q_block(mb + 1, cur ^ 1);
+  const int n_it = group * n_mb;
+  for (int it = 0; it < n_it; ++it) {
+    const int mb = kGrouped ? mb_first + it % n_mb : mb_first + it;
+    const int cur = it & 1;
+    if (it + 1 < n_it) {
+      load_q_block(it + 1, cur ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -486,25 +500,28 @@ __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, con
     for (int r = 0; r < 2; ++r) {
       const int key = n0 + warp_row0 + mt * 16 + g + r * 8;
       if (key >= T) continue;
-      bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + h * HD;
+      // dK of key/value head kvh (for multi-head attention, at C + h·HD); dV follows.
+      bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + (NH + kvh) * HD;
+      const int v_off = kGrouped ? KVH * HD : C;
 #pragma unroll
       for (int i = 0; i < HD / 8; ++i) {
         const int d = i * 8 + t4 * 2;
-        *reinterpret_cast<__nv_bfloat162*>(dst + C + d) =
+        *reinterpret_cast<__nv_bfloat162*>(dst + d) =
             __floats2bfloat162_rn(dk[mt][i][2 * r] * scale, dk[mt][i][2 * r + 1] * scale);
-        *reinterpret_cast<__nv_bfloat162*>(dst + 2 * C + d) =
+        *reinterpret_cast<__nv_bfloat162*>(dst + v_off + d) =
             __floats2bfloat162_rn(dv[mt][i][2 * r], dv[mt][i][2 * r + 1]);
       }
     }
 }
 
-// dQ of BM queries per block: dqkv[B,T,3C] (q part), dout[B,T,C], qkv[B,T,3C],
+// dQ of BM queries per block: dqkv[B,T,(NH+2·KVH)·HD] (q part), dout[B,T,C], qkv,
 // lse[B,NH,T], D[B,NH,T]. grid (ceil(T/BM), B*NH), 128 threads; each warp owns
-// MT×16 queries and streams key blocks: S = Q·Kᵀ, P, dP = dO·Vᵀ, dS, dQ += dS·K.
-template <int HD>
+// MT×16 queries and streams the key blocks of key/value head h/(NH/KVH):
+// S = Q·Kᵀ, P, dP = dO·Vᵀ, dS, dQ += dS·K. kGrouped as in the forward.
+template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kTC) attention_backward_dq_tc(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                                                 const float* lse, const float* Dg, int T, int C,
-                                                                int NH, float scale, float scale_log2) {
+                                                                int NH, int KVH, float scale, float scale_log2) {
   constexpr int LDS = HD + 8, MT = row_tiles<HD>(), BM = dq_queries<HD>(), BN = dq_keys<HD>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -518,10 +535,10 @@ __global__ void __launch_bounds__(kTC) attention_backward_dq_tc(bf16* dqkv, cons
   const int m0 = mb * BM;
   const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const size_t ld = 3 * static_cast<size_t>(C);
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
   const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = qg + C;
-  const bf16* vg = qg + 2 * C;
+  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
+  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
   const bf16* dog = dout + static_cast<size_t>(b) * T * C + h * HD;
   const int warp_row0 = warp * 16 * MT;
 
@@ -642,17 +659,20 @@ constexpr int kSimpleWarps = 8;
 constexpr int kMaxPerLane = kMaxHeadDim / 32;
 
 // One warp per (b, h, query): online softmax over keys 0..q, head dim spread over
-// lanes (d = lane + 32 k). out[B,T,C], lse[B,NH,T], qkv[B,T,3C].
+// lanes (d = lane + 32 k). out[B,T,C], lse[B,NH,T], qkv[B,T,(NH+2·KVH)·HD]; query
+// head h reads key/value head h/(NH/KVH).
 __global__ void attention_forward_simple(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
-                                         float scale) {
+                                         int KVH, float scale) {
   const int HD = C / NH;
   const size_t w = blockIdx.x * static_cast<size_t>(kSimpleWarps) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (w >= static_cast<size_t>(B) * NH * T) return;
   const int q = static_cast<int>(w % T);
-  const int bh = static_cast<int>(w / T), b = bh / NH, h = bh % NH;
-  const size_t ld = 3 * static_cast<size_t>(C);
+  const int bh = static_cast<int>(w / T), b = bh / NH, h = bh % NH, kvh = h / (NH / KVH);
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;
   const bf16* base = qkv + static_cast<size_t>(b) * T * ld + h * HD;
+  const bf16* kbase = qkv + static_cast<size_t>(b) * T * ld + (NH + kvh) * HD;
+  const bf16* vbase = kbase + KVH * HD;
   float qv[kMaxPerLane], acc[kMaxPerLane];
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
@@ -662,7 +682,7 @@ __global__ void attention_forward_simple(bf16* out, float* lse, const bf16* qkv,
   }
   float m = -INFINITY, l = 0.0f;
   for (int j = 0; j <= q; ++j) {
-    const bf16* kr = base + j * ld + C;
+    const bf16* kr = kbase + j * ld;
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < kMaxPerLane; ++k) {
@@ -673,7 +693,7 @@ __global__ void attention_forward_simple(bf16* out, float* lse, const bf16* qkv,
     const float m_new = fmaxf(m, dot);
     const float alpha = __expf(m - m_new), p = __expf(dot - m_new);
     l = l * alpha + p;
-    const bf16* vr = base + j * ld + 2 * C;
+    const bf16* vr = vbase + j * ld;
 #pragma unroll
     for (int k = 0; k < kMaxPerLane; ++k) {
       const int d = lane + 32 * k;
@@ -692,15 +712,17 @@ __global__ void attention_forward_simple(bf16* out, float* lse, const bf16* qkv,
 
 // One warp per (b, h, query): dq = scale Σ_j dS_ij k_j. Arguments as above.
 __global__ void attention_backward_dq_simple(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                                             const float* Dg, int B, int T, int C, int NH, float scale) {
+                                             const float* Dg, int B, int T, int C, int NH, int KVH, float scale) {
   const int HD = C / NH;
   const size_t w = blockIdx.x * static_cast<size_t>(kSimpleWarps) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (w >= static_cast<size_t>(B) * NH * T) return;
   const int q = static_cast<int>(w % T);
-  const int bh = static_cast<int>(w / T), b = bh / NH, h = bh % NH;
-  const size_t ld = 3 * static_cast<size_t>(C);
+  const int bh = static_cast<int>(w / T), b = bh / NH, h = bh % NH, kvh = h / (NH / KVH);
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;
   const bf16* base = qkv + static_cast<size_t>(b) * T * ld + h * HD;
+  const bf16* kbase = qkv + static_cast<size_t>(b) * T * ld + (NH + kvh) * HD;
+  const bf16* vbase = kbase + KVH * HD;
   const bf16* dor = dout + (static_cast<size_t>(b) * T + q) * C + h * HD;
   const float L = lse[static_cast<size_t>(bh) * T + q], Dq = Dg[static_cast<size_t>(bh) * T + q];
   float qv[kMaxPerLane], dov[kMaxPerLane], acc[kMaxPerLane];
@@ -712,8 +734,8 @@ __global__ void attention_backward_dq_simple(bf16* dqkv, const bf16* dout, const
     acc[k] = 0.0f;
   }
   for (int j = 0; j <= q; ++j) {
-    const bf16* kr = base + j * ld + C;
-    const bf16* vr = base + j * ld + 2 * C;
+    const bf16* kr = kbase + j * ld;
+    const bf16* vr = vbase + j * ld;
     float s = 0.0f, dp = 0.0f;
 #pragma unroll
     for (int k = 0; k < kMaxPerLane; ++k) {
@@ -740,57 +762,62 @@ __global__ void attention_backward_dq_simple(bf16* dqkv, const bf16* dout, const
   }
 }
 
-// One warp per (b, h, key): dk = scale Σ_i dS_ij q_i, dv = Σ_i P_ij dO_i.
+// One warp per (b, key/value head kvh, key j): dk = scale Σ_h Σ_i dS_ij q_i and
+// dv = Σ_h Σ_i P_ij dO_i over the group's query heads h (in order) and queries i ≥ j.
 __global__ void attention_backward_dkv_simple(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
-                                              const float* Dg, int B, int T, int C, int NH, float scale) {
-  const int HD = C / NH;
+                                              const float* Dg, int B, int T, int C, int NH, int KVH, float scale) {
+  const int HD = C / NH, group = NH / KVH;
   const size_t w = blockIdx.x * static_cast<size_t>(kSimpleWarps) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (w >= static_cast<size_t>(B) * NH * T) return;
+  if (w >= static_cast<size_t>(B) * KVH * T) return;
   const int j = static_cast<int>(w % T);
-  const int bh = static_cast<int>(w / T), b = bh / NH, h = bh % NH;
-  const size_t ld = 3 * static_cast<size_t>(C);
-  const bf16* base = qkv + static_cast<size_t>(b) * T * ld + h * HD;
+  const int bg = static_cast<int>(w / T), b = bg / KVH, kvh = bg % KVH;
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;
+  const bf16* base = qkv + static_cast<size_t>(b) * T * ld;
+  const bf16* krow = base + j * ld + (NH + kvh) * HD;
   float kv[kMaxPerLane], vv[kMaxPerLane], dk[kMaxPerLane], dv[kMaxPerLane];
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
     const int d = lane + 32 * k;
-    kv[k] = d < HD ? __bfloat162float(base[j * ld + C + d]) : 0.0f;
-    vv[k] = d < HD ? __bfloat162float(base[j * ld + 2 * C + d]) : 0.0f;
+    kv[k] = d < HD ? __bfloat162float(krow[d]) : 0.0f;
+    vv[k] = d < HD ? __bfloat162float(krow[KVH * HD + d]) : 0.0f;
     dk[k] = dv[k] = 0.0f;
   }
-  for (int i = j; i < T; ++i) {
-    const bf16* qr = base + i * ld;
-    const bf16* dor = dout + (static_cast<size_t>(b) * T + i) * C + h * HD;
-    float s = 0.0f, dp = 0.0f;
+  for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+    const size_t bh = static_cast<size_t>(b) * NH + h;
+    for (int i = j; i < T; ++i) {
+      const bf16* qr = base + i * ld + h * HD;
+      const bf16* dor = dout + (static_cast<size_t>(b) * T + i) * C + h * HD;
+      float s = 0.0f, dp = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) {
-      const int d = lane + 32 * k;
-      if (d < HD) {
-        s += __bfloat162float(qr[d]) * kv[k];
-        dp += __bfloat162float(dor[d]) * vv[k];
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        const int d = lane + 32 * k;
+        if (d < HD) {
+          s += __bfloat162float(qr[d]) * kv[k];
+          dp += __bfloat162float(dor[d]) * vv[k];
+        }
       }
-    }
-    s = warp_sum(s) * scale;
-    dp = warp_sum(dp);
-    const float p = __expf(s - lse[static_cast<size_t>(bh) * T + i]);
-    const float ds = p * (dp - Dg[static_cast<size_t>(bh) * T + i]);
+      s = warp_sum(s) * scale;
+      dp = warp_sum(dp);
+      const float p = __expf(s - lse[bh * T + i]);
+      const float ds = p * (dp - Dg[bh * T + i]);
 #pragma unroll
-    for (int k = 0; k < kMaxPerLane; ++k) {
-      const int d = lane + 32 * k;
-      if (d < HD) {
-        dv[k] += p * __bfloat162float(dor[d]);
-        dk[k] += ds * __bfloat162float(qr[d]);
+      for (int k = 0; k < kMaxPerLane; ++k) {
+        const int d = lane + 32 * k;
+        if (d < HD) {
+          dv[k] += p * __bfloat162float(dor[d]);
+          dk[k] += ds * __bfloat162float(qr[d]);
+        }
       }
     }
   }
-  bf16* dst = dqkv + (static_cast<size_t>(b) * T + j) * ld + h * HD;
+  bf16* dst = dqkv + (static_cast<size_t>(b) * T + j) * ld + (NH + kvh) * HD;  // dK; dV follows
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
     const int d = lane + 32 * k;
     if (d < HD) {
-      dst[C + d] = __float2bfloat16_rn(dk[k] * scale);
-      dst[2 * C + d] = __float2bfloat16_rn(dv[k]);
+      dst[d] = __float2bfloat16_rn(dk[k] * scale);
+      dst[KVH * HD + d] = __float2bfloat16_rn(dv[k]);
     }
   }
 }
@@ -798,37 +825,38 @@ __global__ void attention_backward_dkv_simple(bf16* dqkv, const bf16* dout, cons
 // ------------------------------------------------------------- dispatch
 
 template <int HD>
-cudaError_t forward_tc(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+cudaError_t forward_tc(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
+                       cudaStream_t stream) {
   constexpr size_t smem = fwd_smem_bytes<HD>();
-  cudaError_t e = cudaFuncSetAttribute(attention_forward_tc<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem));
+  auto kernel = KVH == NH ? attention_forward_tc<HD, false> : attention_forward_tc<HD, true>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
   dim3 grid(ceil_div(T, fwd_bm<HD>()), B * NH);
-  attention_forward_tc<HD><<<grid, kTC, smem, stream>>>(out, lse, qkv, T, C, NH, scale_log2);
+  kernel<<<grid, kTC, smem, stream>>>(out, lse, qkv, T, C, NH, KVH, scale_log2);
   return cudaGetLastError();
 }
 
 template <int HD>
 cudaError_t backward_tc(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
-                        int T, int C, int NH, cudaStream_t stream) {
+                        int T, int C, int NH, int KVH, cudaStream_t stream) {
   const float scale = 1.0f / sqrtf(static_cast<float>(HD));
   const float scale_log2 = scale * kLog2e;
   constexpr size_t smem_kv = dkv_smem_bytes<HD>(), smem_q = dq_smem_bytes<HD>();
-  cudaError_t e = cudaFuncSetAttribute(attention_backward_dkv_tc<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem_kv));
+  const bool grouped = KVH != NH;
+  auto dkv = grouped ? attention_backward_dkv_tc<HD, true> : attention_backward_dkv_tc<HD, false>;
+  auto dq = grouped ? attention_backward_dq_tc<HD, true> : attention_backward_dq_tc<HD, false>;
+  cudaError_t e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv));
   if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(attention_backward_dq_tc<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem_q));
+  e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q));
   if (e != cudaSuccess) return e;
-  dim3 grid_kv(ceil_div(T, dkv_keys<HD>()), B * NH);
-  attention_backward_dkv_tc<HD><<<grid_kv, kTC, smem_kv, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, scale,
-                                                                  scale_log2);
+  // dK/dV: one block per key block and key/value head (its group's query heads in turn).
+  dim3 grid_kv(ceil_div(T, dkv_keys<HD>()), B * KVH);
+  dkv<<<grid_kv, kTC, smem_kv, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale, scale_log2);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   dim3 grid_q(ceil_div(T, dq_queries<HD>()), B * NH);
-  attention_backward_dq_tc<HD><<<grid_q, kTC, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, scale,
-                                                               scale_log2);
+  dq<<<grid_q, kTC, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale, scale_log2);
   return cudaGetLastError();
 }
 
@@ -839,27 +867,27 @@ bool attention_uses_tensor_cores(int hd, const void* qkv) {
 }
 
 cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
-                                     cudaStream_t stream) {
+                                     int KVH, cudaStream_t stream) {
   if (B == 0 || T == 0 || C == 0) return cudaSuccess;
   const int HD = C / NH;
   if (attention_uses_tensor_cores(HD, qkv) && aligned16(out)) {
     switch (HD) {
-      case 32: return forward_tc<32>(out, lse, qkv, B, T, C, NH, stream);
-      case 64: return forward_tc<64>(out, lse, qkv, B, T, C, NH, stream);
-      case 80: return forward_tc<80>(out, lse, qkv, B, T, C, NH, stream);
-      case 96: return forward_tc<96>(out, lse, qkv, B, T, C, NH, stream);
-      case 128: return forward_tc<128>(out, lse, qkv, B, T, C, NH, stream);
+      case 32: return forward_tc<32>(out, lse, qkv, B, T, C, NH, KVH, stream);
+      case 64: return forward_tc<64>(out, lse, qkv, B, T, C, NH, KVH, stream);
+      case 80: return forward_tc<80>(out, lse, qkv, B, T, C, NH, KVH, stream);
+      case 96: return forward_tc<96>(out, lse, qkv, B, T, C, NH, KVH, stream);
+      case 128: return forward_tc<128>(out, lse, qkv, B, T, C, NH, KVH, stream);
       default: break;
     }
   }
   const size_t warps = static_cast<size_t>(B) * NH * T;
   attention_forward_simple<<<ceil_div(warps, kSimpleWarps), kSimpleWarps * 32, 0, stream>>>(
-      out, lse, qkv, B, T, C, NH, 1.0f / sqrtf(static_cast<float>(HD)));
+      out, lse, qkv, B, T, C, NH, KVH, 1.0f / sqrtf(static_cast<float>(HD)));
   return cudaGetLastError();
 }
 
 cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
-                                      const float* lse, int B, int T, int C, int NH, void* scratch,
+                                      const float* lse, int B, int T, int C, int NH, int KVH, void* scratch,
                                       cudaStream_t stream) {
   if (B == 0 || T == 0 || C == 0) return cudaSuccess;
   const int HD = C / NH;
@@ -870,22 +898,22 @@ cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* 
   if (e != cudaSuccess) return e;
   if (attention_uses_tensor_cores(HD, qkv) && aligned16(dqkv) && aligned16(dout)) {
     switch (HD) {
-      case 32: return backward_tc<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
-      case 64: return backward_tc<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
-      case 80: return backward_tc<80>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
-      case 96: return backward_tc<96>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
-      case 128: return backward_tc<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, stream);
+      case 32: return backward_tc<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+      case 64: return backward_tc<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+      case 80: return backward_tc<80>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+      case 96: return backward_tc<96>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+      case 128: return backward_tc<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
       default: break;
     }
   }
   const float scale = 1.0f / sqrtf(static_cast<float>(HD));
-  const size_t warps = static_cast<size_t>(B) * NH * T;
-  attention_backward_dkv_simple<<<ceil_div(warps, kSimpleWarps), kSimpleWarps * 32, 0, stream>>>(
-      dqkv, dout, qkv, lse, D, B, T, C, NH, scale);
+  const size_t kv_warps = static_cast<size_t>(B) * KVH * T, q_warps = static_cast<size_t>(B) * NH * T;
+  attention_backward_dkv_simple<<<ceil_div(kv_warps, kSimpleWarps), kSimpleWarps * 32, 0, stream>>>(
+      dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, scale);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  attention_backward_dq_simple<<<ceil_div(warps, kSimpleWarps), kSimpleWarps * 32, 0, stream>>>(
-      dqkv, dout, qkv, lse, D, B, T, C, NH, scale);
+  attention_backward_dq_simple<<<ceil_div(q_warps, kSimpleWarps), kSimpleWarps * 32, 0, stream>>>(
+      dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, scale);
   return cudaGetLastError();
 }
 

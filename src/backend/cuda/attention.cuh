@@ -1,14 +1,17 @@
 // Internal to the CUDA backend: fused causal self-attention, flash style (no T×T
 // matrix in device memory), deterministic (no atomics).
 //
-//   cudaError_t e = launch_attention_forward(out, lse, qkv, B, T, C, NH, stream);
+//   cudaError_t e = launch_attention_forward(out, lse, qkv, B, T, C, NH, KVH, stream);
 //   size_t need = cuda_workspace::attention_backward_scratch_bytes(B, T, NH);
-//   e = launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, scratch, stream);
+//   e = launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, KVH, scratch, stream);
 //
 // Head dims that are multiples of 16 up to 128 run on tensor cores (mma.sync bf16,
 // fp32 accumulation); other head dims up to 256 run on a simple warp-per-row
 // kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
 // one kernel is parallel over key blocks (dK, dV), a second over query blocks (dQ).
+// Grouped-query attention (KVH < NH key/value heads): the dK/dV kernel's block for a
+// key/value head runs its NH/KVH query heads one after the other, summing in
+// registers (fixed order, no atomics); with KVH = NH it is plain multi-head attention.
 #pragma once
 
 #include "backend/backend_sizes.h"
@@ -22,14 +25,15 @@ constexpr int kMaxHeadDim = 256;
 // True when head dim `hd` (with these pointers) takes the tensor-core kernels.
 bool attention_uses_tensor_cores(int hd, const void* qkv);
 
-// out[B,T,C], lse[B,NH,T] (F32, natural log), qkv[B,T,3C] (q, k, v side by side).
+// out[B,T,C], lse[B,NH,T] (F32, natural log), qkv[B,T,(NH+2·KVH)·D], D = C/NH (NH
+// query heads, KVH key heads, KVH value heads; NH % KVH == 0).
 cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
-                                     cudaStream_t stream);
+                                     int KVH, cudaStream_t stream);
 
 // scratch: cuda_workspace::attention_backward_scratch_bytes(B, T, NH) (D, [B,NH,T] F32).
-// dqkv[B,T,3C] (overwritten) from dout[B,T,C], qkv[B,T,3C], out[B,T,C], lse[B,NH,T].
+// dqkv[B,T,(NH+2·KVH)·D] (overwritten) from dout[B,T,C], qkv, out[B,T,C], lse[B,NH,T].
 cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
-                                      const float* lse, int B, int T, int C, int NH, void* scratch,
+                                      const float* lse, int B, int T, int C, int NH, int KVH, void* scratch,
                                       cudaStream_t stream);
 
 }  // namespace spillway::cuda_detail

@@ -530,18 +530,40 @@ class CudaBackend final : public Backend {
              "matmul_backward (dinp)");
   }
 
-  void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH) override {
-    if (!enter() || !attention_shape_ok(C, NH, "attention_forward")) return;
-    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, compute_), "attention_forward");
+  using Backend::attention_backward;
+  using Backend::attention_forward;
+  void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH, int KVH) override {
+    if (!enter() || !attention_shape_ok(C, NH, KVH, "attention_forward")) return;
+    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, KVH, compute_), "attention_forward");
   }
 
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
-                          int B, int T, int C, int NH) override {
-    if (!enter() || !attention_shape_ok(C, NH, "attention_backward")) return;
+                          int B, int T, int C, int NH, int KVH) override {
+    if (!enter() || !attention_shape_ok(C, NH, KVH, "attention_backward")) return;
     void* s = scratch(attention_backward_scratch_bytes(B, T, NH), "attention_backward");
     if (s == nullptr) return;
-    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, s, compute_),
+    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, KVH, s, compute_),
           "attention_backward");
+  }
+
+  void rope_forward(void* out, const void* inp, int B, int T, int NH, int KVH, int D,
+                    const RopeParams& rope) override {
+    run_rope(out, inp, B, T, NH, KVH, D, rope, 1.0f, "rope_forward");
+  }
+
+  void rope_backward(void* dinp, const void* dout, int B, int T, int NH, int KVH, int D,
+                     const RopeParams& rope) override {
+    run_rope(dinp, dout, B, T, NH, KVH, D, rope, -1.0f, "rope_backward");
+  }
+
+  void swiglu_forward(void* out, const void* inp, int64_t N, int I) override {
+    if (!enter()) return;
+    check(launch_swiglu_forward(mb(out), cb(inp), N, I, compute_), "swiglu_forward");
+  }
+
+  void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int I) override {
+    if (!enter()) return;
+    check(launch_swiglu_backward(mb(dinp), cb(inp), cb(dout), N, I, compute_), "swiglu_backward");
   }
 
   void gelu_forward(void* out, const void* inp, size_t n) override {
@@ -627,9 +649,15 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  bool attention_shape_ok(int C, int NH, const char* what) {
+  bool attention_shape_ok(int C, int NH, int KVH, const char* what) {
     if (NH <= 0 || C % NH != 0) {
       record(Status::invalid_argument("C=" + std::to_string(C) + " is not a multiple of NH=" + std::to_string(NH)),
+             what);
+      return false;
+    }
+    if (KVH <= 0 || NH % KVH != 0) {
+      record(Status::invalid_argument("KVH=" + std::to_string(KVH) + " key/value heads do not divide NH=" +
+                                      std::to_string(NH)),
              what);
       return false;
     }
@@ -640,6 +668,22 @@ class CudaBackend final : public Backend {
       return false;
     }
     return true;
+  }
+
+  // RoPE forward (sign 1) or backward (sign -1), frequencies from rope_inv_freq.
+  void run_rope(void* out, const void* inp, int B, int T, int NH, int KVH, int D, const RopeParams& rope, float sign,
+                const char* what) {
+    if (!enter()) return;
+    if (NH <= 0 || KVH <= 0 || NH % KVH != 0 || D <= 0 || D % 2 != 0 || D > kMaxRopeHeadDim) {
+      record(Status::invalid_argument("NH=" + std::to_string(NH) + ", KVH=" + std::to_string(KVH) + ", D=" +
+                                      std::to_string(D) + ": need KVH dividing NH and an even D of at most " +
+                                      std::to_string(kMaxRopeHeadDim)),
+             what);
+      return;
+    }
+    float inv_freq[kMaxRopeHeadDim / 2];
+    for (int i = 0; i < D / 2; ++i) inv_freq[i] = rope_inv_freq(rope, D, i);
+    check(launch_rope(mb(out), cb(inp), B, T, NH, KVH, D, inv_freq, sign, compute_), what);
   }
 
   // Scratch from the start of the workspace the caller gave (ops run in stream

@@ -21,7 +21,7 @@ namespace spillway::cuda_detail {
 // out[b,t,:] = wte[tokens[b,t] - vocab_begin] + wpe[t] where tokens[b,t] is in
 // [vocab_begin, vocab_begin + vocab_rows); other rows of out are not written.
 // wte[vocab_rows,C] (a tile of the table; vocab_rows may be INT_MAX: every token),
-// wpe[T_max,C], tokens[B,T].
+// wpe[T_max,C] or null (no position table: out = wte row alone), tokens[B,T].
 cudaError_t launch_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe,
                                      int B, int T, int C, int vocab_begin, int vocab_rows,
                                      cudaStream_t stream);
@@ -74,6 +74,22 @@ cudaError_t launch_gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, 
 // out[n] = a[n] + b[n]
 cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, size_t n,
                                     cudaStream_t stream);
+
+// Largest head size launch_rope takes (its frequencies travel as a kernel argument).
+constexpr int kMaxRopeHeadDim = 256;
+// RoPE on a qkv-layout tensor inp/out[B,T,(NH+2·KVH)·D] (tensor/rope.h): pair (i, i+D/2)
+// of each q and k head turned by float(t)·inv_freq[i] (sign = -1: the transpose, for
+// gradients), v heads copied. inv_freq[D/2] from rope_inv_freq on the host; D even,
+// at most kMaxRopeHeadDim. One thread per (row, 8 pairs) (D % 16 == 0 and 16-byte
+// aligned pointers) or per (row, pair): it computes its cos/sin once for every head.
+cudaError_t launch_rope(bf16* out, const bf16* inp, int B, int T, int NH, int KVH, int D, const float* inv_freq,
+                        float sign, cudaStream_t stream);
+
+// SwiGLU: inp[N,2I] = [gate | up]; out[N,I] = silu(gate)·up, fp32 math, rounded once.
+cudaError_t launch_swiglu_forward(bf16* out, const bf16* inp, int64_t N, int I, cudaStream_t stream);
+// dinp[N,2I] = [dout·up·silu'(gate) | dout·silu(gate)] (overwritten); dout[N,I].
+cudaError_t launch_swiglu_backward(bf16* dinp, const bf16* inp, const bf16* dout, int64_t N, int I,
+                                   cudaStream_t stream);
 
 // losses[N] = -log softmax(logits[N,V])[targets[N]], rows of logits ld ≥ V apart. With
 // `backward`, logits[:, :V] is overwritten with (softmax - onehot) * dlogits_scale

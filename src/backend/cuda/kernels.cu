@@ -31,8 +31,9 @@ __device__ __forceinline__ int64_t tile_row(int32_t token, int vocab_begin, int 
   return row >= 0 && row < vocab_rows ? row : -1;
 }
 
-// out[N,C], tokens[N], wte[vocab_rows,C], wpe[T_max,C]; one thread per 8 columns
-// (VEC=8) or 1. Positions whose token is outside the tile are left as they are.
+// out[N,C], tokens[N], wte[vocab_rows,C], wpe[T_max,C] or null (no position table);
+// one thread per 8 columns (VEC=8) or 1. Positions whose token is outside the tile
+// are left as they are.
 template <int VEC>
 __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* wte,
                                          const bf16* wpe, int N, int T, int C, int vocab_begin,
@@ -47,7 +48,10 @@ __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const
     const int64_t row = tile_row(tokens[n], vocab_begin, vocab_rows);
     if (row < 0) continue;
     const size_t tok = static_cast<size_t>(row);
-    if constexpr (VEC == 8) {
+    if (wpe == nullptr) {  // a copy of the row
+      if constexpr (VEC == 8) store8(out + static_cast<size_t>(n) * C + c, load8(wte + tok * C + c));
+      else out[static_cast<size_t>(n) * C + c] = wte[tok * C + c];
+    } else if constexpr (VEC == 8) {
       float a[8], b[8];
       unpack8(load8(wte + tok * C + c), a);
       unpack8(load8(wpe + static_cast<size_t>(t) * C + c), b);
@@ -422,6 +426,121 @@ cudaError_t launch_elementwise(bf16* out, const bf16* a, const bf16* b, size_t n
   return launched();
 }
 
+// ---------------------------------------------------------------- RoPE
+
+// The rotation frequencies, by value (a kernel argument).
+struct RopeFreqs {
+  float f[kMaxRopeHeadDim / 2];
+};
+
+// out/inp [N, (NH+2·KVH)·D]. Work item = (row n, pairs [c, c+VEC)): cos/sin of
+// float(t)·inv_freq computed once, then every q and k head turned, the v heads copied.
+template <int VEC>
+__global__ void rope_kernel(bf16* out, const bf16* inp, int N, int T, int NH, int KVH, int D, RopeFreqs freqs,
+                            float sign) {
+  const int half = D / 2, chunks = half / VEC;
+  const size_t width = static_cast<size_t>(NH + 2 * KVH) * D;
+  const size_t items = static_cast<size_t>(N) * chunks;
+  for (size_t it = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; it < items;
+       it += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int n = static_cast<int>(it / chunks), c = static_cast<int>(it % chunks) * VEC;
+    const float t = static_cast<float>(n % T);
+    float cs[VEC], sn[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      sincosf(__fmul_rn(t, freqs.f[c + k]), &sn[k], &cs[k]);
+      sn[k] *= sign;
+    }
+    const bf16* x = inp + static_cast<size_t>(n) * width + c;
+    bf16* y = out + static_cast<size_t>(n) * width + c;
+    for (int h = 0; h < NH + KVH; ++h) {
+      const size_t o = static_cast<size_t>(h) * D;
+      float a[VEC], b[VEC];
+      if constexpr (VEC == 8) {
+        unpack8(load8(x + o), a);
+        unpack8(load8(x + o + half), b);
+      } else {
+        a[0] = __bfloat162float(x[o]);
+        b[0] = __bfloat162float(x[o + half]);
+      }
+      float y1[VEC], y2[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        y1[k] = a[k] * cs[k] - b[k] * sn[k];
+        y2[k] = b[k] * cs[k] + a[k] * sn[k];
+      }
+      if constexpr (VEC == 8) {
+        store8(y + o, pack8(y1));
+        store8(y + o + half, pack8(y2));
+      } else {
+        y[o] = __float2bfloat16_rn(y1[0]);
+        y[o + half] = __float2bfloat16_rn(y2[0]);
+      }
+    }
+    for (int h = NH + KVH; h < NH + 2 * KVH; ++h) {
+      const size_t o = static_cast<size_t>(h) * D;
+      if constexpr (VEC == 8) {
+        store8(y + o, load8(x + o));
+        store8(y + o + half, load8(x + o + half));
+      } else {
+        y[o] = x[o];
+        y[o + half] = x[o + half];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// inp[N,2I] = [gate | up]; forward: out[N,I] = silu(gate)·up; backward (dout given):
+// out = dinp[N,2I] = [dout·up·silu'(gate) | dout·silu(gate)]. Item = (row, VEC columns).
+template <bool BACKWARD, int VEC>
+__global__ void swiglu_kernel(bf16* out, const bf16* inp, const bf16* dout, int64_t N, int I) {
+  const int chunks = I / VEC;
+  const size_t items = static_cast<size_t>(N) * chunks;
+  for (size_t it = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; it < items;
+       it += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t n = it / chunks;
+    const int c = static_cast<int>(it % chunks) * VEC;
+    const bf16* gate = inp + n * 2 * I + c;
+    float g[VEC], u[VEC], d[VEC];
+    if constexpr (VEC == 8) {
+      unpack8(load8(gate), g);
+      unpack8(load8(gate + I), u);
+      if constexpr (BACKWARD) unpack8(load8(dout + n * I + c), d);
+    } else {
+      g[0] = __bfloat162float(gate[0]);
+      u[0] = __bfloat162float(gate[I]);
+      if constexpr (BACKWARD) d[0] = __bfloat162float(dout[n * I + c]);
+    }
+    if constexpr (!BACKWARD) {
+      float y[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) y[k] = g[k] * sigmoid_f(g[k]) * u[k];
+      if constexpr (VEC == 8) store8(out + n * I + c, pack8(y));
+      else out[n * I + c] = __float2bfloat16_rn(y[0]);
+    } else {
+      float dg[VEC], du[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float sig = sigmoid_f(g[k]);
+        du[k] = d[k] * (g[k] * sig);
+        dg[k] = d[k] * u[k] * sig * (1.0f + g[k] * (1.0f - sig));
+      }
+      bf16* dst = out + n * 2 * I + c;
+      if constexpr (VEC == 8) {
+        store8(dst, pack8(dg));
+        store8(dst + I, pack8(du));
+      } else {
+        dst[0] = __float2bfloat16_rn(dg[0]);
+        dst[I] = __float2bfloat16_rn(du[0]);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- cross-entropy
 
 // One block per row. losses[N], logits[N,V], targets[N]. With `backward`,
@@ -767,6 +886,43 @@ cudaError_t launch_gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, 
 cudaError_t launch_residual_forward(bf16* out, const bf16* a, const bf16* b, size_t n,
                                     cudaStream_t stream) {
   return launch_elementwise<Ew::Add>(out, a, b, n, stream);
+}
+
+cudaError_t launch_rope(bf16* out, const bf16* inp, int B, int T, int NH, int KVH, int D, const float* inv_freq,
+                        float sign, cudaStream_t stream) {
+  const int N = B * T, half = D / 2;
+  if (N == 0 || half == 0) return cudaSuccess;
+  if (D % 2 != 0 || D > kMaxRopeHeadDim) return cudaErrorInvalidValue;
+  RopeFreqs freqs{};
+  for (int i = 0; i < half; ++i) freqs.f[i] = inv_freq[i];
+  if (half % 8 == 0 && aligned16(out) && aligned16(inp))
+    rope_kernel<8><<<grid_for(static_cast<size_t>(N) * (half / 8)), kThreads, 0, stream>>>(out, inp, N, T, NH, KVH,
+                                                                                            D, freqs, sign);
+  else
+    rope_kernel<1><<<grid_for(static_cast<size_t>(N) * half), kThreads, 0, stream>>>(out, inp, N, T, NH, KVH, D,
+                                                                                      freqs, sign);
+  return launched();
+}
+
+cudaError_t launch_swiglu_forward(bf16* out, const bf16* inp, int64_t N, int I, cudaStream_t stream) {
+  if (N == 0 || I == 0) return cudaSuccess;
+  if (I % 8 == 0 && aligned16(out) && aligned16(inp))
+    swiglu_kernel<false, 8><<<grid_for(static_cast<size_t>(N) * (I / 8)), kThreads, 0, stream>>>(out, inp, nullptr,
+                                                                                                  N, I);
+  else
+    swiglu_kernel<false, 1><<<grid_for(static_cast<size_t>(N) * I), kThreads, 0, stream>>>(out, inp, nullptr, N, I);
+  return launched();
+}
+
+cudaError_t launch_swiglu_backward(bf16* dinp, const bf16* inp, const bf16* dout, int64_t N, int I,
+                                   cudaStream_t stream) {
+  if (N == 0 || I == 0) return cudaSuccess;
+  if (I % 8 == 0 && aligned16(dinp) && aligned16(inp) && aligned16(dout))
+    swiglu_kernel<true, 8><<<grid_for(static_cast<size_t>(N) * (I / 8)), kThreads, 0, stream>>>(dinp, inp, dout, N,
+                                                                                                 I);
+  else
+    swiglu_kernel<true, 1><<<grid_for(static_cast<size_t>(N) * I), kThreads, 0, stream>>>(dinp, inp, dout, N, I);
+  return launched();
 }
 
 cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targets, int N, int V, int ld,
