@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "core/random.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "train/trainer.h"
 
 namespace spillway {
@@ -65,7 +65,7 @@ Status Sampler::set_parameter(const std::string& name, const std::vector<float>&
 }
 
 Status Sampler::load(const std::string& path, const ImportOptions& options) {
-  return import_gpt2(
+  return import_model(
       path, cfg_, [&](const ParamSpec& p, std::vector<float>&& values) { return set_parameter(p.name, values); },
       options);
 }

@@ -1,7 +1,7 @@
 // Sampler: text generation from a GPT model with a forward-only program.
 //
 //   auto backend = make_backend("cpu");
-//   auto cfg = infer_gpt_config("build/tiny.safetensors");
+//   auto cfg = infer_model_config("build/tiny.safetensors");
 //   auto s = Sampler::create(**backend, *cfg, {.window = 128});
 //   if (!s) die(s.status());
 //   SPILLWAY_RETURN_IF_ERROR((*s)->load("build/tiny.safetensors"));
@@ -26,7 +26,7 @@
 #include "core/status.h"
 #include "exec/executor.h"
 #include "model/model.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 

@@ -11,7 +11,7 @@
 #include "core/size.h"
 #include "core/thread_pool.h"
 #include "exec/dispatch.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "optim/adamw.h"
 
 namespace spillway {
@@ -353,7 +353,7 @@ Status Trainer::load_parameters(const std::string& path, const ImportOptions& op
   std::vector<uint8_t> scratch;
   std::vector<float> zeros;
   const bool zero = !moments_zero_;
-  SPILLWAY_RETURN_IF_ERROR(import_gpt2(
+  SPILLWAY_RETURN_IF_ERROR(import_model(
       path, options_.model,
       [&](const ParamSpec& p, std::vector<float>&& values) -> Status {
         SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values.data(), values.size(), scratch));
@@ -367,7 +367,7 @@ Status Trainer::load_parameters(const std::string& path, const ImportOptions& op
 Status Trainer::save(const std::string& path) {
   SPILLWAY_RETURN_IF_ERROR(usable("save " + path));
   SPILLWAY_RETURN_IF_ERROR(drain());
-  return export_gpt2(path, options_.model, [&](const ParamSpec& p) -> Result<std::vector<float>> {
+  return export_model(path, options_.model, [&](const ParamSpec& p) -> Result<std::vector<float>> {
     SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, read_floats("master." + p.name));
     for (size_t i = 0; i < v.size(); ++i)
       if (!std::isfinite(v[i]))
@@ -380,7 +380,7 @@ Status Trainer::save(const std::string& path) {
 
 Status Trainer::save_gradients(const std::string& path) {
   SPILLWAY_RETURN_IF_ERROR(usable("save the gradients to " + path));
-  return export_gpt2(path, options_.model,
+  return export_model(path, options_.model,
                      [&](const ParamSpec& p) -> Result<std::vector<float>> { return read_floats("grad." + p.name); });
 }
 

@@ -73,7 +73,7 @@
 #include "core/status.h"
 #include "exec/executor.h"
 #include "model/model.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "train/data.h"
@@ -192,12 +192,13 @@ class Trainer {
 
   // GPT-2 initial values from options.seed (init_parameter); moments zeroed.
   Status init_parameters();
-  // Parameters from a safetensors checkpoint whose config equals options.model
-  // (use infer_gpt_config first); moments zeroed. Importer errors name the file
+  // Parameters from a safetensors file or a Hugging Face model directory whose config equals options.model
+  // (use infer_model_config first); moments zeroed. Importer errors name the file
   // and the missing or mis-shaped tensor, or the first non-finite value (refused
   // unless options.allow_nonfinite).
   Status load_parameters(const std::string& path, const ImportOptions& options = {});
-  // Writes the master weights (F32) with Hugging Face GPT-2 names.
+  // Writes the master weights (F32) with Hugging Face names: one .safetensors file, or
+  // any other path a model directory (config.json and shards; model/hf_model.h).
   Status save(const std::string& path);
   // Waits for the work the last step left in flight (its host AdamW overlaps the next
   // step's forward; see Executor::drain) and reports its error. evaluate and save

@@ -14,6 +14,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "model/hf_model.h"
 #include "model/safetensors.h"
 
 using namespace spillway;
@@ -121,8 +122,8 @@ std::vector<Raw> hf_checkpoint(const ModelConfig& c, const std::string& dtype) {
   return out;
 }
 
-GPTWeights random_weights(const ModelConfig& c, uint64_t seed) {
-  GPTWeights w;
+ModelWeights random_weights(const ModelConfig& c, uint64_t seed) {
+  ModelWeights w;
   for (const ParamSpec& s : parameter_specs(c)) {
     ParamSpec as_weight = s;
     as_weight.name = "x.weight";  // every tensor gets random values, biases and LayerNorms too
@@ -141,7 +142,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 TEST(Safetensors, ExportImportRoundTripIsBitExact) {
   TempDir d;
   ModelConfig c = *model_preset("tiny");
-  GPTWeights w = random_weights(c, 7);
+  ModelWeights w = random_weights(c, 7);
   // Special values survive too.
   std::vector<float>& b = w["transformer.ln_f.bias"];
   b[0] = -0.0f;
@@ -149,13 +150,13 @@ TEST(Safetensors, ExportImportRoundTripIsBitExact) {
   b[2] = std::numeric_limits<float>::infinity();
   b[3] = std::bit_cast<float>(0x7fc01234u);  // a NaN with payload
   std::string path = d.file("tiny.safetensors");
-  Status s = export_gpt2(path, c, w);
+  Status s = export_model(path, c, w);
   ASSERT_TRUE(s.is_ok()) << s.to_string();
-  auto back = import_gpt2(path, c, {.allow_nonfinite = true});
+  auto back = import_model(path, c, {.allow_nonfinite = true});
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   ASSERT_EQ(back->size(), w.size());
   for (const auto& [name, values] : w) EXPECT_TRUE(same_bits(values, back->at(name))) << name;
-  auto cfg = infer_gpt_config(path);
+  auto cfg = infer_model_config(path);
   ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
   EXPECT_EQ(*cfg, c);
 }
@@ -163,9 +164,9 @@ TEST(Safetensors, ExportImportRoundTripIsBitExact) {
 TEST(Safetensors, ExportUsesHuggingFaceNamesAndConv1DLayout) {
   TempDir d;
   ModelConfig c = micro_config();
-  GPTWeights w = random_weights(c, 3);
+  ModelWeights w = random_weights(c, 3);
   std::string path = d.file("m.safetensors");
-  ASSERT_TRUE(export_gpt2(path, c, w).is_ok());
+  ASSERT_TRUE(export_model(path, c, w).is_ok());
   auto f = SafetensorsReader::open(path);
   ASSERT_TRUE(f.ok()) << f.status().to_string();
   EXPECT_EQ(f->entries().size(), parameter_specs(c).size());
@@ -214,7 +215,7 @@ TEST(Safetensors, ImportsHuggingFaceLayoutInEveryDtype) {
   for (const char* dtype : {"F32", "BF16", "F16"}) {
     std::string path = d.file(std::string("hf_") + dtype + ".safetensors");
     write_raw(path, hf_checkpoint(c, dtype));
-    auto w = import_gpt2(path, c);
+    auto w = import_model(path, c);
     ASSERT_TRUE(w.ok()) << dtype << ": " << w.status().to_string();
     std::vector<ParamSpec> specs = parameter_specs(c);
     for (size_t p = 0; p < specs.size(); ++p) {
@@ -223,13 +224,13 @@ TEST(Safetensors, ImportsHuggingFaceLayoutInEveryDtype) {
       for (size_t j = 0; j < v.size(); ++j) ASSERT_EQ(v[j], micro_value(p, j)) << dtype << " " << specs[p].name << " " << j;
     }
     // No n_head in the metadata: heads = width / 64 cannot hold for width 8.
-    auto cfg = infer_gpt_config(path);
+    auto cfg = infer_model_config(path);
     ASSERT_FALSE(cfg.ok());
     EXPECT_TRUE(contains(cfg.status().message(), "n_head")) << cfg.status().message();
   }
   std::string with_heads = d.file("hf_meta.safetensors");
   write_raw(with_heads, hf_checkpoint(c, "F32"), {{"n_head", "2"}});
-  auto cfg = infer_gpt_config(with_heads);
+  auto cfg = infer_model_config(with_heads);
   ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
   EXPECT_EQ(*cfg, c);
 }
@@ -264,11 +265,11 @@ TEST(Safetensors, AcceptsPrefixedAndUnprefixedNamesButNotBoth) {
   for (size_t i = 0; i < t.size(); i += 2) t[i].name = "transformer." + t[i].name;  // a mix
   std::string path = d.file("mixed.safetensors");
   write_raw(path, t);
-  EXPECT_TRUE(import_gpt2(path, c).ok());
+  EXPECT_TRUE(import_model(path, c).ok());
   t.push_back({"wte.weight", "F32", {c.vocab, c.width}, f32_bytes(std::vector<float>(size_t(c.vocab) * c.width))});
   t[0].name = "transformer.wte.weight";
   write_raw(path, t);
-  auto r = import_gpt2(path, c);
+  auto r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "'wte.weight' appears twice")) << r.status().message();
 }
@@ -280,7 +281,7 @@ TEST(Safetensors, MissingTensorsAreNamed) {
   std::erase_if(t, [](const Raw& r) { return r.name == "h.1.ln_2.bias" || r.name == "wpe.weight"; });
   std::string path = d.file("missing.safetensors");
   write_raw(path, t);
-  auto r = import_gpt2(path, c);
+  auto r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::NotFound);
   EXPECT_TRUE(contains(r.status().message(), path)) << r.status().message();
@@ -292,13 +293,13 @@ TEST(Safetensors, MissingTensorsAreNamed) {
   ModelConfig deeper = c;
   deeper.layers = 3;
   write_raw(path, hf_checkpoint(c, "F32"));
-  r = import_gpt2(path, deeper);
+  r = import_model(path, deeper);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "h.2.ln_1.weight")) << r.status().message();
   // Fewer: the extra block is named.
   ModelConfig shallower = c;
   shallower.layers = 1;
-  r = import_gpt2(path, shallower);
+  r = import_model(path, shallower);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "unexpected tensor(s)")) << r.status().message();
   EXPECT_TRUE(contains(r.status().message(), "h.1.attn.c_attn.bias")) << r.status().message();
@@ -315,7 +316,7 @@ TEST(Safetensors, WrongShapeOrDtypeIsNamed) {
   for (Raw& r : t)
     if (r.name == "h.0.attn.c_attn.weight") r.shape = {3 * C, C};
   write_raw(path, t);
-  auto r = import_gpt2(path, c);
+  auto r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "'h.0.attn.c_attn.weight' has shape [24, 8]; expected [8, 24]"))
       << r.status().message();
@@ -325,7 +326,7 @@ TEST(Safetensors, WrongShapeOrDtypeIsNamed) {
   for (Raw& r : t)
     if (r.name == "ln_f.weight") r.dtype = "I32";
   write_raw(path, t);
-  r = import_gpt2(path, c);
+  r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "'ln_f.weight' has dtype I32; expected F32, F16 or BF16"))
       << r.status().message();
@@ -379,7 +380,7 @@ TEST(Safetensors, BadHeadersAreRejectedWithTheFileName) {
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::NotFound);
   EXPECT_TRUE(contains(missing.status().message(), "nope.safetensors")) << missing.status().message();
-  EXPECT_FALSE(import_gpt2(d.file("nope.safetensors"), micro_config()).ok());
+  EXPECT_FALSE(import_model(d.file("nope.safetensors"), micro_config()).ok());
 }
 
 TEST(Safetensors, OverlappingOrGappedDataIsRefused) {
@@ -404,8 +405,8 @@ TEST(Safetensors, OverlappingOrGappedDataIsRefused) {
   }
   write_raw_file(path, h.dump(), std::string(largest, '\0'));
   expect_error({"overlap", "data_offsets [0, "});
-  EXPECT_FALSE(infer_gpt_config(path).ok());
-  EXPECT_FALSE(import_gpt2(path, c).ok());
+  EXPECT_FALSE(infer_model_config(path).ok());
+  EXPECT_FALSE(import_model(path, c).ok());
 
   // Two tensors on the same bytes: both named, with their ranges.
   const std::string two = f32_bytes({1, 2});
@@ -468,30 +469,30 @@ TEST(Safetensors, HeadsComeFromConfigJsonMetadataOrFlagsNeverGuessed) {
   write_raw(path, hf_checkpoint(c, "F32"));
 
   // No config.json, no n_head: an error asking for --heads (width/64 would give 2).
-  auto r = infer_gpt_config(path);
+  auto r = infer_model_config(path);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "--heads")) << r.status().message();
   EXPECT_TRUE(contains(r.status().message(), "no config.json beside it (" + config + ")")) << r.status().message();
   // The flag settles it.
-  r = infer_gpt_config(path, flag_sizes({0, 0, 4, 0, 0}));
+  r = infer_model_config(path, flag_sizes({0, 0, 4, 0, 0}));
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(*r, c);
 
   // config.json beside the file, as transformers saves it.
   write_text(config, hf_config_json(c).dump(2));
-  r = infer_gpt_config(path);
+  r = infer_model_config(path);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(*r, c);
   EXPECT_EQ(r->heads, 4);
-  auto import = import_gpt2(path, *r);
+  auto import = import_model(path, *r);
   EXPECT_TRUE(import.ok()) << import.status().to_string();
   // Flags that agree are fine; one that disagrees names both values and their sources.
-  EXPECT_TRUE(infer_gpt_config(path, flag_sizes({2, 128, 4, 16, 64})).ok());
-  r = infer_gpt_config(path, flag_sizes({0, 0, 2, 0, 0}));
+  EXPECT_TRUE(infer_model_config(path, flag_sizes({2, 128, 4, 16, 64})).ok());
+  r = infer_model_config(path, flag_sizes({0, 0, 2, 0, 0}));
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "--heads 2 disagrees with n_head 4 (" + config + ")"))
       << r.status().message();
-  r = infer_gpt_config(path, flag_sizes({3, 0, 0, 0, 0}));
+  r = infer_model_config(path, flag_sizes({3, 0, 0, 0, 0}));
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "--layers 3 disagrees with the weights: 2 block(s)")) << r.status().message();
 
@@ -499,19 +500,19 @@ TEST(Safetensors, HeadsComeFromConfigJsonMetadataOrFlagsNeverGuessed) {
   nlohmann::json j = hf_config_json(c);
   j.erase("n_head");
   write_text(config, j.dump());
-  r = infer_gpt_config(path);
+  r = infer_model_config(path);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), config + " has no n_head")) << r.status().message();
   EXPECT_TRUE(contains(r.status().message(), "--heads")) << r.status().message();
 
-  // __metadata__ n_head, as export_gpt2 writes it, and a config.json that disagrees.
+  // __metadata__ n_head, as export_model writes it, and a config.json that disagrees.
   write_raw(path, hf_checkpoint(c, "F32"), {{"n_head", "4"}});
-  r = infer_gpt_config(path);
+  r = infer_model_config(path);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->heads, 4);
   j["n_head"] = 8;
   write_text(config, j.dump());
-  r = infer_gpt_config(path);
+  r = infer_model_config(path);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "n_head 4 (__metadata__ of " + path + ") disagrees with n_head 8 (" +
                                                  config + ")"))
@@ -526,7 +527,7 @@ TEST(Safetensors, BadConfigJsonIsNamedWithItsKey) {
   write_raw(path, hf_checkpoint(c, "F32"));
   auto expect_error = [&](const nlohmann::json& j, const std::vector<std::string>& parts) {
     write_text(config, j.dump());
-    auto r = infer_gpt_config(path);
+    auto r = infer_model_config(path);
     ASSERT_FALSE(r.ok()) << j.dump();
     for (const std::string& part : parts) EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
   };
@@ -540,7 +541,7 @@ TEST(Safetensors, BadConfigJsonIsNamedWithItsKey) {
   expect_error(with("n_head", 0), {config, "\"n_head\" is 0; expected a positive integer up to 2^24"});
   expect_error(with("n_embd", -128), {config, "\"n_embd\" is -128"});
   expect_error(with("vocab_size", nullptr), {config, "\"vocab_size\" is null"});
-  expect_error(with("model_type", "llama"), {config, "model_type is \"llama\""});
+  expect_error(with("model_type", "mistral"), {config, "model_type is \"mistral\""});
   // Contradicting the weights: the key, its value and the weights' value.
   expect_error(with("n_layer", 3), {"n_layer 3 (" + config + ") disagrees with the weights: 2 block(s), h.0 … h.1"});
   expect_error(with("n_embd", 64), {"n_embd 64 (" + config + ") disagrees with the weights: width 128"});
@@ -550,19 +551,19 @@ TEST(Safetensors, BadConfigJsonIsNamedWithItsKey) {
   nlohmann::json j = hf_config_json(c);
   j["n_ctx"] = 1024;
   write_text(config, j.dump());
-  EXPECT_TRUE(infer_gpt_config(path).ok());
+  EXPECT_TRUE(infer_model_config(path).ok());
   j.erase("n_positions");
   expect_error(j, {"n_ctx 1024 (" + config + ") disagrees with the weights: context 16"});
   // Not JSON, or not an object.
   write_text(config, "{\"n_head\": 4,");
-  auto r = infer_gpt_config(path);
+  auto r = infer_model_config(path);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), config + ": not valid JSON")) << r.status().message();
   expect_error(nlohmann::json::array({1, 2}), {config, "not a JSON object"});
   // A directory named config.json is not a config.
   std::filesystem::remove(config);
   std::filesystem::create_directory(config);
-  r = infer_gpt_config(path);
+  r = infer_model_config(path);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), config)) << r.status().message();
 }
@@ -580,7 +581,7 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
   };
   auto expect_error = [&](const std::vector<std::string>& parts) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = infer_gpt_config(path);
+    auto r = infer_model_config(path);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ASSERT_FALSE(r.ok());
     EXPECT_LT(s, 1.0) << "refusing took " << s << " s";
@@ -624,13 +625,13 @@ TEST(Safetensors, BlocksMustBeContiguousAndCompleteBeforeAnythingIsBuilt) {
   write_raw(path, t, heads);
   expect_error({"2 block(s) of width 8 need at least 872 values each (3488 bytes in all at 2 bytes a value)",
                 "the file's data is"});
-  // import_gpt2 asked for far more blocks than the file has: refused without
+  // import_model asked for far more blocks than the file has: refused without
   // listing every block's parameters.
   write_raw(path, hf_checkpoint(c, "F32"), heads);
   ModelConfig deep = c;
   deep.layers = 1000000;
   const auto t0 = std::chrono::steady_clock::now();
-  auto r = import_gpt2(path, deep);
+  auto r = import_model(path, deep);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "it has 1000000 blocks, the file 2; the first missing is h.2"))
@@ -651,20 +652,20 @@ TEST(Safetensors, NonFiniteWeightsAreRefusedUnlessAllowed) {
       std::memcpy(r.bytes.data() + 100 * 4, &inf, 4);
     }
   write_raw(path, t);
-  auto r = import_gpt2(path, c);
+  auto r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), path)) << r.status().message();
   EXPECT_TRUE(contains(r.status().message(),
                        "tensor 'h.1.mlp.c_fc.weight' element 37 (index [1, 5] of [8, 32]) is NaN"))
       << r.status().message();
   EXPECT_TRUE(contains(r.status().message(), "--allow-nonfinite-weights")) << r.status().message();
-  auto allowed = import_gpt2(path, c, {.allow_nonfinite = true});
+  auto allowed = import_model(path, c, {.allow_nonfinite = true});
   ASSERT_TRUE(allowed.ok()) << allowed.status().to_string();
   // Ours is [out, in] = [32, 8]: file element (1, 5) is ours (5, 1).
   EXPECT_TRUE(std::isnan(allowed->at("transformer.h.1.mlp.c_fc.weight")[5 * 8 + 1]));
   // The sink is not called for the tensor with the bad value, nor after it.
   std::vector<std::string> sunk;
-  Status s = import_gpt2(path, c, [&](const ParamSpec& p, std::vector<float>&&) {
+  Status s = import_model(path, c, [&](const ParamSpec& p, std::vector<float>&&) {
     sunk.push_back(p.name);
     return Status::ok();
   });
@@ -679,7 +680,7 @@ TEST(Safetensors, NonFiniteWeightsAreRefusedUnlessAllowed) {
       std::memcpy(r.bytes.data() + 2 * 2, &minus_inf, 2);
     }
   write_raw(path, t);
-  r = import_gpt2(path, c);
+  r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "tensor 'wpe.weight' element 2 (index [0, 2] of [4, 8]) is -Inf"))
       << r.status().message();
@@ -690,27 +691,27 @@ TEST(Safetensors, NonFiniteWeightsAreRefusedUnlessAllowed) {
       std::memcpy(r.bytes.data() + 7 * 2, &plus_inf, 2);
     }
   write_raw(path, t);
-  r = import_gpt2(path, c);
+  r = import_model(path, c);
   ASSERT_FALSE(r.ok());
   EXPECT_TRUE(contains(r.status().message(), "tensor 'ln_f.bias' element 7 (index [7] of [8]) is +Inf"))
       << r.status().message();
-  EXPECT_TRUE(import_gpt2(path, c, {.allow_nonfinite = true}).ok());
+  EXPECT_TRUE(import_model(path, c, {.allow_nonfinite = true}).ok());
 }
 
 TEST(Safetensors, ExportChecksValueCounts) {
   TempDir d;
   ModelConfig c = micro_config();
-  GPTWeights w = random_weights(c, 1);
+  ModelWeights w = random_weights(c, 1);
   w["transformer.h.0.ln_1.bias"].pop_back();
   std::string path = d.file("x.safetensors");
-  Status s = export_gpt2(path, c, w);
+  Status s = export_model(path, c, w);
   ASSERT_FALSE(s.is_ok());
   EXPECT_TRUE(contains(s.message(), "transformer.h.0.ln_1.bias")) << s.message();
   EXPECT_TRUE(contains(s.message(), path)) << s.message();
   EXPECT_NE(::access(path.c_str(), F_OK), 0);            // nothing half-written
   EXPECT_NE(::access((path + ".tmp").c_str(), F_OK), 0);
   w.erase("transformer.wpe.weight");
-  s = export_gpt2(path, c, w);
+  s = export_model(path, c, w);
   ASSERT_FALSE(s.is_ok());
   EXPECT_TRUE(contains(s.message(), "transformer.wpe.weight")) << s.message();
 }

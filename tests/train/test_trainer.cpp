@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "train/data.h"
 #include "train/sampler.h"
 #include "train/schedule.h"
@@ -446,7 +446,7 @@ TEST(Trainer, SavedGradientsAreTheStepsGradients) {
   ASSERT_TRUE((*t)->init_parameters().is_ok());
   ASSERT_TRUE((*t)->step(random_batches(o.shape.accum, o.shape.B, o.shape.T, 7)).ok());
   ASSERT_TRUE((*t)->save_gradients(path).is_ok());
-  auto saved = import_gpt2(path, o.model);  // back to our [out,in] layout
+  auto saved = import_model(path, o.model);  // back to our [out,in] layout
   ASSERT_TRUE(saved.ok()) << saved.status().to_string();
   int nonzero = 0;
   for (const ParamSpec& p : parameter_specs(o.model)) {
@@ -471,7 +471,7 @@ TEST(Trainer, SaveAndLoadRoundTrip) {
   for (int s = 0; s < 3; ++s) ASSERT_TRUE((*a)->step(random_batches(2, 2, 8, s)).ok());
   ASSERT_TRUE((*a)->save(path).is_ok());
 
-  auto cfg = infer_gpt_config(path);
+  auto cfg = infer_model_config(path);
   ASSERT_TRUE(cfg.ok()) << cfg.status().to_string();
   EXPECT_EQ(*cfg, o.model);
   auto b = Trainer::create(*backend, o);
