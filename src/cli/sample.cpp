@@ -16,7 +16,7 @@
 #include "cli/command.h"
 #include "cli/text_data.h"
 #include "cli/train_flags.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "train/data.h"
 #include "train/sampler.h"
 
@@ -42,11 +42,12 @@ Status run_sample(const SampleFlags& f) {
   if (!(f.temperature >= 0) || !std::isfinite(f.temperature))
     return Status::invalid_argument("--temperature must be 0 (greedy) or more, got " + std::to_string(f.temperature));
   if (f.prompt.empty()) return Status::invalid_argument("--prompt is empty; give at least one character");
-  // Sizes from the weights; heads from config.json beside them, their __metadata__ or --heads.
+  // A .safetensors file or a model directory (model/hf_model.h); GPT-2 heads from
+  // config.json, the __metadata__ or --heads.
   StatedModelSizes flags;
   flags.sizes.heads = f.heads;
-  flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
-  auto cfg = infer_gpt_config(f.load, flags);
+  flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab", "--kv-heads", "--intermediate"};
+  auto cfg = infer_model_config(f.load, flags);
   if (!cfg.ok()) return cfg.status().with_context("--load");
   std::optional<Tokenizer> tok;
   if (!f.tokenizer.empty()) {
@@ -94,7 +95,7 @@ Status run_sample(const SampleFlags& f) {
 
 CommandRegistration sample_command("sample", "generate text from trained weights (bytes, or through --tokenizer)", [](CLI::App& app) -> CommandRun {
   auto f = std::make_shared<SampleFlags>();
-  app.add_option("--load", f->load, "weights (safetensors) to sample from")->required();
+  app.add_option("--load", f->load, "weights to sample from: a .safetensors file or a Hugging Face model directory")->required();
   app.add_option("--tokenizer", f->tokenizer,
                  "a Hugging Face tokenizer.json (or a directory holding one) for the prompt and the sample "
                  "(default: bytes, for a vocab 256 model)");

@@ -30,7 +30,7 @@
 #include "core/size.h"
 #include "exec/trace.h"
 #include "memory/storage_store.h"
-#include "model/safetensors.h"
+#include "model/hf_model.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -59,8 +59,18 @@ struct TrainFlags {
 // What a run's math depends on, as a checkpoint records it (--resume refuses a
 // given flag that differs, and takes the rest from here).
 nlohmann::json run_config(const ModelConfig& cfg, const TrainFlags& f, int T, float lr, const std::string& data) {
-  return {{"model", {{"layers", cfg.layers}, {"width", cfg.width}, {"heads", cfg.heads}, {"context", cfg.context},
-                     {"vocab", cfg.vocab}}},
+  nlohmann::json model = {{"layers", cfg.layers}, {"width", cfg.width}, {"heads", cfg.heads},
+                          {"context", cfg.context}, {"vocab", cfg.vocab}};
+  if (cfg.arch == Arch::Llama) {  // what --arch llama needs to build it again on --resume
+    model["arch"] = "llama";
+    model["kv_heads"] = cfg.kv_heads;
+    model["intermediate"] = cfg.intermediate;
+    model["rope_theta"] = static_cast<double>(cfg.rope.theta);
+    model["rope_scaling"] = rope_scaling_text(cfg.rope);
+    model["norm_eps"] = static_cast<double>(cfg.norm_eps);
+    model["untied"] = !cfg.tied;
+  }
+  return {{"model", model},
           {"batch", f.batch}, {"context", T}, {"accum", f.accum}, {"lr", lr}, {"warmup", f.warmup},
           {"steps", f.steps}, {"seed", f.seed}, {"data", data}, {"tokenizer", f.tokenizer}};
 }
@@ -103,6 +113,18 @@ Status apply_checkpoint_config(const nlohmann::json& c, TrainFlags& f) {
     take("--heads", f.model.heads, m.at("heads"));
     take("--model-context", f.model.model_context, m.at("context"));
     take("--vocab", f.model.vocab, m.at("vocab"));
+    if (m.contains("arch")) {  // a Llama: rebuilt from its sizes with --arch llama
+      take("--arch", f.model.arch, m.at("arch"));
+      take("--kv-heads", f.model.kv_heads, m.at("kv_heads"));
+      take("--intermediate", f.model.intermediate, m.at("intermediate"));
+      take("--rope-theta", f.model.rope_theta, m.at("rope_theta"));
+      take("--rope-scaling", f.model.rope_scaling, m.at("rope_scaling"));
+      take("--norm-eps", f.model.norm_eps, m.at("norm_eps"));
+      const bool untied = m.at("untied").get<bool>();
+      if (f.given.count("--untied") && f.model.untied != untied) differ.push_back("--untied (the checkpoint's model is tied)");
+      f.model.untied = untied;
+      f.model.model_given = false;  // the sizes above are the whole model
+    }
     take("--batch", f.batch, c.at("batch"));
     take("--context", f.context, c.at("context"));
     take("--accum", f.accum, c.at("accum"));
@@ -245,15 +267,10 @@ Status run_train(const TrainFlags& given_flags) {
   // Model: from the checkpoint with --load, else the preset and explicit sizes.
   ModelConfig cfg;
   if (!f.load.empty()) {
-    // Sizes from the weights' shapes; heads from config.json beside the file, its
-    // __metadata__ or --heads. The size flags settle what the file does not say and
-    // must agree with what it does (model/safetensors.h).
-    StatedModelSizes flags;
-    flags.sizes = {f.model.layers, f.model.width, f.model.heads, f.model.model_context, f.model.vocab};
-    flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab"};
-    auto loaded = infer_gpt_config(f.load, flags);
-    if (!loaded.ok()) return loaded.status().with_context("--load");
-    cfg = *loaded;
+    // A .safetensors file or a Hugging Face model directory (model/hf_model.h): GPT-2
+    // sizes from the weights' shapes and heads from config.json, the __metadata__ or
+    // --heads; a Llama's from config.json. Model flags must agree with what it says.
+    SPILLWAY_ASSIGN_OR_RETURN(cfg, resolve_loaded_model(f.model, f.load));
   } else {
     SPILLWAY_ASSIGN_OR_RETURN(cfg, resolve_model(f.model));
   }
@@ -286,6 +303,9 @@ Status run_train(const TrainFlags& given_flags) {
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   // --save's folder is checked now: the weights are written only at the end.
   if (!f.save.empty()) {
+    // A model directory replaces only an earlier save's (model/hf_model.h): known now.
+    if (is_model_directory_path(f.save))
+      SPILLWAY_RETURN_IF_ERROR(check_model_directory_replaceable(f.save).with_context("--save"));
     const std::filesystem::path parent = std::filesystem::path(f.save).parent_path();
     const std::string folder = parent.empty() ? "." : parent.string();
     std::error_code ec;
@@ -513,11 +533,16 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   app.add_option("--seed", f->seed, "parameter initialization and batch order")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "evaluate every N steps and after the last (0 = never)")->capture_default_str();
   app.add_option("--eval-batches", f->eval_batches, "validation batches per evaluation")->capture_default_str();
-  app.add_option("--save", f->save, "write the trained weights (safetensors, Hugging Face GPT-2 names)");
+  app.add_option("--save", f->save,
+                 "write the trained weights with Hugging Face names: FILE.safetensors (one file), or any other path "
+                 "a model directory as save_pretrained writes it (config.json, model.safetensors or 5 GB shards "
+                 "with an index), replacing an earlier save there");
   app.add_option("--save-grads", f->save_grads,
                  "write the last step's gradients (safetensors, the same names and layout), to compare with PyTorch");
-  app.add_option("--load", f->load, "start from these weights (safetensors; sizes from its shapes, heads from config.json beside it, its "
-                 "__metadata__ or --heads)");
+  app.add_option("--load", f->load,
+                 "start from these weights: a Hugging Face model directory (config.json, model.safetensors or "
+                 "shards with model.safetensors.index.json) or a .safetensors file (config.json beside it when "
+                 "there is one); GPT-2 heads from config.json, the file's __metadata__ or --heads");
   app.add_flag("--allow-nonfinite-weights", f->allow_nonfinite_weights,
                "--load weights with NaN or Inf values (refused by default)");
   app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
@@ -538,7 +563,9 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   CLI::App* parsed = &app;
   return [f, parsed]() -> int {
     for (const char* flag : {"--model", "--layers", "--width", "--heads", "--model-context", "--vocab", "--batch",
-                             "--context", "--accum", "--lr", "--warmup", "--steps", "--seed", "--data", "--tokenizer"})
+                             "--context", "--accum", "--lr", "--warmup", "--steps", "--seed", "--data", "--tokenizer",
+                             "--arch", "--kv-heads", "--intermediate", "--rope-theta", "--rope-scaling", "--norm-eps",
+                             "--untied"})
       if (parsed->count(flag) > 0) f->given.insert(flag);
     Status s = run_train(*f);
     return s.is_ok() ? 0 : fail(s);

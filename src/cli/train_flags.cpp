@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -21,22 +23,153 @@ namespace spillway::cli {
 void add_model_flags(CLI::App& app, ModelFlags& f) {
   std::string presets;
   for (const std::string& name : model_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
-  app.add_option("--model", f.model, "model preset: " + presets)->capture_default_str();
+  app.add_option_function<std::string>(
+      "--model",
+      [&f](const std::string& v) {
+        f.model = v;
+        f.model_given = true;
+      },
+      "model preset: " + presets + " (default: tiny)");
+  app.add_option("--arch", f.arch,
+                 "gpt2 or llama; --arch llama without a Llama --model builds a Llama from explicit sizes (--layers "
+                 "--width --heads --kv-heads --intermediate --model-context --vocab --rope-theta, all required)");
   app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)");
   app.add_option("--width", f.width, "channels (overrides the preset)");
   app.add_option("--heads", f.heads, "attention heads (overrides the preset)");
   app.add_option("--model-context", f.model_context, "the model's maximum sequence length (overrides the preset)");
   app.add_option("--vocab", f.vocab, "vocabulary size (overrides the preset)");
+  app.add_option("--kv-heads", f.kv_heads, "Llama: key/value heads, dividing --heads (overrides the preset)");
+  app.add_option("--intermediate", f.intermediate, "Llama: SwiGLU MLP channels (overrides the preset)");
+  app.add_option("--rope-theta", f.rope_theta, "Llama: rope_theta (overrides the preset)");
+  app.add_option("--rope-scaling", f.rope_scaling,
+                 "Llama: none, or llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT as Llama 3's "
+                 "rope_scaling, e.g. llama3:32:1:4:8192 (overrides the preset)");
+  app.add_option("--norm-eps", f.norm_eps, "Llama: RMSNorm epsilon (overrides the preset; explicit Llama: 1e-5)");
+  app.add_flag("--untied", f.untied, "Llama: an LM head of its own instead of the embedding table (lm_head.weight)");
 }
 
+Status parse_rope_scaling(const std::string& text, RopeParams& rope) {
+  if (text == "none") {
+    rope.llama3 = false;
+    rope.factor = rope.low_freq_factor = rope.high_freq_factor = 0;
+    rope.original_context = 0;
+    return Status::ok();
+  }
+  auto bad = [&](const std::string& why) {
+    return Status::invalid_argument("--rope-scaling " + text + ": " + why +
+                                    "; expected none or llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:"
+                                    "ORIGINAL_CONTEXT, e.g. llama3:32:1:4:8192");
+  };
+  std::vector<std::string> parts;
+  size_t start = 0;
+  for (;;) {
+    size_t colon = text.find(':', start);
+    parts.push_back(text.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  if (parts[0] != "llama3") return bad("the rope type is '" + parts[0] + "'");
+  if (parts.size() != 5) return bad(std::to_string(parts.size() - 1) + " numbers after llama3, not 4");
+  float v[3];
+  for (int i = 0; i < 3; ++i) {
+    char* end = nullptr;
+    errno = 0;
+    v[i] = std::strtof(parts[static_cast<size_t>(i) + 1].c_str(), &end);
+    if (parts[static_cast<size_t>(i) + 1].empty() || *end != '\0' || errno != 0 || !(v[i] > 0) || !std::isfinite(v[i]))
+      return bad("'" + parts[static_cast<size_t>(i) + 1] + "' is not a positive number");
+  }
+  char* end = nullptr;
+  errno = 0;
+  const long orig = std::strtol(parts[4].c_str(), &end, 10);
+  if (parts[4].empty() || *end != '\0' || errno != 0 || orig < 1 || orig > kMaxModelDim)
+    return bad("'" + parts[4] + "' is not a context length (a positive integer)");
+  rope.llama3 = true;
+  rope.factor = v[0];
+  rope.low_freq_factor = v[1];
+  rope.high_freq_factor = v[2];
+  rope.original_context = static_cast<int>(orig);
+  return Status::ok();
+}
+
+std::string rope_scaling_text(const RopeParams& rope) {
+  if (!rope.llama3) return "none";
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "llama3:%.9g:%.9g:%.9g:%d", rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+                rope.original_context);
+  return buf;
+}
+
+namespace {
+
+// --arch as an Arch, or nullopt when not given.
+Result<std::optional<Arch>> parse_arch(const std::string& arch) {
+  if (arch.empty()) return std::optional<Arch>();
+  if (arch == "gpt2") return std::optional<Arch>(Arch::GPT2);
+  if (arch == "llama") return std::optional<Arch>(Arch::Llama);
+  return Status::invalid_argument("--arch: expected gpt2 or llama, got '" + arch + "'");
+}
+
+// The Llama-only flags that were given.
+std::vector<std::string> llama_flags_given(const ModelFlags& f) {
+  std::vector<std::string> given;
+  if (f.kv_heads) given.push_back("--kv-heads");
+  if (f.intermediate) given.push_back("--intermediate");
+  if (f.rope_theta != 0) given.push_back("--rope-theta");
+  if (!f.rope_scaling.empty()) given.push_back("--rope-scaling");
+  if (f.norm_eps != 0) given.push_back("--norm-eps");
+  if (f.untied) given.push_back("--untied");
+  return given;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+  return s;
+}
+
+}  // namespace
+
 Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base) {
+  SPILLWAY_ASSIGN_OR_RETURN(std::optional<Arch> arch, parse_arch(f.arch));
   ModelConfig cfg;
   if (base) {
     cfg = *base;
+  } else if (arch == Arch::Llama && (!f.model_given || (model_preset(f.model).ok() &&
+                                                         model_preset(f.model)->arch != Arch::Llama))) {
+    if (f.model_given)
+      return Status::invalid_argument("--arch llama and --model " + f.model + " (a GPT-2 preset) disagree");
+    // A Llama from explicit sizes: nothing is guessed.
+    std::vector<std::string> missing;
+    auto need = [&](bool given, const char* flag) {
+      if (!given) missing.push_back(flag);
+    };
+    need(f.layers, "--layers");
+    need(f.width, "--width");
+    need(f.heads, "--heads");
+    need(f.kv_heads, "--kv-heads");
+    need(f.intermediate, "--intermediate");
+    need(f.model_context, "--model-context");
+    need(f.vocab, "--vocab");
+    need(f.rope_theta != 0, "--rope-theta");
+    if (!missing.empty())
+      return Status::invalid_argument("--arch llama without a Llama --model preset builds the model from its sizes; "
+                                      "give " + joined(missing) + " (or --model llama-tiny, llama-3.2-1b, ...)");
+    cfg.arch = Arch::Llama;
+    cfg.tied = true;
+    cfg.norm_eps = 1e-5f;
   } else {
     auto preset = model_preset(f.model);
     if (!preset.ok()) return preset.status().with_context("--model");
     cfg = *preset;
+    if (arch && *arch != cfg.arch)
+      return Status::invalid_argument(std::string("--arch ") + arch_name(*arch) + " and --model " + f.model +
+                                      " (a " + arch_name(cfg.arch) + " preset) disagree");
+  }
+  if (cfg.arch == Arch::GPT2) {
+    const std::vector<std::string> llama_only = llama_flags_given(f);
+    if (!llama_only.empty())
+      return Status::invalid_argument(joined(llama_only) + ": for Llama models (--arch llama or a llama preset); "
+                                      "the model is a GPT-2 (" + f.model + ")");
   }
   auto apply = [](int value, int& field, const char* flag) -> Status {
     if (value < 0) return Status::invalid_argument(std::string(flag) + " must be positive, got " + std::to_string(value));
@@ -48,8 +181,56 @@ Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base) 
   SPILLWAY_RETURN_IF_ERROR(apply(f.heads, cfg.heads, "--heads"));
   SPILLWAY_RETURN_IF_ERROR(apply(f.model_context, cfg.context, "--model-context"));
   SPILLWAY_RETURN_IF_ERROR(apply(f.vocab, cfg.vocab, "--vocab"));
+  SPILLWAY_RETURN_IF_ERROR(apply(f.kv_heads, cfg.kv_heads, "--kv-heads"));
+  SPILLWAY_RETURN_IF_ERROR(apply(f.intermediate, cfg.intermediate, "--intermediate"));
+  if (f.rope_theta != 0) {
+    if (!(f.rope_theta > 0) || !std::isfinite(f.rope_theta))
+      return Status::invalid_argument("--rope-theta must be a positive number, got " + std::to_string(f.rope_theta));
+    cfg.rope.theta = static_cast<float>(f.rope_theta);
+  }
+  if (!f.rope_scaling.empty()) SPILLWAY_RETURN_IF_ERROR(parse_rope_scaling(f.rope_scaling, cfg.rope));
+  if (f.norm_eps != 0) {
+    if (!(f.norm_eps > 0) || !std::isfinite(f.norm_eps))
+      return Status::invalid_argument("--norm-eps must be a positive number, got " + std::to_string(f.norm_eps));
+    cfg.norm_eps = static_cast<float>(f.norm_eps);
+  }
+  if (f.untied) cfg.tied = false;
   Status s = cfg.validate();
   if (!s.is_ok()) return s.with_context("model " + cfg.to_string());
+  return cfg;
+}
+
+Result<ModelConfig> resolve_loaded_model(const ModelFlags& f, const std::string& path) {
+  SPILLWAY_ASSIGN_OR_RETURN(std::optional<Arch> arch, parse_arch(f.arch));
+  StatedModelSizes flags;
+  flags.sizes = {f.layers, f.width, f.heads, f.model_context, f.vocab};
+  flags.sizes.kv_heads = f.kv_heads;
+  flags.sizes.intermediate = f.intermediate;
+  flags.keys = {"--layers", "--width", "--heads", "--model-context", "--vocab", "--kv-heads", "--intermediate"};
+  auto loaded = infer_model_config(path, flags);
+  if (!loaded.ok()) return loaded.status().with_context("--load");
+  const ModelConfig& cfg = *loaded;
+  const std::string what = "the model in " + path + " (" + cfg.to_string() + ")";
+  if (arch && *arch != cfg.arch)
+    return Status::invalid_argument(std::string("--arch ") + arch_name(*arch) + " disagrees with " + what);
+  if (cfg.arch == Arch::GPT2) {
+    const std::vector<std::string> llama_only = llama_flags_given(f);
+    if (!llama_only.empty())
+      return Status::invalid_argument(joined(llama_only) + ": for Llama models; --load " + path + " is a GPT-2");
+    return cfg;
+  }
+  if (f.rope_theta != 0 && static_cast<float>(f.rope_theta) != cfg.rope.theta)
+    return Status::invalid_argument("--rope-theta " + std::to_string(f.rope_theta) + " disagrees with " + what);
+  if (!f.rope_scaling.empty()) {
+    RopeParams r = cfg.rope;
+    SPILLWAY_RETURN_IF_ERROR(parse_rope_scaling(f.rope_scaling, r));
+    if (!(r == cfg.rope))
+      return Status::invalid_argument("--rope-scaling " + f.rope_scaling + " disagrees with " + what);
+  }
+  if (f.norm_eps != 0 && static_cast<float>(f.norm_eps) != cfg.norm_eps)
+    return Status::invalid_argument("--norm-eps " + std::to_string(f.norm_eps) + " disagrees with " + what);
+  if (f.untied && cfg.tied)
+    return Status::invalid_argument("--untied disagrees with " + what + ": its config ties the LM head to the embedding");
   return cfg;
 }
 

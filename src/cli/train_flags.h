@@ -20,21 +20,47 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "model/hf_model.h"
 #include "model/model.h"
 #include "plan/planner.h"
 #include "train/data.h"
 
 namespace spillway::cli {
 
+// The model: a preset (--model), sizes that override it, or, with --arch llama and no
+// Llama preset, a Llama from explicit sizes, every one of them required:
+//   --model llama-3.2-1b [--layers 4 ...]
+//   --arch llama --layers 4 --width 256 --heads 8 --kv-heads 2 --intermediate 512
+//       --model-context 256 --vocab 256 --rope-theta 500000 [--rope-scaling llama3:8:1:4:64]
+//       [--norm-eps 1e-5] [--untied]
 struct ModelFlags {
   std::string model = "tiny";
+  bool model_given = false;  // --model was on the command line
+  std::string arch;          // --arch: "", "gpt2" or "llama"
   int layers = 0, width = 0, heads = 0, model_context = 0, vocab = 0;  // 0 = the preset's
-  bool explicit_sizes() const { return layers || width || heads || model_context || vocab; }
+  int kv_heads = 0, intermediate = 0;                                   // Llama; 0 = the preset's
+  double rope_theta = 0;       // Llama; 0 = the preset's
+  std::string rope_scaling;    // Llama: "none" or "llama3:FACTOR:LOW:HIGH:ORIGINAL_CONTEXT"; "" = the preset's
+  double norm_eps = 0;         // Llama RMSNorm epsilon; 0 = the preset's (explicit: 1e-5)
+  bool untied = false;         // Llama: an LM head of its own
+  bool explicit_sizes() const {
+    return layers || width || heads || model_context || vocab || kv_heads || intermediate;
+  }
 };
 void add_model_flags(CLI::App& app, ModelFlags& f);
 // The preset named by --model (or `base`, when given) with any explicit sizes
-// applied, validated.
+// applied, or an explicit Llama (--arch llama), validated. Missing sizes of an
+// explicit Llama are an error naming each flag; Llama flags on a GPT-2 are an error.
 Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base = nullptr);
+// The model saved at `path` (a .safetensors file or a Hugging Face model directory,
+// model/hf_model.h). The size flags settle what the files do not say (GPT-2's heads)
+// and must agree with what they do; --arch, --rope-theta, --rope-scaling, --norm-eps
+// and --untied, when given, must agree with the loaded model. Errors name both sides.
+Result<ModelConfig> resolve_loaded_model(const ModelFlags& f, const std::string& path);
+// "llama3:32:1:4:8192" or "none" into `rope` (theta untouched); errors name --rope-scaling.
+Status parse_rope_scaling(const std::string& text, RopeParams& rope);
+// The --rope-scaling text of `rope` ("none", or "llama3:8:1:4:8192" with every float exact).
+std::string rope_scaling_text(const RopeParams& rope);
 
 struct MemoryFlags {
   std::string backend = "auto";

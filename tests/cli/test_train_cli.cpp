@@ -986,5 +986,96 @@ TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
   EXPECT_EQ(r.output.find("step 1"), std::string::npos) << "trained before refusing: " << r.output;
 }
 
+// Issue 12: a Llama trained from a preset is saved as a Hugging Face model directory
+// (config.json + model.safetensors), loaded again by --load DIR and by sample, and
+// replaced by the next save; flags that disagree with its config.json are refused by
+// name; an explicit Llama needs every size; a --save folder holding other files is
+// refused before training.
+TEST(LoadCli, LlamaSavesAndLoadsAModelDirectory) {
+  CheckpointDir d("hf_llama_dir");
+  const std::string llama = "--model llama-tiny --layers 2 --steps 2 --batch 2 --context 32 --eval-every 0 "
+                            "--backend cpu --threads 2 --quiet";
+  const std::string dir = d.file("llama");
+  CliRun first = run("train " + llama + " --metrics " + d.file("a.jsonl") + " --save " + dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_EQ(spillway::testing_support::names_in(dir), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  const nlohmann::json config = nlohmann::json::parse(read_file(dir + "/config.json"));
+  EXPECT_EQ(config.at("model_type"), "llama");
+  EXPECT_EQ(config.at("num_key_value_heads"), 2);
+  EXPECT_EQ(config.at("num_hidden_layers"), 2);
+  EXPECT_EQ(config.at("rope_parameters").at("rope_type"), "llama3");
+  EXPECT_EQ(config.at("tie_word_embeddings"), true);
+
+  // --load DIR trains on from the saved weights (not a fresh start), and saves into
+  // the same folder again.
+  const std::string again = "train --load " + dir + " --steps 1 --batch 2 --context 32 --eval-every 0 --backend cpu "
+                            "--threads 2 --quiet --metrics " + d.file("b.jsonl");
+  CliRun second = run(again + " --save " + dir);
+  ASSERT_EQ(second.code, 0) << second.output;
+  auto first_loss = [](const std::string& path) {
+    std::ifstream in(path);
+    std::string line;
+    std::getline(in, line);
+    return nlohmann::json::parse(line).at("loss").get<double>();
+  };
+  EXPECT_NE(first_loss(d.file("b.jsonl")), first_loss(d.file("a.jsonl")));
+  EXPECT_EQ(spillway::testing_support::names_in(d.dir),
+            (std::vector<std::string>{"a.jsonl", "b.jsonl", "llama"}));  // no temporary folder left
+  CliRun sample = run("sample --load " + dir + " --prompt ROMEO: --tokens 5 --backend cpu --threads 2");
+  EXPECT_EQ(sample.code, 0) << sample.output;
+
+  // Flags must agree with config.json; Llama flags are for Llamas.
+  expect_rejected(again + " --kv-heads 4", {"--kv-heads 4 disagrees with num_key_value_heads 2 (" + dir + "/config.json)"});
+  expect_rejected(again + " --rope-theta 10000", {"--rope-theta 10000", "disagrees with the model in " + dir});
+  expect_rejected(again + " --arch gpt2", {"--arch gpt2 disagrees with the model in " + dir});
+  expect_rejected("train --model tiny --untied --steps 1", {"--untied: for Llama models"});
+  // An explicit Llama: every size, nothing guessed.
+  expect_rejected("train --arch llama --layers 2 --width 64 --steps 1",
+                  {"give --heads, --kv-heads, --intermediate, --model-context, --vocab, --rope-theta"});
+  expect_rejected("train --arch llama --model gpt2-124m --steps 1", {"--arch llama and --model gpt2-124m"});
+  expect_rejected("train --model llama-tiny --rope-scaling yarn:2 --steps 1", {"--rope-scaling yarn:2"});
+  CliRun explicit_llama = run("train --arch llama --layers 1 --width 32 --heads 4 --kv-heads 2 --intermediate 48 "
+                              "--model-context 32 --vocab 256 --rope-theta 10000 --rope-scaling llama3:4:1:4:16 "
+                              "--untied --steps 1 --batch 2 --context 32 --eval-every 0 --backend cpu --threads 2 "
+                              "--quiet --save " + d.file("explicit"));
+  ASSERT_EQ(explicit_llama.code, 0) << explicit_llama.output;
+  const nlohmann::json e = nlohmann::json::parse(read_file(d.file("explicit") + "/config.json"));
+  EXPECT_EQ(e.at("tie_word_embeddings"), false);
+  EXPECT_EQ(e.at("intermediate_size"), 48);
+  EXPECT_EQ(e.at("rope_scaling").at("factor"), 4.0);
+
+  // A --save folder that holds something else is refused before training.
+  { std::ofstream(dir + "/tokenizer.json") << "{}"; }
+  expect_rejected("train " + llama + " --save " + dir, {"--save", dir + " holds tokenizer.json"});
+}
+
+// A Llama's checkpoint records what --arch llama needs to build it again: --resume
+// continues it to the uninterrupted run's weights, bit for bit, and a Llama flag that
+// differs is refused by name.
+TEST(CheckpointCli, LlamaResumesFromItsCheckpoint) {
+  CheckpointDir d("hf_llama_resume");
+  const std::string common = "train --model llama-tiny --layers 2 --steps 3 --batch 2 --context 32 --eval-every 0 "
+                             "--backend cpu --threads 2 --quiet";
+  CliRun straight = run(common + " --save " + d.file("full"));
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  CliRun first = run(common + " --checkpoint-dir " + d.file("ck") + " --stop-after 1");
+  ASSERT_EQ(first.code, 0) << first.output;
+  expect_rejected("train --backend cpu --resume " + d.file("ck") + " --kv-heads 4",
+                  {"--kv-heads 4 (the checkpoint's: 2)"});
+  CliRun second = run("train --backend cpu --threads 2 --quiet --resume " + d.file("ck") + " --save " + d.file("resumed"));
+  ASSERT_EQ(second.code, 0) << second.output;
+  EXPECT_EQ(read_file(d.file("resumed") + "/model.safetensors"), read_file(d.file("full") + "/model.safetensors"));
+  EXPECT_EQ(read_file(d.file("resumed") + "/config.json"), read_file(d.file("full") + "/config.json"));
+}
+
+// The reference models saved by transformers load as directories, sharded or not.
+TEST(LoadCli, TransformersSavedLlamaDirectoriesLoad) {
+  for (const char* ref : {"llama-gqa", "llama-gqa-sharded", "llama-mha"}) {
+    CliRun r = run(std::string("train --load " SPILLWAY_SOURCE_DIR "/tests/data/reference/") + ref +
+                   " --steps 1 --batch 1 --context 16 --eval-every 0 --backend cpu --threads 2");
+    EXPECT_EQ(r.code, 0) << ref << "\n" << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace spillway
