@@ -1,6 +1,7 @@
 // `spillway clean DIR`: removes what runs that are gone left in DIR — spill
 // directories (DIR/spillway-<pid>-*) and temporary files of unfinished saves
-// (*.tmp-<pid>-*) — and never those of a process that is alive.
+// (*.tmp-<pid>-*, files, and the folders of model directory saves) — and never those
+// of a process that is alive.
 //
 //   spillway clean /nvme/spill --dry-run    # lists them and their size
 //   spillway clean /nvme/spill              # removes them, prints the bytes freed
@@ -45,11 +46,9 @@ int run_clean(const CleanFlags& f) {
   };
   for (const LeftoverSpill& l : found->spill_dirs)
     report(l.path, "spill directory", l.pid, l.bytes, f.dry_run ? Status::ok() : remove_leftover_spill_dir(l));
-  for (const StaleTempFile& t : found->temp_files) {
-    Status s;
-    if (!f.dry_run && ::unlink(t.path.c_str()) != 0 && errno != ENOENT) s = errno_status("remove " + t.path, errno);
-    report(t.path, "temporary file", t.pid, t.bytes, s);
-  }
+  for (const StaleTempFile& t : found->temp_files)
+    report(t.path, t.folder ? "temporary folder" : "temporary file", t.pid, t.bytes,
+           f.dry_run ? Status::ok() : remove_stale_temp(t));
   if (f.dry_run)
     std::printf("would free %s in %s; run without --dry-run to remove them\n", format_size(freed).c_str(), f.dir.c_str());
   else

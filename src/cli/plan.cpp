@@ -103,7 +103,7 @@ int run_plan(const PlanFlags& f) {
   for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
   SimResult sim = simulate(placed, *plan, machine);
   PlanReport report = summarize(placed, *plan, sim);
-  std::cout << "model " << f.model.model << " (" << cfg->to_string() << "), batch " << f.batch << "×" << T << ", accum "
+  std::cout << "model " << model_name(f.model) << " (" << cfg->to_string() << "), batch " << f.batch << "×" << T << ", accum "
             << f.accum << ", machine " << machine.name << "\n"
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "

@@ -91,6 +91,12 @@ Status parse_rope_scaling(const std::string& text, RopeParams& rope) {
   return Status::ok();
 }
 
+std::string model_name(const ModelFlags& f) {
+  if (f.arch == "llama" && !f.model_given && !(model_preset(f.model).ok() && model_preset(f.model)->arch == Arch::Llama))
+    return "llama";
+  return f.model;
+}
+
 std::string rope_scaling_text(const RopeParams& rope) {
   if (!rope.llama3) return "none";
   char buf[128];

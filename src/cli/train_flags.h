@@ -57,6 +57,8 @@ Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base =
 // and must agree with what they do; --arch, --rope-theta, --rope-scaling, --norm-eps
 // and --untied, when given, must agree with the loaded model. Errors name both sides.
 Result<ModelConfig> resolve_loaded_model(const ModelFlags& f, const std::string& path);
+// The model's name for messages: the preset, or "llama" for an explicit --arch llama.
+std::string model_name(const ModelFlags& f);
 // "llama3:32:1:4:8192" or "none" into `rope` (theta untouched); errors name --rope-scaling.
 Status parse_rope_scaling(const std::string& text, RopeParams& rope);
 // The --rope-scaling text of `rope` ("none", or "llama3:8:1:4:8192" with every float exact).

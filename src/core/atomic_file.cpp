@@ -74,14 +74,53 @@ Result<std::vector<StaleTempFile>> find_stale_temp_files(const std::string& dir)
     if (pid == 0) continue;
     std::string path = dir + "/" + e->d_name;
     struct stat st;
-    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::lstat(path.c_str(), &st) != 0 || !(S_ISREG(st.st_mode) || S_ISDIR(st.st_mode))) continue;
     if (process_alive(pid)) continue;
-    found.push_back({path, pid, static_cast<uint64_t>(st.st_blocks) * 512});
+    if (S_ISREG(st.st_mode)) {
+      found.push_back({path, pid, static_cast<uint64_t>(st.st_blocks) * 512, false});
+      continue;
+    }
+    uint64_t bytes = 0;  // a model directory's temporary: the files in it
+    if (DIR* inner = ::opendir(path.c_str())) {
+      while (dirent* f = ::readdir(inner)) {
+        struct stat fst;
+        if (::lstat((path + "/" + f->d_name).c_str(), &fst) == 0 && S_ISREG(fst.st_mode))
+          bytes += static_cast<uint64_t>(fst.st_blocks) * 512;
+      }
+      ::closedir(inner);
+    }
+    found.push_back({path, pid, bytes, true});
   }
   int err = errno;
   if (::closedir(d) != 0 && err == 0) return errno_status("folder " + dir + ": closedir", errno);
   if (err != 0) return errno_status("folder " + dir + ": readdir", err);
   return found;
+}
+
+Status remove_stale_temp(const StaleTempFile& t) {
+  if (!t.folder) {
+    if (::unlink(t.path.c_str()) != 0 && errno != ENOENT) return errno_status("remove " + t.path, errno);
+    return Status::ok();
+  }
+  DIR* d = ::opendir(t.path.c_str());
+  if (d == nullptr) return errno == ENOENT ? Status::ok() : errno_status("list " + t.path, errno);
+  Status first;
+  for (;;) {
+    errno = 0;
+    dirent* e = ::readdir(d);
+    if (e == nullptr) {
+      if (errno != 0 && first.is_ok()) first = errno_status("readdir " + t.path, errno);
+      break;
+    }
+    const std::string path = t.path + "/" + e->d_name;
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT && first.is_ok()) first = errno_status("remove " + path, errno);
+  }
+  ::closedir(d);
+  SPILLWAY_RETURN_IF_ERROR(first);
+  if (::rmdir(t.path.c_str()) != 0 && errno != ENOENT) return errno_status("remove folder " + t.path, errno);
+  return Status::ok();
 }
 
 Result<AtomicFile> AtomicFile::create(const std::string& target, mode_t mode) {

@@ -60,14 +60,19 @@ std::string parent_directory(const std::string& path);
 // "w.safetensors.tmp-123-0a1b2c3d" → 123; 0 when the name is not an AtomicFile's.
 int64_t temp_file_pid(std::string_view name);
 
-// An AtomicFile temporary whose writer is gone (killed, crashed).
+// An AtomicFile temporary, or a model directory's temporary folder (model/hf_model.h:
+// DIR.tmp-<pid>-<random>, regular files only), whose writer is gone (killed, crashed).
 struct StaleTempFile {
   std::string path;
   int64_t pid = 0;
-  uint64_t bytes = 0;  // disk space it takes
+  uint64_t bytes = 0;      // disk space it takes (a folder: the files directly in it)
+  bool folder = false;     // a temporary folder
 };
-// The regular files directly in `dir` named like an AtomicFile temporary whose pid
-// is not alive. An error naming the folder if it cannot be listed.
+// The regular files and folders directly in `dir` named like an AtomicFile temporary
+// whose pid is not alive. An error naming the folder if it cannot be listed.
 Result<std::vector<StaleTempFile>> find_stale_temp_files(const std::string& dir);
+// Removes a stale temporary: a file, or a folder's regular files and then the folder
+// (rmdir fails, and says so, if it holds anything else).
+Status remove_stale_temp(const StaleTempFile& t);
 
 }  // namespace spillway

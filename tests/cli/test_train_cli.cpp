@@ -344,6 +344,33 @@ TEST(CleanCli, RemovesOnlyTheLeftoversOfDeadRunsAndSaysHowMuch) {
   std::filesystem::remove_all(dir);
 }
 
+// A model directory save killed before its rename leaves DIR.tmp-<pid>-<random>/:
+// clean lists it with the bytes in it and removes it; a live writer's stays.
+TEST(CleanCli, RemovesTheTemporaryFolderOfAKilledDirectorySave) {
+  const std::string dir = temp_path("clean_folder");
+  std::filesystem::remove_all(dir);
+  const std::string dead = dir + "/llama.tmp-" + kDeadPid + "-0a1b2c3d";
+  const std::string live = dir + "/llama.tmp-" + std::to_string(::getpid()) + "-0a1b2c3d";
+  std::filesystem::create_directories(dead);
+  std::filesystem::create_directories(live);
+  std::ofstream(dead + "/model-00001-of-00002.safetensors") << incompressible(200000);
+  std::ofstream(dead + "/model-00002-of-00002.safetensors.tmp-" + kDeadPid + "-11112222") << incompressible(100000);
+  std::ofstream(live + "/model.safetensors") << "being written";
+  CliRun dry = run("clean " + dir + " --dry-run");
+  ASSERT_EQ(dry.code, 0) << dry.output;
+  EXPECT_NE(dry.output.find("would remove " + dead + " (temporary folder of pid " + kDeadPid), std::string::npos)
+      << dry.output;
+  EXPECT_EQ(dry.output.find(live), std::string::npos) << dry.output;
+  CliRun clean = run("clean " + dir);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const size_t freed = clean.output.find("freed ");
+  ASSERT_NE(freed, std::string::npos) << clean.output;
+  EXPECT_GE(std::stod(clean.output.substr(freed + 6)), 290.0) << clean.output;
+  EXPECT_FALSE(std::filesystem::exists(dead));
+  EXPECT_TRUE(std::filesystem::exists(live + "/model.safetensors"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(TrainCli, ReportsTemporaryFilesOfKilledSavesBesideTheSaveFile) {
   const std::string dir = temp_path("stale_save");
   std::filesystem::remove_all(dir);
