@@ -6,8 +6,6 @@
 // Allocates master, m, v (F32) and param, grad (--dtype), touches every page first
 // from the threads that will update it (untimed), then times --iters steps per
 // level after one warm-up step.
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +18,7 @@
 #include "core/size.h"
 #include "core/thread_pool.h"
 #include "optim/adamw.h"
+#include "sim/profiler.h"
 
 namespace spillway::cli {
 namespace {
@@ -31,29 +30,6 @@ struct Options {
   int iters = 5;
   std::string simd = "all";
 };
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<void, FreeDeleter>;
-
-// 2 MiB aligned, asking for transparent huge pages (fewer TLB misses on long streams).
-Buffer allocate(size_t bytes) {
-  constexpr size_t kHuge = size_t{2} << 20;
-  size_t size = align_up(std::max<size_t>(bytes, 1), kHuge);
-  void* p = std::aligned_alloc(kHuge, size);
-  if (p) madvise(p, size, MADV_HUGEPAGE);  // advice only; failure leaves normal pages
-  return Buffer(p);
-}
-
-// A fixed pseudo-random number in [0, 1) for element i of stream k.
-float unit_hash(uint64_t i, uint64_t k) {
-  uint64_t z = i * 0x9e3779b97f4a7c15ull + k * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
-}
 
 int run(const Options& o) {
   DType dtype;
@@ -80,34 +56,9 @@ int run(const Options& o) {
   if (Status s = start_global_thread_pool(o.threads); !s.is_ok()) return fail(s.with_context("--threads"));
   ThreadPool& pool = global_thread_pool();
 
-  Buffer master = allocate(n * 4), m = allocate(n * 4), v = allocate(n * 4);
-  Buffer param = allocate(n * pbytes), grad = allocate(n * pbytes);
-  if (!master || !m || !v || !param || !grad)
-    return fail(Status::out_of_memory("bench adam: cannot allocate " + format_size((12 + 2 * pbytes) * n) +
-                                      " of optimizer state for " + std::to_string(n) + " params"));
-  auto* fm = static_cast<float*>(master.get());
-  auto* fmm = static_cast<float*>(m.get());
-  auto* fv = static_cast<float*>(v.get());
-
-  // First touch from the same contiguous split the update uses, so pages sit on
-  // the memory node of the thread that streams them.
   auto t0 = std::chrono::steady_clock::now();
-  pool.parallel_for(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      auto u = static_cast<uint64_t>(i);
-      fm[i] = 0.04f * (unit_hash(u, 1) - 0.5f);
-      fmm[i] = 2e-3f * (unit_hash(u, 2) - 0.5f);
-      fv[i] = 1e-6f * unit_hash(u, 3) + 1e-9f;
-      float g = 2e-3f * (unit_hash(u, 4) - 0.5f);
-      if (dtype == DType::BF16) {
-        static_cast<uint16_t*>(grad.get())[i] = float_to_bf16(g);
-        static_cast<uint16_t*>(param.get())[i] = 0;
-      } else {
-        static_cast<float*>(grad.get())[i] = g;
-        static_cast<float*>(param.get())[i] = 0;
-      }
-    }
-  });
+  auto state = HostAdamState::make(n, dtype);  // sim/profiler.h: allocated and first touched by the pool
+  if (!state) return fail(state.status());
   double touch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // Bytes moved per param: read and write master, m, v; read grad; write param.
@@ -117,16 +68,14 @@ int run(const Options& o) {
   std::printf("%-8s %8s %14s %14s %12s\n", "simd", "threads", "Gparams/s", "Gparams/s", "GB/s");
   std::printf("%-8s %8s %14s %14s %12s\n", "", "", "(best)", "(mean)", "(best)");
 
-  const float scale_norm[2] = {1.0f, 0.0f};
   int64_t step = 1;
   for (SimdLevel s : levels) {
     adamw_force_simd_level(s);
-    adamw_host(dtype, param.get(), fm, fmm, fv, grad.get(), scale_norm, n, adamw_hyper(6e-4f, step++, 0.1f));
+    state->step(step++);
     double best = 1e30, total = 0;
     for (int it = 0; it < o.iters; ++it) {
-      AdamWHyper h = adamw_hyper(6e-4f, step++, 0.1f);
       auto a = std::chrono::steady_clock::now();
-      adamw_host(dtype, param.get(), fm, fmm, fv, grad.get(), scale_norm, n, h);
+      state->step(step++);
       double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
       best = std::min(best, sec);
       total += sec;

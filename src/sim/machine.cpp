@@ -11,7 +11,17 @@
 // select.
 #include "sim/machine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/atomic_file.h"
 
 #include "program/op_registry.h"
 
@@ -66,6 +76,17 @@ Machine Machine::h200() {
   m.op_launch_s = 5e-6;
   m.host_adam_params_per_s = 4.4e9;  // bf16, 16 threads: 4.11 and 4.64 G/s (bench/RESULTS.md)
   m.host_runs_ahead = true;
+  // machines/h200.json holds the same figures (a test checks that they agree).
+  m.host_adam_params_per_s_alone = 4.4e9;
+  m.measured_on = {.date = "2026-12-02",
+                   .host = "the lent H200 host (one GPU, 16 cores, 128 GiB RAM, ext4 on virtio /dev/vda)",
+                   .cpu = "16 cores",
+                   .gpu = "NVIDIA H200, 139.8 GiB",
+                   .driver = "not recorded",
+                   .notes = "figures of bench/RESULTS.md (2026-12-02): bench io (PCIe 54.9/55.1 GB/s, both 95.7-101; "
+                            "disk 1.7 GB/s O_DIRECT), bench adam (bf16, 16 threads, 4.11 and 4.64 G params/s alone; "
+                            "not measured while copies run), bench ops (784 TFLOP/s bf16 on 8192^3 products); "
+                            "storage latency not measured (0)"};
   return m;
 }
 
@@ -86,6 +107,206 @@ Machine Machine::cpu_dev_box() {
   m.host_adam_params_per_s = 1.4e9;  // bf16, 2 threads: 1.42 G/s (bench/RESULTS.md)
   m.host_runs_ahead = false;    // CPU ops run on the host thread
   return m;
+}
+
+}  // namespace spillway
+
+// ---- machine files ----
+
+namespace spillway {
+
+namespace {
+
+constexpr const char* kMachineFormat = "spillway-machine";
+
+using Json = nlohmann::ordered_json;
+
+// Reads the fields of one JSON object, each once; finish() reports keys nobody read.
+class FieldReader {
+ public:
+  FieldReader(const nlohmann::json& object, std::string where, std::string source)
+      : object_(object), where_(std::move(where)), source_(std::move(source)) {}
+
+  Status error(const std::string& key, const std::string& what) const {
+    return Status::invalid_argument("machine file " + source_ + ": " + where_ + key + ": " + what);
+  }
+  Result<const nlohmann::json*> get(const std::string& key) {
+    auto it = object_.find(key);
+    if (it == object_.end()) return error(key, "missing (every field is required; `spillway profile` writes them all)");
+    seen_.push_back(key);
+    return &*it;
+  }
+  Status string(const std::string& key, std::string* out) {
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* v, get(key));
+    if (!v->is_string()) return error(key, "expected a string, got " + std::string(v->type_name()));
+    *out = v->get<std::string>();
+    return Status::ok();
+  }
+  Status boolean(const std::string& key, bool* out) {
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* v, get(key));
+    if (!v->is_boolean()) return error(key, "expected true or false, got " + std::string(v->type_name()));
+    *out = v->get<bool>();
+    return Status::ok();
+  }
+  Status bytes(const std::string& key, uint64_t* out) {
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* v, get(key));
+    if (!v->is_number_unsigned())
+      return error(key, "expected a whole number of bytes (0 or more), got " +
+                            (v->is_number() ? v->dump() : std::string(v->type_name())));
+    *out = v->get<uint64_t>();
+    return Status::ok();
+  }
+  // A finite number ≥ 0 (> 0 when `positive`), at most `most`.
+  Status number(const std::string& key, double* out, bool positive, double most = INFINITY) {
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* v, get(key));
+    if (!v->is_number()) return error(key, "expected a number, got " + std::string(v->type_name()));
+    const double x = v->get<double>();
+    if (!std::isfinite(x) || x < 0 || (positive && x == 0) || x > most) {
+      std::ostringstream range;
+      range << (positive ? "above 0" : "0 or more");
+      if (std::isfinite(most)) range << " and at most " << most;
+      return error(key, "expected a number " + range.str() + ", got " + v->dump());
+    }
+    *out = x;
+    return Status::ok();
+  }
+  Status finish() const {
+    for (auto it = object_.begin(); it != object_.end(); ++it) {
+      bool known = false;
+      for (const std::string& k : seen_) known = known || k == it.key();
+      if (!known) return error(it.key(), "unknown key");
+    }
+    return Status::ok();
+  }
+
+ private:
+  const nlohmann::json& object_;
+  std::string where_, source_;
+  std::vector<std::string> seen_;
+};
+
+}  // namespace
+
+std::string Machine::to_json() const {
+  Json j;
+  j["format"] = kMachineFormat;
+  j["version"] = kMachineFormatVersion;
+  j["name"] = name;
+  j["measured_on"] = Json{{"date", measured_on.date},     {"host", measured_on.host},
+                          {"cpu", measured_on.cpu},       {"gpu", measured_on.gpu},
+                          {"driver", measured_on.driver}, {"notes", measured_on.notes}};
+  j["device_bytes"] = device_bytes;
+  j["host_bytes"] = host_bytes;
+  j["storage_bytes"] = storage_bytes;
+  j["h2d_bytes_per_s"] = h2d_bytes_per_s;
+  j["d2h_bytes_per_s"] = d2h_bytes_per_s;
+  j["duplex_factor"] = duplex_factor;
+  j["compute_share_while_copying"] = compute_share_while_copying;
+  j["storage_read_bytes_per_s"] = storage_read_bytes_per_s;
+  j["storage_write_bytes_per_s"] = storage_write_bytes_per_s;
+  j["storage_latency_s"] = storage_latency_s;
+  j["matmul_flops_per_s"] = matmul_flops_per_s;
+  j["device_bytes_per_s"] = device_bytes_per_s;
+  j["op_launch_s"] = op_launch_s;
+  j["host_adam_params_per_s"] = host_adam_params_per_s;
+  j["host_adam_params_per_s_alone"] = host_adam_params_per_s_alone;
+  j["host_runs_ahead"] = host_runs_ahead;
+  j["measured_op_seconds"] = measured_op_seconds;
+  return j.dump(2) + "\n";
+}
+
+Result<Machine> Machine::from_json(const std::string& text, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    return Status::invalid_argument("machine file " + source + ": not JSON: " + e.what());
+  }
+  if (!j.is_object())
+    return Status::invalid_argument("machine file " + source + ": expected a JSON object, got " +
+                                    std::string(j.type_name()));
+  FieldReader r(j, "", source);
+  std::string format;
+  SPILLWAY_RETURN_IF_ERROR(r.string("format", &format));
+  if (format != kMachineFormat) return r.error("format", "expected \"" + std::string(kMachineFormat) + "\", got \"" + format + "\"");
+  uint64_t version = 0;
+  SPILLWAY_RETURN_IF_ERROR(r.bytes("version", &version));
+  if (version != static_cast<uint64_t>(kMachineFormatVersion))
+    return r.error("version", "this build reads version " + std::to_string(kMachineFormatVersion) + ", the file is version " +
+                                  std::to_string(version) + " (profile the machine again with this build)");
+  Machine m;
+  SPILLWAY_RETURN_IF_ERROR(r.string("name", &m.name));
+  {
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* on, r.get("measured_on"));
+    if (!on->is_object()) return r.error("measured_on", "expected an object, got " + std::string(on->type_name()));
+    FieldReader o(*on, "measured_on.", source);
+    SPILLWAY_RETURN_IF_ERROR(o.string("date", &m.measured_on.date));
+    SPILLWAY_RETURN_IF_ERROR(o.string("host", &m.measured_on.host));
+    SPILLWAY_RETURN_IF_ERROR(o.string("cpu", &m.measured_on.cpu));
+    SPILLWAY_RETURN_IF_ERROR(o.string("gpu", &m.measured_on.gpu));
+    SPILLWAY_RETURN_IF_ERROR(o.string("driver", &m.measured_on.driver));
+    SPILLWAY_RETURN_IF_ERROR(o.string("notes", &m.measured_on.notes));
+    SPILLWAY_RETURN_IF_ERROR(o.finish());
+  }
+  SPILLWAY_RETURN_IF_ERROR(r.bytes("device_bytes", &m.device_bytes));
+  SPILLWAY_RETURN_IF_ERROR(r.bytes("host_bytes", &m.host_bytes));
+  SPILLWAY_RETURN_IF_ERROR(r.bytes("storage_bytes", &m.storage_bytes));
+  SPILLWAY_RETURN_IF_ERROR(r.number("h2d_bytes_per_s", &m.h2d_bytes_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("d2h_bytes_per_s", &m.d2h_bytes_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("duplex_factor", &m.duplex_factor, true, 1.0));
+  SPILLWAY_RETURN_IF_ERROR(r.number("compute_share_while_copying", &m.compute_share_while_copying, true, 1.0));
+  SPILLWAY_RETURN_IF_ERROR(r.number("storage_read_bytes_per_s", &m.storage_read_bytes_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("storage_write_bytes_per_s", &m.storage_write_bytes_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("storage_latency_s", &m.storage_latency_s, false));
+  SPILLWAY_RETURN_IF_ERROR(r.number("matmul_flops_per_s", &m.matmul_flops_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("device_bytes_per_s", &m.device_bytes_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("op_launch_s", &m.op_launch_s, false));
+  SPILLWAY_RETURN_IF_ERROR(r.number("host_adam_params_per_s", &m.host_adam_params_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("host_adam_params_per_s_alone", &m.host_adam_params_per_s_alone, false));
+  SPILLWAY_RETURN_IF_ERROR(r.boolean("host_runs_ahead", &m.host_runs_ahead));
+  {
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* ops, r.get("measured_op_seconds"));
+    if (!ops->is_array())
+      return r.error("measured_op_seconds", "expected an array of seconds, got " + std::string(ops->type_name()));
+    for (size_t i = 0; i < ops->size(); ++i) {
+      const nlohmann::json& v = (*ops)[i];
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0)
+        return r.error("measured_op_seconds[" + std::to_string(i) + "]", "expected seconds (0 or more), got " + v.dump());
+      m.measured_op_seconds.push_back(v.get<double>());
+    }
+  }
+  SPILLWAY_RETURN_IF_ERROR(r.finish());
+  return m;
+}
+
+Result<Machine> load_machine(const std::string& file_or_preset) {
+  if (file_or_preset == "h200") return Machine::h200();
+  if (file_or_preset == "cpu") return Machine::cpu_dev_box();
+  std::ifstream in(file_or_preset, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    return errno_status("machine: '" + file_or_preset + "' is not a preset (h200, cpu) and cannot be opened as a file",
+                        err);
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::io_error("machine file " + file_or_preset + ": read failed");
+  return Machine::from_json(text.str(), file_or_preset);
+}
+
+Status save_machine(const Machine& m, const std::string& path) {
+  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::create(path));
+  const std::string text = m.to_json();
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(f.fd(), text.data() + done, text.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno_status("write " + f.temp_path(), errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return f.commit();
 }
 
 }  // namespace spillway

@@ -3,6 +3,8 @@
 //   Machine m = Machine::h200();                   // figures measured on the lent H200 host
 //   auto c = measure_machine(backend, m);          // rates measured by a short profile (sim/profiler.h)
 //   double s = m.op_seconds(program, op_index);    // measured if profiled, else derived
+//   auto m2 = load_machine("machines/h200.json");  // or "h200", "cpu": the presets
+//   std::string text = m.to_json();                // every field; Machine::from_json reads it back
 //
 // A user can describe a machine that does not exist ("a 24 GiB GPU and two NVMe
 // drives") by editing the fields; the simulator then answers what-if questions.
@@ -12,9 +14,21 @@
 #include <string>
 #include <vector>
 
+#include "core/status.h"
 #include "program/program.h"
 
 namespace spillway {
+
+// Where and when a machine's figures were measured (`spillway profile` fills it in).
+struct MeasuredOn {
+  std::string date;    // "2026-12-04T10:20:00Z" (UTC)
+  std::string host;    // host name
+  std::string cpu;     // "AMD EPYC 9654 96-Core Processor, 16 cores"
+  std::string gpu;     // the backend's description: "NVIDIA H200, 139.8 GiB" / "CPU, 2 threads"
+  std::string driver;  // NVIDIA driver version, or "none"
+  std::string notes;   // how the figures were obtained (a command, a results file), free text
+  bool operator==(const MeasuredOn&) const = default;
+};
 
 struct Machine {
   std::string name = "generic";
@@ -34,12 +48,38 @@ struct Machine {
   bool host_runs_ahead = true;          // CUDA: the host issues ahead of the device; CPU: false
   // Per-op measured seconds for one program ([ops]); empty → derived from the rates.
   std::vector<double> measured_op_seconds;
+  // Measured alongside the rates above, for reports and what-ifs (the simulator does
+  // not read them): storage capacity of the spill folder's file system (0: unknown),
+  // the time of one 4 KiB read at queue depth 1, and host AdamW params/s with no copy
+  // running (host_adam_params_per_s is the rate while copies run, which plans use).
+  uint64_t storage_bytes = 0;
+  double storage_latency_s = 0;
+  double host_adam_params_per_s_alone = 0;
+  MeasuredOn measured_on;
+
+  bool operator==(const Machine&) const = default;
 
   double op_seconds(const Program& program, size_t op_index) const;
   double copy_seconds(uint64_t bytes, bool h2d) const;
 
   static Machine h200();        // PCIe 55 GB/s each way, 784 TFLOP/s bf16, 1.7 GB/s disk, 16 cores
   static Machine cpu_dev_box(); // this project's 2-core CI machine
+
+  // A JSON object with every field (format "spillway-machine", version
+  // kMachineFormatVersion), rates in bytes/s, flop/s and params/s, sizes in bytes.
+  std::string to_json() const;
+  // The inverse of to_json. Every field must be there with its JSON type; an unknown
+  // key, a wrong type, a missing field, a negative rate or another format or version
+  // is an error naming the key and `source` (the file, for messages).
+  static Result<Machine> from_json(const std::string& text, const std::string& source);
 };
+
+inline constexpr int kMachineFormatVersion = 1;
+
+// "h200" or "cpu": the presets; anything else: a JSON file written by
+// `spillway profile` (Machine::from_json). Errors name the file or the preset.
+Result<Machine> load_machine(const std::string& file_or_preset);
+// Writes m.to_json() to `path` whole or not at all (core/atomic_file.h).
+Status save_machine(const Machine& m, const std::string& path);
 
 }  // namespace spillway

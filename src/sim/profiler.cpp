@@ -1,6 +1,11 @@
 #include "sim/profiler.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -8,7 +13,9 @@
 #include <utility>
 
 #include "core/size.h"
+#include "core/thread_pool.h"
 #include "exec/dispatch.h"
+#include "io/storage_engine.h"
 #include "optim/adamw.h"
 
 namespace spillway {
@@ -144,128 +151,35 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
   const bool gpu = backend.name() == "cuda";
   const size_t act = dtype_size(backend.activation_dtype());
   constexpr int kRepeats = 3;
+  (void)act;
 
   // ---- copy engine: each direction alone, then both at once ----
   {
-    constexpr size_t kCopyBytes = size_t{64} << 20;
-    Buffers buffers(backend);
-    SPILLWAY_ASSIGN_OR_RETURN(void* host_up, buffers.host(kCopyBytes));
-    SPILLWAY_ASSIGN_OR_RETURN(void* host_down, buffers.host(kCopyBytes));
-    SPILLWAY_ASSIGN_OR_RETURN(void* dev_up, buffers.device(kCopyBytes));
-    SPILLWAY_ASSIGN_OR_RETURN(void* dev_down, buffers.device(kCopyBytes));
-    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-    CopyEngine& ce = backend.copy_engine();
-    auto time_copies = [&](bool up, bool down, int repeats) -> Result<double> {
-      const double t0 = now_s();
-      for (int r = 0; r < repeats; ++r) {
-        if (up) {
-          auto t = ce.copy(CopyDirection::HostToDevice, dev_up, host_up, kCopyBytes);
-          if (!t) return t.status();
-        }
-        if (down) {
-          auto t = ce.copy(CopyDirection::DeviceToHost, host_down, dev_down, kCopyBytes);
-          if (!t) return t.status();
-        }
-      }
-      SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
-      return now_s() - t0;
-    };
-    SPILLWAY_ASSIGN_OR_RETURN(double warm, time_copies(true, true, 1));
-    (void)warm;
-    SPILLWAY_ASSIGN_OR_RETURN(double up_s, time_copies(true, false, kRepeats));
-    SPILLWAY_ASSIGN_OR_RETURN(double down_s, time_copies(false, true, kRepeats));
-    SPILLWAY_ASSIGN_OR_RETURN(double both_s, time_copies(true, true, kRepeats));
-    const double moved = static_cast<double>(kCopyBytes) * kRepeats;
-    if (up_s > 0 && down_s > 0 && both_s > 0) {
-      m.h2d_bytes_per_s = moved / up_s;
-      m.d2h_bytes_per_s = moved / down_s;
-      const double both_rate = moved / both_s;  // each direction's rate while both ran
-      const double share = 0.5 * (both_rate / m.h2d_bytes_per_s + both_rate / m.d2h_bytes_per_s);
-      m.duplex_factor = std::clamp(share, 0.05, 1.0);
+    constexpr uint64_t kCopyBytes = uint64_t{64} << 20;
+    SPILLWAY_ASSIGN_OR_RETURN(CopyRates c, measure_copies(backend, kCopyBytes, kCopyBytes, kRepeats));
+    if (c.h2d > 0 && c.d2h > 0 && c.both > 0) {
+      m.h2d_bytes_per_s = c.h2d;
+      m.d2h_bytes_per_s = c.d2h;
+      m.duplex_factor = std::clamp(c.both / (c.h2d + c.d2h), 0.05, 1.0);
     }
   }
 
   // ---- device matrix products and memory-bound ops ----
   {
     const int S = gpu ? 8192 : 512;
-    const size_t mat = static_cast<size_t>(S) * S * act;
-    Buffers buffers(backend);
-    SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(mat));
-    SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(mat));
-    SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(mat));
-    OwnWorkspace workspace(backend);
-    SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.matmul_workspace(S, S, false, false)));
-    backend.matmul_forward(out, inp, w, nullptr, S, S, S);
-    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-    double t0 = now_s();
-    for (int r = 0; r < kRepeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
-    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-    double s = now_s() - t0;
-    if (s > 0) m.matmul_flops_per_s = 2.0 * S * S * S * kRepeats / s;
-
-    // The same products while host⇄device copies run: on the CPU backend the copy
-    // threads share the cores and the memory bus with compute.
-    if (s > 0) {
-      constexpr size_t kCopyBytes = size_t{64} << 20;
-      SPILLWAY_ASSIGN_OR_RETURN(void* host_buf, buffers.host(kCopyBytes));
-      SPILLWAY_ASSIGN_OR_RETURN(void* dev_buf, buffers.device(kCopyBytes));
-      CopyEngine& ce = backend.copy_engine();
-      const int copies = 2 + static_cast<int>(s * m.h2d_bytes_per_s / kCopyBytes);
-      for (int c = 0; c < copies; ++c) {
-        auto t = ce.copy(CopyDirection::HostToDevice, dev_buf, host_buf, kCopyBytes);
-        if (!t) return t.status();
-      }
-      t0 = now_s();
-      for (int r = 0; r < kRepeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
-      SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-      const double with_copies = now_s() - t0;
-      SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
-      if (with_copies > 0) m.compute_share_while_copying = std::clamp(s / with_copies, 0.05, 1.0);
-    }
-
-    // Memory-bound rate: out = a + b touches three arrays.
+    SPILLWAY_ASSIGN_OR_RETURN(m.matmul_flops_per_s, measure_matmul(backend, S, S, S, kRepeats));
+    SPILLWAY_ASSIGN_OR_RETURN(m.compute_share_while_copying,
+                              measure_compute_share_while_copying(backend, S, kRepeats, m.h2d_bytes_per_s));
     const size_t n = gpu ? (size_t{128} << 20) : (size_t{4} << 20);
-    SPILLWAY_ASSIGN_OR_RETURN(void* a, buffers.device(n * act));
-    SPILLWAY_ASSIGN_OR_RETURN(void* b, buffers.device(n * act));
-    SPILLWAY_ASSIGN_OR_RETURN(void* c, buffers.device(n * act));
-    backend.residual_forward(c, a, b, n);
-    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-    t0 = now_s();
-    for (int r = 0; r < kRepeats; ++r) backend.residual_forward(c, a, b, n);
-    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-    s = now_s() - t0;
-    if (s > 0) m.device_bytes_per_s = 3.0 * static_cast<double>(n * act) * kRepeats / s;
-
-    // Fixed cost per op: many tiny ops back to back.
-    constexpr int kTiny = 200;
-    t0 = now_s();
-    for (int r = 0; r < kTiny; ++r) backend.residual_forward(c, a, b, 64);
-    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-    s = now_s() - t0;
-    if (s > 0) m.op_launch_s = s / kTiny;
+    SPILLWAY_ASSIGN_OR_RETURN(m.device_bytes_per_s, measure_memory_bound(backend, n, kRepeats));
+    SPILLWAY_ASSIGN_OR_RETURN(m.op_launch_s, measure_op_launch(backend, 200));
   }
 
   // ---- host AdamW ----
   {
     const size_t n = gpu ? (size_t{32} << 20) : (size_t{4} << 20);
-    const DType param_dtype = backend.activation_dtype();
-    Buffers buffers(backend);
-    SPILLWAY_ASSIGN_OR_RETURN(void* param, buffers.host(n * act));
-    SPILLWAY_ASSIGN_OR_RETURN(void* master, buffers.host(n * 4));
-    SPILLWAY_ASSIGN_OR_RETURN(void* mom, buffers.host(n * 4));
-    SPILLWAY_ASSIGN_OR_RETURN(void* var, buffers.host(n * 4));
-    SPILLWAY_ASSIGN_OR_RETURN(void* grad, buffers.host(n * act));
-    const float scale_norm[2] = {1.0f, 0.0f};
-    const AdamWHyper h = adamw_hyper(1e-4f, 1, 0.1f);
-    auto run = [&] {
-      adamw_host(param_dtype, param, static_cast<float*>(master), static_cast<float*>(mom), static_cast<float*>(var),
-                 grad, scale_norm, n, h);
-    };
-    run();
-    const double t0 = now_s();
-    for (int r = 0; r < kRepeats; ++r) run();
-    const double s = now_s() - t0;
-    if (s > 0) m.host_adam_params_per_s = static_cast<double>(n) * kRepeats / s;
+    SPILLWAY_ASSIGN_OR_RETURN(m.host_adam_params_per_s,
+                              measure_host_adam(n, backend.activation_dtype(), kRepeats, nullptr));
   }
 
   const size_t capacity = backend.device_capacity();
@@ -274,6 +188,341 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
   m.name = backend.description();
   m.measured_op_seconds.clear();
   return m;
+}
+
+// ---- pieces of a profile ----
+
+Result<CopyRates> measure_copies(Backend& backend, uint64_t piece, uint64_t total, int rounds) {
+  if (piece == 0 || total < piece)
+    return Status::invalid_argument("measure copies: piece " + format_size(piece) + " must be above 0 and at most " +
+                                    "the total " + format_size(total));
+  total = total / piece * piece;
+  rounds = std::max(1, rounds);
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* host_src, buffers.host(total));
+  SPILLWAY_ASSIGN_OR_RETURN(void* host_dst, buffers.host(total));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dev_a, buffers.device(total));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dev_b, buffers.device(total));
+  std::memset(host_src, 0x5a, total);  // touch every page before timing
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  CopyEngine& ce = backend.copy_engine();
+  auto run = [&](bool h2d, bool d2h, double* best) -> Status {
+    for (int round = 0; round < rounds + 1; ++round) {  // round 0 warms up
+      const double t0 = now_s();
+      for (uint64_t at = 0; at < total; at += piece) {
+        if (h2d) {
+          auto t = ce.copy(CopyDirection::HostToDevice, static_cast<char*>(dev_a) + at,
+                           static_cast<char*>(host_src) + at, piece);
+          if (!t) return t.status().with_context("host→device copy");
+        }
+        if (d2h) {
+          auto t = ce.copy(CopyDirection::DeviceToHost, static_cast<char*>(host_dst) + at,
+                           static_cast<char*>(dev_b) + at, piece);
+          if (!t) return t.status().with_context("device→host copy");
+        }
+      }
+      SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
+      const double s = now_s() - t0;
+      const double rate = s > 0 ? static_cast<double>(total) * ((h2d ? 1 : 0) + (d2h ? 1 : 0)) / s : 0;
+      if (round > 0 && rate > *best) *best = rate;
+    }
+    return Status::ok();
+  };
+  CopyRates r;
+  SPILLWAY_RETURN_IF_ERROR(run(true, false, &r.h2d));
+  SPILLWAY_RETURN_IF_ERROR(run(false, true, &r.d2h));
+  SPILLWAY_RETURN_IF_ERROR(run(true, true, &r.both));
+  if (!(r.h2d > 0 && r.d2h > 0 && r.both > 0))
+    return Status::internal("measure copies: a copy of " + format_size(total) + " took no measurable time");
+  return r;
+}
+
+namespace {
+
+// Moves `total` bytes in `block`-sized requests, keeping `depth` of them in flight:
+// when all slots are busy it waits for the oldest.
+Status stream_storage(StorageEngine& engine, StorageFile file, bool write, uint64_t total, size_t block, int depth,
+                      AlignedBuffer& buffer, double* seconds) {
+  std::vector<StorageTicket> slots(static_cast<size_t>(depth));
+  const uint64_t blocks = total / block;
+  const double t0 = now_s();
+  for (uint64_t i = 0; i < blocks; ++i) {
+    const size_t slot = i % static_cast<size_t>(depth);
+    SPILLWAY_RETURN_IF_ERROR(engine.wait(slots[slot]));
+    char* buf = buffer.data() + slot * block;
+    auto t = write ? engine.submit_write(file, i * block, buf, block) : engine.submit_read(file, i * block, buf, block);
+    if (!t) return t.status();
+    slots[slot] = *t;
+  }
+  SPILLWAY_RETURN_IF_ERROR(engine.wait_all());
+  *seconds = now_s() - t0;
+  return Status::ok();
+}
+
+Result<AlignedBuffer> random_buffer(size_t bytes) {
+  SPILLWAY_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(bytes));
+  uint64_t z = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < buffer.size(); i += 8) {
+    z ^= z << 13;
+    z ^= z >> 7;
+    z ^= z << 17;
+    std::memcpy(buffer.data() + i, &z, std::min<size_t>(8, buffer.size() - i));
+  }
+  return buffer;
+}
+
+// Writes then reads `path` (removed afterwards, also on an error).
+Result<StorageRates> storage_pass(const std::string& kind, int depth, const std::string& path, uint64_t total,
+                                  size_t block, double* read_seconds) {
+  if (block < kStorageAlignment || block % kStorageAlignment != 0 || total < block || depth < 1 || depth > 1024)
+    return Status::invalid_argument("measure storage: block " + format_size(block) + " must be a multiple of " +
+                                    format_size(kStorageAlignment) + " and at most the total " + format_size(total) +
+                                    ", depth " + std::to_string(depth) + " from 1 to 1024");
+  total = total / block * block;
+  SPILLWAY_ASSIGN_OR_RETURN(AlignedBuffer buffer, random_buffer(static_cast<size_t>(depth) * block));
+  auto made = make_storage_engine(kind, {.queue_depth = depth, .chunk_bytes = block});
+  if (!made) return made.status();
+  StorageEngine& engine = **made;
+  auto file = engine.open(path, OpenMode::Create);
+  if (!file) return file.status();
+  StorageRates r;
+  r.direct = engine.is_direct(*file);
+  Status s = engine.reserve(*file, 0, total);
+  double write_s = 0, read_s = 0;
+  if (s.is_ok()) s = stream_storage(engine, *file, true, total, block, depth, buffer, &write_s);
+  if (s.is_ok()) s = stream_storage(engine, *file, false, total, block, depth, buffer, &read_s);
+  Status c = engine.close(*file);
+  if (::unlink(path.c_str()) != 0 && s.is_ok()) s = errno_status("remove " + path, errno);
+  if (!s.is_ok()) return s.with_context("storage at " + path);
+  if (!c.is_ok()) return c.with_context("storage at " + path);
+  if (!(write_s > 0 && read_s > 0))
+    return Status::internal("measure storage: " + format_size(total) + " at " + path + " took no measurable time");
+  r.write = static_cast<double>(total) / write_s;
+  r.read = static_cast<double>(total) / read_s;
+  if (read_seconds) *read_seconds = read_s;
+  return r;
+}
+
+}  // namespace
+
+Result<StorageRates> measure_storage(const std::string& kind, int depth, const std::string& path, uint64_t total,
+                                     size_t block) {
+  return storage_pass(kind, depth, path, total, block, nullptr);
+}
+
+Result<double> measure_storage_latency(const std::string& kind, const std::string& path, int requests) {
+  requests = std::max(1, requests);
+  double read_s = 0;
+  SPILLWAY_RETURN_IF_ERROR(
+      storage_pass(kind, 1, path, static_cast<uint64_t>(requests) * kStorageAlignment, kStorageAlignment, &read_s)
+          .status());
+  return read_s / requests;
+}
+
+void HostAdamState::Free::operator()(void* p) const { std::free(p); }
+
+namespace {
+// A fixed pseudo-random number in [0, 1) for element i of stream k.
+float unit_hash(uint64_t i, uint64_t k) {
+  uint64_t z = i * 0x9e3779b97f4a7c15ull + k * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
+}
+}  // namespace
+
+Result<HostAdamState> HostAdamState::make(size_t n, DType dtype) {
+  if (dtype != DType::F32 && dtype != DType::BF16)
+    return Status::invalid_argument(std::string("host AdamW: param dtype must be f32 or bf16, got ") +
+                                    dtype_name(dtype));
+  HostAdamState st;
+  st.n_ = n;
+  st.dtype_ = dtype;
+  const size_t pbytes = dtype_size(dtype);
+  constexpr size_t kHuge = size_t{2} << 20;
+  auto allocate = [&](size_t bytes) {
+    const size_t size = align_up(std::max<size_t>(bytes, 1), kHuge);
+    void* p = std::aligned_alloc(kHuge, size);
+    if (p) madvise(p, size, MADV_HUGEPAGE);  // advice only; failure leaves normal pages
+    return Buffer(p);
+  };
+  st.master_ = allocate(n * 4);
+  st.m_ = allocate(n * 4);
+  st.v_ = allocate(n * 4);
+  st.param_ = allocate(n * pbytes);
+  st.grad_ = allocate(n * pbytes);
+  if (!st.master_ || !st.m_ || !st.v_ || !st.param_ || !st.grad_)
+    return Status::out_of_memory("host AdamW: cannot allocate " + format_size((12 + 2 * pbytes) * n) +
+                                 " of optimizer state for " + std::to_string(n) + " params");
+  auto* fm = static_cast<float*>(st.master_.get());
+  auto* fmm = static_cast<float*>(st.m_.get());
+  auto* fv = static_cast<float*>(st.v_.get());
+  void* grad = st.grad_.get();
+  void* param = st.param_.get();
+  // First touch from the same contiguous split the update uses, so pages sit on
+  // the memory node of the thread that streams them.
+  global_thread_pool().parallel_for(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      auto u = static_cast<uint64_t>(i);
+      fm[i] = 0.04f * (unit_hash(u, 1) - 0.5f);
+      fmm[i] = 2e-3f * (unit_hash(u, 2) - 0.5f);
+      fv[i] = 1e-6f * unit_hash(u, 3) + 1e-9f;
+      const float g = 2e-3f * (unit_hash(u, 4) - 0.5f);
+      if (dtype == DType::BF16) {
+        static_cast<uint16_t*>(grad)[i] = float_to_bf16(g);
+        static_cast<uint16_t*>(param)[i] = 0;
+      } else {
+        static_cast<float*>(grad)[i] = g;
+        static_cast<float*>(param)[i] = 0;
+      }
+    }
+  });
+  return st;
+}
+
+void HostAdamState::step(int64_t step_number) {
+  const float scale_norm[2] = {1.0f, 0.0f};
+  adamw_host(dtype_, param_.get(), static_cast<float*>(master_.get()), static_cast<float*>(m_.get()),
+             static_cast<float*>(v_.get()), grad_.get(), scale_norm, n_, adamw_hyper(6e-4f, step_number, 0.1f));
+}
+
+Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying) {
+  if (n == 0) return Status::invalid_argument("measure host AdamW: no params");
+  iters = std::max(1, iters);
+  SPILLWAY_ASSIGN_OR_RETURN(HostAdamState state, HostAdamState::make(n, dtype));
+  int64_t step = 1;
+  state.step(step++);  // warm-up
+  double alone_s = 1e30;
+  auto time_steps = [&](double* best) {
+    for (int i = 0; i < iters; ++i) {
+      const double t0 = now_s();
+      state.step(step++);
+      *best = std::min(*best, now_s() - t0);
+    }
+  };
+  if (!copying) {
+    time_steps(&alone_s);
+    return static_cast<double>(n) / alone_s;
+  }
+  // Copies for about twice the steps' time alone (they may slow down together), both ways.
+  state.step(step++);
+  {
+    const double t0 = now_s();
+    state.step(step++);
+    alone_s = now_s() - t0;
+  }
+  constexpr size_t kPiece = size_t{64} << 20;
+  Backend& backend = *copying;
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* host_up, buffers.host(kPiece));
+  SPILLWAY_ASSIGN_OR_RETURN(void* host_down, buffers.host(kPiece));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dev_up, buffers.device(kPiece));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dev_down, buffers.device(kPiece));
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  SPILLWAY_ASSIGN_OR_RETURN(CopyRates rates, measure_copies(backend, kPiece, kPiece, 1));
+  const double seconds = 2.0 * alone_s * (iters + 1);
+  const int pieces = 2 + static_cast<int>(std::min(seconds * std::max(rates.h2d, rates.d2h) / kPiece, 20000.0));
+  CopyEngine& ce = backend.copy_engine();
+  for (int i = 0; i < pieces; ++i) {
+    auto up = ce.copy(CopyDirection::HostToDevice, dev_up, host_up, kPiece, false);
+    if (!up) return up.status().with_context("host→device copies beside host AdamW");
+    auto down = ce.copy(CopyDirection::DeviceToHost, host_down, dev_down, kPiece, false);
+    if (!down) return down.status().with_context("device→host copies beside host AdamW");
+  }
+  double best = 1e30;
+  state.step(step++);  // the copies are under way
+  time_steps(&best);
+  SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
+  return static_cast<double>(n) / best;
+}
+
+Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeats) {
+  repeats = std::max(1, repeats);
+  const size_t act = dtype_size(backend.activation_dtype());
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(static_cast<size_t>(N) * OC * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(static_cast<size_t>(N) * C * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(static_cast<size_t>(OC) * C * act));
+  OwnWorkspace workspace(backend);
+  SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.matmul_workspace(N, OC, false, false)));
+  backend.matmul_forward(out, inp, w, nullptr, N, C, OC);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double t0 = now_s();
+  for (int r = 0; r < repeats; ++r) backend.matmul_forward(out, inp, w, nullptr, N, C, OC);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double s = now_s() - t0;
+  if (!(s > 0)) return Status::internal("measure matmul: took no measurable time");
+  return 2.0 * N * C * static_cast<double>(OC) * repeats / s;
+}
+
+Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats) {
+  repeats = std::max(1, repeats);
+  const size_t act = dtype_size(backend.activation_dtype());
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* a, buffers.device(n * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* b, buffers.device(n * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* c, buffers.device(n * act));
+  backend.residual_forward(c, a, b, n);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double t0 = now_s();
+  for (int r = 0; r < repeats; ++r) backend.residual_forward(c, a, b, n);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double s = now_s() - t0;
+  if (!(s > 0)) return Status::internal("measure memory-bound op: took no measurable time");
+  return 3.0 * static_cast<double>(n * act) * repeats / s;
+}
+
+Result<double> measure_op_launch(Backend& backend, int ops) {
+  ops = std::max(1, ops);
+  const size_t act = dtype_size(backend.activation_dtype());
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* a, buffers.device(64 * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* b, buffers.device(64 * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* c, buffers.device(64 * act));
+  backend.residual_forward(c, a, b, 64);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double t0 = now_s();
+  for (int r = 0; r < ops; ++r) backend.residual_forward(c, a, b, 64);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double s = now_s() - t0;
+  if (!(s > 0)) return Status::internal("measure op launch: took no measurable time");
+  return s / ops;
+}
+
+Result<double> measure_compute_share_while_copying(Backend& backend, int S, int repeats, double h2d_bytes_per_s) {
+  repeats = std::max(1, repeats);
+  const size_t mat = static_cast<size_t>(S) * S * dtype_size(backend.activation_dtype());
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(mat));
+  SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(mat));
+  SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(mat));
+  OwnWorkspace workspace(backend);
+  SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.matmul_workspace(S, S, false, false)));
+  backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  double t0 = now_s();
+  for (int r = 0; r < repeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double alone = now_s() - t0;
+  if (!(alone > 0)) return Status::internal("measure compute while copying: took no measurable time");
+  // The same products while host→device copies run: on the CPU backend the copy
+  // threads share the cores and the memory bus with compute.
+  constexpr size_t kCopyBytes = size_t{64} << 20;
+  SPILLWAY_ASSIGN_OR_RETURN(void* host_buf, buffers.host(kCopyBytes));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dev_buf, buffers.device(kCopyBytes));
+  CopyEngine& ce = backend.copy_engine();
+  const int copies = 2 + static_cast<int>(std::min(alone * h2d_bytes_per_s / kCopyBytes, 20000.0));
+  for (int c = 0; c < copies; ++c) {
+    auto t = ce.copy(CopyDirection::HostToDevice, dev_buf, host_buf, kCopyBytes);
+    if (!t) return t.status();
+  }
+  t0 = now_s();
+  for (int r = 0; r < repeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double with_copies = now_s() - t0;
+  SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
+  return with_copies > 0 ? std::clamp(alone / with_copies, 0.05, 1.0) : 1.0;
 }
 
 }  // namespace spillway

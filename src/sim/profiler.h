@@ -16,8 +16,16 @@
 // kind, place, attributes and operand sizes share one measurement. Host ops (host
 // AdamW) run on host buffers. An op with no stand-alone form (a host op other than
 // AdamW) gets 0, which Machine::op_seconds replaces by its derived time.
+//
+// The pieces of a machine profile (`spillway profile`, `bench io`, `bench adam`):
+//
+//   auto copies = measure_copies(backend, 64 << 20, 1 << 30, 3);   // H2D, D2H, both (bytes/s)
+//   auto disk = measure_storage("auto", 16, "/nvme/spill/probe.bin", 1 << 30, 1 << 20);
+//   auto adam = measure_host_adam(128 << 20, DType::BF16, 5, &backend);  // while copies run
 #pragma once
 
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -36,5 +44,66 @@ Result<std::vector<double>> profile_ops(Backend& backend, const Program& program
 // params/s, device capacity, and whether the host runs ahead (CUDA). Storage rates
 // are left as given (they need a spill directory: `spillway bench io`).
 Result<Machine> measure_machine(Backend& backend, Machine base);
+
+// ---- pieces of a profile; rates in bytes/s, flop/s, params/s ----
+
+// Host⇄device copies through backend.copy_engine() from host_alloc memory (pinned on
+// CUDA, as the executor's): `total` bytes per direction in `piece`-byte copies, each
+// direction alone, then both at once; the best of `rounds` rounds. `both` is the sum
+// of the two directions' bytes over the time both took.
+struct CopyRates {
+  double h2d = 0, d2h = 0, both = 0;
+};
+Result<CopyRates> measure_copies(Backend& backend, uint64_t piece, uint64_t total, int rounds);
+
+// Storage through make_storage_engine(kind) (O_DIRECT where the file system allows,
+// as the executor's spill files): `total` bytes written, then read back, at `path`
+// (created, and removed afterwards) in `block`-byte requests, `depth` of them in
+// flight. The file's blocks are reserved first, as the StorageStore does.
+struct StorageRates {
+  double write = 0, read = 0;
+  bool direct = true;  // false: the file system refused O_DIRECT (page cache figures)
+};
+Result<StorageRates> measure_storage(const std::string& kind, int depth, const std::string& path, uint64_t total,
+                                     size_t block);
+// Seconds per 4 KiB read at queue depth 1: `requests` reads of a file written first.
+Result<double> measure_storage_latency(const std::string& kind, const std::string& path, int requests);
+
+// AdamW state of n params on the host: master, m, v (F32), param and grad (`dtype`),
+// 2 MiB aligned (transparent huge pages asked for), every page first touched by the
+// global thread pool's thread that updates it, with fixed pseudo-random values.
+class HostAdamState {
+ public:
+  static Result<HostAdamState> make(size_t n, DType dtype);
+  // One AdamW step (adamw_host) over all n params.
+  void step(int64_t step_number);
+  size_t size() const { return n_; }
+  DType dtype() const { return dtype_; }
+
+ private:
+  struct Free {
+    void operator()(void* p) const;
+  };
+  using Buffer = std::unique_ptr<void, Free>;
+  size_t n_ = 0;
+  DType dtype_ = DType::F32;
+  Buffer master_, m_, v_, param_, grad_;
+};
+
+// Host AdamW params/s over the global thread pool: the best of `iters` steps of n
+// params after one warm-up. With `copying`, its copy engine moves 64 MiB pieces of
+// pinned memory host→device and device→host the whole time (they share the host's
+// memory bandwidth with the optimizer, as in a pipelined step).
+Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying);
+
+// A matrix product out[N,OC] = inp[N,C]·weight[OC,C]ᵀ (activation dtype): flop/s,
+// the mean of `repeats` after a warm-up.
+Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeats);
+// A memory-bound op (residual add over n elements: three arrays): bytes/s.
+Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats);
+// Seconds per op of `ops` tiny ops back to back (the fixed cost per op).
+Result<double> measure_op_launch(Backend& backend, int ops);
+// An S³ product's speed while host→device copies run, over its speed alone (0 to 1].
+Result<double> measure_compute_share_while_copying(Backend& backend, int S, int repeats, double h2d_bytes_per_s);
 
 }  // namespace spillway

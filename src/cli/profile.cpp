@@ -1,0 +1,248 @@
+// `spillway profile`: measures this machine for the planner and the simulator and
+// writes it as a machine file (sim/machine.h), by default into the cache that
+// `spillway train` and `bench train` read on CUDA (cli/machine_flag.h).
+//
+//   spillway profile --backend cuda --spill-dir /nvme/spill [--out machine.json] [--quick]
+//
+// Each measurement runs a bounded amount of work (a few seconds on the H200; --quick:
+// tiny sizes for tests) through the code the executor uses: the backend's copy
+// engine from its pinned host memory, the StorageEngine with O_DIRECT, the host AdamW
+// over the global thread pool, the backend's matmul and elementwise ops
+// (sim/profiler.h, shared with `bench io` and `bench adam`).
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "cli/machine_flag.h"
+#include "cli/train_flags.h"
+#include "core/atomic_file.h"
+#include "core/interrupt.h"
+#include "core/size.h"
+#include "core/thread_pool.h"
+#include "sim/profiler.h"
+
+namespace spillway::cli {
+namespace {
+
+struct ProfileFlags {
+  std::string backend = "auto";
+  int threads = 0;
+  std::string spill_dir;
+  std::string out;
+  bool quick = false;
+};
+
+Result<uint64_t> mem_total() {
+  std::ifstream in("/proc/meminfo");
+  if (!in) return errno_status("open /proc/meminfo", errno);
+  std::string line;
+  while (std::getline(in, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemTotal: %llu kB", &kib) == 1) return kib * 1024ull;
+  }
+  return Status::not_found("/proc/meminfo has no MemTotal line");
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+Status make_dirs(const std::string& dir) {
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string part = dir.substr(0, at);
+    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return errno_status("create folder " + part, errno);
+  }
+  return Status::ok();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+int run_profile(const ProfileFlags& f) {
+  const auto started = std::chrono::steady_clock::now();
+  if (f.spill_dir.empty())
+    return fail(Status::invalid_argument(
+        "--spill-dir: needed; the folder whose storage plans spill to (a test file is written there and removed)"));
+  struct statvfs fs {};
+  if (::statvfs(f.spill_dir.c_str(), &fs) != 0) return fail(errno_status("--spill-dir " + f.spill_dir, errno));
+  auto backend_made = open_backend(f.backend, f.threads);
+  if (!backend_made) return fail(backend_made.status());
+  Backend& backend = **backend_made;
+  const bool cuda = backend.name() == "cuda";
+  const HostIdentity id = host_identity(backend.description());
+  std::string out = f.out;
+  if (out.empty()) {
+    auto path = machine_cache_path(id);
+    if (!path) return fail(path.status());
+    out = *path;
+    if (Status s = make_dirs(parent_directory(out)); !s.is_ok()) return fail(s.with_context("--out (default)"));
+  }
+
+  Machine m;
+  m.name = id.host_name + " " + backend.name();
+  m.measured_on = {.date = utc_now(),
+                   .host = id.host_name,
+                   .cpu = id.cpu(),
+                   .gpu = id.gpu,
+                   .driver = id.driver,
+                   .notes = std::string("spillway profile --backend ") + backend.name() + (f.quick ? " --quick" : "")};
+  m.host_runs_ahead = cuda;
+  std::printf("profile: %s; %s; driver %s%s\n", id.gpu.c_str(), id.cpu().c_str(), id.driver.c_str(),
+              f.quick ? " (--quick: tiny sizes, for tests)" : "");
+
+  // ---- capacities ----
+  auto total = mem_total();
+  if (!total) return fail(total.status());
+  auto available = available_host_memory();
+  if (!available) return fail(available.status());
+  m.host_bytes = *total;
+  const size_t capacity = backend.device_capacity();
+  // The CPU backend's device tier is host memory: what is available now.
+  m.device_bytes = capacity != SIZE_MAX ? capacity : *available;
+  m.storage_bytes = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
+  const uint64_t storage_free = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  std::printf("capacity: device %s%s, host %s (%s available), storage %s (%s free at %s)\n",
+              format_size(m.device_bytes).c_str(), cuda ? "" : " (the CPU backend's device is host memory available)",
+              format_size(m.host_bytes).c_str(), format_size(*available).c_str(), format_size(m.storage_bytes).c_str(),
+              format_size(storage_free).c_str(), f.spill_dir.c_str());
+
+  // ---- host⇄device copies at the sizes plans move ----
+  const std::vector<uint64_t> pieces = f.quick ? std::vector<uint64_t>{1ull << 20, 4ull << 20}
+                                               : std::vector<uint64_t>{4ull << 20, 64ull << 20, 256ull << 20};
+  const uint64_t copy_total = f.quick ? (8ull << 20) : cuda ? (1ull << 30) : (256ull << 20);
+  std::printf("\ncopies (%s, the executor's copy engine and host memory), %s per direction per round, best of 3:\n",
+              backend.description().c_str(), format_size(copy_total).c_str());
+  std::printf("  %10s %10s %10s %10s %8s\n", "piece", "H2D GB/s", "D2H GB/s", "both GB/s", "duplex");
+  CopyRates copies;
+  for (uint64_t piece : pieces) {
+    auto c = measure_copies(backend, piece, std::max(copy_total, piece), 3);
+    if (!c) return fail(c.status().with_context("profile: copies of " + format_size(piece)));
+    std::printf("  %10s %10.2f %10.2f %10.2f %8.3f\n", format_size(piece).c_str(), c->h2d / 1e9, c->d2h / 1e9,
+                c->both / 1e9, c->both / (c->h2d + c->d2h));
+    copies = *c;  // the largest piece's figures are kept: a layer's tensors are tens to hundreds of MiB
+  }
+  m.h2d_bytes_per_s = copies.h2d;
+  m.d2h_bytes_per_s = copies.d2h;
+  m.duplex_factor = std::clamp(copies.both / (copies.h2d + copies.d2h), 0.05, 1.0);
+
+  // ---- storage ----
+  {
+    Status handlers = install_interrupt_handlers(InterruptMode::AtOnce);
+    if (!handlers.is_ok()) return fail(handlers);
+    const std::string path = f.spill_dir + "/spillway-profile-" + std::to_string(::getpid()) + ".bin";
+    RemoveOnInterrupt remove_on_interrupt(path);
+    const uint64_t bytes = f.quick ? (4ull << 20) : (1ull << 30);
+    const size_t block = size_t{1} << 20;
+    std::printf("\nstorage at %s (the executor's engine, O_DIRECT), %s written then read per depth, %s requests:\n",
+                f.spill_dir.c_str(), format_size(bytes).c_str(), format_size(block).c_str());
+    std::printf("  %6s %11s %11s\n", "depth", "write GB/s", "read GB/s");
+    double best_write = 0, best_read = 0;
+    for (int depth : {1, 4, 16, 64}) {
+      auto s = measure_storage("auto", depth, path, bytes, block);
+      if (!s) return fail(s.status().with_context("profile: storage at depth " + std::to_string(depth)));
+      std::printf("  %6d %11.2f %11.2f%s\n", depth, s->write / 1e9, s->read / 1e9,
+                  s->direct ? "" : "  (buffered: the file system refused O_DIRECT; page-cache figures)");
+      best_write = std::max(best_write, s->write);
+      best_read = std::max(best_read, s->read);
+    }
+    auto latency = measure_storage_latency("auto", path, f.quick ? 16 : 512);
+    if (!latency) return fail(latency.status().with_context("profile: storage latency"));
+    std::printf("  latency at depth 1: %.1f us per 4 KiB read\n", *latency * 1e6);
+    m.storage_write_bytes_per_s = best_write;
+    m.storage_read_bytes_per_s = best_read;
+    m.storage_latency_s = *latency;
+  }
+
+  // ---- host AdamW, alone and beside copies ----
+  {
+    const DType dtype = backend.activation_dtype();
+    const size_t n = f.quick ? (size_t{1} << 20) : cuda ? (size_t{64} << 20) : (size_t{16} << 20);
+    const int iters = f.quick ? 2 : 5;
+    auto alone = measure_host_adam(n, dtype, iters, nullptr);
+    if (!alone) return fail(alone.status().with_context("profile: host AdamW"));
+    auto busy = measure_host_adam(n, dtype, iters, &backend);
+    if (!busy) return fail(busy.status().with_context("profile: host AdamW while copies run"));
+    std::printf("\nhost AdamW (%s, %d threads, %zu params): %.2f G params/s alone, %.2f while host⇄device copies run "
+                "(kept: plans overlap the optimizer with copies)\n",
+                dtype_name(dtype), global_thread_pool().size(), n, *alone / 1e9, *busy / 1e9);
+    m.host_adam_params_per_s_alone = *alone;
+    m.host_adam_params_per_s = *busy;
+  }
+
+  // ---- device compute ----
+  {
+    struct Shape {
+      int N, C, OC;
+    };
+    const std::vector<Shape> shapes = f.quick  ? std::vector<Shape>{{128, 128, 128}, {256, 128, 64}}
+                                      : cuda   ? std::vector<Shape>{{8192, 8192, 8192}, {16384, 4096, 4096},
+                                                                    {8192, 2048, 8192}}
+                                               : std::vector<Shape>{{512, 512, 512}, {1024, 768, 768}};
+    const int repeats = f.quick ? 2 : cuda ? 20 : 3;
+    std::printf("\ndevice (%s):\n", backend.description().c_str());
+    double flops = 0, seconds = 0;
+    for (const Shape& s : shapes) {
+      auto rate = measure_matmul(backend, s.N, s.C, s.OC, repeats);
+      if (!rate) return fail(rate.status().with_context("profile: matmul " + std::to_string(s.N) + "x" +
+                                                        std::to_string(s.C) + "x" + std::to_string(s.OC)));
+      const double work = 2.0 * s.N * s.C * static_cast<double>(s.OC);
+      flops += work;
+      seconds += work / *rate;
+      std::printf("  matmul %dx%dx%d: %.2f TFLOP/s\n", s.N, s.C, s.OC, *rate / 1e12);
+    }
+    m.matmul_flops_per_s = flops / seconds;
+    std::printf("  matmul, all shapes together: %.2f TFLOP/s (kept)\n", m.matmul_flops_per_s / 1e12);
+    const size_t n = f.quick ? (size_t{256} << 10) : cuda ? (size_t{128} << 20) : (size_t{4} << 20);
+    auto bytes = measure_memory_bound(backend, n, f.quick ? 2 : 5);
+    if (!bytes) return fail(bytes.status().with_context("profile: memory-bound op"));
+    m.device_bytes_per_s = *bytes;
+    auto launch = measure_op_launch(backend, f.quick ? 50 : 1000);
+    if (!launch) return fail(launch.status().with_context("profile: op launch"));
+    m.op_launch_s = *launch;
+    const Shape& big = shapes.front();
+    auto share = measure_compute_share_while_copying(backend, big.N, f.quick ? 2 : cuda ? 20 : 3, m.h2d_bytes_per_s);
+    if (!share) return fail(share.status().with_context("profile: compute while copying"));
+    m.compute_share_while_copying = *share;
+    std::printf("  memory-bound op (residual add): %.1f GB/s; fixed cost per op %.2f us; compute speed while "
+                "copying %.3f of alone\n",
+                *bytes / 1e9, *launch * 1e6, *share);
+  }
+
+  if (Status s = save_machine(m, out); !s.is_ok()) return fail(s.with_context("--out"));
+  std::printf("\nmachine written to %s (%.1f s)%s\n", out.c_str(), seconds_since(started),
+              f.out.empty() ? "; train and bench train on CUDA use it from this cache" : "");
+  return 0;
+}
+
+CommandRegistration profile_command(
+    "profile", "measure this machine (copies, storage, host AdamW, device) into a machine file", [](CLI::App& app) {
+      auto f = std::make_shared<ProfileFlags>();
+      app.add_option("--backend", f->backend, "cpu, cuda or auto")->capture_default_str();
+      app.add_option("--threads", f->threads, "host threads (0: all cores)")->capture_default_str();
+      app.add_option("--spill-dir", f->spill_dir, "folder whose storage is measured (a test file, removed after)");
+      app.add_option("--out", f->out,
+                     "machine file to write (default: the cache train reads, "
+                     "$XDG_CACHE_HOME/spillway/machine-<key>.json or ~/.cache/spillway/...)");
+      app.add_flag("--quick", f->quick, "tiny sizes (tests): figures are far from the machine's steady state");
+      return [f]() { return run_profile(*f); };
+    });
+
+}  // namespace
+}  // namespace spillway::cli

@@ -1,0 +1,154 @@
+// Machine files (sim/machine.h): every field round-trips, every malformed file is
+// refused with the key and the file named, and the repository's preset files agree
+// with the presets in code.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "sim/machine.h"
+
+namespace spillway {
+namespace {
+
+// Every field differs from its default and from the other fields.
+Machine every_field_set() {
+  Machine m;
+  m.name = "test box";
+  m.device_bytes = 24ull << 30;
+  m.host_bytes = (64ull << 30) + 7;
+  m.storage_bytes = (1ull << 40) + 3;
+  m.h2d_bytes_per_s = 12.5e9 + 0.25;
+  m.d2h_bytes_per_s = 11.75e9;
+  m.duplex_factor = 0.8123456789012345;
+  m.compute_share_while_copying = 0.66;
+  m.storage_read_bytes_per_s = 3.3e9;
+  m.storage_write_bytes_per_s = 2.9e9;
+  m.storage_latency_s = 8.5e-5;
+  m.matmul_flops_per_s = 1.234e14;
+  m.device_bytes_per_s = 9.87e11;
+  m.op_launch_s = 3.25e-6;
+  m.host_adam_params_per_s = 2.1e9;
+  m.host_adam_params_per_s_alone = 2.6e9;
+  m.host_runs_ahead = false;
+  m.measured_op_seconds = {1e-3, 0, 2.5e-4};
+  m.measured_on = {.date = "2026-12-04T10:00:00Z", .host = "box", .cpu = "Some CPU, 8 cores",
+                   .gpu = "Some GPU, 24 GiB", .driver = "550.1", .notes = "by hand"};
+  return m;
+}
+
+TEST(MachineFile, EveryFieldRoundTrips) {
+  const Machine m = every_field_set();
+  auto back = Machine::from_json(m.to_json(), "mem.json");
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(*back, m);
+  EXPECT_EQ(back->to_json(), m.to_json());
+  // And the defaults differ from it, so the comparison could fail.
+  EXPECT_NE(Machine(), m);
+}
+
+// The error of reading `j` as file "bad.json"; empty when it was accepted.
+std::string error_of(const nlohmann::json& j) {
+  auto r = Machine::from_json(j.dump(), "bad.json");
+  return r.ok() ? std::string() : r.status().to_string();
+}
+
+TEST(MachineFile, EachMissingFieldIsNamed) {
+  const nlohmann::json good = nlohmann::json::parse(every_field_set().to_json());
+  ASSERT_TRUE(error_of(good).empty());
+  int keys = 0;
+  for (auto it = good.begin(); it != good.end(); ++it) {
+    nlohmann::json j = good;
+    j.erase(it.key());
+    const std::string e = error_of(j);
+    EXPECT_NE(e.find("bad.json"), std::string::npos) << it.key() << ": " << e;
+    EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
+    ++keys;
+  }
+  EXPECT_EQ(keys, 21);  // format, version, name, measured_on and the 17 other fields
+  for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
+    nlohmann::json j = good;
+    j["measured_on"].erase(it.key());
+    const std::string e = error_of(j);
+    EXPECT_NE(e.find("measured_on." + it.key()), std::string::npos) << e;
+    EXPECT_NE(e.find("missing"), std::string::npos) << e;
+  }
+}
+
+TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
+  const nlohmann::json good = nlohmann::json::parse(every_field_set().to_json());
+  struct Case {
+    std::string key;
+    nlohmann::json value;
+    std::string says;
+  };
+  for (const Case& c : std::vector<Case>{{"h2d_bytes_per_s", "fast", "expected a number"},
+                                         {"h2d_bytes_per_s", -1.0, "above 0"},
+                                         {"storage_read_bytes_per_s", 0, "above 0"},
+                                         {"duplex_factor", 1.5, "at most 1"},
+                                         {"device_bytes", 2.5, "whole number"},
+                                         {"device_bytes", -4, "whole number"},
+                                         {"host_runs_ahead", 1, "true or false"},
+                                         {"name", 3, "string"},
+                                         {"measured_op_seconds", 1.0, "array"},
+                                         {"measured_on", "today", "object"},
+                                         {"version", 2, "version 1"},
+                                         {"format", "other", "spillway-machine"}}) {
+    nlohmann::json j = good;
+    j[c.key] = c.value;
+    const std::string e = error_of(j);
+    EXPECT_NE(e.find("bad.json"), std::string::npos) << c.key << ": " << e;
+    EXPECT_NE(e.find(c.key), std::string::npos) << c.key << ": " << e;
+    EXPECT_NE(e.find(c.says), std::string::npos) << c.key << ": " << e;
+  }
+  nlohmann::json j = good;
+  j["h2d_gbps"] = 10;
+  std::string e = error_of(j);
+  EXPECT_NE(e.find("h2d_gbps: unknown key"), std::string::npos) << e;
+  j = good;
+  j["measured_on"]["gpu_count"] = 2;
+  e = error_of(j);
+  EXPECT_NE(e.find("measured_on.gpu_count: unknown key"), std::string::npos) << e;
+  j = good;
+  j["measured_op_seconds"] = {1e-3, "x"};
+  e = error_of(j);
+  EXPECT_NE(e.find("measured_op_seconds[1]"), std::string::npos) << e;
+  auto not_json = Machine::from_json("{\"format\": ", "bad.json");
+  ASSERT_FALSE(not_json.ok());
+  EXPECT_NE(not_json.status().to_string().find("bad.json: not JSON"), std::string::npos);
+}
+
+TEST(MachineFile, RepositoryPresetFileIsThePresetInCode) {
+  const std::string path = std::string(SPILLWAY_SOURCE_DIR) + "/machines/h200.json";
+  auto m = load_machine(path);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(*m, Machine::h200()) << "machines/h200.json and Machine::h200() differ:\n"
+                                 << m->to_json() << "\n" << Machine::h200().to_json();
+  EXPECT_FALSE(m->measured_on.date.empty());
+}
+
+TEST(MachineFile, PresetsByNameAndMissingFiles) {
+  auto h = load_machine("h200");
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(*h, Machine::h200());
+  auto c = load_machine("cpu");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, Machine::cpu_dev_box());
+  auto missing = load_machine("/nonexistent/box.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().to_string().find("/nonexistent/box.json"), std::string::npos);
+}
+
+TEST(MachineFile, SaveThenLoad) {
+  const std::string path = ::testing::TempDir() + "/spillway-machine-save.json";
+  const Machine m = every_field_set();
+  ASSERT_TRUE(save_machine(m, path).is_ok());
+  auto back = load_machine(path);
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(*back, m);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace spillway
