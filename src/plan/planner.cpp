@@ -400,8 +400,11 @@ class Scheduler {
       }
       if (persistent(o.tensor)) continue;
       // A transient input must still hold its value at `use`: needed again at or after
-      // `use` (so it is kept), and not itself waiting to be recomputed.
-      if (next_use(o.tensor, use - 1) == kNever || st_[o.tensor].recompute_pending) return -1;
+      // `use` (so it is kept, on device, on host, or released to be recomputed itself:
+      // ensure_on_device then re-runs its producer first, a chain, as checkpointing a
+      // layer re-runs the layer's forward). Its own recomputation was checked, when it
+      // was released, up to its next use, which is at or after `use`.
+      if (next_use(o.tensor, use - 1) == kNever) return -1;
     }
     // The producer re-runs right before the consumer: both working sets must fit at once.
     std::set<TensorId> together;

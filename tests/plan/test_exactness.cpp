@@ -444,3 +444,50 @@ TEST(Exactness, LlamaVocabTilesMatchTheWholeTables) {
   ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
   expect_same_run(r, ref, "llama vocab tiles, planned");
 }
+
+namespace {
+
+// Recompute instructions whose op reads what an earlier recompute instruction
+// re-made: a chain, as checkpointing a layer re-runs several of its forward ops.
+int recompute_chains(const Plan& plan, const Program& program) {
+  int chains = 0;
+  std::vector<size_t> recent;  // recompute instructions, newest last
+  for (size_t i = 0; i < plan.instructions.size(); ++i) {
+    const Instruction& in = plan.instructions[i];
+    if (in.kind != InstrKind::Run || !in.recompute) continue;
+    const Op& op = program.ops[static_cast<size_t>(in.op)];
+    bool chained = false;
+    for (size_t r : recent) {
+      const Op& earlier = program.ops[static_cast<size_t>(plan.instructions[r].op)];
+      for (const Operand& a : op.operands)
+        for (const Operand& b : earlier.operands)
+          chained |= a.access == Access::Read && b.access == Access::Write && a.tensor == b.tensor;
+    }
+    chains += chained;
+    recent.push_back(i);
+    if (recent.size() > 4) recent.erase(recent.begin());
+  }
+  return chains;
+}
+
+}  // namespace
+
+// A recomputed op may read a tensor that is itself released for recomputation: the
+// planner re-runs that producer first (a chain), and the run keeps the resident bits.
+TEST(Exactness, RecomputeChainsMatchResident) {
+  int chains = 0;
+  for (GPTCase s : {small_model(64), small_llama(false, 64, 64, 512)}) {
+    TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 5);
+    ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+    for (int divisor : {4, 10}) {
+      TrainRun r = train_gpt(s, {.device = ref.plan.device_bytes / divisor}, {.policy = Policy::Planned, .recompute = 1},
+                             5);
+      ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+      expect_same_run(r, ref, "recompute chains, budget 1/" + std::to_string(divisor));
+      auto program = build_training_program(s.cfg, s.shape, DType::F32);
+      ASSERT_TRUE(program.ok());
+      chains += recompute_chains(r.plan, *program);
+    }
+  }
+  EXPECT_GT(chains, 0) << "no recompute read a recomputed tensor";
+}

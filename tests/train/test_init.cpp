@@ -71,11 +71,14 @@ std::vector<size_t> probe_elements(size_t n) {
 TEST(ParallelInit, SameBitsForEveryThreadCountAndEqualToTheDocumentedGenerator) {
   ModelConfig cfg = {.layers = 3, .width = 64, .heads = 2, .context = 64, .vocab = 256};
   const std::vector<ParamSpec> specs = {
-      {"transformer.wte.weight", {1001, 257}, -1, true, false},
-      {"transformer.h.2.mlp.c_proj.weight", {301, 700}, 2, true, true},
-      {"transformer.wpe.weight", {3, 3}, -1, true, false},
+      {"transformer.wte.weight", {1001, 257}, -1, true, false, ParamInit::Normal, 0.02},
+      {"transformer.h.2.mlp.c_proj.weight", {301, 700}, 2, true, true, ParamInit::Normal, 0.02 / std::sqrt(6.0)},
+      {"transformer.wpe.weight", {3, 3}, -1, true, false, ParamInit::Normal, 0.02},
   };
   const std::vector<double> std_devs = {0.02, 0.02 / std::sqrt(6.0), 0.02};
+  // parameter_specs states these standard deviations for a 3-layer GPT-2.
+  for (const ParamSpec& q : parameter_specs(cfg))
+    if (q.name == "transformer.h.2.mlp.c_proj.weight") EXPECT_EQ(q.init_std, std_devs[1]);
   const uint64_t seed = 4242;
   for (size_t s = 0; s < specs.size(); ++s) {
     const ParamSpec& p = specs[s];
@@ -113,8 +116,12 @@ TEST(ParallelInit, ConstantsFillEveryChunk) {
   ModelConfig cfg = {.layers = 1, .width = 64, .heads = 2, .context = 64, .vocab = 256};
   auto pool = ThreadPool::create(3);
   ASSERT_TRUE(pool.ok());
-  const ParamSpec bias = {"transformer.h.0.mlp.c_fc.bias", {200001}, 0, false, false};
-  const ParamSpec ln = {"transformer.h.0.ln_2.weight", {200001}, 0, false, false};
+  const ParamSpec bias = {"transformer.h.0.mlp.c_fc.bias", {200001}, 0, false, false, ParamInit::Zeros};
+  const ParamSpec ln = {"transformer.h.0.ln_2.weight", {200001}, 0, false, false, ParamInit::Ones};
+  for (const ParamSpec& q : parameter_specs(cfg)) {
+    if (q.name == bias.name) EXPECT_EQ(q.init, ParamInit::Zeros);
+    if (q.name == ln.name) EXPECT_EQ(q.init, ParamInit::Ones);
+  }
   for (float x : init_parameter(cfg, bias, 1, pool->get())) ASSERT_EQ(bits(x), bits(0.0f));
   for (float x : init_parameter(cfg, ln, 1, pool->get())) ASSERT_EQ(x, 1.0f);
 }
