@@ -28,6 +28,7 @@
 #include <string>
 
 #include "cli/command.h"
+#include "cli/machine_flag.h"
 #include "cli/train_flags.h"
 #include "core/interrupt.h"
 #include "core/random.h"
@@ -48,6 +49,7 @@ constexpr double kCudaMeasuredMatmulFlops = 784e12;
 struct BenchTrainFlags {
   ModelFlags model;
   MemoryFlags memory;
+  std::string machine;  // --machine FILE|PRESET ("": the cached measured machine on CUDA, else the preset)
   int steps = 5, batch = 8, context = 0, accum = 1;
   uint64_t seed = 1337;
   bool profile = false;
@@ -128,7 +130,7 @@ Status run_bench(const BenchTrainFlags& f) {
   o.seed = f.seed;
   o.budgets = mem.budgets;
   o.planner = mem.planner;
-  o.machine = machine_for(*backend);
+  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend));
   o.spill_dir = mem.spill_dir;
   const auto setup_start = std::chrono::steady_clock::now();
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
@@ -285,6 +287,9 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
   app.add_option("--json", f->json, "also write the figures (tokens/s, step time, device memory used beyond the "
                                      "CUDA context and its peak, the budget) to this file as one JSON object");
   add_memory_flags(app, f->memory);
+  app.add_option("--machine", f->machine,
+                 "the planner's machine model: h200, cpu or a file from `spillway profile` (default on CUDA: this "
+                 "host's measured machine in the cache, else h200; on the CPU: cpu)");
   return [f]() -> int {
     Status s = run_bench(*f);
     return s.is_ok() ? 0 : fail(s);

@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "cli/command.h"
+#include "cli/machine_flag.h"
 #include "cli/text_data.h"
 #include "cli/train_flags.h"
 #include "core/atomic_file.h"
@@ -41,6 +42,7 @@ namespace {
 struct TrainFlags {
   ModelFlags model;
   MemoryFlags memory;
+  std::string machine;  // --machine FILE|PRESET ("": the cached measured machine on CUDA, else the preset)
   std::string data;
   std::string tokenizer;  // --tokenizer: a tokenizer.json (or its directory) that encodes --data
   int steps = 300, batch = 8, context = 0, accum = 1;
@@ -334,7 +336,7 @@ Status run_train(const TrainFlags& given_flags) {
   o.seed = f.seed;
   o.budgets = mem.budgets;
   o.planner = mem.planner;
-  o.machine = machine_for(*backend);
+  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend));
   o.spill_dir = mem.spill_dir;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
   const nlohmann::json config = run_config(cfg, f, T, lr, f.data);
@@ -560,6 +562,9 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   app.add_option("--stop-after", f->stop_after,
                  "end the run after step N with a checkpoint, as if interrupted (the schedule still runs to --steps)");
   add_memory_flags(app, f->memory);
+  app.add_option("--machine", f->machine,
+                 "the planner's machine model: h200, cpu or a file from `spillway profile` (default on CUDA: this "
+                 "host's measured machine in the cache, else h200; on the CPU: cpu)");
   CLI::App* parsed = &app;
   return [f, parsed]() -> int {
     for (const char* flag : {"--model", "--layers", "--width", "--heads", "--model-context", "--vocab", "--batch",
