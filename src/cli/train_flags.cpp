@@ -217,6 +217,16 @@ Result<ModelConfig> resolve_loaded_model(const ModelFlags& f, const std::string&
   if (!loaded.ok()) return loaded.status().with_context("--load");
   const ModelConfig& cfg = *loaded;
   const std::string what = "the model in " + path + " (" + cfg.to_string() + ")";
+  if (f.model_given) {  // a preset named beside --load must be the loaded model
+    auto preset = model_preset(f.model);
+    if (!preset.ok()) return preset.status().with_context("--model");
+    ModelConfig sized = *preset;  // the size flags were compared with the files already
+    for (size_t i = 0; i < kStatedSizes; ++i)
+      if (stated_size(flags.sizes, i) != 0) stated_size(sized, i) = stated_size(flags.sizes, i);
+    if (!(sized == cfg))
+      return Status::invalid_argument("--model " + f.model + " (" + preset->to_string() + ") disagrees with " + what +
+                                      "; leave --model out to train the loaded model");
+  }
   if (arch && *arch != cfg.arch)
     return Status::invalid_argument(std::string("--arch ") + arch_name(*arch) + " disagrees with " + what);
   if (cfg.arch == Arch::GPT2) {

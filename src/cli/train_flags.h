@@ -54,8 +54,9 @@ void add_model_flags(CLI::App& app, ModelFlags& f);
 Result<ModelConfig> resolve_model(const ModelFlags& f, const ModelConfig* base = nullptr);
 // The model saved at `path` (a .safetensors file or a Hugging Face model directory,
 // model/hf_model.h). The size flags settle what the files do not say (GPT-2's heads)
-// and must agree with what they do; --arch, --rope-theta, --rope-scaling, --norm-eps
-// and --untied, when given, must agree with the loaded model. Errors name both sides.
+// and must agree with what they do; --model (with the size flags), --arch,
+// --rope-theta, --rope-scaling, --norm-eps and --untied, when given, must agree with
+// the loaded model. Errors name both sides.
 Result<ModelConfig> resolve_loaded_model(const ModelFlags& f, const std::string& path);
 // The model's name for messages: the preset, or "llama" for an explicit --arch llama.
 std::string model_name(const ModelFlags& f);

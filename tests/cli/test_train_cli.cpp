@@ -1055,6 +1055,9 @@ TEST(LoadCli, LlamaSavesAndLoadsAModelDirectory) {
   expect_rejected(again + " --kv-heads 4", {"--kv-heads 4 disagrees with num_key_value_heads 2 (" + dir + "/config.json)"});
   expect_rejected(again + " --rope-theta 10000", {"--rope-theta 10000", "disagrees with the model in " + dir});
   expect_rejected(again + " --arch gpt2", {"--arch gpt2 disagrees with the model in " + dir});
+  expect_rejected(again + " --model llama-3.2-1b", {"--model llama-3.2-1b (", "disagrees with the model in " + dir});
+  CliRun same_preset = run(again + " --model llama-tiny --layers 2");
+  EXPECT_EQ(same_preset.code, 0) << same_preset.output;
   expect_rejected("train --model tiny --untied --steps 1", {"--untied: for Llama models"});
   // An explicit Llama: every size, nothing guessed.
   expect_rejected("train --arch llama --layers 2 --width 64 --steps 1",
