@@ -100,7 +100,7 @@ struct Prediction {
   double binds_share = 0;        // its busy time over the step
 };
 
-Result<Prediction> predict(const PlanFlags& f, const ModelConfig& model, const Machine& machine) {
+Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, const Machine& machine) {
   const ModelConfig* cfg = &model;
   int T = f.context ? f.context : cfg->context;
   if (T > cfg->context)
@@ -220,6 +220,18 @@ Result<Prediction> predict(const PlanFlags& f, const ModelConfig& model, const M
   }
   p.report = out.str();
   return p;
+}
+
+// predict_step, with the what-if memory sizes named when they set a budget that failed.
+Result<Prediction> predict(const PlanFlags& f, const ModelConfig& model, const Machine& machine) {
+  auto p = predict_step(f, model, machine);
+  if (p) return p;
+  Status s = p.status();
+  if (!f.gpu_memory.empty() && f.device_budget.empty())
+    s = s.with_context("--gpu-memory " + f.gpu_memory + " (the device budget)");
+  if (!f.host_memory.empty() && f.host_budget.empty())
+    s = s.with_context("--host-memory " + f.host_memory + " (the host budget)");
+  return s;
 }
 
 // ---- --sweep, --chart, --largest ----

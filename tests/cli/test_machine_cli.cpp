@@ -1,0 +1,223 @@
+// `spillway profile` and the machine model of `simulate`, `plan` and `train`, run as
+// a user would: the built binary, its exit code, what it prints and writes.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+#include <vector>
+
+#include "sim/machine.h"
+#include "support/test_support.h"
+
+namespace {
+
+using spillway::Machine;
+using spillway::testing_support::read_file;
+
+struct CliRun {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+CliRun run(const std::string& args) {
+  ::setenv("SPILLWAY_DATA", SPILLWAY_SOURCE_DIR "/data", 0);
+  const std::string cmd = std::string(SPILLWAY_BINARY) + " " + args + " 2>&1";
+  CliRun r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) {
+    ADD_FAILURE() << "popen failed for " << cmd;
+    return r;
+  }
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  const int status = ::pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("spillway_test_machine_" + std::to_string(::getpid()) + "_" + name))
+      .string();
+}
+
+void expect_rejected(const std::string& args, const std::vector<std::string>& needles) {
+  CliRun r = run(args);
+  EXPECT_EQ(r.code, 1) << args << "\n" << r.output;
+  EXPECT_NE(r.output.find("spillway: error:"), std::string::npos) << r.output;
+  for (const std::string& needle : needles)
+    EXPECT_NE(r.output.find(needle), std::string::npos) << "'" << needle << "' not in: " << r.output;
+}
+
+// The "predicted throughput: N tokens/s" of a plan; -1 when absent.
+double predicted_tokens(const std::string& output) {
+  const std::string key = "predicted throughput: ";
+  const size_t at = output.find(key);
+  return at == std::string::npos ? -1 : std::stod(output.substr(at + key.size()));
+}
+
+// A storage-bound step on the CPU preset: 4 MiB of host memory, the rest spills.
+const std::string kStorageBound =
+    "simulate --model tiny --batch 2 --context 64 --device-budget 8MiB --host-budget 4MiB --storage-budget 1GiB";
+
+TEST(ProfileCli, QuickCpuProfileWritesALoadableMachineWithPositiveFields) {
+  const std::string dir = temp_path("spill");
+  const std::string out = temp_path("machine.json");
+  std::filesystem::create_directories(dir);
+  CliRun r = run("profile --backend cpu --threads 2 --quick --spill-dir " + dir + " --out " + out);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* line : {"H2D GB/s", "write GB/s", "latency at depth 1", "host AdamW", "matmul", out.c_str()})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
+  auto m = spillway::load_machine(out);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_GT(m->device_bytes, 0u);
+  EXPECT_GT(m->host_bytes, 0u);
+  EXPECT_GT(m->storage_bytes, 0u);
+  for (double v : {m->h2d_bytes_per_s, m->d2h_bytes_per_s, m->duplex_factor, m->compute_share_while_copying,
+                   m->storage_read_bytes_per_s, m->storage_write_bytes_per_s, m->storage_latency_s,
+                   m->matmul_flops_per_s, m->device_bytes_per_s, m->op_launch_s, m->host_adam_params_per_s,
+                   m->host_adam_params_per_s_alone})
+    EXPECT_GT(v, 0) << read_file(out);
+  EXPECT_LE(m->duplex_factor, 1.0);
+  EXPECT_FALSE(m->host_runs_ahead);  // the CPU backend runs ops on the host thread
+  EXPECT_FALSE(m->measured_on.date.empty());
+  EXPECT_EQ(m->measured_on.driver, "none");
+  // The storage test file is gone.
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  // The profile plans: simulate reads it.
+  CliRun s = run("simulate --model tiny --machine " + out + " --batch 2 --context 64");
+  EXPECT_EQ(s.code, 0) << s.output;
+  EXPECT_GT(predicted_tokens(s.output), 0) << s.output;
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(out);
+}
+
+TEST(ProfileCli, NeedsASpillDirectory) {
+  expect_rejected("profile --backend cpu --quick --out " + temp_path("never.json"), {"--spill-dir"});
+  expect_rejected("profile --backend cpu --quick --spill-dir /nonexistent/spill --out " + temp_path("never.json"),
+                  {"--spill-dir /nonexistent/spill"});
+}
+
+TEST(SimulateCli, SweepPrintsOneRowPerValueAndFasterStorageRaisesThroughput) {
+  const std::string svg = temp_path("sweep.svg");
+  CliRun r = run(kStorageBound + " --machine cpu --sweep storage-gbps=0.25,1,4 --chart " + svg);
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::istringstream in(r.output);
+  std::vector<double> tokens;
+  std::vector<std::string> binds;
+  for (std::string line; std::getline(in, line);) {
+    for (const char* v : {"0.25 ", "1 ", "4 "}) {
+      if (line.rfind(v, 0) != 0) continue;
+      std::istringstream row(line);
+      std::string value, b;
+      double step = 0, tps = 0, compute = 0, exposed = 0, host = 0, storage = 0;
+      row >> value >> step >> tps >> compute >> exposed >> host >> storage >> b;
+      ASSERT_TRUE(row) << line;
+      EXPECT_GT(step, 0);
+      EXPECT_NEAR(tps * step, 2 * 64, 2 * 64 * 0.05) << line;  // tokens/s × step = a step's tokens (step: 3 decimals)
+      tokens.push_back(tps);
+      binds.push_back(b);
+    }
+  }
+  ASSERT_EQ(tokens.size(), 3u) << r.output;
+  EXPECT_LT(tokens[0], tokens[1]) << r.output;
+  EXPECT_LT(tokens[1], tokens[2]) << r.output;
+  EXPECT_EQ(binds[0], "storage") << r.output;
+
+  const std::string chart = read_file(svg);
+  ASSERT_EQ(chart.rfind("<svg", 0), 0u) << chart.substr(0, 200);
+  EXPECT_NE(chart.find("</svg>"), std::string::npos);
+  size_t points = 0;
+  for (size_t at = chart.find("class=\"point\""); at != std::string::npos; at = chart.find("class=\"point\"", at + 1))
+    ++points;
+  EXPECT_EQ(points, 3u);
+  EXPECT_NE(chart.find("storage-gbps"), std::string::npos);
+  EXPECT_NE(chart.find("<polyline"), std::string::npos);
+  std::filesystem::remove(svg);
+}
+
+TEST(SimulateCli, NvmeCountMultipliesStorageAndMatchesTheSameRate) {
+  // Two drives of 0.5 GB/s predict what one of 1 GB/s does.
+  CliRun two = run(kStorageBound + " --machine cpu --storage-gbps 0.5 --nvme-count 2");
+  CliRun one = run(kStorageBound + " --machine cpu --storage-gbps 1");
+  CliRun slow = run(kStorageBound + " --machine cpu --storage-gbps 0.5");
+  ASSERT_EQ(two.code, 0) << two.output;
+  ASSERT_EQ(one.code, 0) << one.output;
+  ASSERT_EQ(slow.code, 0) << slow.output;
+  EXPECT_EQ(predicted_tokens(two.output), predicted_tokens(one.output));
+  EXPECT_LT(predicted_tokens(slow.output), predicted_tokens(one.output));
+}
+
+TEST(SimulateCli, MachineFileChangesThePrediction) {
+  const std::string same = temp_path("same.json"), fast = temp_path("fast.json");
+  Machine m = Machine::cpu_dev_box();
+  ASSERT_TRUE(spillway::save_machine(m, same).is_ok());
+  m.storage_read_bytes_per_s *= 8;
+  m.storage_write_bytes_per_s *= 8;
+  ASSERT_TRUE(spillway::save_machine(m, fast).is_ok());
+  CliRun preset = run(kStorageBound + " --machine cpu");
+  CliRun from_same = run(kStorageBound + " --machine " + same);
+  CliRun from_fast = run(kStorageBound + " --machine " + fast);
+  ASSERT_EQ(preset.code, 0) << preset.output;
+  ASSERT_EQ(from_same.code, 0) << from_same.output;
+  ASSERT_EQ(from_fast.code, 0) << from_fast.output;
+  EXPECT_EQ(predicted_tokens(from_same.output), predicted_tokens(preset.output));
+  EXPECT_GT(predicted_tokens(from_fast.output), predicted_tokens(preset.output) * 1.2) << from_fast.output;
+  // train takes the file too (and refuses a broken one, naming the key and the file).
+  CliRun train = run("train --steps 1 --layers 1 --width 32 --heads 2 --model-context 32 --context 32 --batch 2 "
+                     "--backend cpu --threads 2 --machine " + fast);
+  EXPECT_EQ(train.code, 0) << train.output;
+  nlohmann::json j = nlohmann::json::parse(read_file(fast));
+  j["pcie_lanes"] = 16;
+  {
+    std::FILE* f = std::fopen(fast.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(j.dump().c_str(), f);
+    std::fclose(f);
+  }
+  expect_rejected(kStorageBound + " --machine " + fast, {"--machine", fast, "pcie_lanes", "unknown key"});
+  expect_rejected("train --steps 1 --backend cpu --machine " + fast, {"--machine", fast, "pcie_lanes"});
+  std::filesystem::remove(same);
+  std::filesystem::remove(fast);
+}
+
+TEST(SimulateCli, ImpossibleWhatIfsAreRefused) {
+  expect_rejected("simulate --model tiny --machine cpu --h2d-gbps -1", {"--h2d-gbps"});
+  expect_rejected("simulate --model tiny --machine cpu --storage-gbps -2", {"--storage-gbps"});
+  expect_rejected("simulate --model tiny --machine cpu --nvme-count -1", {"--nvme-count"});
+  expect_rejected("simulate --model tiny --machine cpu --gpu-memory 1GiB --device-budget 2GiB",
+                  {"--device-budget 2.00 GiB", "--gpu-memory 1.00 GiB"});
+  expect_rejected("simulate --model tiny --machine cpu --gpu-memory 0", {"--gpu-memory"});
+  expect_rejected("simulate --model tiny --machine cpu --sweep pcie=1,2", {"--sweep", "storage-gbps"});
+  expect_rejected("simulate --model tiny --machine cpu --sweep batch=1,x", {"--sweep batch=x"});
+  expect_rejected("simulate --model tiny --machine cpu --chart /tmp/x.svg", {"--chart needs --sweep"});
+  expect_rejected("simulate --model tiny --machine /nonexistent/box.json", {"--machine", "/nonexistent/box.json"});
+  // A GPU smaller than the smallest op.
+  expect_rejected("simulate --model tiny --machine cpu --gpu-memory 64KiB", {"--gpu-memory 64KiB", "largest op"});
+}
+
+TEST(SimulateCli, LargestModelIsTheLastLayerCountThatPlans) {
+  const std::string args = "simulate --model tiny --machine cpu --batch 2 --context 64 --device-budget 16MiB "
+                           "--host-budget 24MiB";
+  CliRun r = run(args + " --largest");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string key = "largest model that fits: ";
+  const size_t at = r.output.find(key);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const int layers = std::stoi(r.output.substr(at + key.size()));
+  ASSERT_GT(layers, 0);
+  EXPECT_NE(r.output.find(std::to_string(layers + 1) + " layers do not plan: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("budget"), std::string::npos) << r.output;  // names what stops it
+  CliRun fits = run(args + " --layers " + std::to_string(layers));
+  EXPECT_EQ(fits.code, 0) << fits.output;
+  CliRun over = run(args + " --layers " + std::to_string(layers + 1));
+  EXPECT_EQ(over.code, 1) << over.output;
+}
+
+}  // namespace
