@@ -98,6 +98,26 @@ TEST(ProfileCli, QuickCpuProfileWritesALoadableMachineWithPositiveFields) {
   std::filesystem::remove(out);
 }
 
+TEST(ProfileCli, WithoutOutWritesTheCacheThatTrainReads) {
+  const std::string cache = temp_path("cache");
+  const std::string dir = temp_path("spill2");
+  std::filesystem::create_directories(dir);
+  ::setenv("XDG_CACHE_HOME", cache.c_str(), 1);
+  CliRun r = run("profile --backend cpu --threads 2 --quick --spill-dir " + dir);
+  ::unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(cache + "/spillway")) files.push_back(e.path().filename());
+  ASSERT_EQ(files.size(), 1u);
+  // machine-<16 hex digits>.json
+  ASSERT_EQ(files[0].size(), std::string("machine-0123456789abcdef.json").size()) << files[0];
+  EXPECT_EQ(files[0].rfind("machine-", 0), 0u);
+  EXPECT_NE(r.output.find(files[0]), std::string::npos) << r.output;
+  EXPECT_TRUE(spillway::load_machine(cache + "/spillway/" + files[0]).ok());
+  std::filesystem::remove_all(cache);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ProfileCli, NeedsASpillDirectory) {
   expect_rejected("profile --backend cpu --quick --out " + temp_path("never.json"), {"--spill-dir"});
   expect_rejected("profile --backend cpu --quick --spill-dir /nonexistent/spill --out " + temp_path("never.json"),
