@@ -29,7 +29,7 @@ void add_model_flags(CLI::App& app, ModelFlags& f) {
         f.model = v;
         f.model_given = true;
       },
-      "model preset: " + presets + " (default: tiny)");
+      "model preset: " + presets + " (default: " + f.model + ")");
   app.add_option("--arch", f.arch,
                  "gpt2 or llama; --arch llama without a Llama --model builds a Llama from explicit sizes (--layers "
                  "--width --heads --kv-heads --intermediate --model-context --vocab --rope-theta, all required)");
