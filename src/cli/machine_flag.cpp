@@ -61,7 +61,8 @@ std::string HostIdentity::cpu() const { return cpu_model + ", " + std::to_string
 
 HostIdentity host_identity(const std::string& gpu_description) {
   HostIdentity id;
-  id.gpu = gpu_description;
+  // "NVIDIA H200, 139.8 GiB (device 0; cuBLASLt workspace ...)": the GPU and its size.
+  id.gpu = gpu_description.substr(0, gpu_description.find(" ("));
   id.cpu_model = cpu_model_name();
   id.cores = static_cast<int>(std::thread::hardware_concurrency());
   id.driver = nvidia_driver_version();
@@ -95,10 +96,10 @@ Result<Machine> training_machine(const std::string& flag, const Backend& backend
       auto loaded = load_machine(*path);
       if (!loaded) return loaded.status().with_context("the cached measured machine (remove it or profile again)");
       m = *loaded;
-      std::cout << "machine: measured " << m.measured_on.date << " (" << *path << ")\n";
+      std::cerr << "spillway: machine: measured " << m.measured_on.date << " (" << *path << ")\n";
     } else {
       m = Machine::h200();
-      std::cout << "machine: no measured machine for this host"
+      std::cerr << "spillway: machine: no measured machine for this host"
                 << (path.ok() ? " at " + *path : std::string()) << "; planning with the h200 preset ("
                 << "`spillway profile --backend cuda --spill-dir DIR` measures this one and caches it)\n";
     }

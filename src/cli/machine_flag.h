@@ -14,7 +14,7 @@
 
 namespace spillway::cli {
 
-// What identifies a measured machine: the GPU (the backend's description), the host
+// What identifies a measured machine: the GPU (the backend's description up to " ("), the host
 // CPU's model and core count, and the NVIDIA driver's version ("none" without one).
 struct HostIdentity {
   std::string gpu, cpu_model, driver, host_name;
@@ -32,7 +32,7 @@ Result<std::string> machine_cache_path(const HostIdentity& id);
 
 // The machine for train and bench train: --machine FILE|PRESET when given; on CUDA
 // without it, the cached measured machine of this host when there is one, else the
-// h200 preset with one line on stdout saying so and how to make one; on the CPU
+// h200 preset with one line on stderr saying so and how to make one; on the CPU
 // backend without it, the cpu preset. On CUDA the device size is the backend's.
 // Never profiles (that would change the timings of the run).
 Result<Machine> training_machine(const std::string& flag, const Backend& backend);
