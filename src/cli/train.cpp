@@ -304,11 +304,13 @@ Status run_train(const TrainFlags& given_flags) {
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   // --save's folder is checked now: the weights are written only at the end.
+  std::string save_path = f.save;  // "out/llama/" is the folder llama in out
+  while (save_path.size() > 1 && save_path.back() == '/') save_path.pop_back();
   if (!f.save.empty()) {
     // A model directory replaces only an earlier save's (model/hf_model.h): known now.
     if (is_model_directory_path(f.save))
       SPILLWAY_RETURN_IF_ERROR(check_model_directory_replaceable(f.save).with_context("--save"));
-    const std::filesystem::path parent = std::filesystem::path(f.save).parent_path();
+    const std::filesystem::path parent = std::filesystem::path(save_path).parent_path();
     const std::string folder = parent.empty() ? "." : parent.string();
     std::error_code ec;
     if (!std::filesystem::is_directory(folder, ec))
@@ -319,7 +321,7 @@ Status run_train(const TrainFlags& given_flags) {
   }
   // Leftovers of killed saves beside the --save file (the spill directory's are
   // reported when the spill store opens).
-  if (const std::string save_dir = f.save.empty() ? "" : parent_directory(f.save);
+  if (const std::string save_dir = f.save.empty() ? "" : parent_directory(save_path);
       !save_dir.empty() && save_dir != mem.spill_dir) {
     auto leftovers = find_all_leftovers(save_dir);
     if (leftovers && !leftovers->empty())

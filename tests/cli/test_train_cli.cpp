@@ -1037,7 +1037,7 @@ TEST(LoadCli, LlamaSavesAndLoadsAModelDirectory) {
   // the same folder again.
   const std::string again = "train --load " + dir + " --steps 1 --batch 2 --context 32 --eval-every 0 --backend cpu "
                             "--threads 2 --quiet --metrics " + d.file("b.jsonl");
-  CliRun second = run(again + " --save " + dir);
+  CliRun second = run(again + " --save " + dir + "/");  // the same folder
   ASSERT_EQ(second.code, 0) << second.output;
   auto first_loss = [](const std::string& path) {
     std::ifstream in(path);
@@ -1067,7 +1067,7 @@ TEST(LoadCli, LlamaSavesAndLoadsAModelDirectory) {
   CliRun explicit_llama = run("train --arch llama --layers 1 --width 32 --heads 4 --kv-heads 2 --intermediate 48 "
                               "--model-context 32 --vocab 256 --rope-theta 10000 --rope-scaling llama3:4:1:4:16 "
                               "--untied --steps 1 --batch 2 --context 32 --eval-every 0 --backend cpu --threads 2 "
-                              "--quiet --save " + d.file("explicit"));
+                              "--quiet --save " + d.file("explicit") + "/");  // a new folder, named with a slash
   ASSERT_EQ(explicit_llama.code, 0) << explicit_llama.output;
   const nlohmann::json e = nlohmann::json::parse(read_file(d.file("explicit") + "/config.json"));
   EXPECT_EQ(e.at("tie_word_embeddings"), false);
