@@ -106,6 +106,17 @@ Machine Machine::cpu_dev_box() {
   m.op_launch_s = 2e-6;
   m.host_adam_params_per_s = 1.4e9;  // bf16, 2 threads: 1.42 G/s (bench/RESULTS.md)
   m.host_runs_ahead = false;    // CPU ops run on the host thread
+  // machines/cpu.json holds the same figures (a test checks that they agree).
+  m.host_adam_params_per_s_alone = 1.4e9;
+  m.measured_on = {.date = "2026-12-02",
+                   .host = "this project's dev box (Debian 12, 23 GiB RAM)",
+                   .cpu = "AMD EPYC, 2 cores",
+                   .gpu = "CPU, 2 threads",
+                   .driver = "none",
+                   .notes = "host AdamW from bench adam (bf16, 2 threads, 1.42 G params/s alone); matmul rate fitted "
+                            "so that gpt2-124m 1x128 predicts 96 tokens/s (129-151 measured); the copy, duplex, "
+                            "compute-share, storage and memory figures are estimates, not measurements (`spillway "
+                            "profile --backend cpu` measures them)"};
   return m;
 }
 

@@ -119,13 +119,15 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
   EXPECT_NE(not_json.status().to_string().find("bad.json: not JSON"), std::string::npos);
 }
 
-TEST(MachineFile, RepositoryPresetFileIsThePresetInCode) {
-  const std::string path = std::string(SPILLWAY_SOURCE_DIR) + "/machines/h200.json";
-  auto m = load_machine(path);
-  ASSERT_TRUE(m.ok()) << m.status().to_string();
-  EXPECT_EQ(*m, Machine::h200()) << "machines/h200.json and Machine::h200() differ:\n"
-                                 << m->to_json() << "\n" << Machine::h200().to_json();
-  EXPECT_FALSE(m->measured_on.date.empty());
+TEST(MachineFile, RepositoryPresetFilesAreThePresetsInCode) {
+  for (auto [file, preset] : {std::pair{"h200.json", Machine::h200()}, std::pair{"cpu.json", Machine::cpu_dev_box()}}) {
+    const std::string path = std::string(SPILLWAY_SOURCE_DIR) + "/machines/" + file;
+    auto m = load_machine(path);
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    EXPECT_EQ(*m, preset) << "machines/" << file << " and the preset in code differ:\n"
+                          << m->to_json() << "\n" << preset.to_json();
+    EXPECT_FALSE(m->measured_on.date.empty());
+  }
 }
 
 TEST(MachineFile, PresetsByNameAndMissingFiles) {
