@@ -209,7 +209,7 @@ int run_profile(const ProfileFlags& f) {
     }
     m.matmul_flops_per_s = flops / seconds;
     std::printf("  matmul, all shapes together: %.2f TFLOP/s (kept)\n", m.matmul_flops_per_s / 1e12);
-    const size_t n = f.quick ? (size_t{256} << 10) : cuda ? (size_t{128} << 20) : (size_t{4} << 20);
+    const size_t n = f.quick ? (size_t{256} << 10) : (size_t{128} << 20) / (cuda ? 1 : 4);  // beyond the caches
     auto bytes = measure_memory_bound(backend, n, f.quick ? 2 : 5);
     if (!bytes) return fail(bytes.status().with_context("profile: memory-bound op"));
     m.device_bytes_per_s = *bytes;
