@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "sim/machine.h"
+#include "support/cli_support.h"
 #include "support/test_support.h"
 
 namespace {
@@ -20,27 +21,8 @@ namespace {
 using spillway::Machine;
 using spillway::testing_support::read_file;
 
-struct CliRun {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-CliRun run(const std::string& args) {
-  ::setenv("SPILLWAY_DATA", SPILLWAY_SOURCE_DIR "/data", 0);
-  const std::string cmd = std::string(SPILLWAY_BINARY) + " " + args + " 2>&1";
-  CliRun r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) {
-    ADD_FAILURE() << "popen failed for " << cmd;
-    return r;
-  }
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using spillway::testing_support::CliRun;
+CliRun run(const std::string& args) { return spillway::testing_support::run_cli(args); }
 
 std::string temp_path(const std::string& name) {
   return (std::filesystem::temp_directory_path() / ("spillway_test_machine_" + std::to_string(::getpid()) + "_" + name))

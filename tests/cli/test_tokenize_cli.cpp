@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cli_support.h"
 #include "support/test_support.h"
 #include "train/data.h"
 
@@ -22,27 +23,8 @@ using spillway::testing_support::TempDir;
 
 const std::string kReference = std::string(SPILLWAY_SOURCE_DIR) + "/tests/data/reference/";
 
-struct ToolRun {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-};
-
-ToolRun run(const std::string& args) {
-  ::setenv("SPILLWAY_DATA", SPILLWAY_SOURCE_DIR "/data", 0);
-  const std::string cmd = std::string(SPILLWAY_BINARY) + " " + args + " 2>&1";
-  ToolRun r;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) {
-    ADD_FAILURE() << "popen failed for " << cmd;
-    return r;
-  }
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using spillway::testing_support::CliRun;
+CliRun run(const std::string& args) { return spillway::testing_support::run_cli(args); }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
@@ -73,7 +55,7 @@ TEST(TokenizeCli, WritesTheLibrarysIdsAsAVersion1TokenFile) {
     for (uint32_t id : cases["llama3"][i].get<std::vector<uint32_t>>()) expected.push_back(id);
   }
   write_text(d.file("in.txt"), text);
-  ToolRun r = run("tokenize --tokenizer " + kReference + "tok-llama3 --input " + d.file("in.txt") + " --output " +
+  CliRun r = run("tokenize --tokenizer " + kReference + "tok-llama3 --input " + d.file("in.txt") + " --output " +
               d.file("out.bin") + " --threads 2");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, std::to_string(expected.size()) + " tokens")) << r.output;
@@ -98,7 +80,7 @@ TEST(TokenizeCli, LargeVocabularyWritesVersion2) {
   tok["added_tokens"][0]["id"] = 65600;
   write_text(d.file("tokenizer.json"), tok.dump());
   write_text(d.file("in.txt"), std::string(300, 'a') + "<|endoftext|>" + std::string(300, 'b'));
-  ToolRun r = run("tokenize --tokenizer " + d.path() + " --in " + d.file("in.txt") + " --out " + d.file("big.bin"));
+  CliRun r = run("tokenize --tokenizer " + d.path() + " --in " + d.file("in.txt") + " --out " + d.file("big.bin"));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "version 2 (uint32 tokens)")) << r.output;
   auto ids = spillway::read_token_file(d.file("big.bin"));
@@ -122,7 +104,7 @@ TEST(TokenizeCli, BadInputIsAnErrorNamingIt) {
   tok["model"]["type"] = "WordPiece";
   write_text(d.file("wp.json"), tok.dump());
   write_text(d.file("in.txt"), "hello");
-  ToolRun r = run("tokenize --tokenizer " + d.file("wp.json") + " --input " + d.file("in.txt") + " --output " +
+  CliRun r = run("tokenize --tokenizer " + d.file("wp.json") + " --input " + d.file("in.txt") + " --output " +
               d.file("o.bin"));
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "model.type is \"WordPiece\"")) << r.output;
@@ -143,7 +125,7 @@ TEST(TokenizeCli, TrainAndSampleThroughTheTokenizer) {
   TempDir d;
   const std::string tok = kReference + "tok-llama3";
   const std::string steps = " --steps 2 --batch 2 --context 16 --eval-every 0 --threads 2";
-  ToolRun r = run("train --tokenizer " + tok + steps);
+  CliRun r = run("train --tokenizer " + tok + steps);
   EXPECT_EQ(r.code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "vocabulary of 600 tokens, more than the model's 256")) << r.output;
   EXPECT_TRUE(contains(r.output, "--vocab 600")) << r.output;
