@@ -144,6 +144,18 @@ std::string ModelConfig::to_string() const {
   return s;
 }
 
+ModelConfig llama_config(int layers, int width, int heads, int kv_heads, int intermediate, int context, int vocab,
+                         bool tied, float norm_eps, RopeParams rope) {
+  ModelConfig c{layers, width, heads, context, vocab};
+  c.arch = Arch::Llama;
+  c.kv_heads = kv_heads;
+  c.intermediate = intermediate;
+  c.tied = tied;
+  c.norm_eps = norm_eps;
+  c.rope = rope;
+  return c;
+}
+
 namespace {
 
 struct Preset {
@@ -153,14 +165,7 @@ struct Preset {
 
 ModelConfig llama(int layers, int width, int heads, int kv_heads, int intermediate, int context, int vocab, bool tied,
                   RopeParams rope) {
-  ModelConfig c{layers, width, heads, context, vocab};
-  c.arch = Arch::Llama;
-  c.kv_heads = kv_heads;
-  c.intermediate = intermediate;
-  c.tied = tied;
-  c.norm_eps = 1e-5f;
-  c.rope = rope;
-  return c;
+  return llama_config(layers, width, heads, kv_heads, intermediate, context, vocab, tied, 1e-5f, rope);
 }
 
 constexpr int kGpt2Vocab = 50257;

@@ -129,6 +129,11 @@ struct ModelConfig {
   bool operator==(const ModelConfig&) const = default;
 };
 
+// A Llama config from its config.json sizes (arch Llama, the other fields as given):
+//   llama_config(16, 2048, 32, 8, 8192, 131072, 128256, /*tied=*/true, 1e-5f, rope)
+ModelConfig llama_config(int layers, int width, int heads, int kv_heads, int intermediate, int context, int vocab,
+                         bool tied, float norm_eps, RopeParams rope);
+
 // GPT-2: "tiny" (4, 128, 4 heads, context 128, vocab 256), "gpt2-124m", "gpt2-350m",
 // "gpt2-774m", "gpt2-1.5b", "gpt-2.7b", "gpt-4b", "gpt-6.7b", "gpt-13b" (context 1024,
 // vocab 50257). Llama, from the published config.json files: "llama-tiny" (4 layers,

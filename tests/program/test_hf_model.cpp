@@ -25,17 +25,7 @@ const std::string kReference = std::string(SPILLWAY_SOURCE_DIR) + "/tests/data/r
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-ModelConfig llama(int layers, int width, int heads, int kv, int inter, int ctx, int vocab, bool tied, float eps,
-                  RopeParams rope) {
-  ModelConfig c{layers, width, heads, ctx, vocab};
-  c.arch = Arch::Llama;
-  c.kv_heads = kv;
-  c.intermediate = inter;
-  c.tied = tied;
-  c.norm_eps = eps;
-  c.rope = rope;
-  return c;
-}
+constexpr auto llama = llama_config;
 
 // The sizes of tests/data/reference's config.json files (transformers 5.17).
 ModelConfig gqa_config() {

@@ -33,17 +33,7 @@ struct Case {
   ModelConfig cfg;
 };
 
-ModelConfig llama(int layers, int width, int heads, int kv_heads, int intermediate, int context, int vocab,
-                  bool tied, float eps, RopeParams rope) {
-  ModelConfig c{layers, width, heads, context, vocab};
-  c.arch = Arch::Llama;
-  c.kv_heads = kv_heads;
-  c.intermediate = intermediate;
-  c.tied = tied;
-  c.norm_eps = eps;
-  c.rope = rope;
-  return c;
-}
+constexpr auto llama = llama_config;
 
 // The sizes of each model's config.json.
 std::vector<Case> cases() {
