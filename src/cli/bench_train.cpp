@@ -130,6 +130,7 @@ Status run_bench(const BenchTrainFlags& f) {
   o.seed = f.seed;
   o.budgets = mem.budgets;
   o.planner = mem.planner;
+  o.auto_confirm = mem.auto_confirm;
   SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend));
   o.spill_dir = mem.spill_dir;
   const auto setup_start = std::chrono::steady_clock::now();

@@ -338,6 +338,7 @@ Status run_train(const TrainFlags& given_flags) {
   o.seed = f.seed;
   o.budgets = mem.budgets;
   o.planner = mem.planner;
+  o.auto_confirm = mem.auto_confirm;
   SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend));
   o.spill_dir = mem.spill_dir;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));

@@ -274,6 +274,10 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
                  "first parameters (their AdamW runs there), e.g. 4GiB; auto = what leaves half the device "
                  "budget free, divided by --accum; 0 = all on host (and nothing streamed)")
       ->capture_default_str();
+  app.add_option("--auto-confirm", f.auto_confirm,
+                 "policy auto: time one step of each of the simulator's best N plans (on zeroed state, before the "
+                 "run) and keep the fastest; 0 or 1 = the simulator's best, untimed")
+      ->capture_default_str();
 }
 
 Result<uint64_t> available_host_memory() {
@@ -313,6 +317,10 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   if (f.stream_optimizer == "off") r.planner.stream_optimizer = 0;
   else if (f.stream_optimizer != "on")
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
+  if (f.auto_confirm < 0 || f.auto_confirm > 8)
+    return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
+                                    std::to_string(f.auto_confirm));
+  r.auto_confirm = f.auto_confirm;
   if (f.device_optimizer != "auto") {
     SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, parse_size(f.device_optimizer, "--device-optimizer"));
     r.planner.device_optimizer_bytes = static_cast<int64_t>(bytes);

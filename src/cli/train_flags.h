@@ -74,6 +74,7 @@ struct MemoryFlags {
   std::string order = "auto";  // planned/auto: micro-batch, layer, or auto (planned: micro-batch)
   std::string device_optimizer = "auto";
   std::string stream_optimizer = "on";    // --stream-optimizer on|off  // --device-optimizer: optimizer state kept on device when offloading
+  int auto_confirm = 2;                   // --auto-confirm N: auto times its best N candidates (TrainerOptions)
 };
 void add_memory_flags(CLI::App& app, MemoryFlags& f);
 
@@ -81,6 +82,7 @@ struct ResolvedMemory {
   Budgets budgets;
   PlannerOptions planner;
   std::string spill_dir;
+  int auto_confirm = 2;
 };
 // --policy, --prefetch and --order as PlannerOptions (alignment left to the caller).
 Result<PlannerOptions> resolve_planner_options(const std::string& policy, const std::string& prefetch,

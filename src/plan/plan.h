@@ -74,6 +74,7 @@ struct Budgets {
 struct Plan {
   Policy policy = Policy::Resident;
   std::string description;                  // human summary of the choices made
+  double predicted_step_s = 0;              // auto: the simulator's step time for this plan (0: not simulated)
   std::vector<Instruction> instructions;    // one step, in issue order
   std::vector<Tier> home;                   // [tensors] where each persistent tensor rests between steps
   std::vector<uint64_t> home_offset;        // [tensors] device offset, for tensors homed on device

@@ -1257,8 +1257,9 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
               if (level >= 1 && options.device_optimizer_bytes != 0)
                 candidates.push_back({level, recompute, flush_gap, layer_major, true});
             }
-      std::optional<Plan> best;
-      double best_s = 0;
+      // Every candidate that plans, with its predicted step time; the one of rank
+      // options.auto_rank in that order (ties keep the enumeration order).
+      std::vector<std::pair<double, Plan>> ranked;
       Status last = Status::ok();
       for (const Candidate& k : candidates) {
         auto plan = plan_offload_level(program, machine, budgets, options, k.level, k.recompute,
@@ -1271,16 +1272,23 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
         Program placed = program;
         for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
         SimResult sim = simulate(placed, *plan, machine);
-        if (!best || sim.step_s < best_s) {
-          best_s = sim.step_s;
-          plan->policy = Policy::Auto;
-          char predicted[64];
-          std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, the best of the candidates)", sim.step_s);
-          plan->description += predicted;
-          best = std::move(*plan);
-        }
+        ranked.emplace_back(sim.step_s, std::move(*plan));
       }
-      if (best) return std::move(*best);
+      std::stable_sort(ranked.begin(), ranked.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      if (options.auto_rank < 0 || (!ranked.empty() && static_cast<size_t>(options.auto_rank) >= ranked.size()))
+        return Status::invalid_argument("auto: candidate " + std::to_string(options.auto_rank + 1) +
+                                        " asked for, but " + std::to_string(ranked.size()) + " plan(s) fit");
+      if (!ranked.empty()) {
+        auto& [step_s, plan] = ranked[static_cast<size_t>(options.auto_rank)];
+        plan.policy = Policy::Auto;
+        plan.predicted_step_s = step_s;
+        char predicted[96];
+        std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, candidate %d of %zu by predicted time)",
+                      step_s, options.auto_rank + 1, ranked.size());
+        plan.description += predicted;
+        return std::move(plan);
+      }
       return last.is_ok() ? Status::out_of_memory("auto: no candidate plan fits the budgets") : last;
     }
   }

@@ -41,6 +41,10 @@ struct PlannerOptions {
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)
+  // auto: which candidate to return in the simulator's ranking (0 = the fastest
+  // predicted, 1 = the second, ...); past the last candidate is an error. The trainer
+  // times the first two and keeps the faster (TrainerOptions::auto_confirm).
+  int auto_rank = 0;
   size_t alignment = 64;          // the backend's alignment (Backend::alignment())
   // Device workspace the ops need besides their operands (exec/dispatch.h
   // program_workspace): the arena is planned within the device budget minus this.

@@ -203,7 +203,9 @@ Status Trainer::setup() {
                                                                   true, options_.shape.tile_vocab));
     SPILLWAY_RETURN_IF_ERROR(warm_up_kernels(backend_, eval, limit));
   }
-  auto plan = plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
+  auto plan = options_.planner.policy == Policy::Auto && options_.auto_confirm > 1
+                  ? confirm_auto_plan()
+                  : plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
   ExecutorOptions eo;
@@ -227,6 +229,54 @@ Status Trainer::setup() {
   }
   SPILLWAY_ASSIGN_OR_RETURN(scale_norm_, find("clip.scale_norm"));
   return Status::ok();
+}
+
+Result<Plan> Trainer::confirm_auto_plan() {
+  struct Timed {
+    Plan plan;
+    double measured_s = 0;
+  };
+  std::vector<Timed> timed;
+  for (int rank = 0; rank < options_.auto_confirm; ++rank) {
+    PlannerOptions o = options_.planner;
+    o.auto_rank = rank;
+    auto plan = plan_for_backend(program_, backend_, options_.machine, options_.budgets, o);
+    if (!plan.ok()) {
+      if (rank == 0) return plan.status();
+      break;  // fewer candidates fit than asked for
+    }
+    ExecutorOptions eo;
+    eo.host_budget = options_.budgets.host;
+    eo.spill_dir = options_.spill_dir;
+    eo.storage_budget = options_.budgets.storage;
+    const std::string what = "timing auto's candidate " + std::to_string(rank + 1);
+    auto trial = Executor::create(backend_, program_, *plan, eo);
+    if (!trial.ok()) return trial.status().with_context(what);
+    // Zeroed state (tokens 0, weights 0) does the same work as real values. Step 1
+    // first touches every page and buffer; step 2, drained, is the figure.
+    SPILLWAY_RETURN_IF_ERROR((*trial)->run_step({.step = 1, .lr = 1e-4f}).with_context(what));
+    SPILLWAY_RETURN_IF_ERROR((*trial)->drain().with_context(what));
+    const auto start = std::chrono::steady_clock::now();
+    SPILLWAY_RETURN_IF_ERROR((*trial)->run_step({.step = 2, .lr = 1e-4f}).with_context(what));
+    SPILLWAY_RETURN_IF_ERROR((*trial)->drain().with_context(what));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    trial->reset();  // its memory goes back before the next candidate's executor is made
+    timed.push_back({std::move(*plan), s});
+  }
+  size_t best = 0;
+  for (size_t i = 1; i < timed.size(); ++i)
+    if (timed[i].measured_s < timed[best].measured_s) best = i;
+  std::string report = "; timed one step each:";
+  for (size_t i = 0; i < timed.size(); ++i) {
+    char line[128];
+    std::snprintf(line, sizeof line, "%s candidate %zu predicted %.3f s, measured %.3f s", i ? "," : "", i + 1,
+                  timed[i].plan.predicted_step_s, timed[i].measured_s);
+    report += line;
+  }
+  report += "; kept candidate " + std::to_string(best + 1);
+  Plan chosen = std::move(timed[best].plan);
+  chosen.description += report;
+  return chosen;
 }
 
 Result<std::vector<float>> read_named_floats(Executor& executor, const Program& program, const std::string& name) {

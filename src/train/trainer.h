@@ -92,6 +92,12 @@ struct TrainerOptions {
   PlannerOptions planner;
   Machine machine;
   std::string spill_dir;         // needed when the plan uses storage
+  // Policy auto: the best this-many candidates of the simulator's ranking are each
+  // timed for one step (after a warm-up step, on a throwaway executor with zeroed
+  // state, so the run itself is untouched) and the fastest measured is kept; the
+  // plan's description reports every candidate's predicted and measured step time.
+  // 0 or 1: the simulator's best, untimed.
+  int auto_confirm = 2;
   // Tests: storage faults injected into the training executor (ExecutorOptions).
   uint64_t fault_seed = 0;
   double fault_rate = 0;
@@ -274,6 +280,8 @@ class Trainer {
  private:
   Trainer(Backend& backend, const TrainerOptions& options) : backend_(backend), options_(options) {}
   Status setup();
+  // Policy auto with auto_confirm > 1: the fastest of the timed candidates (above).
+  Result<Plan> confirm_auto_plan();
   // Writes zero to p's Adam moments from `zeros` (grown to p's size as needed).
   Status zero_moments(const ParamSpec& p, std::vector<float>& zeros);
   // write_parameter from values[0, count), converting through `scratch`.

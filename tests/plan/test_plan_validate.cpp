@@ -35,6 +35,37 @@ std::vector<TensorId> host_homed(const Program& program, const Plan& plan) {
   return out;
 }
 
+
+// Policy auto's ranking: candidate k (PlannerOptions::auto_rank) is predicted no faster
+// than candidate k-1, each validates, and asking past the last one is an error.
+TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
+  auto program = build_training_program(ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  Budgets b;
+  b.device = resident->device_bytes / 2;
+  double previous = 0;
+  int rank = 0;
+  for (;; ++rank) {
+    PlannerOptions o{.policy = Policy::Auto, .alignment = 64};
+    o.auto_rank = rank;
+    auto plan = make_plan(*program, Machine::cpu_dev_box(), b, o);
+    if (!plan.ok()) {
+      EXPECT_EQ(plan.status().code(), StatusCode::InvalidArgument) << plan.status().to_string();
+      EXPECT_NE(plan.status().to_string().find("plan(s) fit"), std::string::npos) << plan.status().to_string();
+      break;
+    }
+    EXPECT_TRUE(plan->validate(*program, b).is_ok()) << "candidate " << rank + 1;
+    EXPECT_GT(plan->predicted_step_s, 0.0);
+    EXPECT_GE(plan->predicted_step_s, previous) << "candidate " << rank + 1;
+    EXPECT_NE(plan->description.find("candidate " + std::to_string(rank + 1) + " of "), std::string::npos)
+        << plan->description;
+    previous = plan->predicted_step_s;
+  }
+  EXPECT_GE(rank, 2);  // more than one candidate fits at half the resident budget
+}
+
 }  // namespace
 
 TEST(PlanValidate, TwoHostBuffersSharingBytesAreRefused) {

@@ -141,6 +141,38 @@ TEST(Trainer, SpillingBudgetGivesIdenticalLosses) {
   EXPECT_GT(spilled[0].exec.h2d_bytes, 0u);
 }
 
+// Policy auto times its two best-predicted plans for one step each before the run,
+// reports both figures, keeps the faster, and the run still gives the resident bits.
+TEST(Trainer, AutoTimesItsBestTwoCandidatesAndStaysExact) {
+  auto backend = cpu_backend();
+  TrainerOptions o = micro_options();
+  auto resident = run_steps(*backend, o, 3);
+  auto t = Trainer::create(*backend, o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  const uint64_t full = (*t)->plan().device_bytes;
+  t->reset();
+  o.planner.policy = Policy::Auto;
+  o.budgets.device = full / 2;
+  o.auto_confirm = 2;
+  auto timed = Trainer::create(*backend, o);
+  ASSERT_TRUE(timed.ok()) << timed.status().to_string();
+  const std::string& d = (*timed)->plan().description;
+  EXPECT_NE(d.find("timed one step each: candidate 1 predicted"), std::string::npos) << d;
+  EXPECT_NE(d.find(", candidate 2 predicted"), std::string::npos) << d;
+  EXPECT_NE(d.find("; kept candidate "), std::string::npos) << d;
+  EXPECT_GT((*timed)->plan().predicted_step_s, 0.0);
+  timed->reset();
+  auto spilled = run_steps(*backend, o, 3);
+  ASSERT_EQ(spilled.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(bits(resident[i].loss), bits(spilled[i].loss)) << "step " << i + 1;
+  // Untimed (0): the simulator's best, and no timing report.
+  o.auto_confirm = 0;
+  auto untimed = Trainer::create(*backend, o);
+  ASSERT_TRUE(untimed.ok()) << untimed.status().to_string();
+  EXPECT_EQ((*untimed)->plan().description.find("timed"), std::string::npos) << (*untimed)->plan().description;
+  EXPECT_NE((*untimed)->plan().description.find("candidate 1 of "), std::string::npos);
+}
+
 TEST(Trainer, LossIsTheMeanOfEveryTokensLoss) {
   auto backend = cpu_backend();
   TrainerOptions o = micro_options();
