@@ -34,18 +34,13 @@ std::string cpu_model_name() {
   return "unknown CPU";
 }
 
-// "550.54.15" from /proc/driver/nvidia/version's first line
-// ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ...").
+// The driver version from /proc/driver/nvidia/version (sim/machine.h), "none"
+// without the NVIDIA driver.
 std::string nvidia_driver_version() {
   std::ifstream in("/proc/driver/nvidia/version");
   std::string line;
   if (!in || !std::getline(in, line)) return "none";
-  const std::string marker = "Kernel Module";
-  size_t at = line.find(marker);
-  if (at == std::string::npos) return trim(line);
-  std::string rest = trim(line.substr(at + marker.size()));
-  const size_t end = rest.find(' ');
-  return end == std::string::npos ? rest : rest.substr(0, end);
+  return nvidia_driver_version_from(line);
 }
 
 }  // namespace

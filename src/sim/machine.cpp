@@ -11,6 +11,8 @@
 // select.
 #include "sim/machine.h"
 
+#include <cctype>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -318,6 +320,26 @@ Status save_machine(const Machine& m, const std::string& path) {
     done += static_cast<size_t>(n);
   }
   return f.commit();
+}
+
+std::string nvidia_driver_version_from(const std::string& first_line) {
+  size_t i = 0;
+  while (i < first_line.size()) {
+    while (i < first_line.size() && std::isspace(static_cast<unsigned char>(first_line[i]))) ++i;
+    size_t end = i;
+    while (end < first_line.size() && !std::isspace(static_cast<unsigned char>(first_line[end]))) ++end;
+    const std::string word = first_line.substr(i, end - i);
+    bool digits = !word.empty() && std::isdigit(static_cast<unsigned char>(word.front())) &&
+                  std::isdigit(static_cast<unsigned char>(word.back()));
+    bool dot = false;
+    for (char ch : word) {
+      dot |= ch == '.';
+      digits &= std::isdigit(static_cast<unsigned char>(ch)) || ch == '.';
+    }
+    if (digits && dot) return word;
+    i = end;
+  }
+  return "unknown";
 }
 
 }  // namespace spillway

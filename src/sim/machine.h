@@ -82,4 +82,9 @@ Result<Machine> load_machine(const std::string& file_or_preset);
 // Writes m.to_json() to `path` whole or not at all (core/atomic_file.h).
 Status save_machine(const Machine& m, const std::string& path);
 
+// The driver version in the first line of /proc/driver/nvidia/version: its first
+// word of digits and dots ("580.95.05" from "NVRM version: NVIDIA UNIX Open Kernel
+// Module for x86_64  580.95.05  Release Build ..."); "unknown" when it has none.
+std::string nvidia_driver_version_from(const std::string& first_line);
+
 }  // namespace spillway

@@ -154,3 +154,18 @@ TEST(MachineFile, SaveThenLoad) {
 
 }  // namespace
 }  // namespace spillway
+
+// The driver version of a machine's identity (the cache key of a measured machine),
+// from both forms of /proc/driver/nvidia/version's first line.
+TEST(MachineIdentity, DriverVersionFromEitherKernelModuleLine) {
+  using spillway::nvidia_driver_version_from;
+  EXPECT_EQ(nvidia_driver_version_from("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 "
+                                       "19:44:05 UTC 2024"),
+            "550.54.15");
+  // The open kernel module says "for x86_64" before the version (read as "for" once).
+  EXPECT_EQ(nvidia_driver_version_from("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release "
+                                       "Build  (dvs-builder@U16-I3-B03-4-3)  Tue Sep 23 09:40:46 UTC 2025"),
+            "580.95.05");
+  EXPECT_EQ(nvidia_driver_version_from(""), "unknown");
+  EXPECT_EQ(nvidia_driver_version_from("NVRM version: something else 1.x"), "unknown");
+}
