@@ -192,8 +192,13 @@ int run_profile(const ProfileFlags& f) {
       int N, C, OC;
     };
     const std::vector<Shape> shapes = f.quick  ? std::vector<Shape>{{128, 128, 128}, {256, 128, 64}}
-                                      : cuda   ? std::vector<Shape>{{8192, 8192, 8192}, {16384, 4096, 4096},
-                                                                    {8192, 2048, 8192}}
+                                      // 8192³ (the compute-while-copying probe), then the
+                                      // layer products of 1.5B-4B models at 8192 tokens
+                                      // (qkv, MLP up, MLP down): what steps run
+                                      : cuda   ? std::vector<Shape>{{8192, 8192, 8192}, {8192, 1600, 4800},
+                                                                    {8192, 1600, 6400}, {8192, 6400, 1600},
+                                                                    {8192, 2560, 10240}, {8192, 10240, 2560},
+                                                                    {8192, 3072, 9216}}
                                                : std::vector<Shape>{{512, 512, 512}, {1024, 768, 768}};
     const int repeats = f.quick ? 2 : cuda ? 20 : 3;
     std::printf("\ndevice (%s):\n", backend.description().c_str());
@@ -209,6 +214,28 @@ int run_profile(const ProfileFlags& f) {
     }
     m.matmul_flops_per_s = flops / seconds;
     std::printf("  matmul, all shapes together: %.2f TFLOP/s (kept)\n", m.matmul_flops_per_s / 1e12);
+    // Causal attention forward + backward: head sizes 64 and 128 (GPT-2, Llama) at the
+    // sequence lengths plans use.
+    struct AttentionShape {
+      int B, T, NH, D;
+    };
+    const std::vector<AttentionShape> attention = f.quick ? std::vector<AttentionShape>{{1, 64, 2, 16}}
+                                                  : cuda  ? std::vector<AttentionShape>{{8, 1024, 16, 64},
+                                                                                        {8, 1024, 8, 128}}
+                                                          : std::vector<AttentionShape>{{2, 256, 4, 32}};
+    double attention_flops = 0, attention_seconds = 0;
+    for (const AttentionShape& a : attention) {
+      auto rate = measure_attention(backend, a.B, a.T, a.NH, a.D, repeats);
+      if (!rate) return fail(rate.status().with_context("profile: attention B=" + std::to_string(a.B) + " T=" +
+                                                        std::to_string(a.T) + " NH=" + std::to_string(a.NH) +
+                                                        " D=" + std::to_string(a.D)));
+      const double work = 7.0 * a.B * static_cast<double>(a.T) * a.T * a.NH * a.D;
+      attention_flops += work;
+      attention_seconds += work / *rate;
+      std::printf("  attention fwd+bwd B=%d T=%d %dx%d: %.2f TFLOP/s\n", a.B, a.T, a.NH, a.D, *rate / 1e12);
+    }
+    m.attention_flops_per_s = attention_flops / attention_seconds;
+    std::printf("  attention, all shapes together: %.2f TFLOP/s (kept)\n", m.attention_flops_per_s / 1e12);
     const size_t n = f.quick ? (size_t{256} << 10) : (size_t{128} << 20) / (cuda ? 1 : 4);  // beyond the caches
     auto bytes = measure_memory_bound(backend, n, f.quick ? 2 : 5);
     if (!bytes) return fail(bytes.status().with_context("profile: memory-bound op"));

@@ -53,7 +53,8 @@ double Machine::op_seconds(const Program& program, size_t op_index) const {
     }
     return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
   }
-  const double compute = matmul_flops_per_s > 0 ? op_cost_flops(op) / matmul_flops_per_s : 0;
+  const double rate = op_info(op.kind).op_class == OpClass::Attention ? attention_flops_per_s : matmul_flops_per_s;
+  const double compute = rate > 0 ? op_cost_flops(op) / rate : 0;
   const double memory = device_bytes_per_s > 0 ? op_bytes_moved(program, op) / device_bytes_per_s : 0;
   return std::max(compute, memory) + op_launch_s;
 }
@@ -74,6 +75,9 @@ Machine Machine::h200() {
   m.storage_read_bytes_per_s = 1.7e9;
   m.storage_write_bytes_per_s = 1.7e9;
   m.matmul_flops_per_s = 784e12;  // bf16 dense, measured on 8192³ products
+  // Our flash attention at 124M shapes (B 16, T 1024, 12 heads of 64): forward
+  // 0.242 ms, backward 0.635 ms (bench ops, 2026-12-02): 90.2 GFLOP in 0.877 ms.
+  m.attention_flops_per_s = 103e12;
   m.device_bytes_per_s = 3.5e12;  // achieved by elementwise kernels (4.8 TB/s peak)
   m.op_launch_s = 5e-6;
   m.host_adam_params_per_s = 4.4e9;  // bf16, 16 threads: 4.11 and 4.64 G/s (bench/RESULTS.md)
@@ -87,7 +91,8 @@ Machine Machine::h200() {
                    .driver = "not recorded",
                    .notes = "figures of bench/RESULTS.md (2026-12-02): bench io (PCIe 54.9/55.1 GB/s, both 95.7-101; "
                             "disk 1.7 GB/s O_DIRECT), bench adam (bf16, 16 threads, 4.11 and 4.64 G params/s alone; "
-                            "not measured while copies run), bench ops (784 TFLOP/s bf16 on 8192^3 products); "
+                            "not measured while copies run), bench ops (784 TFLOP/s bf16 on 8192^3 products; attention forward "
+                            "0.242 ms and backward 0.635 ms at B16 T1024 12x64: 103 TFLOP/s); "
                             "storage latency not measured (0)"};
   return m;
 }
@@ -104,6 +109,7 @@ Machine Machine::cpu_dev_box() {
   m.storage_read_bytes_per_s = 1e9;
   m.storage_write_bytes_per_s = 1e9;
   m.matmul_flops_per_s = 120e9;  // OpenBLAS sgemm on 2 cores: gpt2-124m 1x128 then predicts 96 tokens/s (129-151 measured)
+  m.attention_flops_per_s = 50e9;  // `spillway profile --backend cpu`: fwd+bwd at B2 T256 4x32, 2026-12-04
   m.device_bytes_per_s = 10e9;
   m.op_launch_s = 2e-6;
   m.host_adam_params_per_s = 1.4e9;  // bf16, 2 threads: 1.42 G/s (bench/RESULTS.md)
@@ -115,7 +121,8 @@ Machine Machine::cpu_dev_box() {
                    .cpu = "AMD EPYC, 2 cores",
                    .gpu = "CPU, 2 threads",
                    .driver = "none",
-                   .notes = "host AdamW from bench adam (bf16, 2 threads, 1.42 G params/s alone); matmul rate fitted "
+                   .notes = "host AdamW from bench adam (bf16, 2 threads, 1.42 G params/s alone); attention from `spillway "
+                            "profile --backend cpu` (fwd+bwd at B2 T256 4x32: 50 GFLOP/s); matmul rate fitted "
                             "so that gpt2-124m 1x128 predicts 96 tokens/s (129-151 measured); the copy, duplex, "
                             "compute-share, storage and memory figures are estimates, not measurements (`spillway "
                             "profile --backend cpu` measures them)"};
@@ -219,6 +226,7 @@ std::string Machine::to_json() const {
   j["storage_write_bytes_per_s"] = storage_write_bytes_per_s;
   j["storage_latency_s"] = storage_latency_s;
   j["matmul_flops_per_s"] = matmul_flops_per_s;
+  j["attention_flops_per_s"] = attention_flops_per_s;
   j["device_bytes_per_s"] = device_bytes_per_s;
   j["op_launch_s"] = op_launch_s;
   j["host_adam_params_per_s"] = host_adam_params_per_s;
@@ -272,6 +280,7 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_write_bytes_per_s", &m.storage_write_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_latency_s", &m.storage_latency_s, false));
   SPILLWAY_RETURN_IF_ERROR(r.number("matmul_flops_per_s", &m.matmul_flops_per_s, true));
+  SPILLWAY_RETURN_IF_ERROR(r.number("attention_flops_per_s", &m.attention_flops_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("device_bytes_per_s", &m.device_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("op_launch_s", &m.op_launch_s, false));
   SPILLWAY_RETURN_IF_ERROR(r.number("host_adam_params_per_s", &m.host_adam_params_per_s, true));

@@ -42,16 +42,21 @@ struct Machine {
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
   double matmul_flops_per_s = 100e12;   // device matrix products
+  // Device causal attention (forward and backward kernels), in the flops that
+  // op_cost_flops counts for them: 2·B·T²·C forward, 5·B·T²·C backward. Far below
+  // the matrix-product rate on GPUs without a tuned flash attention.
+  double attention_flops_per_s = 100e12;
   double device_bytes_per_s = 2e12;     // device memory-bound ops
   double op_launch_s = 5e-6;            // fixed cost per op
   double host_adam_params_per_s = 2e9;  // host SIMD AdamW
   bool host_runs_ahead = true;          // CUDA: the host issues ahead of the device; CPU: false
   // Per-op measured seconds for one program ([ops]); empty → derived from the rates.
   std::vector<double> measured_op_seconds;
-  // Measured alongside the rates above, for reports and what-ifs (the simulator does
-  // not read them): storage capacity of the spill folder's file system (0: unknown),
-  // the time of one 4 KiB read at queue depth 1, and host AdamW params/s with no copy
-  // running (host_adam_params_per_s is the rate while copies run, which plans use).
+  // Measured alongside the rates above: storage capacity of the spill folder's file
+  // system (0: unknown) and the time of one 4 KiB read at queue depth 1 (reports and
+  // what-ifs only), and host AdamW params/s with no copy running
+  // (host_adam_params_per_s is the rate while copies run, which the planner uses; the
+  // simulator runs host ops at this rate while no copy runs; 0: the same rate).
   uint64_t storage_bytes = 0;
   double storage_latency_s = 0;
   double host_adam_params_per_s_alone = 0;
@@ -74,7 +79,7 @@ struct Machine {
   static Result<Machine> from_json(const std::string& text, const std::string& source);
 };
 
-inline constexpr int kMachineFormatVersion = 1;
+inline constexpr int kMachineFormatVersion = 2;  // 2: attention_flops_per_s
 
 // "h200" or "cpu": the presets; anything else: a JSON file written by
 // `spillway profile` (Machine::from_json). Errors name the file or the preset.

@@ -168,6 +168,9 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
   {
     const int S = gpu ? 8192 : 512;
     SPILLWAY_ASSIGN_OR_RETURN(m.matmul_flops_per_s, measure_matmul(backend, S, S, S, kRepeats));
+    SPILLWAY_ASSIGN_OR_RETURN(m.attention_flops_per_s,
+                              gpu ? measure_attention(backend, 8, 1024, 16, 64, kRepeats)
+                                  : measure_attention(backend, 2, 128, 4, 32, kRepeats));
     SPILLWAY_ASSIGN_OR_RETURN(m.compute_share_while_copying,
                               measure_compute_share_while_copying(backend, S, kRepeats, m.h2d_bytes_per_s));
     const size_t n = gpu ? (size_t{128} << 20) : (size_t{4} << 20);
@@ -454,6 +457,35 @@ Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeat
   const double s = now_s() - t0;
   if (!(s > 0)) return Status::internal("measure matmul: took no measurable time");
   return 2.0 * N * C * static_cast<double>(OC) * repeats / s;
+}
+
+Result<double> measure_attention(Backend& backend, int B, int T, int NH, int D, int repeats) {
+  repeats = std::max(1, repeats);
+  if (B <= 0 || T <= 0 || NH <= 0 || D <= 0)
+    return Status::invalid_argument("measure attention: B, T, NH and D must be positive");
+  const size_t act = dtype_size(backend.activation_dtype());
+  const int C = NH * D;
+  const size_t rows = static_cast<size_t>(B) * T;
+  Buffers buffers(backend);
+  SPILLWAY_ASSIGN_OR_RETURN(void* qkv, buffers.device(rows * 3 * C * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dqkv, buffers.device(rows * 3 * C * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(rows * C * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* dout, buffers.device(rows * C * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* lse, buffers.device(static_cast<size_t>(B) * NH * T * sizeof(float)));
+  OwnWorkspace workspace(backend);
+  SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.attention_backward_workspace(B, T, NH)));
+  auto pair = [&] {
+    backend.attention_forward(out, static_cast<float*>(lse), qkv, B, T, C, NH);
+    backend.attention_backward(dqkv, dout, qkv, out, static_cast<const float*>(lse), B, T, C, NH);
+  };
+  pair();
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double t0 = now_s();
+  for (int r = 0; r < repeats; ++r) pair();
+  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  const double s = now_s() - t0;
+  if (!(s > 0)) return Status::internal("measure attention: took no measurable time");
+  return 7.0 * B * static_cast<double>(T) * T * C * repeats / s;
 }
 
 Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats) {

@@ -99,6 +99,10 @@ Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copy
 // A matrix product out[N,OC] = inp[N,C]·weight[OC,C]ᵀ (activation dtype): flop/s,
 // the mean of `repeats` after a warm-up.
 Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeats);
+// Causal attention forward then backward at B·T tokens, NH heads of D (the backend's
+// kernels, as a step runs them): flop/s in op_cost_flops' terms (2·B·T²·C forward,
+// 5·B·T²·C backward, C = NH·D), the mean of `repeats` pairs after a warm-up pair.
+Result<double> measure_attention(Backend& backend, int B, int T, int NH, int D, int repeats);
 // A memory-bound op (residual add over n elements: three arrays): bytes/s.
 Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats);
 // Seconds per op of `ops` tiny ops back to back (the fixed cost per op).

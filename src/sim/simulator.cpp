@@ -349,6 +349,9 @@ class Sim {
       if (pending(dep) && std::find(t.deps.begin(), t.deps.end(), dep) == t.deps.end()) t.deps.push_back(dep);
     }
     if (op.place == Place::Host) {
+      // op_seconds times host ops at the rate while copies run; alone they run at
+      // host_adam_params_per_s_alone (current_rate switches between the two).
+      t.work *= host_share_while_copying();
       t.server = kHost;
       t.resource = SimResource::Host;
       const int id = add_task(std::move(t));
@@ -372,7 +375,16 @@ class Sim {
       return t.rate * machine_.duplex_factor;
     if (server == kCompute && (running_[kH2D] >= 0 || running_[kD2H] >= 0))
       return t.rate * machine_.compute_share_while_copying;
+    if (server == kHost && (running_[kH2D] >= 0 || running_[kD2H] >= 0)) return t.rate * host_share_while_copying();
     return t.rate;
+  }
+
+  // The host optimizer's speed while host⇄device copies run over its speed alone
+  // (they share the host's memory bandwidth): 1 when the machine gives no alone rate.
+  double host_share_while_copying() const {
+    const double alone = machine_.host_adam_params_per_s_alone;
+    if (!(alone > 0) || !(machine_.host_adam_params_per_s > 0)) return 1.0;
+    return std::min(1.0, machine_.host_adam_params_per_s / alone);
   }
 
   // Starts the head task of every idle server whose dependencies have ended.

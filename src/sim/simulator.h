@@ -28,6 +28,9 @@
 // - Duplex: while both link directions transfer, each runs at its rate times
 //   Machine::duplex_factor; alone, at its full rate. Rates change at the instants
 //   a copy starts or ends (a fluid model: no per-copy latency, no packet effects).
+// - Host ops share the host's memory bandwidth with the copies: alone they run at
+//   Machine::host_adam_params_per_s_alone, while either link direction transfers at
+//   host_adam_params_per_s (the rate changes at those instants, as for duplex).
 // - Storage runs one request at a time: reads at storage_read_bytes_per_s, writes
 //   at storage_write_bytes_per_s.
 // - Memory: persistent tensors (Param, Grad, Master, OptState, Input) start in

@@ -394,6 +394,36 @@ TEST(Simulator, HostOpWaitsForItsData) {
   EXPECT_NEAR(r.step_s, 5 * kMs, kTol);
 }
 
+// A host op shares host memory bandwidth with the copies: its 2 ms are timed at the
+// rate while copies run (half the alone rate here), so alone it needs 1 ms. From 0 to
+// 1 ms an unrelated 1 ms fetch runs (rate 0.5: 0.5 ms of work done), then the
+// remaining 0.5 ms runs alone: it ends at 1.5 ms.
+TEST(Simulator, HostOpsSlowDownWhileCopiesRun) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId h = add(p, "h", Role::Master);
+  TensorId w = add(p, "w", Role::Param);
+  gelu(p, "host op", h, a, Place::Host);
+  const auto homes = std::map<TensorId, std::pair<Tier, uint64_t>>{
+      {a, {Tier::Host, 0}}, {h, {Tier::Host, 8192}}, {w, {Tier::Host, 16384}}};
+  Plan with_copy = make_plan_of(p, {fetch(w, 0), run(0), release(w)}, homes);
+  Plan without = make_plan_of(p, {run(0)}, homes);
+  Machine m = test_machine(p, true);
+  m.host_adam_params_per_s = 1e9;
+  m.host_adam_params_per_s_alone = 2e9;
+  auto host_end = [&](const Plan& plan, const Machine& machine) {
+    SimResult r = simulate(p, plan, machine);
+    const SimEvent* e = find_event(r, SimResource::Host, "host op");
+    EXPECT_NE(e, nullptr);
+    return e ? e->end_s : -1.0;
+  };
+  EXPECT_NEAR(host_end(with_copy, m), 1.5 * kMs, kTol);
+  EXPECT_NEAR(host_end(without, m), 1.0 * kMs, kTol);
+  m.host_adam_params_per_s_alone = 0;  // no alone rate given: 2 ms, copies or not
+  EXPECT_NEAR(host_end(with_copy, m), 2.0 * kMs, kTol);
+  EXPECT_NEAR(host_end(without, m), 2.0 * kMs, kTol);
+}
+
 TEST(Simulator, RecomputeRunsAreCounted) {
   FetchCase f;
   Plan plan = f.plan(true);

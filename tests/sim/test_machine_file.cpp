@@ -1,12 +1,14 @@
 // Machine files (sim/machine.h): every field round-trips, every malformed file is
 // refused with the key and the file named, and the repository's preset files agree
-// with the presets in code.
+// with the presets in code; attention ops are costed at the attention rate.
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "model/model.h"
+#include "program/op_registry.h"
 #include "sim/machine.h"
 
 namespace spillway {
@@ -27,6 +29,7 @@ Machine every_field_set() {
   m.storage_write_bytes_per_s = 2.9e9;
   m.storage_latency_s = 8.5e-5;
   m.matmul_flops_per_s = 1.234e14;
+  m.attention_flops_per_s = 2.5e13;
   m.device_bytes_per_s = 9.87e11;
   m.op_launch_s = 3.25e-6;
   m.host_adam_params_per_s = 2.1e9;
@@ -66,7 +69,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 21);  // format, version, name, measured_on and the 17 other fields
+  EXPECT_EQ(keys, 22);  // format, version, name, measured_on and the 18 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -93,7 +96,8 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 2, "version 1"},
+                                         {"version", 1, "version 2"},
+                                         {"attention_flops_per_s", 0, "above 0"},
                                          {"format", "other", "spillway-machine"}}) {
     nlohmann::json j = good;
     j[c.key] = c.value;
@@ -168,4 +172,28 @@ TEST(MachineIdentity, DriverVersionFromEitherKernelModuleLine) {
             "580.95.05");
   EXPECT_EQ(nvidia_driver_version_from(""), "unknown");
   EXPECT_EQ(nvidia_driver_version_from("NVRM version: something else 1.x"), "unknown");
+}
+
+// Attention ops are timed at the attention rate, matrix products at the matmul rate.
+TEST(MachineCost, AttentionOpsUseTheAttentionRate) {
+  using namespace spillway;
+  auto program = build_training_program(ModelConfig{2, 256, 4, 512, 256}, StepShape{4, 512, 1}, DType::BF16);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  Machine m = Machine::h200();
+  m.op_launch_s = 0;
+  size_t attention = SIZE_MAX, matmul = SIZE_MAX;
+  for (size_t i = 0; i < program->ops.size(); ++i) {
+    const OpClass c = op_info(program->ops[i].kind).op_class;
+    if (c == OpClass::Attention && attention == SIZE_MAX) attention = i;
+    if (c == OpClass::Matmul && matmul == SIZE_MAX) matmul = i;
+  }
+  ASSERT_NE(attention, SIZE_MAX);
+  ASSERT_NE(matmul, SIZE_MAX);
+  m.attention_flops_per_s = 1e12;  // slow enough that the op is compute-bound
+  const double slow = m.op_seconds(*program, attention);
+  const double product = m.op_seconds(*program, matmul);
+  EXPECT_DOUBLE_EQ(slow, op_cost_flops(program->ops[attention]) / 1e12);
+  m.attention_flops_per_s = 2e12;
+  EXPECT_DOUBLE_EQ(m.op_seconds(*program, attention), slow / 2);
+  EXPECT_DOUBLE_EQ(m.op_seconds(*program, matmul), product);
 }
