@@ -47,7 +47,7 @@ done
 
 # 3. The measured machine, predictions beside measurements, and auto's confirmation.
 mkdir -p /tmp/spill
-timeout 150 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-measured.json" > "$out/profile.txt" 2>&1
+timeout 120 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-measured.json" > "$out/profile.txt" 2>&1
 tail -25 "$out/profile.txt" | tee -a "$out/summary.txt"
 for m in h200 "$out/h200-measured.json"; do
   log "plan gpt2-1.5b, 24 GiB, accum 1, machine $m"
