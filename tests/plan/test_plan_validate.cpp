@@ -7,6 +7,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "sim/simulator.h"
 
 using namespace spillway;
 
@@ -64,6 +65,44 @@ TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
     previous = plan->predicted_step_s;
   }
   EXPECT_GE(rank, 2);  // more than one candidate fits at half the resident budget
+}
+
+
+// Planned keeps all the state on device, living on recomputation, when that leaves
+// less than half the budget free but the simulator predicts it faster than
+// offloading the optimizer; it never picks the slower of the two.
+TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
+  auto program = build_training_program(ModelConfig{4, 256, 4, 256, 512}, StepShape{4, 256, 4}, DType::BF16);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  const Machine machine = Machine::h200();
+  auto resident = make_plan(*program, machine, {}, {.policy = Policy::Resident, .alignment = 256});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  uint64_t state = 0;
+  for (size_t i = 0; i < program->tensors.size(); ++i) {
+    const TensorInfo& t = program->tensors.info(static_cast<TensorId>(i));
+    if (t.role == Role::Param || t.role == Role::Grad || t.role == Role::Master || t.role == Role::OptState)
+      state += t.bytes();
+  }
+  auto predicted = [&](const Plan& plan) {
+    Program placed = *program;
+    for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan.op_place[i];
+    return simulate(placed, plan, machine).step_s;
+  };
+  int crowded = 0, compared = 0;
+  for (int percent = 100; percent >= 30; percent -= 5) {
+    Budgets b;
+    b.device = resident->device_bytes / 100 * static_cast<uint64_t>(percent);
+    if (state <= b.device / 2) continue;  // state leaves half: planned keeps it without asking
+    auto planned = make_plan(*program, machine, b, {.policy = Policy::Planned, .alignment = 256});
+    auto offloaded = make_plan(*program, machine, b, {.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256});
+    if (!planned.ok() || !offloaded.ok()) continue;
+    ++compared;
+    EXPECT_TRUE(planned->validate(*program, b).is_ok()) << percent << "%";
+    EXPECT_LE(predicted(*planned), predicted(*offloaded) * (1 + 1e-9)) << percent << "%: " << planned->description;
+    if (planned->description.find("optimizer on device,") != std::string::npos) ++crowded;
+  }
+  EXPECT_GT(compared, 3);
+  EXPECT_GT(crowded, 0);  // at least one budget where the state on device wins
 }
 
 }  // namespace
