@@ -34,6 +34,7 @@
 #include "core/random.h"
 #include "core/size.h"
 #include "program/op_registry.h"
+#include "sim/simulator.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -218,6 +219,16 @@ Status run_bench(const BenchTrainFlags& f) {
   const double flops = trainer->program().flops();
   std::printf("tokens/s      %s\n", format_count(tokens / step_s).c_str());
   std::printf("step time     %.4f s (mean of %d steps)\n", step_s, timed);
+  // What the simulator predicts for this plan on the machine the planner used, beside
+  // the measurement (issue 13: predictions within 10%).
+  double predicted_s = 0;
+  {
+    Program placed = trainer->program();
+    for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = trainer->plan().op_place[i];
+    predicted_s = simulate(placed, trainer->plan(), o.machine).step_s;
+    std::printf("predicted     %.4f s per step by the simulator on machine %s (%+.1f%% from the measured)\n",
+                predicted_s, o.machine.name.c_str(), step_s > 0 ? 100.0 * (predicted_s / step_s - 1) : 0.0);
+  }
   if (writer)
     std::printf("checkpoints   %d of %s (every %d steps, written in the %s), training waited %.2f s for their "
                 "snapshots (%.1f%% of the timed steps); the last write ended %.2f s after the last step (counted)\n",
@@ -259,11 +270,12 @@ Status run_bench(const BenchTrainFlags& f) {
     const int n = std::fprintf(out,
         "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
         "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s,"
-        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f}\n",
+        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f,"
+        "\"predicted_step_s\":%.6f}\n",
         backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
         static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
         budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s, checkpoints,
-        checkpoint_wait_s);
+        checkpoint_wait_s, predicted_s);
     const bool closed = std::fclose(out) == 0;
     if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
   }

@@ -410,6 +410,10 @@ TEST(BenchTrainCli, ReportsDeviceMemoryUsedWithinTheBudget) {
   EXPECT_GT(setup, 0.0);
   EXPECT_GT(init, 0.0);
   EXPECT_GE(first + 1e-5, setup + init);  // each printed to the microsecond
+  // The simulator's prediction for the same plan, beside the measurement.
+  EXPECT_NE(free_run.output.find("predicted     "), std::string::npos) << free_run.output;
+  EXPECT_NE(free_run.output.find("on machine cpu-dev-box"), std::string::npos) << free_run.output;
+  EXPECT_GT(a["predicted_step_s"].get<double>(), 0.0);
   const uint64_t used = a["device_used_peak_bytes"].get<uint64_t>();
   EXPECT_GE(used, a["peak_device_bytes"].get<uint64_t>());
   EXPECT_GE(used, a["device_used_bytes"].get<uint64_t>());
