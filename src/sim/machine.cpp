@@ -74,7 +74,11 @@ Machine Machine::h200() {
   m.duplex_factor = 101.0 / 110.0;  // both directions together move about 101 GB/s
   m.storage_read_bytes_per_s = 1.7e9;
   m.storage_write_bytes_per_s = 1.7e9;
-  m.matmul_flops_per_s = 784e12;  // bf16 dense, measured on 8192³ products
+  // bf16 matrix products as whole steps run them: 784 TFLOP/s was measured on 8192³
+  // products and 417-743 on the layer products of gpt2-124m (bench ops); 720 makes
+  // the simulator predict the resident steps of gpt2-124m, gpt2-1.5b and gpt-2.7b
+  // (446.2k, 41.9k, 29.8k tokens/s measured 2026-12-02) within 2%.
+  m.matmul_flops_per_s = 720e12;
   // Our flash attention at 124M shapes (B 16, T 1024, 12 heads of 64): forward
   // 0.242 ms, backward 0.635 ms (bench ops, 2026-12-02): 90.2 GFLOP in 0.877 ms.
   m.attention_flops_per_s = 103e12;
@@ -91,7 +95,8 @@ Machine Machine::h200() {
                    .driver = "not recorded",
                    .notes = "figures of bench/RESULTS.md (2026-12-02): bench io (PCIe 54.9/55.1 GB/s, both 95.7-101; "
                             "disk 1.7 GB/s O_DIRECT), bench adam (bf16, 16 threads, 4.11 and 4.64 G params/s alone; "
-                            "not measured while copies run), bench ops (784 TFLOP/s bf16 on 8192^3 products; attention forward "
+                            "not measured while copies run), bench ops (784 TFLOP/s bf16 on 8192^3 products, 417-743 on gpt2-124m's "
+                            "layer products; 720 fits the resident steps of gpt2-124m, 1.5b and 2.7b within 2%; attention forward "
                             "0.242 ms and backward 0.635 ms at B16 T1024 12x64: 103 TFLOP/s); "
                             "storage latency not measured (0)"};
   return m;

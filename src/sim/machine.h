@@ -67,7 +67,7 @@ struct Machine {
   double op_seconds(const Program& program, size_t op_index) const;
   double copy_seconds(uint64_t bytes, bool h2d) const;
 
-  static Machine h200();        // PCIe 55 GB/s each way, 784 TFLOP/s bf16, 1.7 GB/s disk, 16 cores
+  static Machine h200();        // PCIe 55 GB/s each way, 720 TFLOP/s bf16 in steps, 1.7 GB/s disk, 16 cores
   static Machine cpu_dev_box(); // this project's 2-core CI machine
 
   // A JSON object with every field (format "spillway-machine", version

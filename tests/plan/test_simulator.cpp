@@ -171,10 +171,10 @@ TEST(Machine, PresetsAgreeWithTheMeasuredMachines) {
   within("h200 storage write", h.storage_write_bytes_per_s, 1.49e9, 1.77e9, 1.25);
   // Host AdamW, bf16, 16 threads: 4.11 and 4.64 G params/s (means of two runs).
   within("h200 host AdamW", h.host_adam_params_per_s, 4.11e9, 4.64e9, 1.25);
-  // Matrix products at 124M shapes reached 743 TFLOP/s; H200 dense bf16 peak is 989.
-  within("h200 matmul", h.matmul_flops_per_s, 743e12, 989e12, 1.0);
+  // Matrix products at 124M shapes ran at 417-743 TFLOP/s; H200 dense bf16 peak is 989.
+  within("h200 matmul", h.matmul_flops_per_s, 417e12, 989e12, 1.0);
   // Training gpt2-124m, micro-batch 16 × 1024, on the GPU: 446.2k tokens/s.
-  within("h200 gpt2-124m step", predicted_tokens_per_s(h, 16, 1024, DType::BF16), 446.2e3, 446.2e3, 1.5);
+  within("h200 gpt2-124m step", predicted_tokens_per_s(h, 16, 1024, DType::BF16), 446.2e3, 446.2e3, 1.05);
   EXPECT_TRUE(h.host_runs_ahead);  // CUDA launches return before the kernels finish
 
   const Machine c = Machine::cpu_dev_box();
