@@ -75,16 +75,30 @@ void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, cons
 void embedding_backward(ThreadPool& pool, float* dwte, float* dwpe, const float* dout,
                         const int32_t* tokens, int B, int T, int C, int vocab_begin, int vocab_rows) {
   const int64_t N = int64_t{B} * T;
-  // Each thread owns channels [c0, c1) of both tables and adds every token's row in
-  // token order, so each element's sum order is fixed.
+  // Each table row gets one addition: the sum of its tokens' rows, formed in token
+  // order from zero, is added into it once. So a gradient accumulated over
+  // micro-batches is ((0 + g0) + g1) + ..., the same bits as each micro-batch's
+  // gradient formed alone and then summed in order (data-parallel ranks, src/dist).
+  std::vector<int64_t> order;  // positions with a token in the tile, by row, in token order within a row
+  order.reserve(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n)
+    if (vocab_row(tokens[n], vocab_begin, vocab_rows) >= 0) order.push_back(n);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tokens[a] < tokens[b]; });
   pool.parallel_for((C + 15) / 16, [&](int64_t g0, int64_t g1) {
-    const int64_t c0 = g0 * 16, c1 = std::min<int64_t>(C, g1 * 16);
-    for (int64_t n = 0; n < N; ++n) {
-      const float* d = dout + n * C + c0;
-      const int64_t row = vocab_row(tokens[n], vocab_begin, vocab_rows);
-      if (row >= 0) add_into(dwte + row * C + c0, d, c1 - c0);
-      if (dwpe != nullptr) add_into(dwpe + (n % T) * C + c0, d, c1 - c0);
+    const int64_t c0 = g0 * 16, c1 = std::min<int64_t>(C, g1 * 16), w = c1 - c0;
+    std::vector<float> sum(static_cast<size_t>(w));
+    for (size_t i = 0; i < order.size();) {
+      const int32_t token = tokens[order[i]];
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (; i < order.size() && tokens[order[i]] == token; ++i) add_into(sum.data(), dout + order[i] * C + c0, w);
+      add_into(dwte + vocab_row(token, vocab_begin, vocab_rows) * C + c0, sum.data(), w);
     }
+    if (dwpe != nullptr)
+      for (int64_t t = 0; t < T; ++t) {
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int64_t b = 0; b < B; ++b) add_into(sum.data(), dout + (b * T + t) * C + c0, w);
+        add_into(dwpe + t * C + c0, sum.data(), w);
+      }
   });
 }
 
@@ -240,10 +254,17 @@ void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(r1 - r0), static_cast<int>(c1 - c0),
                 OC, 1.0f, dout + r0 * ld_dout, ld_dout, weight + c0, C, beta, dinp + r0 * C + c0, C);
   });
-  // dweight[o0:o1, c0:c1] += dout[:, o0:o1]ᵀ · inp[:, c0:c1] (the sum over all N rows in one call)
+  // dweight[o0:o1, c0:c1] += dout[:, o0:o1]ᵀ · inp[:, c0:c1]: the product over all N rows
+  // is formed from zero in one call, then added into dweight once (sgemm with beta 1
+  // would add some of its row blocks into dweight before others), so micro-batches
+  // accumulate as ((0 + g0) + g1) + ...: the bits of their gradients summed in order.
   for_each_tile(pool, OC, C, [&](int64_t o0, int64_t o1, int64_t c0, int64_t c1) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(o1 - o0), static_cast<int>(c1 - c0), N,
-                1.0f, dout + o0, ld_dout, inp + c0, C, 1.0f, dweight + o0 * C + c0, C);
+    thread_local std::vector<float> tile;
+    tile.resize(static_cast<size_t>(kTileRows * kTileCols));
+    const int64_t w = c1 - c0;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(o1 - o0), static_cast<int>(w), N, 1.0f,
+                dout + o0, ld_dout, inp + c0, C, 0.0f, tile.data(), static_cast<int>(w));
+    for (int64_t o = o0; o < o1; ++o) add_into(dweight + o * C + c0, tile.data() + (o - o0) * w, w);
   });
   if (dbias != nullptr) column_sums_into(pool, dbias, dout, N, OC, ld_dout);
 }

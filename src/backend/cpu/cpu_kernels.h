@@ -38,7 +38,9 @@ void embedding_forward(ThreadPool& pool, float* out, const int32_t* tokens, cons
                        const float* wpe, int B, int T, int C, int vocab_begin, int vocab_rows);
 // dwte[v - vocab_begin] += Σ over (b,t) with tokens[b,t] = v in range of dout[b,t];
 // dwpe[T_max,C] += Σ_b dout[b,t] unless dwpe is null. dout[B,T,C]; tokens[B,T]. Each
-// thread owns a channel range and sums the tokens in order.
+// thread owns a channel range; each row's sum is formed from zero in token order and
+// added in once (as every gradient kernel here: accumulation over micro-batches then
+// equals their gradients summed in order, which data-parallel ranks rely on).
 void embedding_backward(ThreadPool& pool, float* dwte, float* dwpe, const float* dout,
                         const int32_t* tokens, int B, int T, int C, int vocab_begin, int vocab_rows);
 

@@ -1,0 +1,46 @@
+// Communicator: the collectives that data-parallel training needs between ranks, with
+// results that do not depend on timing or topology, so N ranks give the bits of one.
+//
+//   Communicator& comm = ...;                      // NcclCommunicator (production), or the
+//                                                  // in-process one of tests/support
+//   // Gradient of one tensor: rank r holds `parts` arrays of n floats (its micro-batch's
+//   // contributions, in program order); the owner gets their sum in rank order.
+//   SPILLWAY_RETURN_IF_ERROR(comm.reduce_in_rank_order(parts_ptr, sum_ptr, n, parts, owner));
+//   SPILLWAY_RETURN_IF_ERROR(comm.all_gather(my_norms, all_norms, P * sizeof(float)));
+//   SPILLWAY_RETURN_IF_ERROR(comm.broadcast(param_ptr, bytes, owner));
+//
+// Pointers are in the memory the communicator works on: device memory for NCCL (the
+// backend's device_alloc), host memory for the in-process one (which is the CPU
+// backend's device memory). Every rank calls the same collectives in the same order
+// with the same sizes and roots; a rank that gives different sizes gets an error where
+// the implementation can see it (the in-process one always does).
+#pragma once
+
+#include <cstddef>
+
+#include "core/status.h"
+
+namespace spillway {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // On `root`: out[i] = the fp32 sum, each addition rounded to fp32, of
+  //   acc = +0; for r in 0..world-1: for j in 0..parts-1: acc += in_r[j·n + i]
+  // where in_r is rank r's `in` (parts·n floats). This is the order in which one rank
+  // accumulates micro-batches 0, 1, 2, ... (each a list of contributions), so a sum
+  // over ranks equals the single rank's accumulation bit for bit. `out` (n floats) is
+  // written on root only; others may pass nullptr.
+  virtual Status reduce_in_rank_order(const float* in, float* out, size_t n, int parts, int root) = 0;
+  // On every rank: out = in_0 | in_1 | ... | in_{world-1}, `bytes` from each rank.
+  virtual Status all_gather(const void* in, void* out, size_t bytes) = 0;
+  // buf (bytes) of root is copied into every other rank's buf.
+  virtual Status broadcast(void* buf, size_t bytes, int root) = 0;
+  // Returns when every rank has called it.
+  virtual Status barrier() = 0;
+};
+
+}  // namespace spillway
