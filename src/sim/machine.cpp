@@ -245,7 +245,7 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // a syntax error, or a number beyond double (1e999)
     return Status::invalid_argument("machine file " + source + ": not JSON: " + e.what());
   }
   if (!j.is_object())
