@@ -42,10 +42,18 @@ struct BackendOptions {
   int device = 0;   // CUDA device ordinal
 };
 
+class Communicator;  // backend/communicator.h
+
 // name(), activation_dtype(), alignment(), allocation_granularity() and the
 // workspace each op needs come from BackendSizes (backend_sizes.h).
 class Backend : public BackendSizes {
  public:
+  // The other ranks of a data-parallel job, for the Program's collective ops
+  // (exec/dispatch.cpp); null (the default) for one rank alone, where they are errors.
+  // Not owned: it must outlive the ops run on this backend.
+  void set_communicator(Communicator* c) { communicator_ = c; }
+  Communicator* communicator() const { return communicator_; }
+
   // vocab_rows of an embedding op that covers every token.
   static constexpr int kAllRows = 0x7fffffff;
 
@@ -217,6 +225,9 @@ class Backend : public BackendSizes {
   // param and grad are act dtype; master, m, v F32; scale_norm from clip_scale.
   virtual void adamw(void* param, float* master, float* m, float* v, const void* grad,
                      const float* scale_norm, size_t n, const AdamWHyper& hyper) = 0;
+
+ private:
+  Communicator* communicator_ = nullptr;
 };
 
 // "cpu" or "cuda"; "auto" picks cuda when this build has it and a GPU is present.

@@ -1,11 +1,13 @@
 // Communicator: the collectives that data-parallel training needs between ranks, with
 // results that do not depend on timing or topology, so N ranks give the bits of one.
+// A backend holds one (Backend::set_communicator) for the Program's collective ops
+// (ReduceGradient, SendGradient, AllReduceInRankOrder, BroadcastParam: exec/dispatch.cpp).
 //
 //   Communicator& comm = ...;                      // NcclCommunicator (production), or the
 //                                                  // in-process one of tests/support
-//   // Gradient of one tensor: rank r holds `parts` arrays of n floats (its micro-batch's
-//   // contributions, in program order); the owner gets their sum in rank order.
-//   SPILLWAY_RETURN_IF_ERROR(comm.reduce_in_rank_order(parts_ptr, sum_ptr, n, parts, owner));
+//   // Gradient of one tensor: each rank holds its micro-batch's contributions (parts of
+//   // n floats, in program order); the owner gets their sum in rank order.
+//   SPILLWAY_RETURN_IF_ERROR(comm.reduce_in_rank_order({part0, part1}, sum_ptr, n, owner));
 //   SPILLWAY_RETURN_IF_ERROR(comm.all_gather(my_norms, all_norms, P * sizeof(float)));
 //   SPILLWAY_RETURN_IF_ERROR(comm.broadcast(param_ptr, bytes, owner));
 //
@@ -17,6 +19,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "core/status.h"
 
@@ -29,12 +32,13 @@ class Communicator {
   virtual int world_size() const = 0;
 
   // On `root`: out[i] = the fp32 sum, each addition rounded to fp32, of
-  //   acc = +0; for r in 0..world-1: for j in 0..parts-1: acc += in_r[j·n + i]
-  // where in_r is rank r's `in` (parts·n floats). This is the order in which one rank
-  // accumulates micro-batches 0, 1, 2, ... (each a list of contributions), so a sum
-  // over ranks equals the single rank's accumulation bit for bit. `out` (n floats) is
-  // written on root only; others may pass nullptr.
-  virtual Status reduce_in_rank_order(const float* in, float* out, size_t n, int parts, int root) = 0;
+  //   acc = +0; for r in 0..world-1: for j in 0..parts-1: acc += parts_r[j][i]
+  // where parts_r is rank r's `parts` (each n floats; every rank gives as many). This
+  // is the order in which one rank accumulates micro-batches 0, 1, 2, ... (each a list
+  // of contributions), so a sum over ranks equals the single rank's accumulation bit
+  // for bit. `out` (n floats) is written on root only; others pass nullptr. On root,
+  // out may be parts[0]: each element is read on every rank before it is written.
+  virtual Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) = 0;
   // On every rank: out = in_0 | in_1 | ... | in_{world-1}, `bytes` from each rank.
   virtual Status all_gather(const void* in, void* out, size_t bytes) = 0;
   // buf (bytes) of root is copied into every other rank's buf.

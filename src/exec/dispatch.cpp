@@ -6,6 +6,7 @@
 #include <set>
 #include <string>
 
+#include "backend/communicator.h"
 #include "optim/adamw.h"
 #include "program/op_registry.h"
 
@@ -229,6 +230,55 @@ Status run_clip_scale(Backend& b, const Program&, const Op& op, const std::vecto
   return Status::ok();
 }
 
+// ---- Collectives: the backend's Communicator, after the backend's queued work ----
+// (synchronous for now: a stream of their own, ordered by events, is the next step).
+
+Result<Communicator*> communicator_for(Backend& b, const Program& program, const Op& op) {
+  Communicator* c = b.communicator();
+  if (c == nullptr)
+    return Status::invalid_argument("op " + op.name + " (" + op_kind_name(op.kind) +
+                                    "): a collective op needs the backend's communicator (Backend::set_communicator)");
+  for (const Operand& o : op.operands)
+    if (program.tensors.info(o.tensor).dtype != DType::F32)
+      return Status::unsupported("op " + op.name + " (" + op_kind_name(op.kind) + "): tensor '" +
+                                 program.tensors.info(o.tensor).name + "' is " +
+                                 dtype_name(program.tensors.info(o.tensor).dtype) +
+                                 "; collectives reduce f32 only (bf16 gradients: not yet)");
+  if (op.attrs.root >= c->world_size())
+    return Status::invalid_argument("op " + op.name + ": root " + std::to_string(op.attrs.root) + " is not a rank of " +
+                                    std::to_string(c->world_size()));
+  SPILLWAY_RETURN_IF_ERROR(b.synchronize());
+  return c;
+}
+
+Status run_reduce_gradient(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                           const OptimizerStep&) {
+  SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
+  const bool owner = op.kind == OpKind::ReduceGradient;
+  if (owner != (op.attrs.root == c->rank()))
+    return Status::invalid_argument("op " + op.name + " (" + op_kind_name(op.kind) + ") with root " +
+                                    std::to_string(op.attrs.root) + " runs on rank " + std::to_string(c->rank()) +
+                                    (owner ? "; only the root reduces" : "; the root reduces, it does not send"));
+  std::vector<const float*> parts;
+  for (size_t i = owner ? 1 : 0; i < x.size(); ++i) parts.push_back(f32(x[i]));
+  return c->reduce_in_rank_order(parts, owner ? f32w(x[0]) : nullptr, static_cast<size_t>(op.attrs.n),
+                                 static_cast<int>(op.attrs.root));
+}
+
+Status run_all_reduce_in_rank_order(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                                    const OptimizerStep&) {
+  SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
+  const size_t n = static_cast<size_t>(op.attrs.n);
+  SPILLWAY_RETURN_IF_ERROR(c->reduce_in_rank_order({f32(x[0])}, c->rank() == 0 ? f32w(x[0]) : nullptr, n, 0));
+  return c->broadcast(x[0], n * sizeof(float), 0);
+}
+
+Status run_broadcast_param(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                           const OptimizerStep&) {
+  SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
+  return c->broadcast(x[0], static_cast<size_t>(op.attrs.n) * sizeof(float), static_cast<int>(op.attrs.root));
+}
+
 Status run_adamw(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep& step) {
   AdamWHyper h = adamw_hyper(step.lr, step.step, op.attrs.scale);
   b.adamw(x[0], f32w(x[1]), f32w(x[2]), f32w(x[3]), x[4], f32(x[5]), static_cast<size_t>(op.attrs.n), h);
@@ -276,6 +326,10 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::SwiGluBackward, run_swiglu_backward},
     {OpKind::SquaredNorm, run_squared_norm, squared_norm_workspace},
     {OpKind::ClipScale, run_clip_scale},
+    {OpKind::ReduceGradient, run_reduce_gradient},
+    {OpKind::SendGradient, run_reduce_gradient},
+    {OpKind::AllReduceInRankOrder, run_all_reduce_in_rank_order},
+    {OpKind::BroadcastParam, run_broadcast_param},
     {OpKind::AdamW, run_adamw, nullptr, run_adamw_host},
 };
 

@@ -381,6 +381,32 @@ Status check_clip_scale(const OpCheck& c) {
   return c.numel_is(1, c.attrs().P, "P");
 }
 
+// ---- Collectives (data-parallel ranks, src/dist) -----------------------------------
+// ReduceGradient       (sum W, part0 R [, part1 R])   attrs n, root = this rank
+// SendGradient         (part0 R [, part1 R])          attrs n, root = the owner
+// AllReduceInRankOrder (buf U)                         attrs n
+// BroadcastParam       (param U)                       attrs n, root = the owner
+// Every operand has n elements. The owner's sum is, per element, +0 plus every rank's
+// parts in rank order and, within a rank, part order (Communicator::
+// reduce_in_rank_order): one rank's accumulation of its micro-batches. A gradient
+// with two contributions per micro-batch (tied embeddings) has two parts.
+// AllReduceInRankOrder leaves that sum over ranks on every rank (exact for the packed
+// squared norms, whose elements are non-zero on their owner only). Every rank runs
+// the matching op at the same point of its program.
+
+constexpr OpSlot kReduceGradientSlots[] = {
+    {"sum", A::Write, D::F32}, {"part0", A::Read, D::Act}, {"part1", A::Read, D::Act, true}};
+constexpr OpSlot kSendGradientSlots[] = {{"part0", A::Read, D::Act}, {"part1", A::Read, D::Act, true}};
+constexpr OpSlot kAllReduceSlots[] = {{"buf", A::Update, D::F32}};
+constexpr OpSlot kBroadcastParamSlots[] = {{"param", A::Update, D::Act}};
+
+Status check_collective(const OpCheck& c) {
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"n", c.attrs().n}}));
+  if (c.attrs().root < 0) return c.fail("attrs.root is " + std::to_string(c.attrs().root) + "; must be a rank (>= 0)");
+  for (size_t i = 0; i < c.operands(); ++i) SPILLWAY_RETURN_IF_ERROR(c.numel_is(i, c.attrs().n, "n"));
+  return Status::ok();
+}
+
 // ---- AdamW: (param W, master U, m U, v U, grad R, scale_norm R) ------------------
 // attrs n, index = parameter number, scale = weight decay. Runs on host where its
 // master weights rest (run_host_op).
@@ -440,6 +466,13 @@ constexpr OpKindInfo kOpKinds[] = {
      .check = check_swiglu},
     {.kind = OpKind::SquaredNorm, .name = "SquaredNorm", .slots = kSquaredNormSlots, .check = check_squared_norm},
     {.kind = OpKind::ClipScale, .name = "ClipScale", .slots = kClipScaleSlots, .check = check_clip_scale},
+    {.kind = OpKind::ReduceGradient, .name = "ReduceGradient", .slots = kReduceGradientSlots,
+     .check = check_collective},
+    {.kind = OpKind::SendGradient, .name = "SendGradient", .slots = kSendGradientSlots, .check = check_collective},
+    {.kind = OpKind::AllReduceInRankOrder, .name = "AllReduceInRankOrder", .slots = kAllReduceSlots,
+     .check = check_collective},
+    {.kind = OpKind::BroadcastParam, .name = "BroadcastParam", .slots = kBroadcastParamSlots,
+     .check = check_collective},
     {.kind = OpKind::AdamW, .name = "AdamW", .slots = kAdamWSlots, .check = check_adamw, .host = true,
      .home = "master"},
 };

@@ -52,6 +52,11 @@ enum class OpKind : uint8_t {
   SwiGluBackward,
   SquaredNorm,
   ClipScale,
+  // Collectives of data-parallel ranks (src/dist), through the backend's Communicator:
+  ReduceGradient,        // on the owner: sum of every rank's gradient parts, in rank order
+  SendGradient,          // on the other ranks: their parts to the owner
+  AllReduceInRankOrder,  // every rank: the sum over ranks in rank order (the squared norms)
+  BroadcastParam,        // the owner's parameter to every rank
   AdamW,  // keep it last, or change kOpKindCount
 };
 // The number of kinds. The registry and the dispatch table static_assert one entry
@@ -77,6 +82,7 @@ struct OpAttrs {
   float scale = 0;    // CrossEntropyBackward: dloss scale; ClipScale: max norm; AdamW: weight decay
   int64_t KVH = 0;    // Attention*, Rope*: key/value heads (0: NH, multi-head attention)
   RopeParams rope = {};  // Rope*
+  int64_t root = 0;   // ReduceGradient, SendGradient, BroadcastParam: the owning rank
 };
 
 struct Op {

@@ -14,6 +14,7 @@
 #include "dist/data_parallel.h"
 #include "exec/executor.h"
 #include "model/model.h"
+#include "program/op_registry.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "sim/simulator.h"
@@ -121,14 +122,27 @@ RunResult single_rank(const Case& c, int accum, int steps) {
 
 // `world` in-process ranks, rank r reading micro-batch r. `loss_scale_micro_batches`
 // is `world` for the exact run (tests pass another value to see the check fail).
-RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micro_batches) {
+RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micro_batches, bool offload = false) {
   RunResult run;
   auto program = build_training_program(c.cfg, {c.B, c.T, 1}, DType::F32);
   if (!program.ok()) return failed(program.status());
   auto layout = make_data_parallel_layout(*program, world, loss_scale_micro_batches);
   if (!layout.ok()) return failed(layout.status());
-  auto plan = make_plan(layout->rank_program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
-  if (!plan.ok()) return failed(plan.status());
+  std::vector<Plan> plans;
+  for (const Program& mine : layout->rank_programs) {
+    auto plan = make_plan(mine, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
+    if (!plan.ok()) return failed(plan.status());
+    if (offload) {  // the rank's optimizer state (its shard) on host, AdamW there, under half the device memory
+      plan = make_plan(mine, Simulator(Machine::cpu_dev_box()), {.device = plan->device_bytes / 2},
+                       {.policy = Policy::Planned, .optimizer_on_host = 1, .device_optimizer_bytes = 0,
+                        .alignment = 64});
+      if (!plan.ok()) return failed(plan.status());
+      for (size_t i = 0; i < mine.ops.size(); ++i)
+        if (mine.ops[i].kind == OpKind::AdamW && plan->op_place[i] != Place::Host)
+          return failed(Status::internal("the offloaded plan runs " + mine.ops[i].name + " on the device"));
+    }
+    plans.push_back(*plan);
+  }
   const auto init = initial_values(*program, c.cfg);
   const size_t tokens = static_cast<size_t>(c.B * c.T);
   run.losses.assign(static_cast<size_t>(steps), std::vector<float>(world * tokens));
@@ -148,7 +162,7 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
       };
       auto backend = make_backend("cpu", {.threads = 1});
       if (!backend.ok()) return fail(backend.status());
-      auto rank = DataParallelRank::create(comm, **backend, *layout, *plan);
+      auto rank = DataParallelRank::create(comm, **backend, *layout, plans[static_cast<size_t>(r)]);
       if (!rank.ok()) return fail(rank.status());
       DataParallelRank& dp = **rank;
       for (auto& [name, v] : init)
@@ -162,7 +176,9 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
         if (e.is_ok())
           e = dp.read_output("mb0.losses", run.losses[static_cast<size_t>(step - 1)].data() + r * tokens, tokens * 4);
         if (!e.is_ok()) return fail(e);
-        if (r == world - 1) std::memcpy(&run.clip[static_cast<size_t>(2 * (step - 1))], dp.scale_norm(), 8);
+        auto clip = dp.scale_norm();
+        if (!clip.ok()) return fail(clip.status());
+        if (r == world - 1) std::memcpy(&run.clip[static_cast<size_t>(2 * (step - 1))], clip->data(), 8);
       }
       const auto& params = dp.layout().params;
       for (size_t i = 0; i < params.size(); ++i) {
@@ -243,6 +259,18 @@ TEST(DataParallel, RanksEqualOneRankWithAccumulationBitForBit) {
   }
 }
 
+// Each rank plans its own program: with its shard of the optimizer state on host (the
+// host AdamW) under half the device memory, the bits stay those of one rank.
+TEST(DataParallel, RanksWithOffloadedShardsEqualOneRank) {
+  const Case c = cases()[0];
+  RunResult ref = single_rank(c, 2, kSteps);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  RunResult dp = data_parallel(c, 2, kSteps, 2, /*offload=*/true);
+  ASSERT_TRUE(dp.status.is_ok()) << dp.status.to_string();
+  EXPECT_EQ(differences(dp, ref), 0u);
+  EXPECT_EQ(dp.masters.size(), ref.masters.size());
+}
+
 // The check above can fail: a wrong loss scale (each rank scaling by 1/(B·T) as a
 // lone rank would, so the reduced gradient is N times too large) changes the clip
 // norms and the weights, and the comparison sees it.
@@ -258,38 +286,76 @@ TEST(DataParallel, TheComparisonSeesAWrongLossScale) {
   EXPECT_GT(differences(wrong, ref), 0u);
 }
 
-TEST(DataParallel, LayoutSplitsTiedGradientsAndPartitionsWholeTensors) {
+TEST(DataParallel, LayoutSplitsTiedGradientsAndPartitionsTheOptimizerState) {
   auto program = build_training_program(ModelConfig{2, 32, 2, 16, 64}, {2, 16, 1}, DType::F32);
   ASSERT_TRUE(program.ok());
-  auto layout = make_data_parallel_layout(*program, 3, 3);
+  const int world = 3;
+  auto layout = make_data_parallel_layout(*program, world, world);
   ASSERT_TRUE(layout.ok()) << layout.status().to_string();
-  const Program& R = layout->rank_program;
-  ASSERT_TRUE(R.validate().is_ok());
-  for (const Op& op : R.ops) EXPECT_NE(op.phase, Phase::Optimizer) << op.name;
-  // No optimizer state on a rank's executor: master weights and moments are the owners'.
-  for (const TensorInfo& t : R.tensors.infos()) {
-    EXPECT_NE(t.role, Role::Master) << t.name;
-    EXPECT_NE(t.role, Role::OptState) << t.name;
-  }
-  // wte gets the LM head's and the embedding's contributions, each in its own part.
-  for (const DataParallelParam& p : layout->params) {
-    if (p.name == "transformer.wte.weight") {
-      ASSERT_EQ(p.rank_grad_parts.size(), 2u);
-      EXPECT_EQ(R.tensors.info(p.rank_grad_parts[1]).name, "grad.part1.transformer.wte.weight");
-    } else {
-      EXPECT_EQ(p.rank_grad_parts.size(), 1u) << p.name;
-    }
-  }
-  // The loss scale of three ranks' tokens.
-  for (const Op& op : R.ops) {
-    if (op.kind == OpKind::CrossEntropyBackward) {
-      EXPECT_EQ(op.attrs.scale, static_cast<float>(1.0 / (32.0 * 3)));
-    }
-  }
+  ASSERT_EQ(layout->rank_programs.size(), 3u);
   EXPECT_EQ(layout->partition.world, 3);
+  for (const DataParallelParam& p : layout->params)  // wte: the LM head's and the embedding's contributions
+    EXPECT_EQ(p.parts, p.name == "transformer.wte.weight" ? 2 : 1) << p.name;
+  for (int r = 0; r < world; ++r) {
+    const Program& R = layout->rank_programs[static_cast<size_t>(r)];
+    SCOPED_TRACE("rank " + std::to_string(r));
+    ASSERT_TRUE(R.validate().is_ok());
+    EXPECT_NE(R.tensors.find("grad.part1.transformer.wte.weight"), kNoTensor);
+    // Each parameter: reduced on its owner, sent by the others, its state only on its
+    // owner, broadcast from its owner; the collectives in the same order on every rank.
+    std::vector<std::string> collectives;
+    for (size_t i = 0; i < layout->params.size(); ++i) {
+      const std::string& name = layout->params[i].name;
+      const bool mine = layout->partition.owner[i] == r;
+      EXPECT_EQ(R.tensors.find("master." + name) != kNoTensor, mine) << name;
+      EXPECT_EQ(R.tensors.find("adam_v." + name) != kNoTensor, mine) << name;
+      EXPECT_EQ(R.tensors.find("gradsum." + name) != kNoTensor, mine) << name;
+    }
+    int adamw = 0;
+    for (const Op& op : R.ops) {
+      if (op.kind == OpKind::AdamW) ++adamw;
+      if (op.kind == OpKind::CrossEntropyBackward) {
+        EXPECT_EQ(op.attrs.scale, static_cast<float>(1.0 / (32.0 * 3)));
+      }
+      if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient) {
+        EXPECT_EQ(op.kind == OpKind::ReduceGradient, op.attrs.root == r) << op.name;
+        collectives.push_back("reduce root " + std::to_string(op.attrs.root) + " n " + std::to_string(op.attrs.n));
+      }
+      if (op.kind == OpKind::AllReduceInRankOrder || op.kind == OpKind::BroadcastParam)
+        collectives.push_back(std::string(op_kind_name(op.kind)) + " root " + std::to_string(op.attrs.root));
+    }
+    EXPECT_EQ(adamw, static_cast<int>(layout->partition.owned(r).size()));
+    std::vector<std::string> first;
+    for (const Op& op : layout->rank_programs[0].ops) {
+      if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient)
+        first.push_back("reduce root " + std::to_string(op.attrs.root) + " n " + std::to_string(op.attrs.n));
+      if (op.kind == OpKind::AllReduceInRankOrder || op.kind == OpKind::BroadcastParam)
+        first.push_back(std::string(op_kind_name(op.kind)) + " root " + std::to_string(op.attrs.root));
+    }
+    EXPECT_EQ(collectives, first);
+    EXPECT_EQ(collectives.size(), 2 * layout->params.size() + 1);
+  }
   // More than one micro-batch is refused, naming the op.
   auto two = build_training_program(ModelConfig{2, 32, 2, 16, 64}, {2, 16, 2}, DType::F32);
   auto bad = make_data_parallel_layout(*two, 2, 2);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("micro-batch 1"), std::string::npos) << bad.status().to_string();
+}
+
+// A collective op on a backend without a communicator is an error naming the op.
+TEST(DataParallel, CollectivesNeedACommunicator) {
+  auto program = build_training_program(ModelConfig{2, 32, 2, 16, 64}, {2, 16, 1}, DType::F32);
+  ASSERT_TRUE(program.ok());
+  auto layout = make_data_parallel_layout(*program, 1, 1);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  auto plan = make_plan(layout->rank_programs[0], Simulator(Machine::cpu_dev_box()), {},
+                        {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  auto backend = make_backend("cpu", {.threads = 1});
+  auto ex = Executor::create(**backend, layout->rank_programs[0], *plan);
+  ASSERT_TRUE(ex.ok()) << ex.status().to_string();
+  Status s = (*ex)->run_step({.step = 1, .lr = 1e-3f});
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("ReduceGradient): a collective op needs the backend's communicator"), std::string::npos)
+      << s.to_string();
 }

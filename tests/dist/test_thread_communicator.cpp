@@ -60,9 +60,11 @@ TEST(ThreadCommunicator, ReduceSumsRanksThenPartsInOrder) {
         }
         on_ranks(world, [&](ThreadCommunicator& comm) {
           std::vector<float> in = values(comm.rank(), n, parts), out(n, -1.0f);
+          std::vector<const float*> ptrs;
+          for (int j = 0; j < parts; ++j) ptrs.push_back(in.data() + static_cast<size_t>(j) * n);
           // Stagger the ranks so arrival order differs from rank order.
           std::this_thread::sleep_for(std::chrono::milliseconds((world - comm.rank()) * 2));
-          Status s = comm.reduce_in_rank_order(in.data(), out.data(), n, parts, root);
+          Status s = comm.reduce_in_rank_order(ptrs, out.data(), n, root);
           ASSERT_TRUE(s.is_ok()) << s.to_string();
           if (comm.rank() == root)
             EXPECT_EQ(std::memcmp(out.data(), want.data(), n * 4), 0) << "world " << world << " root " << root;

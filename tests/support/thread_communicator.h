@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/communicator.h"
+#include "backend/communicator.h"
 
 namespace spillway::testing_support {
 
@@ -78,16 +78,14 @@ class ThreadCommunicator : public Communicator {
   int world_size() const override { return g_.world(); }
   void abort(const std::string& why) { g_.abort("rank " + std::to_string(rank_) + ": " + why); }
 
-  Status reduce_in_rank_order(const float* in, float* out, size_t n, int parts, int root) override {
-    return collective({in, out, n, parts, root, 1}, [&]() -> Status {
+  Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) override {
+    return collective({&parts, out, n, static_cast<int>(parts.size()), root, 1}, [&]() -> Status {
       if (rank_ != root) return Status::ok();
       if (out == nullptr) return Status::invalid_argument("reduce: the root's output is null");
       for (size_t i = 0; i < n; ++i) {
         float acc = 0.0f;
-        for (int r = 0; r < g_.world(); ++r) {
-          const float* x = static_cast<const float*>(g_.post(r).in);
-          for (int j = 0; j < parts; ++j) acc += x[static_cast<size_t>(j) * n + i];
-        }
+        for (int r = 0; r < g_.world(); ++r)
+          for (const float* x : *static_cast<const std::vector<const float*>*>(g_.post(r).in)) acc += x[i];
         out[i] = acc;
       }
       return Status::ok();
