@@ -1,0 +1,65 @@
+// NcclCommunicator: the production Communicator (dist/communicator.h), one rank per
+// GPU over NCCL (CUDA's or Debian's libnccl). Built with the CUDA backend when nccl.h
+// and libnccl are found (SPILLWAY_HAVE_NCCL).
+//
+//   // Rank 0 makes the id and hands it to the others (a launcher's environment, a file).
+//   auto id = nccl_unique_id();                                // rank 0 only
+//   std::string text = nccl_id_to_hex(*id);                    // -> SPILLWAY_NCCL_ID=...
+//   auto parsed = nccl_id_from_hex(text);                      // on every rank
+//   auto comm = NcclCommunicator::create(rank, world, *parsed, /*device=*/local_rank);
+//   if (!comm.ok()) die(comm.status());
+//   SPILLWAY_RETURN_IF_ERROR((*comm)->reduce_in_rank_order({part0, part1}, sum, n, owner));
+//
+// Pointers are device memory of `device`. Every call is synchronous: it returns when
+// its work on the communicator's stream has finished (the data-parallel step calls it
+// between the executor's steps; as Program ops the calls would be enqueued on a
+// stream of their own and waited for with events).
+//
+// reduce_in_rank_order does not use ncclReduce, whose summation order depends on the
+// algorithm NCCL picks (ring, tree) and the topology: the root receives every rank's
+// parts (ncclSend/ncclRecv in groups) into a staging buffer and one kernel sums
+// them, rank by rank and part by part, in fp32 (each addition __fadd_rn: no
+// contraction). It moves world·parts·n floats into the root, the same bytes as a
+// reduce to one rank; the staging buffer is allocated at the first call and grown
+// when a larger one comes (outside the executor's device budget).
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+
+#include "backend/communicator.h"
+
+namespace spillway {
+
+inline constexpr size_t kNcclIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES
+using NcclId = std::array<char, kNcclIdBytes>;
+
+// A new NCCL unique id (rank 0 calls it once per job).
+Result<NcclId> nccl_unique_id();
+std::string nccl_id_to_hex(const NcclId& id);
+// Errors name what is wrong with the text (length, a non-hex character).
+Result<NcclId> nccl_id_from_hex(const std::string& hex);
+
+class NcclCommunicator : public Communicator {
+ public:
+  // Joins the job `id` as `rank` of `world` on CUDA device `device` (every rank calls
+  // it; it blocks until all have joined).
+  static Result<std::unique_ptr<NcclCommunicator>> create(int rank, int world, const NcclId& id, int device);
+  ~NcclCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) override;
+  Status all_gather(const void* in, void* out, size_t bytes) override;
+  Status broadcast(void* buf, size_t bytes, int root) override;
+  Status barrier() override;
+
+ private:
+  NcclCommunicator() = default;
+  struct State;
+  std::unique_ptr<State> s_;
+  int rank_ = 0, world_ = 1, device_ = 0;
+};
+
+}  // namespace spillway
