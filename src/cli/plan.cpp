@@ -153,7 +153,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (!workspace.ok()) return workspace.status();
   // The GPU's mapping of the pinned host arena, reserved as train reserves it.
   planner->reserved_device_bytes = host_mapping_reserve(*program, backend, budgets);
-  auto plan = make_plan(*program, machine, allocatable, *planner);
+  auto plan = make_plan(*program, Simulator(machine), allocatable, *planner);
   if (!plan.ok()) {
     Status s = plan.status();
     if (allocatable.device != budgets.device)

@@ -114,7 +114,7 @@ class PlanExecutor final : public Executor {
                                         " to storage; give --spill-dir DIR");
       uint64_t budget = opt_.storage_budget ? opt_.storage_budget : align_up(plan_.storage_bytes, 1 << 20) * 2;
       SPILLWAY_ASSIGN_OR_RETURN(spill_, SpillStore::open(opt_.spill_dir, budget, opt_.storage_engine,
-                                                         opt_.fault_seed, opt_.fault_rate));
+                                                         opt_.storage_engine_maker));
     }
     // Persistent tensors start at home, zero-filled.
     for (size_t i = 0; i < slots_.size(); ++i) {

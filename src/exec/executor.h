@@ -34,6 +34,7 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "io/storage_engine.h"
 #include "plan/plan.h"
 #include "program/program.h"
 
@@ -57,9 +58,9 @@ struct ExecutorOptions {
   std::string spill_dir;             // required when the plan homes or moves anything to storage
   uint64_t storage_budget = 0;       // 0 = plan.storage_bytes rounded up
   std::string storage_engine = "auto";  // "uring", "threads", "auto"
-  // Tests: wraps the storage engine in the fault injector with this seed (0 = off).
-  uint64_t fault_seed = 0;
-  double fault_rate = 0;
+  // Makes the storage engine of kind storage_engine (empty: make_storage_engine).
+  // Tests pass one that wraps it in a FaultStorageEngine (io/fault_storage_engine.h).
+  StorageEngineMaker storage_engine_maker;
 };
 
 struct StepContext {

@@ -2,27 +2,19 @@
 
 #include <cstring>
 
-#include "io/fault_storage_engine.h"
-
 namespace spillway {
 
 Result<std::unique_ptr<SpillStore>> SpillStore::open(const std::string& dir, uint64_t budget, const std::string& engine,
-                                                     uint64_t fault_seed, double fault_rate) {
+                                                     const StorageEngineMaker& make_engine) {
   StorageStoreOptions o;
   o.dir = dir;
   o.budget_bytes = budget;
   o.engine = engine;
-  std::unique_ptr<StorageEngine> wrapped;
-  if (fault_seed != 0) {
-    SPILLWAY_ASSIGN_OR_RETURN(auto inner, make_storage_engine(engine));
-    FaultOptions f;
-    f.seed = fault_seed;
-    for (FaultKind k : {FaultKind::ReadError, FaultKind::CorruptRead, FaultKind::WriteError, FaultKind::NoSpace,
-                        FaultKind::ShortWrite, FaultKind::TornWrite})
-      f.rules.push_back({k, fault_rate, 0});
-    wrapped = std::make_unique<FaultStorageEngine>(std::move(inner), f);
+  std::unique_ptr<StorageEngine> made;  // null: StorageStore::create makes o.engine
+  if (make_engine) {
+    SPILLWAY_ASSIGN_OR_RETURN(made, make_engine(engine));
   }
-  SPILLWAY_ASSIGN_OR_RETURN(auto store, StorageStore::create(o, std::move(wrapped)));
+  SPILLWAY_ASSIGN_OR_RETURN(auto store, StorageStore::create(o, std::move(made)));
   auto s = std::unique_ptr<SpillStore>(new SpillStore());
   s->store_ = std::move(store);
   return s;

@@ -1,7 +1,7 @@
 // SpillStore: the executor's view of the storage tier — one checksummed extent per
 // tensor in a StorageStore, allocated at first write and reused every step.
 //
-//   SPILLWAY_ASSIGN_OR_RETURN(auto spill, SpillStore::open("/nvme/spill", budget, "auto", 0, 0));
+//   SPILLWAY_ASSIGN_OR_RETURN(auto spill, SpillStore::open("/nvme/spill", budget, "auto"));
 //   SPILLWAY_ASSIGN_OR_RETURN(SpillTicket w, spill->write(t, host_buf, bytes));  // host_buf 4096-aligned
 //   SPILLWAY_RETURN_IF_ERROR(spill->wait(w));
 #pragma once
@@ -19,10 +19,10 @@ using SpillTicket = StorageStore::Ticket;
 
 class SpillStore {
  public:
-  // fault_seed != 0 wraps the engine in the fault injector (tests): each request
-  // fails with probability fault_rate (EIO, ENOSPC, short or torn writes).
+  // The storage engine of kind `engine` ("uring", "threads", "auto") comes from
+  // `make_engine` when given (tests inject faults so), else from make_storage_engine.
   static Result<std::unique_ptr<SpillStore>> open(const std::string& dir, uint64_t budget, const std::string& engine,
-                                                  uint64_t fault_seed, double fault_rate);
+                                                  const StorageEngineMaker& make_engine = {});
   Result<SpillTicket> write(TensorId t, const void* src, size_t bytes);
   Result<SpillTicket> read(TensorId t, void* dst, size_t bytes);
   Status wait(SpillTicket ticket) { return store_->wait(ticket); }

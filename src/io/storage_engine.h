@@ -37,6 +37,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -150,6 +151,11 @@ class StorageEngine {
 // and says so once on stderr. "uring" without io_uring is Unsupported.
 Result<std::unique_ptr<StorageEngine>> make_storage_engine(std::string_view kind,
                                                            const StorageEngineOptions& options = {});
+// What makes the storage engine a spill store uses (ExecutorOptions), given its kind;
+// empty: make_storage_engine(kind). Production code never wraps an engine itself:
+// tests hand in a maker that wraps the real engine in a FaultStorageEngine
+// (io/fault_storage_engine.h), as RocksDB's FaultInjectionTestFS wraps a FileSystem.
+using StorageEngineMaker = std::function<Result<std::unique_ptr<StorageEngine>>(const std::string& kind)>;
 // The two implementations (uring_storage_engine.cpp, thread_storage_engine.cpp).
 Result<std::unique_ptr<StorageEngine>> make_uring_storage_engine(const StorageEngineOptions& options);
 Result<std::unique_ptr<StorageEngine>> make_thread_storage_engine(const StorageEngineOptions& options);

@@ -2,7 +2,7 @@
 // Program interleaved with the memory actions that move their tensors between tiers.
 //
 //   Budgets budgets{.device = 512 << 20, .host = 8ull << 30};
-//   auto plan = make_plan(program, machine, budgets, {.policy = Policy::Planned});
+//   auto plan = make_plan(program, Simulator(machine), budgets, {.policy = Policy::Planned});  // planner.h
 //   if (!plan) die(plan.status());            // e.g. "device budget 8 MiB is below the minimum 19.2 MiB ..."
 //   for (const Instruction& in : plan->instructions) ...
 //
@@ -74,7 +74,7 @@ struct Budgets {
 struct Plan {
   Policy policy = Policy::Resident;
   std::string description;                  // human summary of the choices made
-  double predicted_step_s = 0;              // auto: the simulator's step time for this plan (0: not simulated)
+  double predicted_step_s = 0;              // auto: the cost model's step time for this plan (0: not simulated)
   std::vector<Instruction> instructions;    // one step, in issue order
   std::vector<Tier> home;                   // [tensors] where each persistent tensor rests between steps
   std::vector<uint64_t> home_offset;        // [tensors] device offset, for tensors homed on device

@@ -26,7 +26,6 @@
 #include "core/size.h"
 #include "memory/range_allocator.h"
 #include "program/op_registry.h"
-#include "sim/simulator.h"
 
 namespace spillway {
 
@@ -72,9 +71,9 @@ struct Config {
 
 class Scheduler {
  public:
-  Scheduler(const Program& program, const Machine& machine, const Budgets& budgets, const Config& config,
+  Scheduler(const Program& program, const CostModel& cost, const Budgets& budgets, const Config& config,
             size_t alignment)
-      : p_(program), machine_(machine), budgets_(budgets), c_(config), align_(alignment),
+      : p_(program), cost_(cost), budgets_(budgets), c_(config), align_(alignment),
         device_(budgets.device == UINT64_MAX ? (uint64_t{1} << 52) : budgets.device, alignment, false),
         host_(budgets.host == UINT64_MAX ? (uint64_t{1} << 52) : budgets.host / 4096 * 4096, 4096) {
     const size_t n = p_.tensors.size();
@@ -413,8 +412,8 @@ class Scheduler {
       for (const Operand& o : q->operands)
         if (together.insert(o.tensor).second && !pinned_home(o.tensor)) working += device_bytes(o.tensor);
     if (working > device_.capacity() - c_.pinned_end) return -1;
-    double swap_s = machine_.copy_seconds(bytes(t), false) + machine_.copy_seconds(bytes(t), true);
-    return machine_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s ? prod : -1;
+    double swap_s = cost_.copy_seconds(bytes(t), false) + cost_.copy_seconds(bytes(t), true);
+    return cost_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s ? prod : -1;
   }
 
   TensorId choose_victim(int now, int need_before) {
@@ -713,7 +712,7 @@ class Scheduler {
   }
 
   const Program& p_;
-  const Machine& machine_;
+  const CostModel& cost_;
   const Budgets& budgets_;
   const Config& c_;
   size_t align_;
@@ -990,7 +989,7 @@ std::vector<int> layer_major_order(const Program& p) {
 // order); the plan's Run instructions and op_place refer to the program's own
 // op indices. Sets *host_short / *storage_short when it fails for want of host or
 // storage room.
-Result<Plan> schedule_once(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
+Result<Plan> schedule_once(const Program& program, const CostModel& cost, const Budgets& budgets, Config& c,
                            size_t alignment, const std::vector<int>& order, bool* host_short, bool* storage_short) {
   Program ordered;
   const Program* run = &program;
@@ -1001,7 +1000,7 @@ Result<Plan> schedule_once(const Program& program, const Machine& machine, const
     for (int i : order) ordered.ops.push_back(program.ops[i]);
     run = &ordered;
   }
-  Scheduler s(*run, machine, budgets, c, alignment);
+  Scheduler s(*run, cost, budgets, c, alignment);
   auto scheduled = s.run();
   *host_short = s.host_short();
   *storage_short = s.storage_short();
@@ -1033,7 +1032,7 @@ Result<Plan> schedule_once(const Program& program, const Machine& machine, const
 // or too fragmented), more goes — beyond 1/2, 1/4, then all of it that can — since a
 // larger host budget must never fail where a smaller one plans. When storage is what
 // is short, says how much this plan needs.
-Result<Plan> schedule(const Program& program, const Machine& machine, const Budgets& budgets, Config& c,
+Result<Plan> schedule(const Program& program, const CostModel& cost, const Budgets& budgets, Config& c,
                       size_t alignment, const std::vector<int>& order = {}) {
   const bool can_spill = budgets.storage != 0 && budgets.host != UINT64_MAX;
   const Config base = c;
@@ -1046,7 +1045,7 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
     if (k.home == tried) continue;  // the same homes as the last try
     tried = k.home;
     bool host_short = false, storage_full = false;
-    auto plan = schedule_once(program, machine, budgets, k, alignment, order, &host_short, &storage_full);
+    auto plan = schedule_once(program, cost, budgets, k, alignment, order, &host_short, &storage_full);
     if (plan.ok()) {
       c = k;
       return plan;
@@ -1060,7 +1059,7 @@ Result<Plan> schedule(const Program& program, const Machine& machine, const Budg
     Budgets roomy = budgets;
     roomy.storage = uint64_t{1} << 52;  // never short: no further recursion
     Config k = base;
-    auto need = schedule(program, machine, roomy, k, alignment, order);
+    auto need = schedule(program, cost, roomy, k, alignment, order);
     if (need.ok())
       return Status::out_of_memory("storage budget " + format_size(budgets.storage) + " is too small: this plan spills " +
                                    format_size(need->storage_bytes) + " (training state and swapped activations, in " +
@@ -1083,7 +1082,7 @@ constexpr int kFlushGap = 16;
 // recomputation, fetches up to `prefetch` ops ahead (-1: as memory allows). With
 // `roomy`, reports whether the state kept on device leaves room to work (and plans
 // nothing when it does not).
-Result<Plan> plan_offload_level(const Program& program, const Machine& machine, const Budgets& budgets,
+Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, const Budgets& budgets,
                                 const PlannerOptions& options, int level, bool recompute, int prefetch,
                                 int flush_gap, bool layer_major, size_t alignment, bool* roomy,
                                 bool device_optimizer = true) {
@@ -1117,8 +1116,8 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
         host_params += g.shape.numel();
         grad_bytes_per_param = static_cast<double>(g.bytes()) / static_cast<double>(std::max<int64_t>(1, g.shape.numel()));
       }
-      const double host_s = 1.0 / machine.host_adam_params_per_s;
-      const double link_s = 12.0 / (std::min(machine.h2d_bytes_per_s, machine.d2h_bytes_per_s) * machine.duplex_factor);
+      const double host_s = cost.host_adam_seconds(1.0);
+      const double link_s = cost.duplex_copy_seconds(12.0);
       auto streamed = static_cast<int64_t>(static_cast<double>(host_params) * host_s / (host_s + link_s));
       // Streamed gradients stay on device: their bytes come out of the prefix's share
       // (fewer are streamed when the share cannot hold them).
@@ -1150,17 +1149,17 @@ Result<Plan> plan_offload_level(const Program& program, const Machine& machine, 
     return Status::out_of_memory("state kept on device takes more than half the budget");
   }
   Program candidate = with_optimizer_where_state_is(program, c);
-  if (!layer_major) return schedule(candidate, machine, budgets, c, alignment);
+  if (!layer_major) return schedule(candidate, cost, budgets, c, alignment);
   std::vector<int> order = layer_major_order(candidate);
   if (order.size() != candidate.ops.size()) return Status::internal("planner: the program's ops have a dependency cycle");
-  return schedule(candidate, machine, budgets, c, alignment, order);
+  return schedule(candidate, cost, budgets, c, alignment, order);
 }
 
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
 // them; Plan::op_place records the choice.
 // `budgets.device` is the arena's budget: the device budget `given_device` less
 // `workspace` (0 when the workspace alone takes more).
-Result<Plan> make_plan_impl(const Program& original, const Machine& machine, const Budgets& budgets,
+Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, const Budgets& budgets,
                             const PlannerOptions& options, size_t alignment, uint64_t workspace,
                             uint64_t given_device, uint64_t reserved) {
   Program program = original;
@@ -1183,7 +1182,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       Config c = make_config(program, budgets, 0, alignment);
       c.policy = Policy::Resident;
       program = with_optimizer_on_host(program, false);
-      return schedule(program, machine, budgets, c, alignment);
+      return schedule(program, cost, budgets, c, alignment);
     }
     case Policy::Paging: {
       Config c;
@@ -1204,7 +1203,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
         if (is_host_op(op)) adam = std::max(adam, op_working_set(program, op, alignment));
       c.optimizer_on_host = c.pinned_end + adam > budgets.device;
       program = with_optimizer_on_host(program, c.optimizer_on_host);
-      return schedule(program, machine, budgets, c, alignment);
+      return schedule(program, cost, budgets, c, alignment);
     }
     case Policy::Planned: {
       // Offload as little as the budget allows: state stays on device while it
@@ -1220,7 +1219,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       auto predicted_s = [&](const Plan& plan) {
         Program placed = program;
         for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan.op_place[i];
-        return simulate(placed, plan, machine).step_s;
+        return cost.step_seconds(placed, plan);
       };
       // All state on device although it leaves less than half the budget: the
       // activations then live on recomputation. With accumulation that can beat
@@ -1230,12 +1229,12 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       Status last = Status::ok();
       for (int level : levels) {
         bool roomy = true;
-        auto plan = plan_offload_level(program, machine, budgets, options, level, options.recompute != 0,
+        auto plan = plan_offload_level(program, cost, budgets, options, level, options.recompute != 0,
                                        options.prefetch_distance, flush_gap, options.layer_major == 1, alignment,
                                        level == levels.back() ? nullptr : &roomy);
         if (!roomy) {
           if (level == 0 && options.recompute != 0 && !crowded) {
-            auto all_on_device = plan_offload_level(program, machine, budgets, options, 0, true,
+            auto all_on_device = plan_offload_level(program, cost, budgets, options, 0, true,
                                                     options.prefetch_distance, flush_gap,
                                                     options.layer_major == 1, alignment, nullptr);
             if (all_on_device.ok()) crowded = std::move(*all_on_device);
@@ -1284,7 +1283,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
       std::vector<std::pair<double, Plan>> ranked;
       Status last = Status::ok();
       for (const Candidate& k : candidates) {
-        auto plan = plan_offload_level(program, machine, budgets, options, k.level, k.recompute,
+        auto plan = plan_offload_level(program, cost, budgets, options, k.level, k.recompute,
                                        options.prefetch_distance, k.flush_gap, k.layer_major, alignment, nullptr,
                                        k.device_optimizer);
         if (!plan.ok()) {
@@ -1293,8 +1292,8 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
         }
         Program placed = program;
         for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
-        SimResult sim = simulate(placed, *plan, machine);
-        ranked.emplace_back(sim.step_s, std::move(*plan));
+        const double step_s = cost.step_seconds(placed, *plan);
+        ranked.emplace_back(step_s, std::move(*plan));
       }
       std::stable_sort(ranked.begin(), ranked.end(),
                        [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -1317,7 +1316,7 @@ Result<Plan> make_plan_impl(const Program& original, const Machine& machine, con
   return Status::internal("planner: unknown policy");
 }
 
-Result<Plan> make_plan(const Program& program, const Machine& machine, const Budgets& budgets,
+Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budgets& budgets,
                        const PlannerOptions& options) {
   const size_t alignment = options.alignment;
   // The workspace comes out of the device budget first; the arena gets the rest.
@@ -1326,7 +1325,7 @@ Result<Plan> make_plan(const Program& program, const Machine& machine, const Bud
   Budgets arena = budgets;
   if (budgets.device != UINT64_MAX)
     arena.device = budgets.device > workspace + reserved ? budgets.device - workspace - reserved : 0;
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, machine, arena, options, alignment, workspace,
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, cost, arena, options, alignment, workspace,
                                                       budgets.device, reserved));
   plan.workspace_bytes = workspace;
   if (workspace > 0) plan.description += ", workspace " + format_size(workspace);

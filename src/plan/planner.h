@@ -1,7 +1,9 @@
-// Planner: turns a Program, a Machine and Budgets into a Plan (plan.h).
+// Planner: turns a Program, a CostModel and Budgets into a Plan (plan.h). The cost
+// model answers the planner's time questions; the simulator of a Machine is one
+// (sim/simulator.h), which the caller passes in.
 //
 //   PlannerOptions o{.policy = Policy::Planned};
-//   auto plan = make_plan(program, Machine::cpu_dev_box(), {.device = 64 << 20}, o);
+//   auto plan = make_plan(program, Simulator(Machine::cpu_dev_box()), {.device = 64 << 20}, o);
 //   // Budget too small: "device budget 8.00 MiB is below the minimum 19.25 MiB that
 //   // the largest op (mb0.lm_head.forward) needs (19.25 MiB of operands and inputs,
 //   // 0 B of workspace); give --device-budget 20MiB or more"
@@ -15,11 +17,11 @@
 //   correlation prefetcher that learned the sequence in earlier steps would.
 // - planned: lookahead over the static program (lifetimes, swap/recompute choice,
 //   parameter streaming, optimizer placement, static offsets, early fetches).
-// - auto: planned-policy candidates ranked by the simulator.
+// - auto: planned-policy candidates ranked by the cost model's predicted step time.
 #pragma once
 
 #include "plan/plan.h"
-#include "sim/machine.h"
+#include "plan/cost_model.h"
 
 namespace spillway {
 
@@ -35,13 +37,13 @@ struct PlannerOptions {
   int64_t device_optimizer_bytes = -1;
   // With the optimizer offloaded: run AdamW on device for some of the parameters whose
   // state rests on host, fetching it and writing it back, so that the link and the
-  // host share the update (sized so both take about as long on the Machine).
+  // host share the update (sized so both take about as long by the cost model).
   // -1 = on, 0 = off.
   int stream_optimizer = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)
-  // auto: which candidate to return in the simulator's ranking (0 = the fastest
+  // auto: which candidate to return in the cost model's ranking (0 = the fastest
   // predicted, 1 = the second, ...); past the last candidate is an error. The trainer
   // times the first two and keeps the faster (TrainerOptions::auto_confirm).
   int auto_rank = 0;
@@ -57,7 +59,7 @@ struct PlannerOptions {
   uint64_t allocation_granularity = 1;
 };
 
-Result<Plan> make_plan(const Program& program, const Machine& machine, const Budgets& budgets,
+Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budgets& budgets,
                        const PlannerOptions& options);
 
 // The smallest device budget any policy can run this program with: the largest

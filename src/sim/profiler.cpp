@@ -12,9 +12,9 @@
 #include <string>
 #include <utility>
 
+#include "backend/scratch.h"
 #include "core/size.h"
 #include "core/thread_pool.h"
-#include "exec/dispatch.h"
 #include "io/storage_engine.h"
 #include "optim/adamw.h"
 
@@ -26,126 +26,7 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Device and host buffers of one measurement, freed (after the backend finished
-// with them) when it goes out of scope.
-class Buffers {
- public:
-  explicit Buffers(Backend& backend) : backend_(backend) {}
-  Buffers(const Buffers&) = delete;
-  Buffers& operator=(const Buffers&) = delete;
-  ~Buffers() {
-    if (!buffers_.empty()) (void)backend_.synchronize();  // errors were reported by the timed section
-    for (auto [p, on_device] : buffers_) {
-      if (on_device) backend_.device_free(p);
-      else backend_.host_free(p);
-    }
-  }
-  // Zero-filled.
-  Result<void*> device(size_t bytes) {
-    bytes = std::max<size_t>(bytes, backend_.alignment());
-    auto p = backend_.device_alloc(bytes);
-    if (!p) return p.status().with_context("device buffer of " + format_size(bytes));
-    buffers_.emplace_back(*p, true);
-    backend_.fill_zero(*p, bytes);
-    return *p;
-  }
-  Result<void*> host(size_t bytes) {
-    bytes = std::max<size_t>(bytes, 64);
-    auto p = backend_.host_alloc(bytes);
-    if (!p) return p.status().with_context("host buffer of " + format_size(bytes));
-    buffers_.emplace_back(*p, false);
-    std::memset(*p, 0, bytes);
-    return *p;
-  }
-
- private:
-  Backend& backend_;
-  std::vector<std::pair<void*, bool>> buffers_;
-};
-
-// Ops with equal keys take the same time: kind, place, the attributes that size
-// the work, and each operand's bytes, dtype and access.
-std::string shape_key(const Program& program, const Op& op) {
-  const OpAttrs& a = op.attrs;
-  std::string key = std::to_string(static_cast<int>(op.kind)) + "/" + std::to_string(static_cast<int>(op.place));
-  for (int64_t v : {a.B, a.T, a.C, a.OC, a.NH, a.N, a.V, a.P, a.n}) key += "/" + std::to_string(v);
-  for (const Operand& o : op.operands) {
-    const TensorInfo& info = program.tensors.info(o.tensor);
-    key += "|" + std::to_string(info.bytes()) + ":" + std::to_string(static_cast<int>(info.dtype)) + ":" +
-           std::to_string(static_cast<int>(o.access));
-  }
-  return key;
-}
-
-bool has_standalone_form(const Op& op) {
-  return op.place != Place::Host || has_host_implementation(op.kind);
-}
-
-Result<double> time_op(Backend& backend, const Program& program, const Op& op, int repeats) {
-  Buffers buffers(backend);
-  std::map<TensorId, void*> by_tensor;  // an op naming one tensor twice gets one buffer
-  std::vector<void*> ptrs;
-  for (const Operand& o : op.operands) {
-    if (o.tensor < 0 || static_cast<size_t>(o.tensor) >= program.tensors.size())
-      return Status::invalid_argument("operand tensor " + std::to_string(o.tensor) + " out of range");
-    auto it = by_tensor.find(o.tensor);
-    if (it == by_tensor.end()) {
-      const size_t bytes = program.tensors.info(o.tensor).bytes();
-      SPILLWAY_ASSIGN_OR_RETURN(void* p, op.place == Place::Host ? buffers.host(bytes) : buffers.device(bytes));
-      it = by_tensor.emplace(o.tensor, p).first;
-    }
-    ptrs.push_back(it->second);
-  }
-  const OptimizerStep step{.step = 1, .lr = 1e-4f};
-  const DType param_dtype = op.operands.empty() ? DType::F32 : program.tensors.info(op.operands[0].tensor).dtype;
-  auto run_once = [&]() -> Status {
-    if (op.place == Place::Host) return run_host_op(op, ptrs, param_dtype, step);
-    return run_device_op(backend, program, op, ptrs, step);
-  };
-  SPILLWAY_RETURN_IF_ERROR(run_once());  // warm-up: caches, lazy initialization, algorithm choice
-  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-  const double t0 = now_s();
-  for (int r = 0; r < repeats; ++r) SPILLWAY_RETURN_IF_ERROR(run_once());
-  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-  return (now_s() - t0) / repeats;
-}
-
 }  // namespace
-
-namespace {
-// The backend's own workspace while ops run outside an executor; freed after.
-class OwnWorkspace {
- public:
-  explicit OwnWorkspace(Backend& b) : b_(b) {}
-  ~OwnWorkspace() { (void)b_.use_own_workspace(0); }
-  Status use(uint64_t bytes) { return b_.use_own_workspace(bytes); }
-
- private:
-  Backend& b_;
-};
-}  // namespace
-
-Result<std::vector<double>> profile_ops(Backend& backend, const Program& program, int repeats) {
-  repeats = std::max(1, repeats);
-  OwnWorkspace workspace(backend);
-  SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(backend, program));
-  SPILLWAY_RETURN_IF_ERROR(workspace.use(need.bytes));
-  std::vector<double> seconds(program.ops.size(), 0.0);
-  std::map<std::string, double> measured;
-  for (size_t i = 0; i < program.ops.size(); ++i) {
-    const Op& op = program.ops[i];
-    if (!has_standalone_form(op)) continue;
-    const std::string key = shape_key(program, op);
-    auto it = measured.find(key);
-    if (it == measured.end()) {
-      auto s = time_op(backend, program, op, repeats);
-      if (!s) return s.status().with_context("profile op " + op.name);
-      it = measured.emplace(key, *s).first;
-    }
-    seconds[i] = it->second;
-  }
-  return seconds;
-}
 
 Result<Machine> measure_machine(Backend& backend, Machine m) {
   const bool gpu = backend.name() == "cuda";
@@ -201,7 +82,7 @@ Result<CopyRates> measure_copies(Backend& backend, uint64_t piece, uint64_t tota
                                     "the total " + format_size(total));
   total = total / piece * piece;
   rounds = std::max(1, rounds);
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* host_src, buffers.host(total));
   SPILLWAY_ASSIGN_OR_RETURN(void* host_dst, buffers.host(total));
   SPILLWAY_ASSIGN_OR_RETURN(void* dev_a, buffers.device(total));
@@ -417,7 +298,7 @@ Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copy
   }
   constexpr size_t kPiece = size_t{64} << 20;
   Backend& backend = *copying;
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* host_up, buffers.host(kPiece));
   SPILLWAY_ASSIGN_OR_RETURN(void* host_down, buffers.host(kPiece));
   SPILLWAY_ASSIGN_OR_RETURN(void* dev_up, buffers.device(kPiece));
@@ -443,7 +324,7 @@ Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copy
 Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeats) {
   repeats = std::max(1, repeats);
   const size_t act = dtype_size(backend.activation_dtype());
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(static_cast<size_t>(N) * OC * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(static_cast<size_t>(N) * C * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(static_cast<size_t>(OC) * C * act));
@@ -466,7 +347,7 @@ Result<double> measure_attention(Backend& backend, int B, int T, int NH, int D, 
   const size_t act = dtype_size(backend.activation_dtype());
   const int C = NH * D;
   const size_t rows = static_cast<size_t>(B) * T;
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* qkv, buffers.device(rows * 3 * C * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* dqkv, buffers.device(rows * 3 * C * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(rows * C * act));
@@ -491,7 +372,7 @@ Result<double> measure_attention(Backend& backend, int B, int T, int NH, int D, 
 Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats) {
   repeats = std::max(1, repeats);
   const size_t act = dtype_size(backend.activation_dtype());
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* a, buffers.device(n * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* b, buffers.device(n * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* c, buffers.device(n * act));
@@ -508,7 +389,7 @@ Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats) {
 Result<double> measure_op_launch(Backend& backend, int ops) {
   ops = std::max(1, ops);
   const size_t act = dtype_size(backend.activation_dtype());
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* a, buffers.device(64 * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* b, buffers.device(64 * act));
   SPILLWAY_ASSIGN_OR_RETURN(void* c, buffers.device(64 * act));
@@ -525,7 +406,7 @@ Result<double> measure_op_launch(Backend& backend, int ops) {
 Result<double> measure_compute_share_while_copying(Backend& backend, int S, int repeats, double h2d_bytes_per_s) {
   repeats = std::max(1, repeats);
   const size_t mat = static_cast<size_t>(S) * S * dtype_size(backend.activation_dtype());
-  Buffers buffers(backend);
+  ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(mat));
   SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(mat));
   SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(mat));

@@ -1,21 +1,18 @@
-// Profiler: measures op times and link bandwidths on the real backend, so that the
-// planner and the simulator predict this machine rather than a preset.
+// Profiler: measures link bandwidths and compute rates on the real backend, so that
+// the planner and the simulator predict this machine rather than a preset.
 //
 //   auto backend = make_backend("cuda");
 //   Machine m = Machine::h200();
 //   auto measured = measure_machine(**backend, m);           // copy, matmul, memory, AdamW rates
 //   if (!measured) die(measured.status());
 //   m = *measured;
-//   auto seconds = profile_ops(**backend, program, /*repeats=*/3);
+//   auto seconds = profile_ops(**backend, program, /*repeats=*/3);  // exec/op_timer.h
 //   if (!seconds) die(seconds.status());
 //   m.measured_op_seconds = *seconds;                        // Machine::op_seconds uses them
 //
-// profile_ops runs each op alone on operands it allocates for that op (zero-filled;
-// performance does not depend on the values), then frees them, so it works for
-// models larger than device memory as long as each single op fits. Ops of the same
-// kind, place, attributes and operand sizes share one measurement. Host ops (host
-// AdamW) run on host buffers. An op with no stand-alone form (a host op other than
-// AdamW) gets 0, which Machine::op_seconds replaces by its derived time.
+// The times of a Program's ops are measured where ops are dispatched to a backend,
+// in the exec module (exec/op_timer.h: profile_ops); this module measures only
+// backend calls, copies, storage and the host optimizer.
 //
 // The pieces of a machine profile (`spillway profile`, `bench io`, `bench adam`):
 //
@@ -30,13 +27,9 @@
 
 #include "backend/backend.h"
 #include "core/status.h"
-#include "program/program.h"
 #include "sim/machine.h"
 
 namespace spillway {
-
-// Seconds per op index ([program.ops]): the mean of `repeats` runs after one warm-up.
-Result<std::vector<double>> profile_ops(Backend& backend, const Program& program, int repeats);
 
 // `base` with the rates this backend shows in short tests: H2D and D2H bandwidth
 // through the copy engine (64 MiB, each direction alone, then both at once for

@@ -570,6 +570,38 @@ SimResult simulate(const Program& program, const Plan& plan, const Machine& mach
   return Sim(program, plan, machine).run();
 }
 
+double Simulator::op_seconds(const Program& program, size_t op_index) const {
+  return machine_.op_seconds(program, op_index);
+}
+
+double Simulator::copy_seconds(uint64_t bytes, bool h2d) const { return machine_.copy_seconds(bytes, h2d); }
+
+double Simulator::duplex_copy_seconds(double bytes) const {
+  return bytes / (std::min(machine_.h2d_bytes_per_s, machine_.d2h_bytes_per_s) * machine_.duplex_factor);
+}
+
+double Simulator::host_adam_seconds(double params) const { return params / machine_.host_adam_params_per_s; }
+
+double Simulator::step_seconds(const Program& program, const Plan& plan) const { return run(program, plan).step_s; }
+
+Trace trace_from_simulation(const SimResult& sim) {
+  Trace trace;
+  for (const SimEvent& e : sim.timeline) {
+    nlohmann::json args = nlohmann::json::object();
+    if (e.op >= 0) args["op"] = e.op;
+    if (e.tensor != kNoTensor) args["tensor"] = e.tensor;
+    if (e.bytes > 0) args["bytes"] = e.bytes;
+    if (e.recompute) args["recompute"] = true;
+    trace.slice(sim_resource_name(e.resource), e.name, e.start_s, e.end_s, std::move(args));
+  }
+  for (const MemorySample& m : sim.memory) {
+    trace.counter("device bytes", m.t_s, static_cast<double>(m.device_bytes));
+    trace.counter("host bytes", m.t_s, static_cast<double>(m.host_bytes));
+    trace.counter("storage bytes", m.t_s, static_cast<double>(m.storage_bytes));
+  }
+  return trace;
+}
+
 // ---- report ----
 
 PlanReport summarize(const Program& program, const Plan& plan, const SimResult& sim) {

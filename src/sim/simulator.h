@@ -4,7 +4,8 @@
 //   std::printf("%.3f s per step, %.3f s stalled\n", r.step_s, r.stall_s);
 //   PlanReport report = summarize(program, plan, r);
 //   std::cout << format_report(report);        // the table `spillway plan` prints
-//   trace_from_simulation(r).write("step.json");  // exec/trace.h: open in Perfetto
+//   trace_from_simulation(r).write("step.json");  // core/chrome_trace.h: open in Perfetto
+//   auto plan = make_plan(program, Simulator(Machine::h200()), budgets, options);  // the planner's cost model
 //
 // The model (instruction semantics are plan.h's):
 // - Resources: device compute, host compute, the host→device and device→host
@@ -47,8 +48,11 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "core/chrome_trace.h"
+#include "plan/cost_model.h"
 #include "plan/plan.h"
 #include "program/program.h"
 #include "sim/machine.h"
@@ -96,6 +100,29 @@ struct SimResult {
 };
 
 SimResult simulate(const Program& program, const Plan& plan, const Machine& machine);
+
+// The planner's cost model (plan/cost_model.h) for one Machine: op and copy times
+// from the machine's rates, step times from simulate().
+class Simulator final : public CostModel {
+ public:
+  explicit Simulator(Machine machine) : machine_(std::move(machine)) {}
+  const Machine& machine() const { return machine_; }
+  SimResult run(const Program& program, const Plan& plan) const { return simulate(program, plan, machine_); }
+
+  double op_seconds(const Program& program, size_t op_index) const override;
+  double copy_seconds(uint64_t bytes, bool h2d) const override;
+  double duplex_copy_seconds(double bytes) const override;
+  double host_adam_seconds(double params) const override;
+  double step_seconds(const Program& program, const Plan& plan) const override;
+
+ private:
+  Machine machine_;
+};
+
+// The predicted step as a Chrome trace: a slice per op, copy, storage request and
+// host wait on the tracks of sim_resource_name, and counters "device bytes", "host
+// bytes" and "storage bytes".
+Trace trace_from_simulation(const SimResult& sim);
 
 // Where one class of tensor goes. A persistent tensor's tier is its home; another
 // tensor's is the lowest tier the plan writes it to (device if it never leaves).

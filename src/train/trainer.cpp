@@ -13,6 +13,7 @@
 #include "exec/dispatch.h"
 #include "model/hf_model.h"
 #include "optim/adamw.h"
+#include "sim/simulator.h"
 
 namespace spillway {
 
@@ -212,8 +213,7 @@ Status Trainer::setup() {
   eo.host_budget = options_.budgets.host;
   eo.spill_dir = options_.spill_dir;
   eo.storage_budget = options_.budgets.storage;
-  eo.fault_seed = options_.fault_seed;
-  eo.fault_rate = options_.fault_rate;
+  eo.storage_engine_maker = options_.storage_engine_maker;
   auto executor = Executor::create(backend_, program_, plan_, eo);
   if (!executor.ok()) return executor.status().with_context("creating the training executor");
   executor_ = std::move(*executor);
@@ -334,7 +334,7 @@ Result<Plan> plan_for_backend(const Program& program, const Backend& backend, co
                               const Budgets& budgets, const PlannerOptions& options) {
   SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions o, backend_planner_options(program, backend, options));
   o.reserved_device_bytes = host_mapping_reserve(program, backend, budgets);
-  auto plan = make_plan(program, machine, allocatable_budgets(budgets, backend), o);
+  auto plan = make_plan(program, Simulator(machine), allocatable_budgets(budgets, backend), o);
   const uint64_t fixed = backend.fixed_device_bytes();
   if (plan.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plan;
   return plan.status().with_context("the device budget " + format_size(budgets.device) + " less the " +
@@ -686,7 +686,7 @@ Status Trainer::plan_evaluation(int B, int T) {
     if (eval_budgets_.device == 0) return Status::out_of_memory("the training arena has no idle region");
     PlannerOptions p = planner;
     p.policy = policy;
-    return make_plan(eval_program_, options_.machine, eval_budgets_, p);
+    return make_plan(eval_program_, Simulator(options_.machine), eval_budgets_, p);
   };
   Result<Plan> inside = plan_inside(planner.policy);
   // A resident run's idle region holds its activations, not a second copy of the

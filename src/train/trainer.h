@@ -98,9 +98,9 @@ struct TrainerOptions {
   // plan's description reports every candidate's predicted and measured step time.
   // 0 or 1: the simulator's best, untimed.
   int auto_confirm = 2;
-  // Tests: storage faults injected into the training executor (ExecutorOptions).
-  uint64_t fault_seed = 0;
-  double fault_rate = 0;
+  // Tests: the training executor's storage engine maker (ExecutorOptions), which
+  // injects storage faults.
+  StorageEngineMaker storage_engine_maker;
 };
 
 // One micro-batch: tokens and next-token targets, [B·T] each.

@@ -12,6 +12,8 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "sim/simulator.h"
+#include "support/fault_support.h"
 #include "support/test_support.h"
 #include "support/train_support.h"
 
@@ -146,7 +148,7 @@ TEST(Budgets, StorageTooSmallIsFoundBeforeAnyStep) {
     b.device = ref.plan.device_bytes / 4;
     b.host = host;
     b.storage = 64 << 20;
-    auto plan = make_plan(*program, Machine::cpu_dev_box(), b, {.policy = Policy::Planned, .alignment = 64});
+    auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), b, {.policy = Policy::Planned, .alignment = 64});
     if (!plan.ok()) continue;
     // Room for the state that lives in storage, not for the activations a step stores.
     uint64_t state = 0, stored = 0;
@@ -244,7 +246,7 @@ TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
   constexpr uint64_t kWorkspace = 48 << 10;
   PlannerOptions with_workspace{.policy = Policy::Resident, .alignment = 64};
   with_workspace.workspace_bytes = kWorkspace;
-  auto plan = make_plan(*program, Machine::cpu_dev_box(), {}, with_workspace);
+  auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, with_workspace);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   auto outer = Executor::create(**backend, *program, *plan);
   ASSERT_TRUE(outer.ok()) << outer.status().to_string();
@@ -264,7 +266,7 @@ TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
   ASSERT_TRUE(forward.ok());
   Budgets inner_budget;
   inner_budget.device = idle.bytes / 64 * 64;
-  auto inner_plan = make_plan(*forward, Machine::cpu_dev_box(), inner_budget, {.policy = Policy::Planned, .alignment = 64});
+  auto inner_plan = make_plan(*forward, Simulator(Machine::cpu_dev_box()), inner_budget, {.policy = Policy::Planned, .alignment = 64});
   ASSERT_TRUE(inner_plan.ok()) << inner_plan.status().to_string();
   const size_t before = (*backend)->device_used_bytes();
   {
@@ -320,7 +322,7 @@ TEST(Faults, StorageFaultsSurfaceAsErrorsNeverAsOtherLosses) {
     b.device = ref.plan.device_bytes / 4;
     b.host = 512 * 1024;
     b.storage = 64 << 20;
-    TrainRun r = train_gpt(s, b, {.policy = Policy::Planned}, 5, {.spill_dir = dir, .fault_seed = seed, .fault_rate = 0.01});
+    TrainRun r = train_gpt(s, b, {.policy = Policy::Planned}, 5, {.spill_dir = dir, .storage_engine_maker = faulty_storage_engines(seed, 0.01)});
     // Whatever steps completed have exactly the resident losses.
     for (size_t i = 0; i < r.losses.size(); ++i)
       EXPECT_EQ(r.losses[i], ref.losses[i]) << "seed " << seed << " step " << i + 1;

@@ -11,6 +11,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "sim/simulator.h"
 #include "support/test_support.h"
 #include "support/train_support.h"
 
@@ -41,7 +42,7 @@ TEST(HostBudget, ALargerHostBudgetNeverFailsWhereASmallerOnePlans) {
     b.device = kTinyDeviceBudget;
     b.host = host;
     b.storage = 1ull << 30;
-    auto plan = make_plan(*program, Machine::cpu_dev_box(), b, {.policy = Policy::Planned, .alignment = 64});
+    auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), b, {.policy = Policy::Planned, .alignment = 64});
     if (plan.ok()) {
       if (first_ok == 0) first_ok = host;
       EXPECT_LE(plan->host_bytes, host);
@@ -90,7 +91,7 @@ TEST(StorageBudget, PlansWithinTheStorageBudgetOrSaysWhatItNeeds) {
   const GPTCase model{ModelConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 2}};
   auto program = build_training_program(model.cfg, model.shape, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
-  auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
   ASSERT_TRUE(resident.ok());
   auto backend = make_backend("cpu", {.threads = 2});
   ASSERT_TRUE(backend.ok());
@@ -102,7 +103,7 @@ TEST(StorageBudget, PlansWithinTheStorageBudgetOrSaysWhatItNeeds) {
       b.host = 384 << 10;  // below the state: part of it must go to storage
       b.storage = storage;
       const std::string what = std::string(policy_name(policy)) + " storage budget " + format_size(storage);
-      auto plan = make_plan(*program, Machine::cpu_dev_box(), b, {.policy = policy, .alignment = 64});
+      auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), b, {.policy = policy, .alignment = 64});
       if (plan.ok()) {
         ++planned;
         EXPECT_LE(plan->storage_bytes, storage) << what;
@@ -127,7 +128,7 @@ TEST(StorageBudget, PlansWithinTheStorageBudgetOrSaysWhatItNeeds) {
       const uint64_t mib = std::stoull(s.message().substr(at + flag.size()));
       Budgets enough = b;
       enough.storage = mib << 20;
-      auto again = make_plan(*program, Machine::cpu_dev_box(), enough, {.policy = policy, .alignment = 64});
+      auto again = make_plan(*program, Simulator(Machine::cpu_dev_box()), enough, {.policy = policy, .alignment = 64});
       EXPECT_TRUE(again.ok()) << what << ": with the " << mib << " MiB it named: " << again.status().to_string();
     }
   EXPECT_GT(planned, 0);

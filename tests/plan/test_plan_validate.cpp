@@ -21,10 +21,10 @@ Program small_program() {
 
 // A planned plan that keeps the optimizer state on host.
 Plan host_state_plan(const Program& program, Budgets* budgets) {
-  auto resident = make_plan(program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+  auto resident = make_plan(program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
   EXPECT_TRUE(resident.ok()) << resident.status().to_string();
   budgets->device = resident->device_bytes / 4;
-  auto plan = make_plan(program, Machine::cpu_dev_box(), *budgets, {.policy = Policy::Planned, .alignment = 64});
+  auto plan = make_plan(program, Simulator(Machine::cpu_dev_box()), *budgets, {.policy = Policy::Planned, .alignment = 64});
   EXPECT_TRUE(plan.ok()) << plan.status().to_string();
   return *plan;
 }
@@ -42,7 +42,7 @@ std::vector<TensorId> host_homed(const Program& program, const Plan& plan) {
 TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
   auto program = build_training_program(ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
-  auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
   ASSERT_TRUE(resident.ok()) << resident.status().to_string();
   Budgets b;
   b.device = resident->device_bytes / 2;
@@ -51,7 +51,7 @@ TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
   for (;; ++rank) {
     PlannerOptions o{.policy = Policy::Auto, .alignment = 64};
     o.auto_rank = rank;
-    auto plan = make_plan(*program, Machine::cpu_dev_box(), b, o);
+    auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), b, o);
     if (!plan.ok()) {
       EXPECT_EQ(plan.status().code(), StatusCode::InvalidArgument) << plan.status().to_string();
       EXPECT_NE(plan.status().to_string().find("plan(s) fit"), std::string::npos) << plan.status().to_string();
@@ -75,7 +75,7 @@ TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
   auto program = build_training_program(ModelConfig{4, 256, 4, 256, 512}, StepShape{4, 256, 4}, DType::BF16);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
   const Machine machine = Machine::h200();
-  auto resident = make_plan(*program, machine, {}, {.policy = Policy::Resident, .alignment = 256});
+  auto resident = make_plan(*program, Simulator(machine), {}, {.policy = Policy::Resident, .alignment = 256});
   ASSERT_TRUE(resident.ok()) << resident.status().to_string();
   uint64_t state = 0;
   for (size_t i = 0; i < program->tensors.size(); ++i) {
@@ -93,8 +93,8 @@ TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
     Budgets b;
     b.device = resident->device_bytes / 100 * static_cast<uint64_t>(percent);
     if (state <= b.device / 2) continue;  // state leaves half: planned keeps it without asking
-    auto planned = make_plan(*program, machine, b, {.policy = Policy::Planned, .alignment = 256});
-    auto offloaded = make_plan(*program, machine, b, {.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256});
+    auto planned = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .alignment = 256});
+    auto offloaded = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256});
     if (!planned.ok() || !offloaded.ok()) continue;
     ++compared;
     EXPECT_TRUE(planned->validate(*program, b).is_ok()) << percent << "%";
@@ -200,7 +200,7 @@ TEST(PlanValidate, EveryPlanForTheTestModelsValidates) {
   for (const Model& m : models) {
     auto program = build_training_program(m.cfg, m.shape, DType::F32);
     ASSERT_TRUE(program.ok()) << program.status().to_string();
-    auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident, .alignment = 64});
+    auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
     ASSERT_TRUE(resident.ok()) << resident.status().to_string();
     for (Policy policy : {Policy::Resident, Policy::Paging, Policy::Planned, Policy::Auto})
       for (int divisor : {1, 2, 4, 10})
@@ -212,7 +212,7 @@ TEST(PlanValidate, EveryPlanForTheTestModelsValidates) {
               b.host = resident->device_bytes / 4;
               b.storage = 1ull << 30;
             }
-            auto plan = make_plan(*program, Machine::cpu_dev_box(), b,
+            auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), b,
                                   {.policy = policy, .recompute = recompute, .alignment = 64});
             const std::string what = m.cfg.to_string() + " " + policy_name(policy) + " 1/" + std::to_string(divisor) +
                                      (short_host ? " short host" : "");

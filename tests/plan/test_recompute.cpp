@@ -11,6 +11,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "sim/simulator.h"
 #include "backend/backend.h"
 #include "exec/executor.h"
 #include "support/test_support.h"
@@ -128,7 +129,7 @@ TEST(Recompute, ATensorWrittenTwiceIsNeverRecomputedFromItsFirstWriter) {
   const Program program = two_writer_program();
   ASSERT_TRUE(program.validate().is_ok()) << program.validate().to_string();
   const TensorId logits = program.tensors.find("logits");
-  auto resident = make_plan(program, slow_link(), {}, {.policy = Policy::Resident, .alignment = 64});
+  auto resident = make_plan(program, Simulator(slow_link()), {}, {.policy = Policy::Resident, .alignment = 64});
   ASSERT_TRUE(resident.ok()) << resident.status().to_string();
   auto ref = run_two_writer(program, *resident);
   ASSERT_TRUE(ref.ok()) << ref.status().to_string();
@@ -136,7 +137,7 @@ TEST(Recompute, ATensorWrittenTwiceIsNeverRecomputedFromItsFirstWriter) {
   int forced = 0;
   for (uint64_t budget = minimum; budget <= resident->device_bytes; budget += 4096) {
     const std::string what = "device budget " + std::to_string(budget);
-    auto plan = make_plan(program, slow_link(), {.device = budget}, {.policy = Policy::Planned, .recompute = 1, .alignment = 64});
+    auto plan = make_plan(program, Simulator(slow_link()), {.device = budget}, {.policy = Policy::Planned, .recompute = 1, .alignment = 64});
     if (!plan.ok()) {  // too tight for this program
       EXPECT_EQ(plan.status().code(), StatusCode::OutOfMemory) << what << ": " << plan.status().to_string();
       continue;
@@ -155,7 +156,7 @@ TEST(Recompute, ATensorWrittenTwiceIsNeverRecomputedFromItsFirstWriter) {
 // second one wrote the tensor is refused, naming the op, the tensor and the versions.
 TEST(Recompute, ValidateRefusesARecomputeOfATensorModifiedAfterItsProducer) {
   const Program program = two_writer_program();
-  auto plan = make_plan(program, slow_link(), {}, {.policy = Policy::Resident, .alignment = 64});
+  auto plan = make_plan(program, Simulator(slow_link()), {}, {.policy = Policy::Resident, .alignment = 64});
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   ASSERT_TRUE(plan->validate(program, {}).is_ok());
   const TensorId logits = program.tensors.find("logits");

@@ -10,6 +10,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "exec/op_timer.h"
 #include "sim/profiler.h"
 #include "sim/simulator.h"
 
@@ -143,7 +144,7 @@ static double predicted_tokens_per_s(const Machine& m, int B, int T, DType act) 
   auto program = build_training_program(*cfg, {.B = B, .T = T, .accum = 1}, act);
   EXPECT_TRUE(program.ok()) << program.status().to_string();
   if (!program.ok()) return 0;
-  auto plan = make_plan(*program, m, {}, {.policy = Policy::Resident});
+  auto plan = make_plan(*program, Simulator(m), {}, {.policy = Policy::Resident});
   EXPECT_TRUE(plan.ok()) << plan.status().to_string();
   if (!plan.ok()) return 0;
   return static_cast<double>(B) * T / simulate(*program, *plan, m).step_s;
@@ -445,7 +446,7 @@ TEST(Simulator, PlannedGptStep) {
     SCOPED_TRACE(policy_name(policy));
     Budgets budgets;
     if (policy != Policy::Resident) budgets.device = minimum_device_budget(*program, 64) * 3;
-    auto plan = make_plan(*program, m, budgets, {.policy = policy});
+    auto plan = make_plan(*program, Simulator(m), budgets, {.policy = policy});
     ASSERT_TRUE(plan.ok()) << plan.status().to_string();
     SimResult r = simulate(*program, *plan, m);
     size_t runs = 0;

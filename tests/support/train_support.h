@@ -20,6 +20,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "sim/simulator.h"
 
 namespace spillway::testing_support {
 
@@ -55,7 +56,7 @@ inline TrainRun train_gpt(const GPTCase& model, const Budgets& budgets, const Pl
   }
   PlannerOptions o = options;
   o.alignment = (*backend)->alignment();
-  auto plan = make_plan(*program, machine, budgets, o);
+  auto plan = make_plan(*program, Simulator(machine), budgets, o);
   if (!plan.ok()) {
     r.status = plan.status();
     return r;

@@ -11,6 +11,7 @@
 #include "exec/executor.h"
 #include "model/model.h"
 #include "plan/planner.h"
+#include "exec/op_timer.h"
 #include "sim/profiler.h"
 #include "sim/simulator.h"
 
@@ -32,7 +33,7 @@ Result<Measured> measure(Backend& backend, const Program& program, const Machine
   o.alignment = backend.alignment();
   SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed workspace, program_workspace(backend, program));
   o.workspace_bytes = workspace.bytes;
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan(program, machine, budgets, o));
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan(program, Simulator(machine), budgets, o));
   SPILLWAY_ASSIGN_OR_RETURN(auto ex, Executor::create(backend, program, plan));
   std::vector<double> times;
   Measured m;
@@ -59,7 +60,7 @@ TEST(PoliciesMeasured, PlannedStallsLessThanPagingOnTheCpu) {
   ModelConfig cfg{2, 256, 4, 128, 256};
   auto program = build_training_program(cfg, {4, 128, 1}, DType::F32);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
-  auto resident = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
+  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident});
   ASSERT_TRUE(resident.ok());
   Budgets b;
   b.device = resident->device_bytes / 4;
@@ -86,7 +87,7 @@ TEST(PoliciesMeasured, SimulatorPredictsPlannedStepWithin25Percent) {
   ASSERT_TRUE(program.ok());
   auto machine = measure_machine(**backend, Machine::cpu_dev_box());
   ASSERT_TRUE(machine.ok()) << machine.status().to_string();
-  auto resident = make_plan(*program, *machine, {}, {.policy = Policy::Resident});
+  auto resident = make_plan(*program, Simulator(*machine), {}, {.policy = Policy::Resident});
   ASSERT_TRUE(resident.ok());
   Budgets b;
   b.device = resident->device_bytes / 4;
@@ -118,12 +119,12 @@ TEST(PoliciesSimulated, PlannedStallsLessThanPagingInTheSimulator) {
     auto program = build_training_program(*cfg, {4, T, 1}, DType::BF16);
     ASSERT_TRUE(program.ok());
     for (Machine machine : {Machine::h200(), Machine::cpu_dev_box()}) {
-      auto resident = make_plan(*program, machine, {}, {.policy = Policy::Resident, .alignment = 256});
+      auto resident = make_plan(*program, Simulator(machine), {}, {.policy = Policy::Resident, .alignment = 256});
       ASSERT_TRUE(resident.ok()) << resident.status().to_string();
       Budgets b;
       b.device = resident->device_bytes / 4;
-      auto paging = make_plan(*program, machine, b, {.policy = Policy::Paging, .alignment = 256});
-      auto planned = make_plan(*program, machine, b, {.policy = Policy::Planned, .alignment = 256});
+      auto paging = make_plan(*program, Simulator(machine), b, {.policy = Policy::Paging, .alignment = 256});
+      auto planned = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .alignment = 256});
       ASSERT_TRUE(paging.ok()) << paging.status().to_string();
       ASSERT_TRUE(planned.ok()) << planned.status().to_string();
       auto placed = [&](const Plan& p) {

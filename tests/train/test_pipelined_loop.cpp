@@ -16,6 +16,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "sim/machine.h"
+#include "sim/simulator.h"
 #include "support/test_support.h"
 #include "support/trainer_support.h"
 #include "train/data.h"
@@ -156,12 +157,12 @@ TEST(PipelinedLoop, DeviceOptimizerStateIsAPrefixWithinItsBytes) {
   ASSERT_TRUE(program.ok());
   PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
   o.stream_optimizer = 0;  // the device prefix alone (streaming: the next test)
-  auto whole = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
+  auto whole = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident});
   ASSERT_TRUE(whole.ok());
   const Budgets budgets{.device = whole->device_bytes};
   for (int64_t allowed : {int64_t{0}, int64_t{100'000}, int64_t{400'000}}) {
     o.device_optimizer_bytes = allowed;
-    auto plan = make_plan(*program, Machine::cpu_dev_box(), budgets, o);
+    auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), budgets, o);
     ASSERT_TRUE(plan.ok()) << plan.status().to_string();
     bool seen_host = false;
     uint64_t kept = 0;
@@ -198,11 +199,11 @@ TEST(PipelinedLoop, StreamedOptimizerFollowsThePrefixAndPrecedesTheHost) {
   ModelConfig cfg{.layers = 4, .width = 64, .heads = 2, .context = 16, .vocab = 256};
   auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 1}, DType::F32);
   ASSERT_TRUE(program.ok());
-  auto whole = make_plan(*program, Machine::cpu_dev_box(), {}, {.policy = Policy::Resident});
+  auto whole = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident});
   ASSERT_TRUE(whole.ok());
   PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
   o.device_optimizer_bytes = 600'000;
-  auto plan = make_plan(*program, Machine::cpu_dev_box(), {.device = whole->device_bytes}, o);
+  auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), {.device = whole->device_bytes}, o);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   int phase = 0;  // 0: resident on device, 1: streamed, 2: host
   int counts[3] = {0, 0, 0};

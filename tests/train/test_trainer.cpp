@@ -19,6 +19,7 @@
 #include "train/sampler.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "support/fault_support.h"
 #include "support/trainer_support.h"
 #include "support/test_support.h"
 
@@ -423,8 +424,7 @@ TEST(Trainer, AfterAFailedStepTheStateIsNeitherReadNorSaved) {
     o.budgets.host = 512 * 1024;  // master weights and moments go to storage
     o.budgets.storage = 64 << 20;
     o.spill_dir = dir.path();
-    o.fault_seed = seed;
-    o.fault_rate = 0.004;
+    o.storage_engine_maker = faulty_storage_engines(seed, 0.004);
     auto t = Trainer::create(*backend, o);
     if (!t.ok()) continue;  // a fault while creating the spill files: not this test's case
     Trainer& tr = **t;

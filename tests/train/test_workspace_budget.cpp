@@ -10,6 +10,7 @@
 #include "model/model.h"
 #include "plan/planner.h"
 #include "train/trainer.h"
+#include "sim/simulator.h"
 
 namespace spillway {
 namespace {
@@ -51,7 +52,7 @@ TEST(WorkspaceBudget, VocabTilingComparesWithTheBudgetLessTheWorkspace) {
   {
     auto o = backend_planner_options(*untiled, cuda, options);
     ASSERT_TRUE(o.ok());
-    auto plan = make_plan(*untiled, Machine::h200(), {.device = budget}, *o);
+    auto plan = make_plan(*untiled, Simulator(Machine::h200()), {.device = budget}, *o);
     ASSERT_FALSE(plan.ok()) << "the untiled step plans at " << budget;
   }
 
@@ -62,7 +63,7 @@ TEST(WorkspaceBudget, VocabTilingComparesWithTheBudgetLessTheWorkspace) {
   auto o = backend_planner_options(*program, cuda, options);
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o->workspace_bytes, tiled_ws);
-  auto plan = make_plan(*program, Machine::h200(), {.device = budget}, *o);
+  auto plan = make_plan(*program, Simulator(Machine::h200()), {.device = budget}, *o);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   EXPECT_EQ(plan->workspace_bytes, tiled_ws);
 
@@ -111,7 +112,7 @@ TEST(WorkspaceBudget, RefusalNamesTheBudgetGivenWhenTheWorkspaceTakesItAll) {
   ASSERT_TRUE(program.ok());
   auto o = backend_planner_options(*program, cuda_backend_sizes(), {.policy = Policy::Planned});
   ASSERT_TRUE(o.ok());
-  auto plan = make_plan(*program, Machine::h200(), {.device = uint64_t{8} << 20}, *o);
+  auto plan = make_plan(*program, Simulator(Machine::h200()), {.device = uint64_t{8} << 20}, *o);
   ASSERT_FALSE(plan.ok());
   const std::string message = plan.status().to_string();
   EXPECT_NE(message.find("device budget 8.00 MiB is below the minimum"), std::string::npos) << message;

@@ -1,10 +1,9 @@
-#include "exec/trace.h"
+#include "core/chrome_trace.h"
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 
-#include "sim/simulator.h"
 
 namespace spillway {
 
@@ -100,24 +99,6 @@ Status Trace::write(const std::string& path) const {
   if (write_err) return errno_status("write trace file " + path, write_err);
   if (close_rc != 0) return errno_status("close trace file " + path, errno);
   return Status::ok();
-}
-
-Trace trace_from_simulation(const SimResult& sim) {
-  Trace trace;
-  for (const SimEvent& e : sim.timeline) {
-    nlohmann::json args = nlohmann::json::object();
-    if (e.op >= 0) args["op"] = e.op;
-    if (e.tensor != kNoTensor) args["tensor"] = e.tensor;
-    if (e.bytes > 0) args["bytes"] = e.bytes;
-    if (e.recompute) args["recompute"] = true;
-    trace.slice(sim_resource_name(e.resource), e.name, e.start_s, e.end_s, std::move(args));
-  }
-  for (const MemorySample& m : sim.memory) {
-    trace.counter("device bytes", m.t_s, static_cast<double>(m.device_bytes));
-    trace.counter("host bytes", m.t_s, static_cast<double>(m.host_bytes));
-    trace.counter("storage bytes", m.t_s, static_cast<double>(m.storage_bytes));
-  }
-  return trace;
 }
 
 }  // namespace spillway
