@@ -43,9 +43,6 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
   size_t clip = SIZE_MAX;
   for (size_t i = 0; i < training.ops.size(); ++i) {
     const Op& op = training.ops[i];
-    if (op.micro_batch > 0)
-      return fail("op '" + op.name + "' belongs to micro-batch " + std::to_string(op.micro_batch) +
-                  "; each rank's program has one micro-batch (build it with accum 1)");
     for (const Operand& o : op.operands)
       if (T.info(o.tensor).dtype == DType::BF16)
         return fail("tensor '" + T.info(o.tensor).name + "' is bf16; exact reduction needs f32 gradients (bf16: not yet)");
@@ -122,6 +119,11 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
     d.name = T.info(p.param).name;
     d.n = T.info(p.param).shape.numel();
     d.parts = static_cast<int>(p.parts.size());
+    const int most = static_cast<int>(op_info(OpKind::SendGradient).slots.size());
+    if (d.parts > most)
+      return fail("the gradient of '" + d.name + "' has " + std::to_string(d.parts) +
+                  " contributions a step (micro-batches a rank × contributions each); the reduction takes at most " +
+                  std::to_string(most) + ": fewer micro-batches a rank");
     L.params.push_back(d);
     // What the owner holds besides the parameter: master, moments and the reduced
     // gradient, F32.

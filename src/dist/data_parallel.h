@@ -67,17 +67,20 @@ struct DataParallelLayout {
   std::vector<Program> rank_programs;     // [world] what each rank's executor runs
 };
 
-// Splits `training` (build_training_program with accum 1: one micro-batch, this
-// rank's) into one program per rank and the partition of its parameters over `world`
-// ranks. Rank r's program: the forward and backward (a gradient's second and later
+// Splits `training` (build_training_program with this rank's micro-batches: accum 1,
+// or A) into one program per rank and the partition of its parameters over `world`
+// ranks. With A micro-batches a rank, rank r reads micro-batches r·A ... r·A+A-1 of
+// one rank's N·A, and every micro-batch's contributions travel as parts of their own
+// (A gradients' memory): a rank's own accumulation would add them in another order
+// than one rank does. Rank r's program: the forward and backward (a gradient's second and later
 // contributions each in a part of its own), then per parameter ReduceGradient (its
 // owner) or SendGradient (the others), the owned parameters' SquaredNorm ops,
 // AllReduceInRankOrder of the squared norms, ClipScale, and per parameter the owner's
 // AdamW and BroadcastParam. Only the owned parameters' master weights and moments are
 // in it. One rank with accumulation N scales the loss gradient by 1/(B·T·N); each
 // rank's CrossEntropyBackward scale is set to exactly that value with N =
-// `loss_scale_micro_batches` (the world size), computed as the builder does.
-// Errors: a program with more than one micro-batch, no AdamW or ClipScale op, a bf16
+// `loss_scale_micro_batches` (world · A), computed as the builder does.
+// Errors: no AdamW or ClipScale op, a bf16
 // tensor (bf16 gradients need their contributions in fp32 to be reduced exactly: not
 // done yet), world < 1.
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,

@@ -382,21 +382,27 @@ Status check_clip_scale(const OpCheck& c) {
 }
 
 // ---- Collectives (data-parallel ranks, src/dist) -----------------------------------
-// ReduceGradient       (sum W, part0 R [, part1 R])   attrs n, root = this rank
-// SendGradient         (part0 R [, part1 R])          attrs n, root = the owner
+// ReduceGradient       (sum W, part0 R [, part1 R ... part7 R])  attrs n, root = this rank
+// SendGradient         (part0 R [, part1 R ... part7 R])         attrs n, root = the owner
 // AllReduceInRankOrder (buf U)                         attrs n
 // BroadcastParam       (param U)                       attrs n, root = the owner
 // Every operand has n elements. The owner's sum is, per element, +0 plus every rank's
 // parts in rank order and, within a rank, part order (Communicator::
 // reduce_in_rank_order): one rank's accumulation of its micro-batches. A gradient
-// with two contributions per micro-batch (tied embeddings) has two parts.
+// with two contributions per micro-batch (tied embeddings) has two parts; a rank of A
+// micro-batches has A times as many (at most 8 in all).
 // AllReduceInRankOrder leaves that sum over ranks on every rank (exact for the packed
 // squared norms, whose elements are non-zero on their owner only). Every rank runs
 // the matching op at the same point of its program.
 
 constexpr OpSlot kReduceGradientSlots[] = {
-    {"sum", A::Write, D::F32}, {"part0", A::Read, D::Act}, {"part1", A::Read, D::Act, true}};
-constexpr OpSlot kSendGradientSlots[] = {{"part0", A::Read, D::Act}, {"part1", A::Read, D::Act, true}};
+    {"sum", A::Write, D::F32},           {"part0", A::Read, D::Act},       {"part1", A::Read, D::Act, true},
+    {"part2", A::Read, D::Act, true},    {"part3", A::Read, D::Act, true}, {"part4", A::Read, D::Act, true},
+    {"part5", A::Read, D::Act, true},    {"part6", A::Read, D::Act, true}, {"part7", A::Read, D::Act, true}};
+constexpr OpSlot kSendGradientSlots[] = {
+    {"part0", A::Read, D::Act},       {"part1", A::Read, D::Act, true}, {"part2", A::Read, D::Act, true},
+    {"part3", A::Read, D::Act, true}, {"part4", A::Read, D::Act, true}, {"part5", A::Read, D::Act, true},
+    {"part6", A::Read, D::Act, true}, {"part7", A::Read, D::Act, true}};
 constexpr OpSlot kAllReduceSlots[] = {{"buf", A::Update, D::F32}};
 constexpr OpSlot kBroadcastParamSlots[] = {{"param", A::Update, D::Act}};
 

@@ -30,6 +30,7 @@ struct Case {
   std::string what;
   ModelConfig cfg;
   int B = 2, T = 16;
+  bool tile_vocab = false;
 };
 
 struct RunResult {
@@ -78,7 +79,7 @@ float lr_of(int step) { return step % 3 == 0 ? 2e-3f : 5e-2f; }
 RunResult single_rank(const Case& c, int accum, int steps) {
   RunResult run;
   auto backend = make_backend("cpu", {.threads = 1});
-  auto program = build_training_program(c.cfg, {c.B, c.T, accum}, DType::F32);
+  auto program = build_training_program(c.cfg, {c.B, c.T, accum, c.tile_vocab}, DType::F32);
   if (!program.ok()) return failed(program.status());
   auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
   if (!plan.ok()) return failed(plan.status());
@@ -122,9 +123,10 @@ RunResult single_rank(const Case& c, int accum, int steps) {
 
 // `world` in-process ranks, rank r reading micro-batch r. `loss_scale_micro_batches`
 // is `world` for the exact run (tests pass another value to see the check fail).
-RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micro_batches, bool offload = false) {
+RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micro_batches, bool offload = false,
+                        int accum = 1) {
   RunResult run;
-  auto program = build_training_program(c.cfg, {c.B, c.T, 1}, DType::F32);
+  auto program = build_training_program(c.cfg, {c.B, c.T, accum, c.tile_vocab}, DType::F32);
   if (!program.ok()) return failed(program.status());
   auto layout = make_data_parallel_layout(*program, world, loss_scale_micro_batches);
   if (!layout.ok()) return failed(layout.status());
@@ -145,7 +147,7 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
   }
   const auto init = initial_values(*program, c.cfg);
   const size_t tokens = static_cast<size_t>(c.B * c.T);
-  run.losses.assign(static_cast<size_t>(steps), std::vector<float>(world * tokens));
+  run.losses.assign(static_cast<size_t>(steps), std::vector<float>(world * accum * tokens));
   run.clip.assign(static_cast<size_t>(2 * steps), 0.0f);
   std::vector<Status> status(static_cast<size_t>(world));
   run.rank_params.resize(static_cast<size_t>(world));
@@ -168,13 +170,18 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
       for (auto& [name, v] : init)
         if (Status e = dp.write_parameter(name, v); !e.is_ok()) return fail(e);
       for (int step = 1; step <= steps; ++step) {
-        std::vector<int32_t> tok, tgt;
-        batch(c.cfg, c.B, c.T, step, r, tok, tgt);
-        Status e = dp.write_input("mb0.tokens", tok.data(), tok.size() * 4);
-        if (e.is_ok()) e = dp.write_input("mb0.targets", tgt.data(), tgt.size() * 4);
+        Status e = Status::ok();
+        for (int k = 0; k < accum && e.is_ok(); ++k) {  // micro-batches r·A ... r·A+A-1 of the step
+          std::vector<int32_t> tok, tgt;
+          batch(c.cfg, c.B, c.T, step, r * accum + k, tok, tgt);
+          const std::string mb = "mb" + std::to_string(k) + ".";
+          e = dp.write_input(mb + "tokens", tok.data(), tok.size() * 4);
+          if (e.is_ok()) e = dp.write_input(mb + "targets", tgt.data(), tgt.size() * 4);
+        }
         if (e.is_ok()) e = dp.step({.step = step, .lr = lr_of(step)});
-        if (e.is_ok())
-          e = dp.read_output("mb0.losses", run.losses[static_cast<size_t>(step - 1)].data() + r * tokens, tokens * 4);
+        for (int k = 0; k < accum && e.is_ok(); ++k)
+          e = dp.read_output("mb" + std::to_string(k) + ".losses",
+                             run.losses[static_cast<size_t>(step - 1)].data() + (r * accum + k) * tokens, tokens * 4);
         if (!e.is_ok()) return fail(e);
         auto clip = dp.scale_norm();
         if (!clip.ok()) return fail(clip.status());
@@ -259,6 +266,31 @@ TEST(DataParallel, RanksEqualOneRankWithAccumulationBitForBit) {
   }
 }
 
+// Two ranks of two micro-batches each equal one rank of four (rank r reads micro-
+// batches 2r and 2r+1); every micro-batch's contributions travel as parts of their own.
+TEST(DataParallel, RanksWithAccumulationEqualOneRankWithAllTheMicroBatches) {
+  const Case c = cases()[0];
+  RunResult ref = single_rank(c, 4, kSteps);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  RunResult dp = data_parallel(c, 2, kSteps, 4, false, /*accum=*/2);
+  ASSERT_TRUE(dp.status.is_ok()) << dp.status.to_string();
+  EXPECT_EQ(differences(dp, ref), 0u);
+  EXPECT_EQ(dp.masters.size(), ref.masters.size());
+}
+
+// Vocab tiles (wte in kVocabBlock-row tensors, one LM-head and embedding op each):
+// every tile's gradient has its two parts.
+TEST(DataParallel, VocabTilesEqualOneRank) {
+  Case c{"gpt2 vocab tiles", ModelConfig{2, 32, 2, 16, static_cast<int>(kVocabBlock + 500)}};
+  c.tile_vocab = true;
+  RunResult ref = single_rank(c, 2, 3);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  ASSERT_EQ(ref.masters.count("transformer.wte.weight#1"), 1u);
+  RunResult dp = data_parallel(c, 2, 3, 2);
+  ASSERT_TRUE(dp.status.is_ok()) << dp.status.to_string();
+  EXPECT_EQ(differences(dp, ref), 0u);
+}
+
 // Each rank plans its own program: with its shard of the optimizer state on host (the
 // host AdamW) under half the device memory, the bits stay those of one rank.
 TEST(DataParallel, RanksWithOffloadedShardsEqualOneRank) {
@@ -335,11 +367,21 @@ TEST(DataParallel, LayoutSplitsTiedGradientsAndPartitionsTheOptimizerState) {
     EXPECT_EQ(collectives, first);
     EXPECT_EQ(collectives.size(), 2 * layout->params.size() + 1);
   }
-  // More than one micro-batch is refused, naming the op.
+  // Two micro-batches a rank: every gradient has a part per micro-batch (wte 4).
   auto two = build_training_program(ModelConfig{2, 32, 2, 16, 64}, {2, 16, 2}, DType::F32);
-  auto bad = make_data_parallel_layout(*two, 2, 2);
+  auto layout2 = make_data_parallel_layout(*two, 2, 4);
+  ASSERT_TRUE(layout2.ok()) << layout2.status().to_string();
+  for (const DataParallelParam& p : layout2->params)
+    EXPECT_EQ(p.parts, p.name == "transformer.wte.weight" ? 4 : 2) << p.name;
+  // Five micro-batches a rank: wte has 10 contributions, more than a reduction takes.
+  auto five = build_training_program(ModelConfig{2, 32, 2, 16, 64}, {2, 16, 5}, DType::F32);
+  auto many = make_data_parallel_layout(*five, 2, 10);
+  ASSERT_FALSE(many.ok());
+  EXPECT_NE(many.status().message().find("'transformer.wte.weight' has 10 contributions"), std::string::npos)
+      << many.status().to_string();
+  auto bad = make_data_parallel_layout(*two, 0, 4);
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("micro-batch 1"), std::string::npos) << bad.status().to_string();
+  EXPECT_NE(bad.status().message().find("world size is 0"), std::string::npos) << bad.status().to_string();
 }
 
 // A collective op on a backend without a communicator is an error naming the op.
