@@ -7,6 +7,11 @@
 // (program/op_registry.h) because the program module comes before the backend in
 // DESIGN.md's flow: the registry says what an op is, this table how a backend runs it.
 //
+// The collective ops of data-parallel ranks (ReduceGradient, SendGradient,
+// AllReduceInRankOrder, BroadcastParam) call the backend's Communicator
+// (Backend::set_communicator) after synchronizing the backend; without one they are
+// an error naming the op.
+//
 //   std::vector<void*> ptrs = {out_ptr, inp_ptr};           // GeluForward: (out, inp)
 //   SPILLWAY_RETURN_IF_ERROR(run_device_op(backend, program, op, ptrs, step));
 //   auto ws = program_workspace(backend, program);          // device workspace to reserve
