@@ -34,8 +34,10 @@ Op make(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs at
 }  // namespace
 
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,
-                                                     int loss_scale_micro_batches) {
+                                                     int loss_scale_micro_batches, int only_rank) {
   if (world < 1) return fail("world size is " + std::to_string(world) + "; need at least 1 rank");
+  if (only_rank >= world)
+    return fail("rank " + std::to_string(only_rank) + " is not one of " + std::to_string(world));
   if (loss_scale_micro_batches < 1)
     return fail("loss scale micro-batches is " + std::to_string(loss_scale_micro_batches) + "; need at least 1");
   SPILLWAY_RETURN_IF_ERROR(training.validate());
@@ -43,9 +45,6 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
   size_t clip = SIZE_MAX;
   for (size_t i = 0; i < training.ops.size(); ++i) {
     const Op& op = training.ops[i];
-    for (const Operand& o : op.operands)
-      if (T.info(o.tensor).dtype == DType::BF16)
-        return fail("tensor '" + T.info(o.tensor).name + "' is bf16; exact reduction needs f32 gradients (bf16: not yet)");
     if (op.kind == OpKind::ClipScale) clip = i;
   }
   if (clip == SIZE_MAX) return fail("the training program has no ClipScale op");
@@ -139,6 +138,10 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
   }
 
   for (int r = 0; r < world; ++r) {
+    if (only_rank >= 0 && r != only_rank) {
+      L.rank_programs.emplace_back();
+      continue;
+    }
     std::vector<Op> ops = body;
     for (size_t i = 0; i < params.size(); ++i) {
       const int owner = L.partition.owner[i];

@@ -80,11 +80,13 @@ struct DataParallelLayout {
 // in it. One rank with accumulation N scales the loss gradient by 1/(B·T·N); each
 // rank's CrossEntropyBackward scale is set to exactly that value with N =
 // `loss_scale_micro_batches` (world · A), computed as the builder does.
-// Errors: no AdamW or ClipScale op, a bf16
-// tensor (bf16 gradients need their contributions in fp32 to be reduced exactly: not
-// done yet), world < 1.
+// Errors: no AdamW or ClipScale op, world < 1. A bf16 program gives a layout (for
+// predictions) whose collectives refuse to run: bf16 gradients would need their
+// parts in fp32 to be reduced exactly (not done yet).
+// only_rank >= 0 builds that rank's program alone (the others are left empty), for
+// predictions at sizes where a program per rank would not fit in memory.
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,
-                                                     int loss_scale_micro_batches);
+                                                     int loss_scale_micro_batches, int only_rank = -1);
 
 // One rank: its executor over its program, with the communicator set on the backend.
 class DataParallelRank {

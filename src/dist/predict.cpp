@@ -1,0 +1,61 @@
+#include "dist/predict.h"
+
+#include <algorithm>
+#include <string>
+
+#include "dist/data_parallel.h"
+
+namespace spillway {
+
+double collective_seconds(const Program& rank_program, size_t op_index, int world, const NetworkLink& link) {
+  if (world <= 1 || op_index >= rank_program.ops.size() || link.bytes_per_s <= 0) return 0;
+  const Op& op = rank_program.ops[op_index];
+  const double bytes = static_cast<double>(op.attrs.n) * sizeof(float), others = world - 1;
+  switch (op.kind) {
+    case OpKind::ReduceGradient:  // the parts after `sum`
+      return others * static_cast<double>(op.operands.size() - 1) * bytes / link.bytes_per_s + link.latency_s;
+    case OpKind::SendGradient:  // every rank waits for the owner's gather
+      return others * static_cast<double>(op.operands.size()) * bytes / link.bytes_per_s + link.latency_s;
+    case OpKind::AllReduceInRankOrder:  // a gather to rank 0, then a broadcast
+      return (others + 1) * bytes / link.bytes_per_s + 2 * link.latency_s;
+    case OpKind::BroadcastParam:
+      return bytes / link.bytes_per_s + link.latency_s;
+    default:
+      return 0;
+  }
+}
+
+Result<DataParallelPrediction> predict_data_parallel(const Program& training, int world, int loss_scale_micro_batches,
+                                                     int64_t tokens_per_rank, const CostModel& cost,
+                                                     const std::function<Result<Plan>(const Program&)>& plan_rank,
+                                                     const NetworkLink& link) {
+  if (world > 1 && !(link.bytes_per_s > 0))
+    return Status::invalid_argument("data-parallel prediction: " + std::to_string(world) +
+                                    " ranks need the network's rate (bytes/s per GPU, one direction); none was given");
+  if (tokens_per_rank <= 0)
+    return Status::invalid_argument("data-parallel prediction: tokens per rank is " + std::to_string(tokens_per_rank));
+  // The busiest rank: the partition depends on the sizes only, so a one-rank layout
+  // first tells which rank that is.
+  SPILLWAY_ASSIGN_OR_RETURN(DataParallelLayout probe, make_data_parallel_layout(training, world, loss_scale_micro_batches, 0));
+  const auto& bytes = probe.partition.rank_bytes;
+  const int busiest = static_cast<int>(std::max_element(bytes.begin(), bytes.end()) - bytes.begin());
+  DataParallelLayout layout = std::move(probe);
+  if (busiest != 0) {
+    SPILLWAY_ASSIGN_OR_RETURN(layout, make_data_parallel_layout(training, world, loss_scale_micro_batches, busiest));
+  }
+  const Program& mine = layout.rank_programs[static_cast<size_t>(busiest)];
+  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, plan_rank(mine));
+  DataParallelPrediction p;
+  p.world = world;
+  p.busiest_rank = busiest;
+  p.compute_s = cost.step_seconds(mine, plan);
+  for (size_t i = 0; i < mine.ops.size(); ++i) p.collective_s += collective_seconds(mine, i, world, link);
+  p.step_s = p.compute_s + p.collective_s;
+  if (p.step_s > 0) {
+    p.tokens_per_s_per_gpu = static_cast<double>(tokens_per_rank) / p.step_s;
+    p.tokens_per_s = p.tokens_per_s_per_gpu * world;
+  }
+  return p;
+}
+
+}  // namespace spillway

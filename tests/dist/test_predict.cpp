@@ -1,0 +1,85 @@
+// The data-parallel prediction (dist/predict.h): the busiest rank's planned step plus
+// its collectives over the network, costed by hand here.
+#include <gtest/gtest.h>
+
+#include "dist/data_parallel.h"
+#include "dist/predict.h"
+#include "model/model.h"
+#include "plan/planner.h"
+#include "sim/machine.h"
+#include "sim/simulator.h"
+
+using namespace spillway;
+
+namespace {
+
+const ModelConfig kModel{2, 32, 2, 16, 64};
+
+}  // namespace
+
+TEST(DataParallelPrediction, CollectivesCostTheirBytesOverTheLink) {
+  auto training = build_training_program(kModel, {2, 16, 1}, DType::F32);
+  ASSERT_TRUE(training.ok());
+  Simulator sim(Machine::cpu_dev_box());
+  auto plan_rank = [&](const Program& p) { return make_plan(p, sim, {}, {.policy = Policy::Resident, .alignment = 64}); };
+  const NetworkLink link{.bytes_per_s = 1e9, .latency_s = 1e-5};
+  // One rank: no collective time, the step of its program.
+  auto one = predict_data_parallel(*training, 1, 1, 32, sim, plan_rank, link);
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  EXPECT_EQ(one->collective_s, 0.0);
+  EXPECT_GT(one->compute_s, 0.0);
+  EXPECT_DOUBLE_EQ(one->tokens_per_s, 32 / one->step_s);
+  // Three ranks, by hand: per parameter a gather of (world-1)·parts·n·4 bytes and a
+  // broadcast of n·4, each with the latency; the norms' gather and broadcast.
+  const int world = 3;
+  auto layout = make_data_parallel_layout(*training, world, world);
+  ASSERT_TRUE(layout.ok());
+  double want = 0;
+  for (const DataParallelParam& p : layout->params)
+    want += (2.0 * p.parts * p.n * 4) / 1e9 + 1e-5 + (p.n * 4.0) / 1e9 + 1e-5;
+  const double P = static_cast<double>(training->tensors.info(training->tensors.find("grad_sqnorms")).shape.numel());
+  want += 3.0 * P * 4 / 1e9 + 2e-5;
+  auto three = predict_data_parallel(*training, world, world, 32, sim, plan_rank, link);
+  ASSERT_TRUE(three.ok()) << three.status().to_string();
+  EXPECT_NEAR(three->collective_s, want, 1e-12);
+  const auto& bytes = layout->partition.rank_bytes;
+  EXPECT_EQ(bytes[static_cast<size_t>(three->busiest_rank)], *std::max_element(bytes.begin(), bytes.end()));
+  EXPECT_DOUBLE_EQ(three->step_s, three->compute_s + three->collective_s);
+  EXPECT_DOUBLE_EQ(three->tokens_per_s, 3 * 32 / three->step_s);
+  EXPECT_LT(three->tokens_per_s_per_gpu, one->tokens_per_s_per_gpu);
+  // A faster link: less collective time.
+  auto fast = predict_data_parallel(*training, world, world, 32, sim, plan_rank, {.bytes_per_s = 1e11});
+  ASSERT_TRUE(fast.ok());
+  EXPECT_LT(fast->collective_s, three->collective_s / 50);
+  // Several ranks without a network rate: an error asking for it.
+  auto none = predict_data_parallel(*training, world, world, 32, sim, plan_rank, {});
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("need the network's rate"), std::string::npos) << none.status().to_string();
+}
+
+TEST(DataParallelPrediction, OneRankLayoutsBuildOnlyThatRank) {
+  auto training = build_training_program(kModel, {2, 16, 1}, DType::F32);
+  ASSERT_TRUE(training.ok());
+  auto full = make_data_parallel_layout(*training, 4, 4);
+  auto only = make_data_parallel_layout(*training, 4, 4, 2);
+  ASSERT_TRUE(full.ok() && only.ok());
+  ASSERT_EQ(only->rank_programs.size(), 4u);
+  EXPECT_TRUE(only->rank_programs[0].ops.empty());
+  ASSERT_EQ(only->rank_programs[2].ops.size(), full->rank_programs[2].ops.size());
+  for (size_t i = 0; i < full->rank_programs[2].ops.size(); ++i)
+    EXPECT_EQ(only->rank_programs[2].ops[i].name, full->rank_programs[2].ops[i].name);
+  EXPECT_FALSE(make_data_parallel_layout(*training, 4, 4, 4).ok());
+}
+
+// A bf16 program (the GPU's) can be predicted; its collectives are costed in fp32
+// parts, the form an exact reduction of bf16 gradients would need.
+TEST(DataParallelPrediction, Bf16ProgramsArePredicted) {
+  auto training = build_training_program(kModel, {2, 16, 1}, DType::BF16);
+  ASSERT_TRUE(training.ok());
+  Simulator sim(Machine::h200());
+  auto plan_rank = [&](const Program& p) { return make_plan(p, sim, {}, {.policy = Policy::Resident, .alignment = 256}); };
+  auto p = predict_data_parallel(*training, 8, 8, 32, sim, plan_rank, {.bytes_per_s = 450e9, .latency_s = 1e-5});
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_GT(p->collective_s, 0.0);
+  EXPECT_GT(p->compute_s, 0.0);
+}
