@@ -223,9 +223,7 @@ Status run_bench(const BenchTrainFlags& f) {
   // the measurement (issue 13: predictions within 10%).
   double predicted_s = 0;
   {
-    Program placed = trainer->program();
-    for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = trainer->plan().op_place[i];
-    predicted_s = simulate(placed, trainer->plan(), o.machine).step_s;
+    predicted_s = simulate(placed_as_planned(trainer->program(), trainer->plan()), trainer->plan(), o.machine).step_s;
     std::printf("predicted     %.4f s per step by the simulator on machine %s (%+.1f%% from the measured)\n",
                 predicted_s, o.machine.name.c_str(), step_s > 0 ? 100.0 * (predicted_s / step_s - 1) : 0.0);
   }

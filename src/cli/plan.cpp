@@ -162,8 +162,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
                          " backend's allocations");
     return s.with_context("backend " + backend.name());
   }
-  Program placed = *program;
-  for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
+  const Program placed = placed_as_planned(*program, *plan);
   SimResult sim = simulate(placed, *plan, machine);
   PlanReport report = summarize(placed, *plan, sim);
   std::ostringstream out;

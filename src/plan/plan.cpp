@@ -340,4 +340,10 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
   return Status::ok();
 }
 
+Program placed_as_planned(const Program& program, const Plan& plan) {
+  Program placed = program;
+  for (size_t i = 0; i < placed.ops.size() && i < plan.op_place.size(); ++i) placed.ops[i].place = plan.op_place[i];
+  return placed;
+}
+
 }  // namespace spillway

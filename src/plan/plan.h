@@ -103,4 +103,9 @@ struct Plan {
   Status validate(const Program& program, const Budgets& budgets) const;
 };
 
+// `program` with each op placed where `plan` runs it (Plan::op_place): what the
+// simulator and reports read.
+//   SimResult r = simulate(placed_as_planned(program, plan), plan, machine);
+Program placed_as_planned(const Program& program, const Plan& plan);
+
 }  // namespace spillway

@@ -1217,9 +1217,7 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
       // auto tries both.
       const int flush_gap = 0;
       auto predicted_s = [&](const Plan& plan) {
-        Program placed = program;
-        for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan.op_place[i];
-        return cost.step_seconds(placed, plan);
+        return cost.step_seconds(placed_as_planned(program, plan), plan);
       };
       // All state on device although it leaves less than half the budget: the
       // activations then live on recomputation. With accumulation that can beat
@@ -1290,9 +1288,7 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
           last = plan.status();
           continue;
         }
-        Program placed = program;
-        for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan->op_place[i];
-        const double step_s = cost.step_seconds(placed, *plan);
+        const double step_s = cost.step_seconds(placed_as_planned(program, *plan), *plan);
         ranked.emplace_back(step_s, std::move(*plan));
       }
       std::stable_sort(ranked.begin(), ranked.end(),

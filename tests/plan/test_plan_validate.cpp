@@ -83,11 +83,7 @@ TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
     if (t.role == Role::Param || t.role == Role::Grad || t.role == Role::Master || t.role == Role::OptState)
       state += t.bytes();
   }
-  auto predicted = [&](const Plan& plan) {
-    Program placed = *program;
-    for (size_t i = 0; i < placed.ops.size(); ++i) placed.ops[i].place = plan.op_place[i];
-    return simulate(placed, plan, machine).step_s;
-  };
+  auto predicted = [&](const Plan& plan) { return simulate(placed_as_planned(*program, plan), plan, machine).step_s; };
   int crowded = 0, compared = 0;
   for (int percent = 100; percent >= 30; percent -= 5) {
     Budgets b;

@@ -47,8 +47,7 @@ Result<Measured> measure(Backend& backend, const Program& program, const Machine
   m.step_s = times[times.size() / 2];
   m.min_step_s = times.front();
   m.plan = plan;
-  m.program = program;
-  for (size_t i = 0; i < m.program.ops.size(); ++i) m.program.ops[i].place = plan.op_place[i];
+  m.program = placed_as_planned(program, plan);
   return m;
 }
 
@@ -127,11 +126,7 @@ TEST(PoliciesSimulated, PlannedStallsLessThanPagingInTheSimulator) {
       auto planned = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .alignment = 256});
       ASSERT_TRUE(paging.ok()) << paging.status().to_string();
       ASSERT_TRUE(planned.ok()) << planned.status().to_string();
-      auto placed = [&](const Plan& p) {
-        Program q = *program;
-        for (size_t i = 0; i < q.ops.size(); ++i) q.ops[i].place = p.op_place[i];
-        return q;
-      };
+      auto placed = [&](const Plan& p) { return placed_as_planned(*program, p); };
       SimResult sp = simulate(placed(*paging), *paging, machine);
       SimResult sq = simulate(placed(*planned), *planned, machine);
       EXPECT_LT(sq.stall_s, sp.stall_s) << model << " on " << machine.name;
