@@ -70,7 +70,9 @@ uint32_t bits(float f) {
   return u;
 }
 
-std::vector<StepResult> run_steps(Backend& backend, const TrainerOptions& o, int steps) {
+// The steps' results; with `state`, also every tensor of the state after them.
+std::vector<StepResult> run_steps(Backend& backend, const TrainerOptions& o, int steps,
+                                  std::map<std::string, std::vector<float>>* state = nullptr) {
   auto t = Trainer::create(backend, o);
   EXPECT_TRUE(t.ok()) << t.status().to_string();
   if (!t.ok()) return {};
@@ -82,6 +84,7 @@ std::vector<StepResult> run_steps(Backend& backend, const TrainerOptions& o, int
     if (!r.ok()) break;
     out.push_back(*r);
   }
+  if (state) *state = testing_support::read_state(**t);
   return out;
 }
 
@@ -147,7 +150,8 @@ TEST(Trainer, SpillingBudgetGivesIdenticalLosses) {
 TEST(Trainer, AutoTimesItsBestTwoCandidatesAndStaysExact) {
   auto backend = cpu_backend();
   TrainerOptions o = micro_options();
-  auto resident = run_steps(*backend, o, 3);
+  std::map<std::string, std::vector<float>> resident_state, spilled_state;
+  auto resident = run_steps(*backend, o, 3, &resident_state);
   auto t = Trainer::create(*backend, o);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
   const uint64_t full = (*t)->plan().device_bytes;
@@ -163,9 +167,10 @@ TEST(Trainer, AutoTimesItsBestTwoCandidatesAndStaysExact) {
   EXPECT_NE(d.find("; kept candidate "), std::string::npos) << d;
   EXPECT_GT((*timed)->plan().predicted_step_s, 0.0);
   timed->reset();
-  auto spilled = run_steps(*backend, o, 3);
+  auto spilled = run_steps(*backend, o, 3, &spilled_state);
   ASSERT_EQ(spilled.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(bits(resident[i].loss), bits(spilled[i].loss)) << "step " << i + 1;
+  EXPECT_EQ(resident_state, spilled_state);  // every weight, master weight and moment as in the resident run
   // Untimed (0): the simulator's best, and no timing report.
   o.auto_confirm = 0;
   auto untimed = Trainer::create(*backend, o);
