@@ -10,11 +10,11 @@ row() {  # label, then bench train flags
   if [ $? -ne 0 ]; then echo "| $label | error: $(echo "$out" | tail -1) |"; return; fi
   local tps stall dev
   tps=$(echo "$out" | awk '/^tokens\/s/ {print $2}')
-  stall=$(echo "$out" | awk '/^executor waits/ {print $3}')
+  stall=$(echo "$out" | awk '/^compute stalled/ {print $3}')
   dev=$(echo "$out" | awk '/^peaks/ {print $3, $4}')
   echo "| $label | $tps | $stall | $dev |"
 }
-echo "| run | tokens/s | executor waits | device peak |"
+echo "| run | tokens/s | compute stalled | device peak |"
 echo "| --- | ---: | ---: | ---: |"
 row "tiny, resident, 16×64" --model tiny --batch 16 --context 64 --steps 4 --policy resident
 row "gpt2-124m, resident, 1×128" --model gpt2-124m --batch 1 --context 128 --steps 3 --policy resident

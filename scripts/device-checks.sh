@@ -57,5 +57,5 @@ done
 log "measured: policy auto on the measured machine (times its best two candidates first)"
 timeout 180 $bin bench train --backend cuda --model gpt2-1.5b --batch 8 --accum 1 --steps 3 --device-budget 24GiB \
   --policy auto --machine "$out/h200-measured.json" > "$out/bench_auto.log" 2>&1
-grep -E "plan:|tokens/s|executor waits|first step|MFU|predicted" "$out/bench_auto.log" | tee -a "$out/summary.txt"
+grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted" "$out/bench_auto.log" | tee -a "$out/summary.txt"
 log "total $(( $(date +%s) - t0 )) s"

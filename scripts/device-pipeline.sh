@@ -38,7 +38,7 @@ if [ "$part" != exact ]; then
     log "24 GiB budget: $m (planned)"
     timeout 240 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --device-budget 24GiB --policy planned \
       --json "$out/b24_${m// /_}.json" > "$out/b24_${m// /_}.log" 2>&1
-    grep -E "plan:|tokens/s|executor waits|first step|MFU" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
+    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
   done
   log "PyTorch peer, no memory limit, same machine"
   NMEAS=2 timeout 200 python3 bench/peers/torch_gpt.py ${PEERS:-1.5B:full:8 2.7B:full:8 4B:full:8} 2>&1 | tail -4 | tee -a "$out/summary.txt"

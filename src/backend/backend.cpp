@@ -1,6 +1,8 @@
 // make_backend: picks the CPU or the CUDA backend by name.
 #include "backend/backend.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 
 #include "backend/cpu/cpu_backend.h"
@@ -14,6 +16,23 @@ namespace spillway {
 // code would count as part of the context, but it loads all of cuBLASLt's kernels
 // when its handle is made: 338 MiB of device memory on the H200 for kernels a run
 // never uses (cudaMemGetInfo, 2026-12-03).
+
+// Host-timed stall probes (the CPU backend, where compute runs on the host thread).
+namespace {
+double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+Backend::StallProbe Backend::begin_stall_probe() { return StallProbe{0, steady_seconds()}; }
+
+void Backend::end_stall_probe(StallProbe probe) { host_stall_s_ += std::max(0.0, steady_seconds() - probe.start); }
+
+Result<double> Backend::take_stall_seconds() {
+  const double s = host_stall_s_;
+  host_stall_s_ = 0;
+  return s;
+}
 
 bool cuda_available() {
 #ifdef SPILLWAY_HAVE_CUDA

@@ -97,6 +97,31 @@ class Backend : public BackendSizes {
   // budget in the middle of a step). Call it while no device allocation is live.
   virtual void remeasure_fixed_device_bytes() {}
 
+  // ---- stall probes: how long the device's compute sat idle waiting for data ----
+  // The executor brackets every point where compute may wait (a stream wait on a copy;
+  // the host blocked on a copy, a host op or storage, with nothing more to issue) with
+  // begin_stall_probe()/end_stall_probe(). On CUDA a probe is a pair of timing events
+  // on the compute stream, recorded before and after the wait: the time between them on
+  // the device is the time the GPU itself was idle there (zero when it still had earlier
+  // work queued). On CPU compute runs on the host thread, so a probe is the host's wall
+  // time. take_stall_seconds() returns the seconds of the probes that have completed
+  // since its last call, and keeps the rest for a later call (after synchronize(),
+  // every probe has completed).
+  //
+  //   auto p = b.begin_stall_probe();
+  //   SPILLWAY_RETURN_IF_ERROR(b.copy_engine().order_compute_after(ticket));
+  //   b.end_stall_probe(p);
+  //   ...
+  //   SPILLWAY_RETURN_IF_ERROR(b.synchronize());
+  //   SPILLWAY_ASSIGN_OR_RETURN(double stalled, b.take_stall_seconds());
+  struct StallProbe {
+    uint64_t id = 0;   // the backend's own handle (CUDA: the probe's index)
+    double start = 0;  // host-timed backends: the start, in seconds of a steady clock
+  };
+  virtual StallProbe begin_stall_probe();
+  virtual void end_stall_probe(StallProbe probe);
+  virtual Result<double> take_stall_seconds();
+
   // ---- workspace: device memory an op uses besides its operands ----
   // (reduction partials, sort buffers, the cuBLASLt workspace.) The caller allocates
   // it once, inside the device budget, and hands it over with set_workspace before
@@ -228,6 +253,7 @@ class Backend : public BackendSizes {
 
  private:
   Communicator* communicator_ = nullptr;
+  double host_stall_s_ = 0;  // host-timed probes ended since the last take_stall_seconds()
 };
 
 // "cpu" or "cuda"; "auto" picks cuda when this build has it and a GPU is present.

@@ -151,7 +151,7 @@ Status run_bench(const BenchTrainFlags& f) {
   uint64_t rng = f.seed;
   const size_t n = static_cast<size_t>(f.batch) * T;
   std::vector<TokenBatch> batches(static_cast<size_t>(f.accum));
-  double timed_s = 0, stall_s = 0, issue_s = 0;
+  double timed_s = 0, stall_s = 0, host_wait_s = 0, issue_s = 0;
   std::chrono::steady_clock::time_point timed_start = std::chrono::steady_clock::now();
   StepMetrics last;
   StepProfile profile;
@@ -190,6 +190,7 @@ Status run_bench(const BenchTrainFlags& f) {
     }
     if (s > 1) {
       stall_s += r->exec.stall_s;
+      host_wait_s += r->exec.host_wait_s;
       issue_s += r->exec.issue_s;
     }
     last = r->exec;
@@ -239,9 +240,17 @@ Status run_bench(const BenchTrainFlags& f) {
                 w.seconds, w.seconds > 0 ? static_cast<double>(w.bytes) / w.seconds / 1e9 : 0.0,
                 w.direct ? ", O_DIRECT" : ", through the page cache: the file system refused O_DIRECT");
   }
-  std::printf("executor waits %.1f%% of the step (host time waiting for copies, host ops and regions; the GPU "
+  if (backend->name() == "cuda")
+    std::printf("GPU stalled   %.1f%% of the step (the compute stream idle, waiting for copies, host ops or storage; "
+                "timed on the GPU by CUDA events)\n",
+                timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
+  else
+    std::printf("compute stalled %.1f%% of the step (waiting for copies, host ops or storage; compute runs on the "
+                "executor's thread)\n",
+                timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
+  std::printf("executor waits %.1f%% of the step (host time blocked on copies, host ops and regions; the GPU "
               "may be busy meanwhile)\n",
-              timed_s > 0 ? 100.0 * stall_s / timed_s : 0.0);
+              timed_s > 0 ? 100.0 * host_wait_s / timed_s : 0.0);
   std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
               issue_s / timed);
   if (backend->name() == "cuda")
@@ -269,11 +278,11 @@ Status run_bench(const BenchTrainFlags& f) {
         "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
         "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s,"
         "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f,"
-        "\"predicted_step_s\":%.6f}\n",
+        "\"predicted_step_s\":%.6f,\"stall_share\":%.6f,\"host_wait_share\":%.6f}\n",
         backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
         static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
         budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s, checkpoints,
-        checkpoint_wait_s, predicted_s);
+        checkpoint_wait_s, predicted_s, timed_s > 0 ? stall_s / timed_s : 0.0, timed_s > 0 ? host_wait_s / timed_s : 0.0);
     const bool closed = std::fclose(out) == 0;
     if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
   }

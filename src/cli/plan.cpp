@@ -49,6 +49,8 @@ struct PlanFlags {
   std::string policy = "auto";
   std::string prefetch = "none";
   std::string order = "auto";
+  std::string device_optimizer = "auto";  // as train's --device-optimizer
+  std::string stream_optimizer = "on";    // as train's --stream-optimizer
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;  // 0: the machine's
   int nvme_count = 0;                      // 0: the machine's storage as it is
@@ -149,6 +151,13 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (!program.ok()) return program.status();
   auto planner = backend_planner_options(*program, backend, *options);
   if (!planner.ok()) return planner.status();
+  if (f.device_optimizer != "auto") {
+    SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, parse_size(f.device_optimizer, "--device-optimizer"));
+    planner->device_optimizer_bytes = static_cast<int64_t>(bytes);
+  }
+  if (f.stream_optimizer == "off") planner->stream_optimizer = 0;
+  else if (f.stream_optimizer != "on")
+    return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
   auto workspace = program_workspace(backend, *program);
   if (!workspace.ok()) return workspace.status();
   // The GPU's mapping of the pinned host arena, reserved as train reserves it.
@@ -492,6 +501,11 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--policy", f->policy, "resident, paging, planned or auto");
   app.add_option("--prefetch", f->prefetch, "paging: none or learned");
   app.add_option("--order", f->order, "forward order with --accum: micro-batch, layer or auto");
+  app.add_option("--device-optimizer", f->device_optimizer,
+                 "planned: bytes of optimizer state kept on device when the optimizer is offloaded, or auto "
+                 "(as train's)");
+  app.add_option("--stream-optimizer", f->stream_optimizer,
+                 "planned: on or off, AdamW on device for part of the host-resident state (as train's)");
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
   return [f]() { return run_plan(*f); };
 };

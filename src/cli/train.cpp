@@ -498,9 +498,11 @@ Status run_train(const TrainFlags& given_flags) {
   if (last_val) std::printf(", val loss %.4f", *last_val);
   std::printf(" after %d steps (%s tokens)\n", f.steps,
               format_count(static_cast<double>(trainer->tokens_per_step()) * f.steps).c_str());
-  std::printf("throughput %s tokens/s, %.3f s/step; the executor waited %.1f%% of it\n", format_count(tps).c_str(),
+  std::printf("throughput %s tokens/s, %.3f s/step; compute stalled %.1f%% of it (waiting for copies, host ops or "
+              "storage%s)\n", format_count(tps).c_str(),
               timed_s > 0 ? timed_s / std::max(1, f.steps > 1 ? f.steps - 1 : 1) : 0.0,
-              elapsed > 0 ? 100.0 * peaks.stall_s / elapsed : 0.0);
+              elapsed > 0 ? 100.0 * peaks.stall_s / elapsed : 0.0,
+              trainer->backend().name() == "cuda" ? "; timed on the GPU by CUDA events" : "");
   std::printf("peaks: device %s, host %s, storage %s; moved %s host->device, %s device->host\n",
               format_size(peaks.peak_device_bytes).c_str(), format_size(peaks.peak_host_bytes).c_str(),
               format_size(peaks.peak_storage_bytes).c_str(), format_size(peaks.h2d_bytes).c_str(),

@@ -248,6 +248,15 @@ class PlanExecutor final : public Executor {
       return st;
     }
     metrics_.step_s = seconds_since(step_start_);
+    // finish() synchronized the device: every probe of this step has completed.
+    {
+      auto stalled = b_.take_stall_seconds();
+      if (!stalled.ok()) {
+        failure_ = stalled.status();
+        return failure_;
+      }
+      metrics_.stall_s = *stalled;
+    }
     metrics_.h2d_bytes = b_.copy_engine().bytes_copied(CopyDirection::HostToDevice) - h2d0;
     metrics_.d2h_bytes = b_.copy_engine().bytes_copied(CopyDirection::DeviceToHost) - d2h0;
     if (spill_) {
@@ -352,21 +361,27 @@ class PlanExecutor final : public Executor {
     if (spill_) trace_->counter("storage bytes", t, static_cast<double>(spill_->bytes_in_use()));
   }
 
-  // Host waits are the executor's stalls.
+  // The executor's waits. Each is timed twice: host_wait_s is the host's wall time
+  // blocked; a stall probe around it (Backend::begin_stall_probe) measures how long
+  // the device's compute sat idle meanwhile, which run_step sums into stall_s.
   Status timed_wait_copy(CopyTicket t, const char* why, TensorId id) {
     if (b_.copy_engine().is_done(t)) return b_.copy_engine().wait(t);
     auto t0 = Clock::now();
+    const Backend::StallProbe probe = b_.begin_stall_probe();
     Status s = b_.copy_engine().wait(t);
+    b_.end_stall_probe(probe);
     double d = seconds_since(t0);
-    metrics_.stall_s += d;
+    metrics_.host_wait_s += d;
     if (trace_) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
     return s;
   }
   Status timed_wait_spill(SpillTicket t, const char* why, TensorId id) {
     auto t0 = Clock::now();
+    const Backend::StallProbe probe = b_.begin_stall_probe();
     Status s = spill_->wait(t);
+    b_.end_stall_probe(probe);
     double d = seconds_since(t0);
-    metrics_.stall_s += d;
+    metrics_.host_wait_s += d;
     if (trace_ && d > 1e-6) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
     return s;
   }
@@ -380,16 +395,25 @@ class PlanExecutor final : public Executor {
       return host_.wait(job);
     }
     auto t0 = Clock::now();
+    const Backend::StallProbe probe = b_.begin_stall_probe();
     for (;;) {
       uint64_t next = job;  // the earliest host op a deferred fetch waits for, if earlier
       for (TensorId d : deferred_) next = std::min(next, slots_[d].deferred_after);
       Status s = host_.wait(next);
-      if (!s.is_ok()) return s;
-      SPILLWAY_RETURN_IF_ERROR(issue_ready_fetches());
+      if (!s.is_ok()) {
+        b_.end_stall_probe(probe);
+        return s;
+      }
+      Status issued = issue_ready_fetches();
+      if (!issued.is_ok()) {
+        b_.end_stall_probe(probe);
+        return issued;
+      }
       if (next == job) break;
     }
+    b_.end_stall_probe(probe);
     double d = seconds_since(t0);
-    metrics_.stall_s += d;
+    metrics_.host_wait_s += d;
     if (trace_) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
     return Status::ok();
   }
@@ -732,11 +756,18 @@ class PlanExecutor final : public Executor {
         if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Device))
           return Status::internal("op " + op.name + ": " + info.name + " is not valid on device (plan bug)");
         if (s.to_device) {
-          auto t0 = Clock::now();
-          SPILLWAY_RETURN_IF_ERROR(ce.order_compute_after(*s.to_device));
-          double d = seconds_since(t0);
-          metrics_.stall_s += d;
-          if (trace_ && d > 1e-6) trace_->slice("stall", "wait h2d " + info.name, now_s() - d, now_s());
+          // A fetch still in flight: compute waits for it on the device (a stream wait;
+          // the probe times the GPU's idle). One already done needs no wait.
+          if (!ce.is_done(*s.to_device)) {
+            auto t0 = Clock::now();
+            const Backend::StallProbe probe = b_.begin_stall_probe();
+            Status ordered = ce.order_compute_after(*s.to_device);  // blocks the host where compute runs on it
+            b_.end_stall_probe(probe);
+            const double d = seconds_since(t0);
+            metrics_.host_wait_s += d;
+            if (trace_ && d > 1e-6) trace_->slice("stall", "wait h2d " + info.name, now_s() - d, now_s());
+            SPILLWAY_RETURN_IF_ERROR(ordered);
+          }
           s.to_device.reset();
         }
         if (o.access != Access::Read && s.to_host) {  // a copy out of this region is still reading it

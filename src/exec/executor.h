@@ -73,7 +73,12 @@ struct StepMetrics {
   uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t storage_read_bytes = 0, storage_write_bytes = 0;
   int recomputed_ops = 0;
-  double stall_s = 0;   // time the executor waited for data
+  // Time the device's compute sat idle waiting for data: for a copy, a host op (the
+  // host AdamW writing what a fetch reads) or storage. Timed on the device by the
+  // backend's stall probes (CUDA: events on the compute stream); on CPU, where compute
+  // runs on the executor's thread, its waits.
+  double stall_s = 0;
+  double host_wait_s = 0;  // wall time the executor's thread was blocked in those waits
   double step_s = 0;
   double issue_s = 0;   // host time to issue every instruction; the rest of step_s waits for the device
   // peak_device_bytes: the arena's peak plus the workspace (all the device memory the

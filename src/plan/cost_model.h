@@ -17,6 +17,9 @@
 
 namespace spillway {
 
+// The planner plans candidates on several threads at once: op_seconds, copy_seconds,
+// duplex_copy_seconds and host_adam_seconds may be called concurrently (they are
+// const questions); step_seconds only from the thread that called make_plan.
 class CostModel {
  public:
   virtual ~CostModel() = default;

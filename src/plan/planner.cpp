@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <future>
 #include <limits>
 #include <optional>
 #include <queue>
@@ -1078,56 +1079,100 @@ Result<Plan> schedule(const Program& program, const CostModel& cost, const Budge
 // planned policy writes it back early.
 constexpr int kFlushGap = 16;
 
+// The micro-batches of a step (1 without accumulation).
+int micro_batches(const Program& program) {
+  int n = 1;
+  for (const Op& op : program.ops) n = std::max(n, op.micro_batch + 1);
+  return n;
+}
+
+// The config of a candidate at offload `level` with `share` bytes of optimizer state
+// kept on device (level >= 1), and part of the rest streamed through the device when
+// options allow.
+Config offload_config(const Program& program, const CostModel& cost, const Budgets& budgets,
+                      const PlannerOptions& options, int level, size_t alignment, uint64_t share) {
+  Config c = make_config(program, budgets, level, alignment, share);
+  if (level >= 1 && share > 0 && options.stream_optimizer != 0 && c.host_optimizer_ops > 0) {
+    // Split what the prefix leaves between the host and the link so that both take
+    // about as long: a streamed parameter moves master and moments both ways (12
+    // bytes each way); the host updates one in 1/host_adam_params_per_s.
+    int64_t host_params = 0;
+    double grad_bytes_per_param = 0;
+    for (const Op& op : program.ops) {
+      const TensorId home = home_tensor(op), grad = slot_tensor(op, "grad");
+      if (!is_host_op(op) || home == kNoTensor || grad == kNoTensor || c.home[home] == Tier::Device) continue;
+      const TensorInfo& g = program.tensors.info(grad);
+      host_params += g.shape.numel();
+      grad_bytes_per_param = static_cast<double>(g.bytes()) / static_cast<double>(std::max<int64_t>(1, g.shape.numel()));
+    }
+    const double host_s = cost.host_adam_seconds(1.0);
+    const double link_s = cost.duplex_copy_seconds(12.0);
+    auto streamed = static_cast<int64_t>(static_cast<double>(host_params) * host_s / (host_s + link_s));
+    // Streamed gradients stay on device: their bytes come out of the prefix's share
+    // (fewer are streamed when the share cannot hold them).
+    auto grads = static_cast<uint64_t>(static_cast<double>(streamed) * grad_bytes_per_param);
+    if (grads > share) {
+      streamed = grad_bytes_per_param > 0 ? static_cast<int64_t>(static_cast<double>(share) / grad_bytes_per_param) : 0;
+      grads = share;
+    }
+    c = make_config(program, budgets, level, alignment, share - grads, streamed);
+  }
+  return c;
+}
+
 // One planned-policy candidate: state offloaded to `level`, with or without
-// recomputation, fetches up to `prefetch` ops ahead (-1: as memory allows). With
-// `roomy`, reports whether the state kept on device leaves room to work (and plans
-// nothing when it does not).
+// recomputation, fetches up to `prefetch` ops ahead (-1: as memory allows), with
+// `share` bytes of optimizer state kept on device (level >= 1; nullopt: the rule of
+// device_optimizer_shares' first entry). With `roomy`, reports whether the state kept
+// on device before any optimizer share leaves room to work (and plans nothing when it
+// does not).
 Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, const Budgets& budgets,
                                 const PlannerOptions& options, int level, bool recompute, int prefetch,
                                 int flush_gap, bool layer_major, size_t alignment, bool* roomy,
-                                bool device_optimizer = true) {
-  Config c = make_config(program, budgets, level, alignment);
-  // Optimizer state kept on device: what leaves half the budget for the step's
-  // working memory (the same rule as the level: state stays while it leaves half).
-  if (level >= 1 && device_optimizer && budgets.device != UINT64_MAX && c.pinned_end < budgets.device / 2) {
-    // The optimizer runs once a step, the activations once per micro-batch: with
-    // accumulation the device memory is worth more to the activations (measured on the
-    // H200, gpt2-1.5b at 24 GiB: the half-budget share is best at accum 1, and at accum 4
-    // it swaps so many more activations that the step is slower than with none).
-    int micro_batches = 1;
-    for (const Op& op : program.ops) micro_batches = std::max(micro_batches, op.micro_batch + 1);
-    uint64_t share = (budgets.device / 2 - c.pinned_end) / static_cast<uint64_t>(micro_batches);
-    if (options.device_optimizer_bytes >= 0) share = static_cast<uint64_t>(options.device_optimizer_bytes);
-    // Never at the cost of the largest op's room.
-    const uint64_t room = minimum_device_budget(program, alignment);
-    const uint64_t spare = budgets.device > c.pinned_end + room ? budgets.device - c.pinned_end - room : 0;
-    share = std::min(share, spare);
-    c = make_config(program, budgets, level, alignment, share);
-    if (options.stream_optimizer != 0 && c.host_optimizer_ops > 0) {
-      // Split what the prefix leaves between the host and the link so that both take
-      // about as long: a streamed parameter moves master and moments both ways (12
-      // bytes each way); the host updates one in 1/host_adam_params_per_s.
-      int64_t host_params = 0;
-      double grad_bytes_per_param = 0;
-      for (const Op& op : program.ops) {
-        const TensorId home = home_tensor(op), grad = slot_tensor(op, "grad");
-        if (!is_host_op(op) || home == kNoTensor || grad == kNoTensor || c.home[home] == Tier::Device) continue;
-        const TensorInfo& g = program.tensors.info(grad);
-        host_params += g.shape.numel();
-        grad_bytes_per_param = static_cast<double>(g.bytes()) / static_cast<double>(std::max<int64_t>(1, g.shape.numel()));
-      }
-      const double host_s = cost.host_adam_seconds(1.0);
-      const double link_s = cost.duplex_copy_seconds(12.0);
-      auto streamed = static_cast<int64_t>(static_cast<double>(host_params) * host_s / (host_s + link_s));
-      // Streamed gradients stay on device: their bytes come out of the prefix's share
-      // (fewer are streamed when the share cannot hold them).
-      auto grads = static_cast<uint64_t>(static_cast<double>(streamed) * grad_bytes_per_param);
-      if (grads > share) {
-        streamed = grad_bytes_per_param > 0 ? static_cast<int64_t>(static_cast<double>(share) / grad_bytes_per_param) : 0;
-        grads = share;
-      }
-      c = make_config(program, budgets, level, alignment, share - grads, streamed);
-    }
+                                bool device_optimizer = true, std::optional<uint64_t> share = std::nullopt);
+
+// The optimizer-state shares worth trying at `level` (bytes kept on device, their AdamW
+// running there). The first is the rule: what leaves half the device budget for the
+// step's working memory, divided by the micro-batches (with accumulation the device
+// memory is worth more to the activations, which run once per micro-batch; measured on
+// the H200, gpt2-1.5b at 24 GiB: the half-budget share is best among shares that leave
+// the activations room). The others fill more of what the state leaves beside the
+// largest op's room — up to all of it, the activations then living mostly on
+// recomputation — which the cost model decides (gpt2-1.5b at 24 GiB, accum 1: the
+// simulator predicts 31.1k tokens/s with 22.7 GiB of state on device against 17.9k
+// with the rule's 11.8 GiB). With options.device_optimizer_bytes set, only that one;
+// with options.optimizer_share_search = 0, only the rule's.
+std::vector<uint64_t> device_optimizer_shares(const Program& program, const Budgets& budgets,
+                                              const PlannerOptions& options, int level, size_t alignment) {
+  if (level < 1 || budgets.device == UINT64_MAX) return {0};
+  const Config base = make_config(program, budgets, level, alignment);
+  const uint64_t room = minimum_device_budget(program, alignment);
+  const uint64_t spare = budgets.device > base.pinned_end + room ? budgets.device - base.pinned_end - room : 0;
+  if (options.device_optimizer_bytes >= 0) return {std::min(static_cast<uint64_t>(options.device_optimizer_bytes), spare)};
+  if (base.pinned_end >= budgets.device / 2) return {0};
+  const uint64_t rule = std::min(spare, (budgets.device / 2 - base.pinned_end) / static_cast<uint64_t>(micro_batches(program)));
+  std::vector<uint64_t> shares = {rule};
+  if (options.optimizer_share_search == 0) return shares;
+  for (int eighths : {2, 4, 6, 7, 8}) {
+    const uint64_t s = spare / 8 * static_cast<uint64_t>(eighths);
+    if (std::find(shares.begin(), shares.end(), s) == shares.end()) shares.push_back(s);
+  }
+  return shares;
+}
+
+Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, const Budgets& budgets,
+                                const PlannerOptions& options, int level, bool recompute, int prefetch,
+                                int flush_gap, bool layer_major, size_t alignment, bool* roomy,
+                                bool device_optimizer, std::optional<uint64_t> share) {
+  const Config base = make_config(program, budgets, level, alignment);
+  if (roomy && base.pinned_end > budgets.device / 2) {
+    *roomy = false;
+    return Status::out_of_memory("state kept on device takes more than half the budget");
+  }
+  Config c = base;
+  if (level >= 1 && device_optimizer && budgets.device != UINT64_MAX) {
+    const uint64_t bytes = share ? *share : device_optimizer_shares(program, budgets, options, level, alignment).front();
+    if (bytes > 0) c = offload_config(program, cost, budgets, options, level, alignment, bytes);
   }
   c.policy = options.policy;
   c.belady = true;
@@ -1144,15 +1189,51 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
                                  format_size(free_after_state) + " after the state kept on device; the largest op needs " +
                                  format_size(minimum));
   }
-  if (roomy && c.pinned_end > budgets.device / 2) {
-    *roomy = false;
-    return Status::out_of_memory("state kept on device takes more than half the budget");
-  }
   Program candidate = with_optimizer_where_state_is(program, c);
   if (!layer_major) return schedule(candidate, cost, budgets, c, alignment);
   std::vector<int> order = layer_major_order(candidate);
   if (order.size() != candidate.ops.size()) return Status::internal("planner: the program's ops have a dependency cycle");
   return schedule(candidate, cost, budgets, c, alignment, order);
+}
+
+// plan_offload_level over every share of device_optimizer_shares, planned in parallel
+// (each is independent; the cost model is only read), keeping the one the cost model
+// predicts fastest (ties: the earlier share). `roomy` as plan_offload_level's. Fails
+// with the first share's error when none plans.
+Result<Plan> plan_offload_level_best_share(const Program& program, const CostModel& cost, const Budgets& budgets,
+                                           const PlannerOptions& options, int level, bool recompute, int prefetch,
+                                           int flush_gap, bool layer_major, size_t alignment, bool* roomy) {
+  const std::vector<uint64_t> shares = device_optimizer_shares(program, budgets, options, level, alignment);
+  if (shares.size() == 1)
+    return plan_offload_level(program, cost, budgets, options, level, recompute, prefetch, flush_gap, layer_major,
+                              alignment, roomy, true, shares.front());
+  if (roomy && make_config(program, budgets, level, alignment).pinned_end > budgets.device / 2) {
+    *roomy = false;
+    return Status::out_of_memory("state kept on device takes more than half the budget");
+  }
+  std::vector<std::future<Result<Plan>>> planned;
+  for (uint64_t share : shares)
+    planned.push_back(std::async(std::launch::async, [&, share] {
+      return plan_offload_level(program, cost, budgets, options, level, recompute, prefetch, flush_gap, layer_major,
+                                alignment, nullptr, true, share);
+    }));
+  std::optional<Plan> best;
+  double best_s = 0;
+  Status first = Status::ok();
+  for (size_t i = 0; i < planned.size(); ++i) {
+    Result<Plan> plan = planned[i].get();
+    if (!plan.ok()) {
+      if (i == 0) first = plan.status();
+      continue;
+    }
+    const double s = cost.step_seconds(placed_as_planned(program, *plan), *plan);
+    if (!best || s < best_s) {
+      best = std::move(*plan);
+      best_s = s;
+    }
+  }
+  if (best) return std::move(*best);
+  return first.is_ok() ? Status::out_of_memory("no optimizer share plans at this level") : first;
 }
 
 // Plans against a copy of the program whose AdamW ops sit where the plan wants
@@ -1227,9 +1308,9 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
       Status last = Status::ok();
       for (int level : levels) {
         bool roomy = true;
-        auto plan = plan_offload_level(program, cost, budgets, options, level, options.recompute != 0,
-                                       options.prefetch_distance, flush_gap, options.layer_major == 1, alignment,
-                                       level == levels.back() ? nullptr : &roomy);
+        auto plan = plan_offload_level_best_share(program, cost, budgets, options, level, options.recompute != 0,
+                                                  options.prefetch_distance, flush_gap, options.layer_major == 1,
+                                                  alignment, level == levels.back() ? nullptr : &roomy);
         if (!roomy) {
           if (level == 0 && options.recompute != 0 && !crowded) {
             auto all_on_device = plan_offload_level(program, cost, budgets, options, 0, true,
@@ -1281,9 +1362,15 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
       std::vector<std::pair<double, Plan>> ranked;
       Status last = Status::ok();
       for (const Candidate& k : candidates) {
-        auto plan = plan_offload_level(program, cost, budgets, options, k.level, k.recompute,
-                                       options.prefetch_distance, k.flush_gap, k.layer_major, alignment, nullptr,
-                                       k.device_optimizer);
+        // With recomputation, the optimizer share is searched too (shares beyond the
+        // rule leave the activations little room but recomputation).
+        auto plan = k.device_optimizer && k.recompute
+                        ? plan_offload_level_best_share(program, cost, budgets, options, k.level, k.recompute,
+                                                        options.prefetch_distance, k.flush_gap, k.layer_major,
+                                                        alignment, nullptr)
+                        : plan_offload_level(program, cost, budgets, options, k.level, k.recompute,
+                                             options.prefetch_distance, k.flush_gap, k.layer_major, alignment,
+                                             nullptr, k.device_optimizer);
         if (!plan.ok()) {
           last = plan.status();
           continue;

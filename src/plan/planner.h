@@ -35,6 +35,11 @@ struct PlannerOptions {
   // -1 = what leaves half the device budget free, divided by the micro-batches of a
   // step (accumulation makes activation memory worth more); 0 = all on host.
   int64_t device_optimizer_bytes = -1;
+  // With device_optimizer_bytes = -1: 1 (the default, -1) = also try larger shares, up
+  // to all the room the state leaves beside the largest op (the activations then live
+  // on recomputation), and keep the one the cost model predicts fastest; 0 = the rule's
+  // share only.
+  int optimizer_share_search = -1;
   // With the optimizer offloaded: run AdamW on device for some of the parameters whose
   // state rests on host, fetching it and writing it back, so that the link and the
   // host share the update (sized so both take about as long by the cost model).

@@ -493,3 +493,31 @@ TEST(Exactness, RecomputeChainsMatchResident) {
   }
   EXPECT_GT(chains, 0) << "no recompute read a recomputed tensor";
 }
+
+// Stall metrics (issue 10 item 9): stall_s is what the backend's stall probes measure
+// around every wait; on CPU, where compute runs on the executor's thread, that is the
+// thread's own blocked time, so it equals host_wait_s up to the probes' bookkeeping.
+// A resident run has nothing to wait for.
+TEST(StallMetrics, ProbesTimeEveryWaitAndAResidentRunHasNone) {
+  GPTCase s = small_model(32);
+  TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 2);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  for (const StepMetrics& m : ref.metrics) {
+    EXPECT_EQ(m.stall_s, 0.0);
+    EXPECT_EQ(m.host_wait_s, 0.0);
+  }
+  Budgets b;
+  b.device = ref.plan.device_bytes / 10;
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Paging}, 3);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  double stalled = 0, waited = 0;
+  for (const StepMetrics& m : r.metrics) {
+    EXPECT_GE(m.stall_s, 0.0);
+    EXPECT_LE(m.stall_s, m.step_s);
+    EXPECT_NEAR(m.stall_s, m.host_wait_s, 1e-3 + 0.1 * m.host_wait_s);
+    stalled += m.stall_s;
+    waited += m.host_wait_s;
+  }
+  EXPECT_GT(waited, 0.0) << "paging at 1/10 of the resident peak waits for its fetches";
+  EXPECT_GT(stalled, 0.0);
+}

@@ -101,6 +101,35 @@ TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
   EXPECT_GT(crowded, 0);  // at least one budget where the state on device wins
 }
 
+// The planned policy searches the optimizer state kept on device: besides the rule's
+// share (half the budget, divided by the micro-batches) it tries larger ones, whose
+// activations live on recomputation, and keeps the fastest the simulator predicts. So
+// it is never predicted slower than the rule's plan, and at some budget faster.
+TEST(PlanValidate, PlannedSearchesTheOptimizerShareKeptOnDevice) {
+  auto program = build_training_program(ModelConfig{4, 256, 4, 256, 512}, StepShape{4, 256, 1}, DType::BF16);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  const Machine machine = Machine::h200();
+  auto resident = make_plan(*program, Simulator(machine), {}, {.policy = Policy::Resident, .alignment = 256});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  auto predicted = [&](const Plan& plan) { return simulate(placed_as_planned(*program, plan), plan, machine).step_s; };
+  int compared = 0, faster = 0;
+  for (int percent = 90; percent >= 30; percent -= 10) {
+    Budgets b;
+    b.device = resident->device_bytes / 100 * static_cast<uint64_t>(percent);
+    auto searched = make_plan(*program, Simulator(machine), b,
+                              {.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256});
+    auto rule = make_plan(*program, Simulator(machine), b,
+                          {.policy = Policy::Planned, .optimizer_on_host = 1, .optimizer_share_search = 0, .alignment = 256});
+    if (!searched.ok() || !rule.ok()) continue;
+    ++compared;
+    EXPECT_TRUE(searched->validate(*program, b).is_ok()) << percent << "%";
+    EXPECT_LE(predicted(*searched), predicted(*rule) * (1 + 1e-9)) << percent << "%: " << searched->description;
+    if (predicted(*searched) < predicted(*rule) * 0.98) ++faster;
+  }
+  EXPECT_GT(compared, 3);
+  EXPECT_GT(faster, 0) << "no budget where a larger share is predicted faster than the rule's";
+}
+
 }  // namespace
 
 TEST(PlanValidate, TwoHostBuffersSharingBytesAreRefused) {

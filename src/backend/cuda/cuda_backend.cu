@@ -15,6 +15,7 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.cuh"
 #include "backend/cuda/matmul.cuh"
+#include "backend/cuda/stall_timer.cuh"
 #include "core/size.h"
 
 namespace spillway {
@@ -336,6 +337,26 @@ class CudaBackend final : public Backend {
   }
 
   CopyEngine& copy_engine() override { return copy_; }
+
+  // Stall probes: timing events on the compute stream (stall_timer.cuh). A failure to
+  // record one is recorded like an op's error; the probe then counts nothing.
+  StallProbe begin_stall_probe() override {
+    Status err;
+    const uint64_t id = stall_.begin(compute_, &err);
+    record(err, "stall probe");
+    return StallProbe{id, 0};
+  }
+  void end_stall_probe(StallProbe probe) override {
+    Status err;
+    stall_.end(probe.id, compute_, &err);
+    record(err, "stall probe");
+  }
+  Result<double> take_stall_seconds() override {
+    Status err;
+    const double s = stall_.take(&err);
+    if (!err.is_ok()) return err;
+    return s;
+  }
 
   Status synchronize() override {
     Status first;
@@ -730,6 +751,7 @@ class CudaBackend final : public Backend {
   void* own_workspace_ = nullptr;     // from use_own_workspace
   LtMatmul mm_;
   CudaCopyEngine copy_;
+  StallTimer stall_;  // the stall probes' events, on compute_
   std::mutex err_mu_;
   Status error_;
 };
