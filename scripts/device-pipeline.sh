@@ -38,8 +38,15 @@ if [ "$part" != exact ]; then
     log "24 GiB budget: $m (planned)"
     timeout 240 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --device-budget 24GiB --policy planned \
       --json "$out/b24_${m// /_}.json" > "$out/b24_${m// /_}.log" 2>&1
-    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
+    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
   done
+  # The optimizer share of the half-budget rule, beside the searched one above (RULE=0 skips).
+  if [ "${RULE:-1}" != 0 ]; then
+    log "24 GiB budget: gpt2-1.5b --accum 1 (planned, --device-optimizer rule)"
+    timeout 240 $bin bench train --backend cuda --model gpt2-1.5b --accum 1 --batch 8 --steps 4 --device-budget 24GiB \
+      --policy planned --device-optimizer rule > "$out/b24_rule.log" 2>&1
+    grep -E "plan:|tokens/s|GPU stalled|executor waits|predicted" "$out/b24_rule.log" | tee -a "$out/summary.txt"
+  fi
   log "PyTorch peer, no memory limit, same machine"
   NMEAS=2 timeout 200 python3 bench/peers/torch_gpt.py ${PEERS:-1.5B:full:8 2.7B:full:8 4B:full:8} 2>&1 | tail -4 | tee -a "$out/summary.txt"
 fi

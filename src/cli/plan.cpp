@@ -151,7 +151,9 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (!program.ok()) return program.status();
   auto planner = backend_planner_options(*program, backend, *options);
   if (!planner.ok()) return planner.status();
-  if (f.device_optimizer != "auto") {
+  if (f.device_optimizer == "rule") {
+    planner->optimizer_share_search = 0;  // the half-budget rule's share, no search
+  } else if (f.device_optimizer != "auto") {
     SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, parse_size(f.device_optimizer, "--device-optimizer"));
     planner->device_optimizer_bytes = static_cast<int64_t>(bytes);
   }
@@ -502,7 +504,7 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--prefetch", f->prefetch, "paging: none or learned");
   app.add_option("--order", f->order, "forward order with --accum: micro-batch, layer or auto");
   app.add_option("--device-optimizer", f->device_optimizer,
-                 "planned: bytes of optimizer state kept on device when the optimizer is offloaded, or auto "
+                 "planned: bytes of optimizer state kept on device when the optimizer is offloaded, auto or rule "
                  "(as train's)");
   app.add_option("--stream-optimizer", f->stream_optimizer,
                  "planned: on or off, AdamW on device for part of the host-resident state (as train's)");

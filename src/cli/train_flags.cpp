@@ -271,8 +271,9 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
       ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
-                 "first parameters (their AdamW runs there), e.g. 4GiB; auto = what leaves half the device "
-                 "budget free, divided by --accum; 0 = all on host (and nothing streamed)")
+                 "first parameters (their AdamW runs there), e.g. 4GiB; auto = the fastest the simulator predicts "
+                 "among the rule's share and larger ones (whose activations live on recomputation); rule = what "
+                 "leaves half the device budget free, divided by --accum; 0 = all on host (and nothing streamed)")
       ->capture_default_str();
   app.add_option("--auto-confirm", f.auto_confirm,
                  "policy auto: time one step of each of the simulator's best N plans (on zeroed state, before the "
@@ -321,7 +322,9 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
     return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
                                     std::to_string(f.auto_confirm));
   r.auto_confirm = f.auto_confirm;
-  if (f.device_optimizer != "auto") {
+  if (f.device_optimizer == "rule") {
+    r.planner.optimizer_share_search = 0;  // the half-budget rule's share, no search
+  } else if (f.device_optimizer != "auto") {
     SPILLWAY_ASSIGN_OR_RETURN(uint64_t bytes, parse_size(f.device_optimizer, "--device-optimizer"));
     r.planner.device_optimizer_bytes = static_cast<int64_t>(bytes);
   }
