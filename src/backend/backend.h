@@ -68,6 +68,16 @@ class Backend : public BackendSizes {
   // Host memory that the copy engine can move at full speed (pinned on CUDA).
   virtual Result<void*> host_alloc(size_t bytes) = 0;
   virtual void host_free(void* p) = 0;
+  // Makes `bytes` of host memory the caller allocated (page-aligned) movable at full
+  // speed by the copy engine (CUDA: cudaHostRegister), until unpin_host(p). Nothing to
+  // do on CPU. May be called from another thread than the one running ops.
+  //   SPILLWAY_RETURN_IF_ERROR(b.pin_host(buffer, bytes));  ...  b.unpin_host(buffer);
+  virtual Status pin_host(void* p, size_t bytes) {
+    (void)p;
+    (void)bytes;
+    return Status::ok();
+  }
+  virtual void unpin_host(void* p) { (void)p; }
   virtual CopyEngine& copy_engine() = 0;
   // Blocks until all submitted compute and copies finished; reports async errors.
   virtual Status synchronize() = 0;

@@ -158,7 +158,7 @@ Status run_bench(const BenchTrainFlags& f) {
   std::optional<CheckpointWriter> writer;
   if (!f.checkpoint_dir.empty()) {
     writer.emplace(f.checkpoint_dir, 1);
-    writer->prepare(trainer->state_bytes());
+    writer->prepare(trainer->state_bytes(), &trainer->backend());
   }  // keep 1: the disk holds two at most (the kept one and the one being written)
   int checkpoints = 0;
   double checkpoint_wait_s = 0, tail_write_s = 0;
@@ -200,10 +200,12 @@ Status run_bench(const BenchTrainFlags& f) {
       ++checkpoints;
       if (s > 1) checkpoint_wait_s += writer->last_wait_s();
       const SnapshotTimes& st = writer->last_snapshot();
-      std::printf("checkpoint of step %d: training waited %.3f s (drain %.3f s, %s device copies %.3f s; %s host "
+      std::printf("checkpoint of step %d: training waited %.3f s (drain %.3f s, %s device copies %s %.3f s; %s host "
                   "copies queued behind the next step's device work, %s read from storage)\n",
-                  s, writer->last_wait_s(), st.drain_s, format_size(st.device_bytes).c_str(), st.device_s,
-                  format_size(st.host_bytes).c_str(), format_size(st.storage_bytes).c_str());
+                  s, writer->last_wait_s(), st.drain_s, format_size(st.device_bytes).c_str(),
+                  st.device_copies ? "issued into pinned memory (the next step's writers of them wait) in"
+                                   : "staged in",
+                  st.device_s, format_size(st.host_bytes).c_str(), format_size(st.storage_bytes).c_str());
     }
     if (s == f.steps) {
       SPILLWAY_RETURN_IF_ERROR(trainer->drain().with_context("step " + std::to_string(s)));

@@ -387,7 +387,8 @@ Status run_train(const TrainFlags& given_flags) {
   // the one at the end or on a signal is waited for.
   std::optional<CheckpointWriter> writer;
   if (!f.checkpoint_dir.empty()) writer.emplace(f.checkpoint_dir, f.keep);
-  if (writer && f.checkpoint_every > 0 && f.checkpoint_every < final_step) writer->prepare(trainer->state_bytes());
+  if (writer && f.checkpoint_every > 0 && f.checkpoint_every < final_step)
+    writer->prepare(trainer->state_bytes(), &trainer->backend());
   int64_t checkpoint_step = -1;  // the step of the newest checkpoint started
   int checkpoints = 0;
   double checkpoint_wait_s = 0;

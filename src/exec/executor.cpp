@@ -220,6 +220,20 @@ class PlanExecutor final : public Executor {
     return Status::ok();
   }
 
+  Status hold_device_reader(TensorId t, CopyTicket reader) override {
+    if (t < 0 || static_cast<size_t>(t) >= slots_.size())
+      return Status::invalid_argument("hold_device_reader: no tensor with id " + std::to_string(t));
+    if (reader.direction != CopyDirection::DeviceToHost)
+      return Status::invalid_argument("hold_device_reader: " + p_.tensors.info(t).name +
+                                      ": expected a device-to-host copy ticket");
+    Slot& s = slots_[t];
+    if (!s.device || !table_.state(t).valid(Tier::Device))
+      return Status::invalid_argument("hold_device_reader: " + p_.tensors.info(t).name + " has no valid device copy");
+    // Copies of one direction complete in order: the later ticket covers the earlier.
+    if (!s.to_host || s.to_host->sequence < reader.sequence) s.to_host = reader;
+    return Status::ok();
+  }
+
   Status run_step(const StepContext& ctx) override {
     // A failed step leaves tensors half moved: the state is no longer trustworthy.
     if (!failure_.is_ok())
@@ -318,7 +332,7 @@ class PlanExecutor final : public Executor {
     uint64_t offset = 0;
     void* host = nullptr;    // host buffer, when it has one
     std::optional<CopyTicket> to_device;     // H2D into `device` in flight
-    std::optional<CopyTicket> to_host;       // D2H into `host` in flight
+    std::optional<CopyTicket> to_host;       // D2H into `host` (or out of `device`: hold_device_reader) in flight
     std::optional<SpillTicket> from_storage; // storage → `host` in flight
     std::optional<SpillTicket> to_storage;   // `host` → storage in flight
     uint64_t host_offset = 0;
@@ -480,6 +494,10 @@ class PlanExecutor final : public Executor {
     if (s.to_device) {
       SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait(*s.to_device));
       s.to_device.reset();
+    }
+    if (for_write && s.to_host && s.device) {  // a copy out of the device region (hold_device_reader)
+      SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait(*s.to_host));
+      s.to_host.reset();
     }
     return for_write ? host_ready_for_write(t) : host_ready_for_read(t);
   }

@@ -117,6 +117,11 @@ class Executor {
   // reader of the host copies of `tensors`: later writers of those copies (the next
   // step's host optimizer, a write-back) and reuse of their memory wait for it.
   virtual Status submit_host_reader(const std::vector<TensorId>& tensors, std::function<Status()> job) = 0;
+  // A copy out of t's device region (device→host ticket `reader`, submitted after the
+  // step's compute) is in flight: ops and write_tensor that write t wait for it first.
+  // Between steps, for a tensor whose device_value() is non-null. Checkpoints copy
+  // device-resident state this way while the next step runs.
+  virtual Status hold_device_reader(TensorId t, CopyTicket reader) = 0;
   virtual Status run_step(const StepContext& ctx) = 0;
   // Waits for the work the last step left in flight (host ops, deferred fetches);
   // its error, if it failed (the state is then half updated, and no step runs again).

@@ -337,6 +337,8 @@ CheckpointWriter::CheckpointWriter(std::string root, int keep, Mode mode) : root
 CheckpointWriter::~CheckpointWriter() {
   if (preparing_.joinable()) preparing_.join();
   (void)wait();
+  if (pin_backend_)
+    for (void* p : pinned_pieces_) pin_backend_->unpin_host(p);
 }
 
 bool CheckpointWriter::busy() const {
@@ -360,9 +362,10 @@ Result<std::string> CheckpointWriter::wait() {
   return r;
 }
 
-void CheckpointWriter::prepare(uint64_t state_bytes) {
+void CheckpointWriter::prepare(uint64_t state_bytes, Backend* backend) {
   if (mode_ == Mode::Foreground || prepared_) return;
   prepared_ = true;
+  pin_backend_ = backend;
   const uint64_t available = available_host_memory();
   if (mode_ == Mode::Auto && !(available > 0 && state_bytes + (uint64_t{4} << 30) <= available - available / 8)) {
     why_sync_ = "the state (" + format_size(state_bytes) + ") does not fit beside the run in host memory (" +
@@ -384,6 +387,20 @@ void CheckpointWriter::prepare(uint64_t state_bytes) {
     for (uint64_t at = 0; at < rounded; at += 4096) bytes[at] = 0;
     snapshot_.data.reset(static_cast<uint8_t*>(p));
     snapshot_.bytes = rounded;
+    if (!pin_backend_) return;
+    // Pinned in pieces, so that no single call holds the driver for long while the
+    // run goes on; the snapshot's copies never cross a piece.
+    constexpr uint64_t kPinPiece = uint64_t{1} << 30;
+    for (uint64_t at = 0; at < rounded; at += kPinPiece) {
+      auto* piece = static_cast<uint8_t*>(p) + at;
+      if (!pin_backend_->pin_host(piece, std::min(kPinPiece, rounded - at)).is_ok()) {
+        for (void* q : pinned_pieces_) pin_backend_->unpin_host(q);  // staging copies instead
+        pinned_pieces_.clear();
+        return;
+      }
+      pinned_pieces_.push_back(piece);
+    }
+    pinned_ = PinnedRange{static_cast<const uint8_t*>(p), rounded, kPinPiece};
   });
 }
 
@@ -420,7 +437,7 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
   }
   auto host_done = std::make_shared<std::promise<Status>>();
   std::future<Status> host_copied = host_done->get_future();
-  auto times = trainer.snapshot_state(tensors, dst, host_done);
+  auto times = trainer.snapshot_state(tensors, dst, host_done, pinned_);
   if (!times.ok()) {
     remove_tree(temp);
     return times.status().with_context("checkpoint snapshot of step " + std::to_string(meta.step));
@@ -432,8 +449,10 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
     writing_ = true;
   }
   const uint8_t* base = snapshot_.data.get();
+  CopyEngine* engine = &trainer.backend().copy_engine();
+  const std::optional<CopyTicket> device_copies = times->device_copies;
   thread_ = std::thread([this, temp, meta, total, entries = std::move(entries), offsets = std::move(offsets), base,
-                         host_copied = std::move(host_copied)]() mutable {
+                         host_copied = std::move(host_copied), engine, device_copies]() mutable {
     lower_thread_priority();
     Result<std::string> written = std::string();
     CheckpointWriteStats stats;
@@ -443,6 +462,9 @@ Status CheckpointWriter::begin(Trainer& trainer, const CheckpointMeta& meta) {
     } catch (const std::future_error&) {
       copied = Status::internal("the host copies of the snapshot did not run: an earlier host job of the step failed");
     }
+    // The device copies into the pinned snapshot, issued by snapshot_state.
+    if (copied.is_ok() && device_copies)
+      copied = engine->wait(*device_copies).with_context("copying the device-resident state out");
     if (!copied.is_ok()) {
       remove_tree(temp);
       written = copied.with_context("checkpoint of step " + std::to_string(meta.step));

@@ -95,7 +95,11 @@ class CheckpointWriter {
   // when it fits beside the run in available host memory; else checkpoints are
   // written in the foreground and sync_reason() says why). Without it, Auto writes
   // in the foreground (right for a checkpoint only at the end of a run).
-  void prepare(uint64_t state_bytes);
+  // With `backend`, the copy is also pinned (Backend::pin_host, in pieces of 1 GiB, on
+  // that thread), so device-resident state is copied into it by the copy engine while
+  // the next step runs, instead of through staging buffers while training waits; a
+  // failure to pin only loses that. The backend must outlive the writer.
+  void prepare(uint64_t state_bytes, Backend* backend = nullptr);
   // The previous write's error, if it failed; otherwise snapshots and starts.
   Status begin(Trainer& trainer, const CheckpointMeta& meta);
   // Waits for the write in flight: its path, "" when there was none, or its error.
@@ -130,6 +134,11 @@ class CheckpointWriter {
   int keep_;
   Mode mode_;
   HostBuffer snapshot_;      // written by preparing_ until it is joined
+  // The pinned pieces of snapshot_ (written by preparing_ until it is joined), unpinned
+  // by the destructor through pin_backend_.
+  PinnedRange pinned_;
+  std::vector<void*> pinned_pieces_;
+  Backend* pin_backend_ = nullptr;
   bool prepared_ = false;
   Status prepare_error_;     // written by preparing_ until it is joined
   std::thread preparing_;

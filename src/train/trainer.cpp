@@ -488,7 +488,8 @@ uint64_t Trainer::state_bytes() const {
 }
 
 Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst,
-                                              std::shared_ptr<std::promise<Status>> host_copies_done) {
+                                              std::shared_ptr<std::promise<Status>> host_copies_done,
+                                              const PinnedRange& pinned) {
   if (tensors.size() != dst.size())
     return Status::invalid_argument("snapshot_state: " + std::to_string(tensors.size()) + " tensors but " +
                                     std::to_string(dst.size()) + " destinations");
@@ -515,6 +516,27 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
       continue;
     }
     if (host) host_tensors.push_back(tensors[i]);
+    if (!host && pinned.contains(dst[i], n) && pinned.chunk > 0) {
+      // Straight into the pinned destination, one copy per pinned piece it spans; the
+      // next step's writers of this tensor wait for the last (hold_device_reader).
+      CopyEngine& ce = backend_.copy_engine();
+      const auto* from = static_cast<const uint8_t*>(device);
+      size_t at = 0;
+      CopyTicket last{};
+      while (at < n) {
+        const uint64_t offset = static_cast<uint64_t>(dst[i] + at - pinned.base);
+        const size_t bytes = std::min<uint64_t>(n - at, pinned.chunk - offset % pinned.chunk);
+        SPILLWAY_ASSIGN_OR_RETURN(last, ce.copy(CopyDirection::DeviceToHost, dst[i] + at, from + at, bytes,
+                                                /*after_compute=*/true));
+        at += bytes;
+      }
+      if (n > 0) {
+        SPILLWAY_RETURN_IF_ERROR(executor_->hold_device_reader(tensors[i], last));
+        times.device_copies = last;
+      }
+      times.device_bytes += n;
+      continue;
+    }
     auto& pieces = host ? host_pieces : device_pieces;
     const auto* from = static_cast<const uint8_t*>(host ? host : device);
     for (size_t at = 0; at < n; at += kPiece) pieces.push_back({from + at, dst[i] + at, std::min(kPiece, n - at)});

@@ -185,8 +185,24 @@ inline constexpr uint64_t kSnapshotStagingBytes = uint64_t{16} << 20;
 // Where a checkpoint's snapshot spent its time (Trainer::snapshot_state).
 struct SnapshotTimes {
   double drain_s = 0;      // waiting for the last step's work in flight
-  double device_s = 0;     // device copies (and storage reads), made before returning
+  double device_s = 0;     // device copies (and storage reads) made, or issued, before returning
   uint64_t device_bytes = 0, host_bytes = 0, storage_bytes = 0;
+  // Device copies still in flight when snapshot_state returned (copies into pinned
+  // destinations): done when this device→host ticket is; wait for it before reading
+  // the destination. The next step's ops that write those tensors wait for them.
+  std::optional<CopyTicket> device_copies;
+};
+
+// Destinations of a snapshot that the copy engine can fill directly (pinned with
+// Backend::pin_host in pieces of `chunk` bytes from `base`; a copy never crosses a
+// piece).
+struct PinnedRange {
+  const uint8_t* base = nullptr;
+  uint64_t bytes = 0;
+  uint64_t chunk = 0;
+  bool contains(const uint8_t* p, uint64_t n) const {
+    return base != nullptr && p >= base && n <= bytes && static_cast<uint64_t>(p - base) <= bytes - n;
+  }
 };
 
 class Trainer {
@@ -271,8 +287,12 @@ class Trainer {
   // the next step's host optimizer waits for (so the next step's device work
   // overlaps it), which sets the promise when done (a job skipped after an earlier
   // failure breaks it); without, made before it returns.
+  // With `pinned` holding the destinations, device-resident tensors are copied
+  // straight into them in the background (SnapshotTimes::device_copies) instead of
+  // through the staging buffers before returning.
   Result<SnapshotTimes> snapshot_state(const std::vector<TensorId>& tensors, const std::vector<uint8_t*>& dst,
-                                       std::shared_ptr<std::promise<Status>> host_copies_done = nullptr);
+                                       std::shared_ptr<std::promise<Status>> host_copies_done = nullptr,
+                                       const PinnedRange& pinned = {});
   // After write_state_tensor of every state tensor: the run continues after `step`.
   void restore_steps_done(int64_t step);
   int64_t tokens_per_step() const;

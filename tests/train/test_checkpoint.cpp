@@ -306,7 +306,7 @@ TEST(Checkpoint, ABackgroundWriteIsTheSnapshotOfItsStep) {
     ASSERT_TRUE(t.ok());
     full = (*t)->plan().device_bytes;
   }
-  testing_support::TempDir spill, fg, bg;
+  testing_support::TempDir spill, bg;
   TrainerOptions o = base_options();
   o.planner.policy = Policy::Planned;
   o.budgets.device = full / 4;
@@ -320,27 +320,42 @@ TEST(Checkpoint, ABackgroundWriteIsTheSnapshotOfItsStep) {
     ASSERT_TRUE((*t)->init_parameters().is_ok());
     steps(**t, 1, 8, straight);
   }
-  {
-    auto t = Trainer::create(b, o);
+  // Staged device copies (no backend to pin with), then copies straight into the
+  // pinned snapshot that the next steps' writers of those tensors wait for: in a
+  // resident run, where the whole state is on device (the same bits: exactness).
+  for (bool pinned : {false, true}) {
+    SCOPED_TRACE(pinned ? "pinned snapshot, resident" : "staged device copies, planned with storage");
+    testing_support::TempDir fg_run, bg_run;
+    StateRun first;
+    TrainerOptions resident = base_options();
+    resident.planner.policy = Policy::Resident;
+    auto t = Trainer::create(b, pinned ? resident : o);
     ASSERT_TRUE(t.ok());
     ASSERT_TRUE((*t)->init_parameters().is_ok());
-    steps(**t, 1, 4, resumed);
-    auto f = write_checkpoint(**t, fg.path(), {.step = 4, .data_batch = 4, .config = {}}, 2);
+    steps(**t, 1, 4, first);
+    auto f = write_checkpoint(**t, fg_run.path(), {.step = 4, .data_batch = 4, .config = {}}, 2);
     ASSERT_TRUE(f.ok()) << f.status().to_string();
-    CheckpointWriter writer(bg.path(), 2, CheckpointWriter::Mode::Background);
+    CheckpointWriter writer(bg_run.path(), 2, CheckpointWriter::Mode::Background);
+    if (pinned) writer.prepare((*t)->state_bytes(), &b);
     ASSERT_TRUE(writer.begin(**t, {.step = 4, .data_batch = 4, .config = {}}).is_ok());
+    EXPECT_EQ(writer.last_snapshot().device_copies.has_value(), pinned && writer.last_snapshot().device_bytes > 0);
+    if (pinned) EXPECT_GT(writer.last_snapshot().device_bytes, 0u) << "the test needs device-resident state";
     StateRun more;
     steps(**t, 5, 8, more);  // while the checkpoint of step 4 is written
     EXPECT_TRUE(more.losses.size() == 4 && more.state == straight.state);
     auto p = writer.wait();
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    EXPECT_EQ(*p, bg.path() + "/ckpt-00000004");
+    EXPECT_EQ(*p, bg_run.path() + "/ckpt-00000004");
     EXPECT_EQ(writer.last_path(), *p);
     EXPECT_TRUE(writer.sync_reason().empty());
     EXPECT_EQ(testing_support::read_file(*p + "/state.bin"), testing_support::read_file(*f + "/state.bin"));
     auto again = writer.wait();  // nothing in flight
     ASSERT_TRUE(again.ok());
     EXPECT_EQ(*again, "");
+    if (pinned) {
+      resumed = first;
+      std::filesystem::rename(*p, bg.path() + "/ckpt-00000004");
+    }
   }
   std::vector<std::string> skipped;
   auto c = newest_checkpoint(bg.path(), &skipped);

@@ -336,6 +336,15 @@ class CudaBackend final : public Backend {
     check(cudaFreeHost(p), "cudaFreeHost");
   }
 
+  Status pin_host(void* p, size_t bytes) override {
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    return cuda_status("cudaHostRegister", cudaHostRegister(p, bytes, cudaHostRegisterDefault))
+        .with_context("pinning " + format_size(bytes) + " of host memory");
+  }
+  void unpin_host(void* p) override {
+    if (cudaHostUnregister(p) != cudaSuccess) (void)cudaGetLastError();  // unpinned at exit anyway
+  }
+
   CopyEngine& copy_engine() override { return copy_; }
 
   // Stall probes: timing events on the compute stream (stall_timer.cuh). A failure to
