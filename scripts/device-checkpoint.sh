@@ -22,6 +22,17 @@ cat "$out/first.jsonl" "$out/second.jsonl" > "$out/joined.jsonl"
 scripts/same_losses.py "cuda resume (stop after 7 at 600 MiB, resume at 900 MiB)" "$out/straight.jsonl" "$out/joined.jsonl" | tee -a "$out/summary.txt"
 if cmp -s $ck/straight.safetensors $ck/resumed.safetensors; then log "saved weights identical"; else log "saved weights DIFFER"; fi
 grep -h "checkpoint" "$out/resume.log" | tail -3 | tee -a "$out/summary.txt"
+# Resident (the whole state on device): the background checkpoint of step 6 is copied
+# straight into pinned memory while steps 7.. run. Resume from it (the final one of
+# step 7 removed) and compare with the uninterrupted run.
+rcommon="--backend cuda --model gpt2-124m --batch 4 --context 256 --steps 12 --eval-every 0"
+$bin train $rcommon --metrics "$out/r_straight.jsonl" --save $ck/r_straight.safetensors > "$out/rresume.log" 2>&1
+$bin train $rcommon --metrics "$out/r_first.jsonl" --checkpoint-dir $ck/rrun --checkpoint-every 3 --keep 3 --stop-after 7 >> "$out/rresume.log" 2>&1
+rm -rf $ck/rrun/ckpt-00000007
+$bin train --resume $ck/rrun --backend cuda --metrics "$out/r_second.jsonl" --save $ck/r_resumed.safetensors >> "$out/rresume.log" 2>&1
+head -6 "$out/r_first.jsonl" > "$out/r_joined.jsonl"; cat "$out/r_second.jsonl" >> "$out/r_joined.jsonl"
+scripts/same_losses.py "cuda resident, resumed from the pinned background checkpoint of step 6" "$out/r_straight.jsonl" "$out/r_joined.jsonl" | tee -a "$out/summary.txt"
+if cmp -s $ck/r_straight.safetensors $ck/r_resumed.safetensors; then log "resident: saved weights identical"; else log "resident: saved weights DIFFER"; fi
 steps=${STEPS:-131}
 for mode in plain ckpt; do
   extra=""; [ $mode = ckpt ] && extra="--checkpoint-dir $ck/bench --checkpoint-every 50"
