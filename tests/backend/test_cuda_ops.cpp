@@ -6,9 +6,12 @@
 // Skips (GTEST_SKIP) where no GPU is present, as in CI.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -925,6 +928,386 @@ TEST_F(CudaOps, ErrorsAreStatuses) {
   s = gpu_->synchronize();
   EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.to_string();
   EXPECT_TRUE(gpu_->synchronize().is_ok());
+}
+
+// ---- the multi-tensor optimizer path (ComputeQueue in cuda_backend.cu) ----
+// squared_norm and adamw calls are held back and a run of them goes out as a few
+// multi-tensor launches; SPILLWAY_CUDA_MULTI_TENSOR=0 launches per tensor. The two
+// must give the same bits, AdamW the host's bits too, and anything that touches the
+// compute stream after a held-back run must see its results.
+
+// Sets an environment variable for its lifetime, then puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old != nullptr) old_ = old;
+    had_ = old != nullptr;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+struct OptimizerLaunches {
+  uint64_t squared_norm = 0, adamw = 0;
+};
+OptimizerLaunches optimizer_launches(Backend& b) {
+#ifdef SPILLWAY_HAVE_CUDA
+  auto l = cuda_optimizer_launches(b);
+  EXPECT_TRUE(l.ok()) << l.status().to_string();
+  if (l.ok()) return {l->squared_norm, l->adamw};
+#else
+  (void)b;
+#endif
+  return {};
+}
+
+// A CUDA backend made with SPILLWAY_CUDA_MULTI_TENSOR=value, holding `workspace`
+// bytes of its own workspace, and the device memory it allocated.
+struct OwnedBackend {
+  std::unique_ptr<Backend> b;
+  std::vector<void*> allocs;
+  OwnedBackend(const char* multi_tensor, size_t workspace) {
+    ScopedEnv env("SPILLWAY_CUDA_MULTI_TENSOR", multi_tensor);
+    auto r = make_backend("cuda");
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    if (!r.ok()) return;
+    b = std::move(*r);
+    EXPECT_TRUE(b->use_own_workspace(workspace).ok());
+  }
+  ~OwnedBackend() {
+    if (!b) return;
+    EXPECT_TRUE(b->synchronize().is_ok());
+    for (void* p : allocs) b->device_free(p);
+    EXPECT_TRUE(b->synchronize().is_ok());
+  }
+  void* alloc(size_t bytes) {
+    auto r = b->device_alloc(std::max<size_t>(bytes, 1));
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    if (!r.ok()) return nullptr;
+    allocs.push_back(*r);
+    return *r;
+  }
+};
+
+// The optimizer tensors of a test: sizes, element shifts (1 = an odd element offset,
+// so that the vector paths are not taken) and weight decays.
+struct OptTensor {
+  size_t n;
+  size_t shift;
+  float weight_decay;
+};
+
+// Host values of every tensor, at offsets into one array per kind: tensor i at
+// offset[i] (256-byte aligned plus its shift), so that two backends given the same
+// layout see the same alignments.
+struct OptState {
+  std::vector<OptTensor> tensors;
+  std::vector<size_t> offset;  // [tensors] element offset
+  size_t total = 0;            // elements of each array
+  std::vector<uint16_t> param, grad;      // [total] bf16
+  std::vector<float> master, m, v;        // [total]
+};
+
+OptState make_opt_state(const std::vector<OptTensor>& tensors, std::mt19937& rng) {
+  OptState s;
+  s.tensors = tensors;
+  for (const OptTensor& t : tensors) {
+    s.total = (s.total + 127) / 128 * 128 + t.shift;  // 256 bytes of bf16, 512 of F32
+    s.offset.push_back(s.total);
+    s.total += t.n;
+  }
+  s.total += 8;
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(0.0f, 1e-4f);
+  s.param.resize(s.total);
+  s.grad.resize(s.total);
+  s.master.resize(s.total);
+  s.m.resize(s.total);
+  s.v.resize(s.total);
+  for (size_t i = 0; i < s.total; ++i) {
+    s.master[i] = 0.05f * nd(rng) + 1e-3f * static_cast<float>(i % 7);
+    s.param[i] = float_to_bf16(s.master[i]);
+    s.grad[i] = float_to_bf16(0.02f * nd(rng));
+    s.m[i] = 0.01f * nd(rng);
+    s.v[i] = ud(rng);
+  }
+  return s;
+}
+
+// The state on one backend: one allocation per kind, scale_norm[2] and out_sq[count].
+struct DeviceOpt {
+  uint16_t* param;
+  uint16_t* grad;
+  float *master, *m, *v, *scale_norm, *out_sq;
+  DeviceOpt(OwnedBackend& o, const OptState& s, const float scale_norm_host[2]) {
+    param = static_cast<uint16_t*>(o.alloc(s.total * 2));
+    grad = static_cast<uint16_t*>(o.alloc(s.total * 2));
+    master = static_cast<float*>(o.alloc(s.total * 4));
+    m = static_cast<float*>(o.alloc(s.total * 4));
+    v = static_cast<float*>(o.alloc(s.total * 4));
+    scale_norm = static_cast<float*>(o.alloc(8));
+    out_sq = static_cast<float*>(o.alloc(s.tensors.size() * 4));
+    Backend& b = *o.b;
+    EXPECT_TRUE(b.upload(param, s.param.data(), s.total * 2).is_ok());
+    EXPECT_TRUE(b.upload(grad, s.grad.data(), s.total * 2).is_ok());
+    EXPECT_TRUE(b.upload(master, s.master.data(), s.total * 4).is_ok());
+    EXPECT_TRUE(b.upload(m, s.m.data(), s.total * 4).is_ok());
+    EXPECT_TRUE(b.upload(v, s.v.data(), s.total * 4).is_ok());
+    EXPECT_TRUE(b.upload(scale_norm, scale_norm_host, 8).is_ok());
+    std::vector<float> poison(s.tensors.size(), NAN);
+    EXPECT_TRUE(b.upload(out_sq, poison.data(), poison.size() * 4).is_ok());
+  }
+  void norms(Backend& b, const OptState& s) {
+    for (size_t i = 0; i < s.tensors.size(); ++i) b.squared_norm(out_sq + i, grad + s.offset[i], s.tensors[i].n);
+  }
+  void adamw(Backend& b, const OptState& s, int step) {
+    for (size_t i = 0; i < s.tensors.size(); ++i) {
+      const size_t o = s.offset[i];
+      b.adamw(param + o, master + o, m + o, v + o, grad + o, scale_norm, s.tensors[i].n,
+              adamw_hyper(6e-4f, step, s.tensors[i].weight_decay));
+    }
+  }
+  // Everything, downloaded: param and grad bytes, then master, m, v, out_sq.
+  std::vector<std::vector<uint8_t>> bytes(Backend& b, const OptState& s) {
+    std::vector<std::vector<uint8_t>> out = {std::vector<uint8_t>(s.total * 2), std::vector<uint8_t>(s.total * 4),
+                                             std::vector<uint8_t>(s.total * 4), std::vector<uint8_t>(s.total * 4),
+                                             std::vector<uint8_t>(s.tensors.size() * 4)};
+    EXPECT_TRUE(b.download(out[0].data(), param, out[0].size()).is_ok());
+    EXPECT_TRUE(b.download(out[1].data(), master, out[1].size()).is_ok());
+    EXPECT_TRUE(b.download(out[2].data(), m, out[2].size()).is_ok());
+    EXPECT_TRUE(b.download(out[3].data(), v, out[3].size()).is_ok());
+    EXPECT_TRUE(b.download(out[4].data(), out_sq, out[4].size()).is_ok());
+    return out;
+  }
+};
+
+// Mixed sizes: tiny, not multiples of 4 or 8, empty, odd element offsets, a few
+// large ones (the largest runs the norm's 256 blocks over several strides), and
+// weight decays giving more distinct hyperparameters than one launch takes.
+std::vector<OptTensor> mixed_tensors(int count, std::mt19937& rng) {
+  const size_t sizes[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 100, 255, 256, 257, 768, 769, 1000, 2304, 4095,
+                          4096, 4097, 8191, 8193, 65537, 100003};
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(std::size(sizes)) - 1);
+  std::vector<OptTensor> t;
+  t.push_back({size_t{10} << 20 | 3, 0, 0.1f});  // large, not a multiple of 8
+  t.push_back({0, 0, 0.1f});                     // empty
+  t.push_back({3 * 1024 * 1024 + 5, 1, 0.0f});   // large, unaligned
+  for (int i = static_cast<int>(t.size()); i < count; ++i)
+    t.push_back({sizes[pick(rng)], static_cast<size_t>(i % 5 == 0), i % 3 == 0 ? 0.0f : 0.01f * (i % 13)});
+  t.push_back({size_t{20} << 20, 0, 0.1f});  // the largest: 20M elements
+  return t;
+}
+
+const char* kByteNames[] = {"param", "master", "m", "v", "out_sq"};
+
+// (1) Per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0) against multi-tensor launches, every
+// output bit for bit: squared norms, then two AdamW steps (the second step's calls
+// update what the first step's wrote, so the queue must launch the first run before
+// taking the second). Both with a large workspace and with the smallest one
+// (squared_norm_workspace(): each group of norms as large as 256 partials allow).
+TEST_F(CudaOps, MultiTensorOptimizerBitIdenticalToPerTensor) {
+  const std::vector<OptTensor> tensors = mixed_tensors(700, rng_);  // over one launch's table
+  const OptState s = make_opt_state(tensors, rng_);
+  const float scale_norm[2] = {0.73f, 1.37f};
+  for (size_t workspace : {size_t{64} << 20, gpu_->squared_norm_workspace()}) {
+    SCOPED_TRACE("workspace " + std::to_string(workspace));
+    OwnedBackend per("0", workspace), multi("1", workspace);
+    ASSERT_TRUE(per.b && multi.b);
+    EXPECT_NE(per.b->description().find("per tensor"), std::string::npos) << per.b->description();
+    EXPECT_NE(multi.b->description().find("multi-tensor"), std::string::npos) << multi.b->description();
+    DeviceOpt a(per, s, scale_norm), c(multi, s, scale_norm);
+    a.norms(*per.b, s);
+    c.norms(*multi.b, s);
+    for (int step = 1; step <= 2; ++step) {
+      a.adamw(*per.b, s, step);
+      c.adamw(*multi.b, s, step);
+    }
+    ASSERT_TRUE(per.b->synchronize().is_ok());
+    ASSERT_TRUE(multi.b->synchronize().is_ok());
+    const auto want = a.bytes(*per.b, s), got = c.bytes(*multi.b, s);
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(want[k] == got[k]) << kByteNames[k] << " differs";
+    // Not two equal wrong answers: each norm near its double-precision sum.
+    std::vector<float> sq(tensors.size());
+    std::memcpy(sq.data(), got[4].data(), sq.size() * 4);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      double want_sq = 0;
+      for (size_t j = 0; j < tensors[i].n; ++j) {
+        const double g = bf16_to_float(s.grad[s.offset[i] + j]);
+        want_sq += g * g;
+      }
+      ASSERT_NEAR(sq[i], want_sq, 1e-4 * want_sq + 1e-30) << "tensor " << i << " n=" << tensors[i].n;
+    }
+    const OptimizerLaunches lp = optimizer_launches(*per.b), lm = optimizer_launches(*multi.b);
+    EXPECT_EQ(lp.squared_norm, 2 * tensors.size());
+    EXPECT_GE(lp.adamw, 2 * (tensors.size() - 1));  // one or two per non-empty tensor and step
+    std::printf("[ launches ] workspace %zu: squared_norm %llu -> %llu, adamw %llu -> %llu (%zu tensors, 2 steps)\n",
+                workspace, (unsigned long long)lp.squared_norm, (unsigned long long)lm.squared_norm,
+                (unsigned long long)lp.adamw, (unsigned long long)lm.adamw, tensors.size());
+    if (workspace > (size_t{1} << 20)) {
+      EXPECT_LE(lm.squared_norm, 8u);
+    }
+    EXPECT_LE(lm.adamw, 2u * 8u);
+    EXPECT_LT(lm.squared_norm, lp.squared_norm / 4);
+  }
+}
+
+// The launches of a GPT-2-like optimizer: 100 small tensors (one block each) in one
+// group: two squared-norm launches and one AdamW launch (two weight decays).
+TEST_F(CudaOps, MultiTensorOptimizerLaunchCounts) {
+  std::vector<OptTensor> tensors;
+  for (int i = 0; i < 100; ++i) tensors.push_back({static_cast<size_t>(768 + 8 * i), 0, i % 2 ? 0.1f : 0.0f});
+  const OptState s = make_opt_state(tensors, rng_);
+  const float scale_norm[2] = {1.0f, 0.5f};
+  OwnedBackend per("0", size_t{1} << 20), multi("1", size_t{1} << 20);
+  ASSERT_TRUE(per.b && multi.b);
+  DeviceOpt a(per, s, scale_norm), c(multi, s, scale_norm);
+  for (auto [o, d] : {std::pair{&per, &a}, std::pair{&multi, &c}}) {
+    d->norms(*o->b, s);
+    d->adamw(*o->b, s, 1);
+    ASSERT_TRUE(o->b->synchronize().is_ok());
+  }
+  const OptimizerLaunches lp = optimizer_launches(*per.b), lm = optimizer_launches(*multi.b);
+  EXPECT_EQ(lp.squared_norm, 200u);
+  EXPECT_EQ(lp.adamw, 100u);  // multiples of 4, aligned: one launch each
+  EXPECT_EQ(lm.squared_norm, 2u);
+  EXPECT_EQ(lm.adamw, 1u);
+  EXPECT_TRUE(a.bytes(*per.b, s) == c.bytes(*multi.b, s));
+}
+
+// (2) Multi-tensor AdamW against the host AdamW bit for bit, two steps of every
+// tensor, one half of the tensors with a finite clip scale and the other half with a
+// skipped step (NaN scale) in the same runs, and learning rates giving more distinct
+// hyperparameters than one launch takes.
+TEST_F(CudaOps, MultiTensorAdamWBitIdenticalToHost) {
+  const std::vector<OptTensor> tensors = mixed_tensors(300, rng_);
+  OptState s = make_opt_state(tensors, rng_);
+  OwnedBackend multi("1", size_t{1} << 20);
+  ASSERT_TRUE(multi.b);
+  Backend& b = *multi.b;
+  const float finite[2] = {0.61f, 1.64f}, skipped[2] = {NAN, INFINITY};
+  DeviceOpt d(multi, s, finite);
+  auto* skip_sn = static_cast<float*>(multi.alloc(8));
+  ASSERT_TRUE(b.upload(skip_sn, skipped, 8).is_ok());
+  for (int step = 1; step <= 2; ++step) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const size_t o = s.offset[i];
+      const bool skip = i % 2 == 1;
+      const AdamWHyper h = adamw_hyper(6e-4f * static_cast<float>(1 + i % 11), step, tensors[i].weight_decay);
+      b.adamw(d.param + o, d.master + o, d.m + o, d.v + o, d.grad + o, skip ? skip_sn : d.scale_norm, tensors[i].n,
+              h);
+      adamw_host(DType::BF16, s.param.data() + o, s.master.data() + o, s.m.data() + o, s.v.data() + o,
+                 s.grad.data() + o, skip ? skipped : finite, tensors[i].n, h);
+    }
+  }
+  // Straight to the downloads: they must see the held-back updates.
+  const auto got = d.bytes(b, s);
+  EXPECT_EQ(std::memcmp(got[0].data(), s.param.data(), s.total * 2), 0) << "param";
+  EXPECT_EQ(std::memcmp(got[1].data(), s.master.data(), s.total * 4), 0) << "master";
+  EXPECT_EQ(std::memcmp(got[2].data(), s.m.data(), s.total * 4), 0) << "m";
+  EXPECT_EQ(std::memcmp(got[3].data(), s.v.data(), s.total * 4), 0) << "v";
+  EXPECT_TRUE(b.synchronize().is_ok());
+}
+
+// (3) Whatever comes after a held-back run sees its results: a download, an op, the
+// copy engine's copy after compute, clip_scale reading the norms, a workspace change;
+// and calls that depend on held-back ones are launched after them (two norms into one
+// out_sq, a norm of params a held-back AdamW wrote, a norm of a held-back norm's
+// output).
+TEST_F(CudaOps, MultiTensorFlushOrdering) {
+  std::vector<OptTensor> tensors;
+  for (int i = 0; i < 40; ++i) tensors.push_back({static_cast<size_t>(1000 + 37 * i), 0, 0.1f});
+  OptState s = make_opt_state(tensors, rng_);
+  const float finite[2] = {0.9f, 1.1f};
+  OwnedBackend per("0", size_t{1} << 20), multi("1", size_t{1} << 20);
+  ASSERT_TRUE(per.b && multi.b);
+  Backend& b = *multi.b;
+  DeviceOpt ref(per, s, finite), d(multi, s, finite);
+  ref.norms(*per.b, s);
+  ref.adamw(*per.b, s, 1);
+  const auto want = ref.bytes(*per.b, s);
+  std::vector<float> want_sq(tensors.size());
+  std::memcpy(want_sq.data(), want[4].data(), want_sq.size() * 4);
+
+  // Norms, then clip_scale reads them (no synchronize in between).
+  d.norms(b, s);
+  float* sn2 = static_cast<float*>(multi.alloc(8));
+  b.clip_scale(sn2, d.out_sq, static_cast<int>(tensors.size()), 0.5f);
+  float got_sn[2], host_sn[2];
+  ASSERT_TRUE(b.download(got_sn, sn2, 8).is_ok());
+  clip_scale_host(host_sn, want_sq.data(), static_cast<int>(tensors.size()), 0.5f);
+  EXPECT_EQ(std::memcmp(got_sn, host_sn, 8), 0) << got_sn[0] << " " << got_sn[1] << " vs " << host_sn[0] << " "
+                                                 << host_sn[1];
+
+  // AdamW, then the copy engine's D2H copy after compute, straight away.
+  d.adamw(b, s, 1);
+  CopyEngine& ce = b.copy_engine();
+  auto host = b.host_alloc(s.total * 4);
+  ASSERT_TRUE(host.ok());
+  auto t = ce.copy(CopyDirection::DeviceToHost, *host, d.master, s.total * 4);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_TRUE(ce.wait(*t).is_ok());
+  EXPECT_EQ(std::memcmp(*host, want[1].data(), s.total * 4), 0) << "master copied after compute";
+  b.host_free(*host);
+
+  // AdamW, then an op reading the updated params: residual_forward(out = p + p).
+  const size_t n0 = tensors[0].n;
+  void* twice = multi.alloc(n0 * 2);
+  d.adamw(b, s, 2);
+  ref.adamw(*per.b, s, 2);
+  b.residual_forward(twice, d.param + s.offset[0], d.param + s.offset[0], n0);
+  std::vector<uint16_t> got_twice(n0), want_p(n0);
+  ASSERT_TRUE(b.download(got_twice.data(), twice, n0 * 2).is_ok());
+  ASSERT_TRUE(per.b->download(want_p.data(), ref.param + s.offset[0], n0 * 2).is_ok());
+  for (size_t j = 0; j < n0; ++j)
+    ASSERT_EQ(bf16_to_float(got_twice[j]), 2.0f * bf16_to_float(want_p[j])) << "element " << j;
+
+  // Norms into one out_sq twice (the later call's value stays), and a norm of the
+  // master-rounded params that a held-back AdamW writes.
+  b.squared_norm(d.out_sq, d.grad + s.offset[1], tensors[1].n);
+  b.squared_norm(d.out_sq, d.grad + s.offset[2], tensors[2].n);
+  float last = 0;
+  ASSERT_TRUE(b.download(&last, d.out_sq, 4).is_ok());
+  EXPECT_EQ(std::memcmp(&last, &want_sq[2], 4), 0) << last << " vs " << want_sq[2];
+  d.adamw(b, s, 3);
+  ref.adamw(*per.b, s, 3);
+  b.squared_norm(d.out_sq + 5, d.param + s.offset[5], tensors[5].n);  // reads what adamw wrote
+  per.b->squared_norm(ref.out_sq + 5, ref.param + s.offset[5], tensors[5].n);
+  // A norm whose input is a held-back norm's output (out_sq[6] read as two bf16).
+  for (auto [o, x] : {std::pair{&multi, &d}, std::pair{&per, &ref}}) {
+    o->b->squared_norm(x->out_sq + 6, x->grad + s.offset[6], tensors[6].n);
+    o->b->squared_norm(x->out_sq + 7, reinterpret_cast<const uint16_t*>(x->out_sq + 6), 2);
+  }
+  float got5[3] = {0, 0, 0}, want5[3] = {1, 1, 1};
+  ASSERT_TRUE(b.download(got5, d.out_sq + 5, 12).is_ok());
+  ASSERT_TRUE(per.b->download(want5, ref.out_sq + 5, 12).is_ok());
+  EXPECT_EQ(std::memcmp(got5, want5, 12), 0) << got5[0] << " " << got5[1] << " " << got5[2] << " vs " << want5[0]
+                                               << " " << want5[1] << " " << want5[2];
+
+  // Norms held back, then the workspace is replaced (the old one freed): they ran first.
+  d.norms(b, s);
+  ASSERT_TRUE(b.use_own_workspace(size_t{2} << 20).ok());
+  std::vector<float> got_sq(tensors.size());
+  ASSERT_TRUE(b.download(got_sq.data(), d.out_sq, got_sq.size() * 4).is_ok());
+  EXPECT_EQ(std::memcmp(got_sq.data(), want_sq.data(), got_sq.size() * 4), 0) << "norms before a workspace change";
+  EXPECT_TRUE(b.synchronize().is_ok());
+  EXPECT_TRUE(per.b->synchronize().is_ok());
+}
+
+// A value other than 0 or 1 is an error naming the variable, not a silent default.
+TEST_F(CudaOps, MultiTensorSwitchIsChecked) {
+  ScopedEnv env("SPILLWAY_CUDA_MULTI_TENSOR", "yes");
+  auto b = make_backend("cuda");
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
+  EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_MULTI_TENSOR"), std::string::npos) << b.status().to_string();
 }
 
 }  // namespace

@@ -7,8 +7,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <deque>
+#include <functional>
+#include <iterator>
+#include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/attention.cuh"
@@ -39,6 +44,217 @@ const char* direction_name(CopyDirection d) {
   return d == CopyDirection::HostToDevice ? "host-to-device" : "device-to-host";
 }
 
+// ---------------------------------------------------------------- compute queue
+
+// Byte ranges [begin, end) of device memory, merged where they overlap or touch.
+class RangeSet {
+ public:
+  bool overlaps(const void* p, size_t bytes) const {
+    const uintptr_t b = reinterpret_cast<uintptr_t>(p), e = b + bytes;
+    if (bytes == 0) return false;
+    auto it = ranges_.lower_bound(e);  // the first range beginning at or past e
+    if (it == ranges_.begin()) return false;
+    --it;  // the last range beginning before e; earlier ones end before it begins
+    return it->second > b;
+  }
+  void add(const void* p, size_t bytes) {
+    if (bytes == 0) return;
+    uintptr_t b = reinterpret_cast<uintptr_t>(p), e = b + bytes;
+    auto it = ranges_.upper_bound(b);
+    if (it != ranges_.begin() && std::prev(it)->second >= b) {
+      --it;
+      b = it->first;
+      e = std::max(e, it->second);
+      it = ranges_.erase(it);
+    }
+    while (it != ranges_.end() && it->first <= e) {
+      e = std::max(e, it->second);
+      it = ranges_.erase(it);
+    }
+    ranges_.emplace(b, e);
+  }
+  void clear() { ranges_.clear(); }
+
+ private:
+  std::map<uintptr_t, uintptr_t> ranges_;  // begin -> end, disjoint, not touching
+};
+
+// The compute stream, and the optimizer calls held back so that a run of consecutive
+// squared_norm calls, or of consecutive adamw calls, goes out as a few multi-tensor
+// launches (launch_squared_norms, launch_adamws: the same bits as one launch per
+// tensor) instead of one to three per tensor.
+//
+// The stream is private to this class and stream() is the only way to it: it first
+// launches whatever is held back, so every other use of the compute stream (the
+// backend's other ops, its copies, fills and synchronization, the copy engine's fences
+// and waits on it) reaches the stream after the calls submitted before it, and no
+// path can forget to. A held-back batch is also launched (flush) before a call of the
+// other kind, before a call that reads memory a held-back call writes or writes memory
+// one reads or writes (so the calls of one batch never depend on each other's order),
+// before the workspace changes and before device or pinned memory is freed.
+// Thread-safe: the copy engine may fence from other threads.
+class ComputeQueue {
+ public:
+  // A batch is launched once it moves this much memory (read plus written: about a
+  // millisecond of an H200's bandwidth), so that a large model's optimizer starts on
+  // the GPU while the host is still issuing it: gpt2-124m's AdamW (3.5 GB) is one
+  // batch, gpt2-1.5b's (44 GB) eleven. (A host that blocks flushes first anyway: the
+  // executor's stall probes and CopyEngine::wait use the stream.)
+  static constexpr uint64_t kFlushTrafficBytes = uint64_t{4} << 30;
+  // What launches the optimizer calls took (kernels on the stream).
+  struct Launches {
+    uint64_t squared_norm = 0;
+    uint64_t adamw = 0;
+  };
+
+  ComputeQueue() = default;
+  ~ComputeQueue() { destroy(); }
+  ComputeQueue(const ComputeQueue&) = delete;
+  ComputeQueue& operator=(const ComputeQueue&) = delete;
+
+  // on_error receives the error of each failed launch; it runs with this queue's lock
+  // held, so it must not use the queue.
+  Status init(int device, bool multi_tensor, std::function<void(Status)> on_error) {
+    device_ = device;
+    multi_tensor_ = multi_tensor;
+    on_error_ = std::move(on_error);
+    return cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  // Launches what is held back, waits for the stream and destroys it (destruction).
+  void destroy() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stream_ == nullptr) return;
+    flush_locked();
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+  }
+
+  bool multi_tensor() const { return multi_tensor_; }
+
+  // The compute stream, after launching every held-back call: the one way to it.
+  cudaStream_t stream() {
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_locked();
+    return stream_;
+  }
+  // Launches every held-back call now.
+  void flush() { (void)stream(); }
+
+  // out_sq[0] = Σ grad[n]² (launch_squared_norm). scratch[scratch_bytes]: the
+  // workspace, at least squared_norm_scratch_bytes(); a batch uses it whole.
+  void squared_norm(const SquaredNormCall& c, void* scratch, size_t scratch_bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t grad_bytes = c.n * sizeof(bf16);
+    if (!multi_tensor_) {
+      flush_locked();
+      report(launch_squared_norm(c.out_sq, c.grad, c.n, scratch, stream_, &launches_.squared_norm), "squared_norm");
+      return;
+    }
+    if (kind_ != Kind::SquaredNorm || scratch != norm_scratch_ || scratch_bytes != norm_scratch_bytes_ ||
+        writes_.overlaps(c.grad, grad_bytes) || writes_.overlaps(c.out_sq, sizeof(float)) ||
+        reads_.overlaps(c.out_sq, sizeof(float)))
+      flush_locked();
+    kind_ = Kind::SquaredNorm;
+    norm_scratch_ = scratch;
+    norm_scratch_bytes_ = scratch_bytes;
+    norms_.push_back(c);
+    reads_.add(c.grad, grad_bytes);
+    writes_.add(c.out_sq, sizeof(float));
+    traffic_ += grad_bytes;
+    if (traffic_ >= kFlushTrafficBytes) flush_locked();
+  }
+
+  // One AdamW update (launch_adamw).
+  void adamw(const AdamWCall& c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!multi_tensor_) {
+      flush_locked();
+      report(launch_adamw(c.param, c.master, c.m, c.v, c.grad, c.scale_norm, c.n, c.hyper, stream_,
+                          &launches_.adamw),
+             "adamw");
+      return;
+    }
+    if (c.n == 0) return;  // nothing to update, nothing launched
+    const size_t f32 = c.n * sizeof(float), b16 = c.n * sizeof(bf16);
+    const std::pair<const void*, size_t> writes[] = {{c.param, b16}, {c.master, f32}, {c.m, f32}, {c.v, f32}};
+    const std::pair<const void*, size_t> reads[] = {{c.grad, b16}, {c.scale_norm, 2 * sizeof(float)}};
+    bool conflict = kind_ != Kind::AdamW;
+    for (const auto& [p, bytes] : writes)
+      conflict = conflict || writes_.overlaps(p, bytes) || reads_.overlaps(p, bytes);
+    for (const auto& [p, bytes] : reads) conflict = conflict || writes_.overlaps(p, bytes);
+    if (conflict) flush_locked();
+    kind_ = Kind::AdamW;
+    adamws_.push_back(c);
+    for (const auto& [p, bytes] : writes) writes_.add(p, bytes);
+    for (const auto& [p, bytes] : reads) reads_.add(p, bytes);
+    traffic_ += c.n * (2 * sizeof(bf16) + 6 * sizeof(float));
+    if (traffic_ >= kFlushTrafficBytes) flush_locked();
+  }
+
+  // The kernels launched so far, after launching what is held back.
+  Launches launches() {
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_locked();
+    return launches_;
+  }
+
+ private:
+  enum class Kind { None, SquaredNorm, AdamW };
+
+  void report(cudaError_t e, const char* what) {
+    if (e != cudaSuccess && on_error_) on_error_(cuda_status(what, e));
+  }
+
+  void flush_locked() {
+    if (kind_ == Kind::None) return;
+    cudaError_t e = cudaSetDevice(device_);
+    if (e == cudaSuccess) {
+      if (kind_ == Kind::SquaredNorm)
+        e = launch_squared_norms(norms_.data(), norms_.size(), norm_scratch_, norm_scratch_bytes_, stream_,
+                                 &launches_.squared_norm);
+      else
+        e = launch_adamws(adamws_.data(), adamws_.size(), stream_, &launches_.adamw);
+    }
+    if (e != cudaSuccess && on_error_) {
+      const size_t calls = kind_ == Kind::SquaredNorm ? norms_.size() : adamws_.size();
+      on_error_(cuda_status(kind_ == Kind::SquaredNorm ? "squared_norm" : "adamw", e)
+                    .with_context("multi-tensor launch of " + std::to_string(calls) + " calls"));
+    }
+    kind_ = Kind::None;
+    norms_.clear();
+    adamws_.clear();
+    reads_.clear();
+    writes_.clear();
+    traffic_ = 0;
+  }
+
+  int device_ = 0;
+  bool multi_tensor_ = true;
+  std::function<void(Status)> on_error_;
+  std::mutex mu_;
+  cudaStream_t stream_ = nullptr;
+  Kind kind_ = Kind::None;               // what is held back (one kind at a time)
+  std::vector<SquaredNormCall> norms_;   // held back, in submission order
+  std::vector<AdamWCall> adamws_;
+  void* norm_scratch_ = nullptr;         // the workspace the held-back norms use
+  size_t norm_scratch_bytes_ = 0;
+  RangeSet reads_, writes_;              // memory the held-back calls read, write
+  uint64_t traffic_ = 0;                 // bytes they read and write
+  Launches launches_;
+};
+
+// SPILLWAY_CUDA_MULTI_TENSOR: unset or 1, multi-tensor optimizer launches; 0, one
+// launch (or two) per tensor as before, for comparing the two.
+Result<bool> multi_tensor_from_environment() {
+  const char* v = std::getenv("SPILLWAY_CUDA_MULTI_TENSOR");
+  if (v == nullptr || std::string(v) == "1") return true;
+  if (std::string(v) == "0") return false;
+  return Status::invalid_argument(std::string("SPILLWAY_CUDA_MULTI_TENSOR is '") + v +
+                                  "'; expected 1 (multi-tensor optimizer launches, the default) or 0 (one launch "
+                                  "per tensor)");
+}
+
 // ---------------------------------------------------------------- copy engine
 
 class CudaCopyEngine final : public CopyEngine {
@@ -57,7 +273,9 @@ class CudaCopyEngine final : public CopyEngine {
     if (compute_fence_) (void)cudaEventDestroy(compute_fence_);
   }
 
-  Status init(int device, cudaStream_t compute) {
+  // `compute`: the backend's queue, whose stream the fences of copies after compute
+  // and the waits of compute after copies go on.
+  Status init(int device, ComputeQueue* compute) {
     device_ = device;
     compute_ = compute;
     for (auto& q : queues_)
@@ -73,7 +291,8 @@ class CudaCopyEngine final : public CopyEngine {
     // The copy starts after every op submitted so far (a D2H copy reads their output),
     // unless the caller knows no op in flight touches its memory.
     if (after_compute) {
-      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaEventRecord (compute fence)", cudaEventRecord(compute_fence_, compute_)));
+      SPILLWAY_RETURN_IF_ERROR(
+          cuda_status("cudaEventRecord (compute fence)", cudaEventRecord(compute_fence_, compute_->stream())));
       SPILLWAY_RETURN_IF_ERROR(
           cuda_status("cudaStreamWaitEvent (copy after compute)", cudaStreamWaitEvent(q.stream, compute_fence_, 0)));
     }
@@ -115,6 +334,8 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
   Status wait(CopyTicket t) override {
+    // The host blocks here: held-back compute goes to the GPU first, to run meanwhile.
+    if (compute_ != nullptr) compute_->flush();
     cudaEvent_t ev = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -139,7 +360,7 @@ class CudaCopyEngine final : public CopyEngine {
     cudaEvent_t ev = find(q, t.sequence);
     if (ev == nullptr) return Status::ok();
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    return cuda_status("cudaStreamWaitEvent (compute after copy)", cudaStreamWaitEvent(compute_, ev, 0))
+    return cuda_status("cudaStreamWaitEvent (compute after copy)", cudaStreamWaitEvent(compute_->stream(), ev, 0))
         .with_context(ticket_text(t));
   }
 
@@ -214,7 +435,7 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
   int device_ = 0;
-  cudaStream_t compute_ = nullptr;
+  ComputeQueue* compute_ = nullptr;  // the backend's (it outlives this engine's use)
   cudaEvent_t compute_fence_ = nullptr;
   std::mutex mu_;
   Queue queues_[2];
@@ -234,12 +455,12 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     (void)cudaSetDevice(device_);
-    if (compute_) (void)cudaStreamSynchronize(compute_);
+    // Launches what is held back (while the workspace is still there), waits for the
+    // compute stream and destroys it; copy_ and mm_, destroyed after this body, never
+    // touch it again.
+    queue_.destroy();
     (void)copy_.wait_all();
     if (own_workspace_) (void)cudaFree(own_workspace_);
-    // copy_ and mm_ are destroyed after this body and never touch the compute
-    // stream again (both were drained above).
-    if (compute_) (void)cudaStreamDestroy(compute_);
   }
 
   Status init(const BackendOptions& options) {
@@ -267,17 +488,18 @@ class CudaBackend final : public Backend {
     size_t free_b = 0;
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemGetInfo", cudaMemGetInfo(&free_b, &capacity_)));
     gpu_name_ = prop.name;
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking)));
-    SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, compute_));
+    SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
+    SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, [this](Status s) { record(std::move(s), nullptr); }));
+    SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, &queue_));
     // No workspace yet: the caller gives one (set_workspace) before running ops.
-    SPILLWAY_RETURN_IF_ERROR(mm_.init(compute_, nullptr, kLtWorkspaceBytes));
+    SPILLWAY_RETURN_IF_ERROR(mm_.init(nullptr, kLtWorkspaceBytes));
     // The driver reserves local memory (the per-thread stack, for every thread the
     // device can hold) at the first launch of a kernel that uses any: 264 MiB on an
     // H200. Made to happen now, so it is measured with the handles and streams as
     // fixed_device_bytes(), which budgets leave out, not in the middle of a step.
-    reserve_local_memory_kernel<<<1, 32, 0, compute_>>>(nullptr, 0);
+    reserve_local_memory_kernel<<<1, 32, 0, stream()>>>(nullptr, 0);
     SPILLWAY_RETURN_IF_ERROR(cuda_status("local memory reservation", cudaGetLastError()));
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamSynchronize (init)", cudaStreamSynchronize(compute_)));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamSynchronize (init)", cudaStreamSynchronize(stream())));
     fixed_bytes_ = device_used_bytes();
     sample_peak();
     return Status::ok();
@@ -286,7 +508,10 @@ class CudaBackend final : public Backend {
   std::string name() const override { return sizes().name(); }
   std::string description() const override {
     return gpu_name_ + ", " + format_size(capacity_) + " (device " + std::to_string(device_) +
-           "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace)";
+           "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace; " +
+           (queue_.multi_tensor() ? "multi-tensor optimizer launches"
+                                  : "one optimizer launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0)") +
+           ")";
   }
   DType activation_dtype() const override { return sizes().activation_dtype(); }
   size_t alignment() const override { return sizes().alignment(); }
@@ -318,6 +543,7 @@ class CudaBackend final : public Backend {
 
   void device_free(void* p) override {
     if (p == nullptr) return;
+    queue_.flush();  // a held-back call may use it: launched before cudaFree waits for the device
     check(cudaSetDevice(device_), "cudaSetDevice");
     check(cudaFree(p), "cudaFree");
   }
@@ -333,6 +559,7 @@ class CudaBackend final : public Backend {
 
   void host_free(void* p) override {
     if (p == nullptr) return;
+    queue_.flush();  // as device_free: cudaFreeHost waits for the device
     check(cudaFreeHost(p), "cudaFreeHost");
   }
 
@@ -351,13 +578,13 @@ class CudaBackend final : public Backend {
   // record one is recorded like an op's error; the probe then counts nothing.
   StallProbe begin_stall_probe() override {
     Status err;
-    const uint64_t id = stall_.begin(compute_, &err);
+    const uint64_t id = stall_.begin(stream(), &err);
     record(err, "stall probe");
     return StallProbe{id, 0};
   }
   void end_stall_probe(StallProbe probe) override {
     Status err;
-    stall_.end(probe.id, compute_, &err);
+    stall_.end(probe.id, stream(), &err);
     record(err, "stall probe");
   }
   Result<double> take_stall_seconds() override {
@@ -373,7 +600,7 @@ class CudaBackend final : public Backend {
       if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
     };
     keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(compute_)));
+    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
     keep(copy_.wait_all());
     {
       std::lock_guard<std::mutex> lock(err_mu_);
@@ -389,24 +616,28 @@ class CudaBackend final : public Backend {
 
   Status upload(void* dev, const void* host, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemcpyAsync (upload)", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, compute_)));
-    return cuda_status("cudaStreamSynchronize (upload)", cudaStreamSynchronize(compute_));
+    const cudaStream_t s = stream();
+    SPILLWAY_RETURN_IF_ERROR(
+        cuda_status("cudaMemcpyAsync (upload)", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)));
+    return cuda_status("cudaStreamSynchronize (upload)", cudaStreamSynchronize(s));
   }
 
   Status download(void* host, const void* dev, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemcpyAsync (download)", cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, compute_)));
-    return cuda_status("cudaStreamSynchronize (download)", cudaStreamSynchronize(compute_));
+    const cudaStream_t s = stream();
+    SPILLWAY_RETURN_IF_ERROR(
+        cuda_status("cudaMemcpyAsync (download)", cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s)));
+    return cuda_status("cudaStreamSynchronize (download)", cudaStreamSynchronize(s));
   }
 
   void fill_zero(void* dev, size_t bytes) override {
     if (!enter()) return;
-    check(cudaMemsetAsync(dev, 0, bytes, compute_), "fill_zero");
+    check(cudaMemsetAsync(dev, 0, bytes, stream()), "fill_zero");
   }
 
   void copy_device(void* dst, const void* src, size_t bytes) override {
     if (!enter()) return;
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, compute_), "copy_device");
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()), "copy_device");
   }
 
   size_t device_used_bytes() const override {
@@ -447,13 +678,14 @@ class CudaBackend final : public Backend {
   }
   size_t squared_norm_workspace() const override { return sizes().squared_norm_workspace(); }
   void set_workspace(void* base, size_t bytes) override {
+    queue_.flush();  // held-back squared norms use the workspace they were given
     workspace_ = base;
     workspace_bytes_ = base ? bytes : 0;
   }
   Status use_own_workspace(size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
     if (own_workspace_) {
-      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamSynchronize", cudaStreamSynchronize(compute_)));
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamSynchronize", cudaStreamSynchronize(stream())));
       SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaFree (workspace)", cudaFree(own_workspace_)));
       if (workspace_ == own_workspace_) set_workspace(nullptr, 0);
       own_workspace_ = nullptr;
@@ -475,7 +707,7 @@ class CudaBackend final : public Backend {
   void embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T, int C,
                          int vocab_begin, int vocab_rows) override {
     if (!enter()) return;
-    check(launch_embedding_forward(mb(out), tokens, cb(wte), cb(wpe), B, T, C, vocab_begin, vocab_rows, compute_),
+    check(launch_embedding_forward(mb(out), tokens, cb(wte), cb(wpe), B, T, C, vocab_begin, vocab_rows, stream()),
           "embedding_forward");
   }
 
@@ -499,14 +731,14 @@ class CudaBackend final : public Backend {
     void* s = scratch(need, "embedding_backward");
     if (s == nullptr) return;
     check(launch_embedding_backward(mb(dwte), mb(dwpe), cb(dout), tokens, B, T, C, vocab_begin, vocab_rows, s,
-                                    need, compute_),
+                                    need, stream()),
           "embedding_backward");
   }
 
   void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
                          const void* bias, int N, int C) override {
     if (!enter()) return;
-    check(launch_layernorm_forward(mb(out), mean, rstd, cb(inp), cb(weight), cb(bias), N, C, compute_),
+    check(launch_layernorm_forward(mb(out), mean, rstd, cb(inp), cb(weight), cb(bias), N, C, stream()),
           "layernorm_forward");
   }
 
@@ -516,14 +748,14 @@ class CudaBackend final : public Backend {
     void* s = scratch(layernorm_backward_scratch_bytes(N, C), "layernorm_backward");
     if (s == nullptr) return;
     check(launch_layernorm_backward(mb(dinp), mb(dweight), mb(dbias), cb(dout), cb(inp), cb(weight), mean, rstd, N,
-                                    C, s, compute_),
+                                    C, s, stream()),
           "layernorm_backward");
   }
 
   void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
                        float eps) override {
     if (!enter()) return;
-    check(launch_rmsnorm_forward(mb(out), rstd, cb(inp), cb(weight), N, C, eps, compute_), "rmsnorm_forward");
+    check(launch_rmsnorm_forward(mb(out), rstd, cb(inp), cb(weight), N, C, eps, stream()), "rmsnorm_forward");
   }
 
   void rmsnorm_backward(void* dinp, void* dweight, const void* dout, const void* inp, const void* weight,
@@ -531,7 +763,7 @@ class CudaBackend final : public Backend {
     if (!enter()) return;
     void* s = scratch(rmsnorm_backward_scratch_bytes(N, C), "rmsnorm_backward");
     if (s == nullptr) return;
-    check(launch_rmsnorm_backward(mb(dinp), mb(dweight), cb(dout), cb(inp), cb(weight), rstd, N, C, s, compute_),
+    check(launch_rmsnorm_backward(mb(dinp), mb(dweight), cb(dout), cb(inp), cb(weight), rstd, N, C, s, stream()),
           "rmsnorm_backward");
   }
 
@@ -539,7 +771,7 @@ class CudaBackend final : public Backend {
                       int ld_out) override {
     if (!enter() || !leading_dim_ok(ld_out, OC, "matmul_forward")) return;
     if (!lt_workspace(0, "matmul_forward")) return;
-    record(mm_.forward(mb(out), cb(inp), cb(weight), cb(bias), N, C, OC, ld_out), "matmul_forward");
+    record(mm_.forward(stream(), mb(out), cb(inp), cb(weight), cb(bias), N, C, OC, ld_out), "matmul_forward");
   }
 
   void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout, const void* inp,
@@ -550,13 +782,14 @@ class CudaBackend final : public Backend {
     if (dbias != nullptr) {
       void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");
       if (s == nullptr) return;
-      if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, ld_dout, s, compute_), "matmul_backward (dbias)"))
+      if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, ld_dout, s, stream()), "matmul_backward (dbias)"))
         return;
     }
     if (dweight != nullptr)
-      record(mm_.backward_weight(mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout), "matmul_backward (dweight)");
+      record(mm_.backward_weight(stream(), mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout),
+             "matmul_backward (dweight)");
     if (dinp != nullptr)
-      record(mm_.backward_input(mb(dinp), cb(dout), cb(weight), N, C, OC, ld_dout, accumulate_dinp),
+      record(mm_.backward_input(stream(), mb(dinp), cb(dout), cb(weight), N, C, OC, ld_dout, accumulate_dinp),
              "matmul_backward (dinp)");
   }
 
@@ -564,7 +797,7 @@ class CudaBackend final : public Backend {
   using Backend::attention_forward;
   void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH, int KVH) override {
     if (!enter() || !attention_shape_ok(C, NH, KVH, "attention_forward")) return;
-    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, KVH, compute_), "attention_forward");
+    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, KVH, stream()), "attention_forward");
   }
 
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
@@ -572,7 +805,7 @@ class CudaBackend final : public Backend {
     if (!enter() || !attention_shape_ok(C, NH, KVH, "attention_backward")) return;
     void* s = scratch(attention_backward_scratch_bytes(B, T, NH), "attention_backward");
     if (s == nullptr) return;
-    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, KVH, s, compute_),
+    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, KVH, s, stream()),
           "attention_backward");
   }
 
@@ -588,27 +821,27 @@ class CudaBackend final : public Backend {
 
   void swiglu_forward(void* out, const void* inp, int64_t N, int I) override {
     if (!enter()) return;
-    check(launch_swiglu_forward(mb(out), cb(inp), N, I, compute_), "swiglu_forward");
+    check(launch_swiglu_forward(mb(out), cb(inp), N, I, stream()), "swiglu_forward");
   }
 
   void swiglu_backward(void* dinp, const void* inp, const void* dout, int64_t N, int I) override {
     if (!enter()) return;
-    check(launch_swiglu_backward(mb(dinp), cb(inp), cb(dout), N, I, compute_), "swiglu_backward");
+    check(launch_swiglu_backward(mb(dinp), cb(inp), cb(dout), N, I, stream()), "swiglu_backward");
   }
 
   void gelu_forward(void* out, const void* inp, size_t n) override {
     if (!enter()) return;
-    check(launch_gelu_forward(mb(out), cb(inp), n, compute_), "gelu_forward");
+    check(launch_gelu_forward(mb(out), cb(inp), n, stream()), "gelu_forward");
   }
 
   void gelu_backward(void* dinp, const void* inp, const void* dout, size_t n) override {
     if (!enter()) return;
-    check(launch_gelu_backward(mb(dinp), cb(inp), cb(dout), n, compute_), "gelu_backward");
+    check(launch_gelu_backward(mb(dinp), cb(inp), cb(dout), n, stream()), "gelu_backward");
   }
 
   void residual_forward(void* out, const void* a, const void* b, size_t n) override {
     if (!enter()) return;
-    check(launch_residual_forward(mb(out), cb(a), cb(b), n, compute_), "residual_forward");
+    check(launch_residual_forward(mb(out), cb(a), cb(b), n, stream()), "residual_forward");
   }
 
   using Backend::crossentropy_backward;
@@ -618,7 +851,7 @@ class CudaBackend final : public Backend {
     if (!enter()) return;
     if (ld < V) return record_invalid("crossentropy_forward", ld, V);
     // Read-only: the kernel writes logits only when given a scale.
-    check(launch_crossentropy(losses, const_cast<bf16*>(cb(logits)), targets, N, V, ld, false, 0.0f, compute_),
+    check(launch_crossentropy(losses, const_cast<bf16*>(cb(logits)), targets, N, V, ld, false, 0.0f, stream()),
           "crossentropy_forward");
   }
 
@@ -626,7 +859,7 @@ class CudaBackend final : public Backend {
                              float dloss_scale) override {
     if (!enter()) return;
     if (ld < V) return record_invalid("crossentropy_backward", ld, V);
-    check(launch_crossentropy(losses, mb(logits_to_dlogits), targets, N, V, ld, true, dloss_scale, compute_),
+    check(launch_crossentropy(losses, mb(logits_to_dlogits), targets, N, V, ld, true, dloss_scale, stream()),
           "crossentropy_backward");
   }
   void record_invalid(const char* what, int ld, int V) {
@@ -635,27 +868,37 @@ class CudaBackend final : public Backend {
            what);
   }
 
+  // squared_norm and adamw go to the queue, which holds a run of them back for
+  // multi-tensor launches (ComputeQueue).
   void squared_norm(float* out_sq, const void* grad, size_t n) override {
     if (!enter()) return;
     void* s = scratch(squared_norm_scratch_bytes(), "squared_norm");
     if (s == nullptr) return;
-    check(launch_squared_norm(out_sq, cb(grad), n, s, compute_), "squared_norm");
+    queue_.squared_norm({out_sq, cb(grad), n}, s, workspace_bytes_);
   }
 
   void clip_scale(float* scale_norm, const float* sq, int P, float max_norm) override {
     if (!enter()) return;
-    check(launch_clip_scale(scale_norm, sq, P, max_norm, compute_), "clip_scale");
+    check(launch_clip_scale(scale_norm, sq, P, max_norm, stream()), "clip_scale");
   }
 
   void adamw(void* param, float* master, float* m, float* v, const void* grad, const float* scale_norm, size_t n,
              const AdamWHyper& hyper) override {
     if (!enter()) return;
-    check(launch_adamw(mb(param), master, m, v, cb(grad), scale_norm, n, hyper, compute_), "adamw");
+    queue_.adamw({mb(param), master, m, v, cb(grad), scale_norm, n, hyper});
   }
 
  private:
   // Makes this backend's device current for the calling thread.
   bool enter() { return check(cudaSetDevice(device_), "cudaSetDevice"); }
+  // The compute stream, after the held-back optimizer calls were launched: every op
+  // and copy on it goes through here (ComputeQueue).
+  cudaStream_t stream() { return queue_.stream(); }
+
+ public:
+  ComputeQueue::Launches optimizer_launches() { return queue_.launches(); }
+
+ private:
 
   bool check(cudaError_t e, const char* what) {
     if (e == cudaSuccess) return true;
@@ -713,7 +956,7 @@ class CudaBackend final : public Backend {
     }
     float inv_freq[kMaxRopeHeadDim / 2];
     for (int i = 0; i < D / 2; ++i) inv_freq[i] = rope_inv_freq(rope, D, i);
-    check(launch_rope(mb(out), cb(inp), B, T, NH, KVH, D, inv_freq, sign, compute_), what);
+    check(launch_rope(mb(out), cb(inp), B, T, NH, KVH, D, inv_freq, sign, stream()), what);
   }
 
   // Scratch from the start of the workspace the caller gave (ops run in stream
@@ -751,7 +994,7 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   std::string gpu_name_;
   size_t capacity_ = 0;
-  cudaStream_t compute_ = nullptr;
+  ComputeQueue queue_;                // the compute stream, and the optimizer calls held back
   size_t fixed_bytes_ = 0;            // device_used_bytes() when init() ended (handles, stack)
   size_t baseline_used_ = 0;          // device bytes in use right after context creation
   std::atomic<size_t> peak_used_{0};  // the most device_used_bytes() seen (sampled)
@@ -760,7 +1003,7 @@ class CudaBackend final : public Backend {
   void* own_workspace_ = nullptr;     // from use_own_workspace
   LtMatmul mm_;
   CudaCopyEngine copy_;
-  StallTimer stall_;  // the stall probes' events, on compute_
+  StallTimer stall_;  // the stall probes' events, on the compute stream
   std::mutex err_mu_;
   Status error_;
 };
@@ -775,6 +1018,14 @@ bool cuda_device_present() {
     return false;
   }
   return count > 0;
+}
+
+Result<CudaOptimizerLaunches> cuda_optimizer_launches(Backend& backend) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr)
+    return Status::invalid_argument("cuda_optimizer_launches: the " + backend.name() + " backend is not CUDA");
+  const ComputeQueue::Launches l = cuda->optimizer_launches();
+  return CudaOptimizerLaunches{l.squared_norm, l.adamw};
 }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const BackendOptions& options) {

@@ -20,4 +20,15 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(const BackendOptions& options
 // True when the CUDA runtime finds at least one GPU (never throws, never aborts).
 bool cuda_device_present();
 
+// The optimizer's launches: squared_norm and adamw calls are held back and a run of
+// consecutive ones of a kind goes out as a few multi-tensor launches, bit-identical to
+// one launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0 at the backend's creation turns
+// that off). The kernels these calls launched since the backend was made, after
+// launching what is held back; InvalidArgument for a backend that is not CUDA.
+struct CudaOptimizerLaunches {
+  uint64_t squared_norm = 0;
+  uint64_t adamw = 0;
+};
+Result<CudaOptimizerLaunches> cuda_optimizer_launches(Backend& backend);
+
 }  // namespace spillway

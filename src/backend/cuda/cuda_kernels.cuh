@@ -98,18 +98,64 @@ cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targ
                                 bool backward, float dlogits_scale, cudaStream_t stream);
 
 // scratch: cuda_workspace::squared_norm_scratch_bytes().
-// out_sq[0] = Σ grad[i]²; grad[n]. Two passes: fixed-size partials, then one block.
+// out_sq[0] = Σ grad[i]²; grad[n]. Two passes: squared_norm_partials(n) partial sums
+// (each block's share, grid-stride), then one block adds them and the tail. Adds the
+// number of kernels it launched to *launches (when not null).
 cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void* scratch,
-                                cudaStream_t stream);
+                                cudaStream_t stream, uint64_t* launches = nullptr);
+// The partial sums (F32, in scratch) launch_squared_norm takes for n elements: 1 to
+// cuda_workspace::kNormBlocks.
+unsigned squared_norm_partials(size_t n);
+
+// One squared_norm call of a multi-tensor batch: out_sq[0] = Σ grad[i]², grad[n].
+struct SquaredNormCall {
+  float* out_sq;     // [1] F32
+  const bf16* grad;  // [n]
+  size_t n;
+};
+// calls[count] in a few launches, each out_sq the same bits launch_squared_norm gives
+// for that call alone (the same partials, each summed by the same tree in the same
+// order): per group of calls, one launch of every call's partial sums, then one of
+// every call's finish. A group holds at most kMultiNormTensors calls and as many as
+// their partials fit in scratch[scratch_bytes] (at least
+// cuda_workspace::squared_norm_scratch_bytes(), so that any one call fits). The calls
+// must be independent: no out_sq inside another call's grad or out_sq (the caller
+// checks; launch order between calls is not kept). Adds its launches to *launches.
+constexpr int kMultiNormTensors = 512;
+cudaError_t launch_squared_norms(const SquaredNormCall* calls, size_t count, void* scratch, size_t scratch_bytes,
+                                 cudaStream_t stream, uint64_t* launches = nullptr);
 
 // scale_norm[2] from sq[P], exactly as clip_scale_host.
 cudaError_t launch_clip_scale(float* scale_norm, const float* sq, int P, float max_norm,
                               cudaStream_t stream);
 
 // The AdamW update of optim/adamw.h, bit for bit. param[n], grad[n] bf16; master[n],
-// m[n], v[n] F32; scale_norm[2].
+// m[n], v[n] F32; scale_norm[2]. Adds the number of kernels it launched (0 to 2) to
+// *launches (when not null).
 cudaError_t launch_adamw(bf16* param, float* master, float* m, float* v, const bf16* grad,
                          const float* scale_norm, size_t n, const AdamWHyper& hyper,
-                         cudaStream_t stream);
+                         cudaStream_t stream, uint64_t* launches = nullptr);
+
+// One adamw call of a multi-tensor batch, the arguments of launch_adamw.
+struct AdamWCall {
+  bf16* param;              // [n]
+  float* master;            // [n] F32
+  float* m;                 // [n] F32
+  float* v;                 // [n] F32
+  const bf16* grad;         // [n]
+  const float* scale_norm;  // [2] F32, from clip_scale
+  size_t n;
+  AdamWHyper hyper;
+};
+// calls[count] in a few launches, every element the same bits as launch_adamw gives
+// (the same per-element arithmetic, adamw_one): one launch per group of at most
+// kMultiAdamWTensors calls with at most kMultiAdamWHypers distinct hyperparameters
+// other than the weight decay (compared bit for bit; each call has its own decay).
+// The calls must be independent: none writes memory another reads or writes (the
+// caller checks; launch order between calls is not kept). Adds its launches to
+// *launches.
+constexpr int kMultiAdamWTensors = 384;
+constexpr int kMultiAdamWHypers = 8;
+cudaError_t launch_adamws(const AdamWCall* calls, size_t count, cudaStream_t stream, uint64_t* launches = nullptr);
 
 }  // namespace spillway::cuda_detail

@@ -2,6 +2,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <cmath>
+#include <cstring>
 
 #include "backend/cuda/cuda_kernels.cuh"
 
@@ -608,24 +609,47 @@ unsigned norm_blocks(size_t n) {
   return static_cast<unsigned>(g);
 }
 
-// partial[gridDim.x] = per-block Σ grad² (grid-stride, fixed grid); grad[n].
+// The reduction tree of a squared norm, shared by the one-tensor kernels and the
+// multi-tensor ones so that both give the same bits. Pass 1: `blocks` blocks; block b's
+// thread t adds, in order, the squares of items b·blockDim + t, then every
+// blocks·blockDim items further (an item: VEC elements, added one by one), each as one
+// fused multiply-add; then block_sum. Pass 2: one block adds the partials (thread t:
+// partial t, t + blockDim, ...) and then the square of tail element t, then block_sum.
 template <int VEC>
-__global__ void squared_norm_partial_kernel(float* partial, const bf16* grad, size_t n) {
-  __shared__ float red[32];
+__device__ __forceinline__ float norm_partial_sum(const bf16* grad, size_t items, unsigned block, unsigned blocks) {
   float acc = 0.0f;
-  const size_t items = n / VEC;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+  for (size_t i = block * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<size_t>(blocks) * blockDim.x) {
     if constexpr (VEC == 8) {
       float f[8];
       unpack8(load8(grad + i * 8), f);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) acc += f[k] * f[k];
+      for (int k = 0; k < 8; ++k) acc = __fmaf_rn(f[k], f[k], acc);
     } else {
-      float f = __bfloat162float(grad[i]);
-      acc += f * f;
+      const float f = __bfloat162float(grad[i]);
+      acc = __fmaf_rn(f, f, acc);
     }
   }
+  return acc;
+}
+
+// Pass 2 (above): every thread gets Σ partial[P] + Σ tail[tail_n]².
+__device__ __forceinline__ float norm_finish_sum(const float* partial, int P, const bf16* tail, int tail_n,
+                                                 float* red) {
+  float acc = 0.0f;
+  for (int i = threadIdx.x; i < P; i += blockDim.x) acc += partial[i];
+  if (threadIdx.x < tail_n) {
+    const float f = __bfloat162float(tail[threadIdx.x]);
+    acc = __fmaf_rn(f, f, acc);
+  }
+  return block_sum(acc, red);
+}
+
+// partial[gridDim.x] = per-block Σ grad² (grid-stride, fixed grid); grad[n].
+template <int VEC>
+__global__ void squared_norm_partial_kernel(float* partial, const bf16* grad, size_t n) {
+  __shared__ float red[32];
+  float acc = norm_partial_sum<VEC>(grad, n / VEC, blockIdx.x, gridDim.x);
   acc = block_sum(acc, red);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
@@ -634,14 +658,55 @@ __global__ void squared_norm_partial_kernel(float* partial, const bf16* grad, si
 __global__ void squared_norm_finish_kernel(float* out, const float* partial, int P, const bf16* tail,
                                            int tail_n) {
   __shared__ float red[32];
-  float acc = 0.0f;
-  for (int i = threadIdx.x; i < P; i += blockDim.x) acc += partial[i];
-  if (threadIdx.x < tail_n) {
-    float f = __bfloat162float(tail[threadIdx.x]);
-    acc += f * f;
-  }
-  acc = block_sum(acc, red);
+  const float acc = norm_finish_sum(partial, P, tail, tail_n, red);
   if (threadIdx.x == 0) out[0] = acc;
+}
+
+// The calls of one multi-tensor squared-norm launch, passed by value (kernel
+// parameter space: at most 32764 bytes on sm_70+ with CUDA 12.1+).
+struct NormTable {
+  const bf16* grad[kMultiNormTensors];               // [count] each call's grad
+  float* out[kMultiNormTensors];                     // [count] each call's out_sq
+  uint64_t body[kMultiNormTensors];                  // [count] elements of pass 1 (n, or n/8·8 vectorized)
+  uint32_t first_block[kMultiNormTensors + 1];       // [count + 1] pass-1 blocks (= partials) before call i
+  uint8_t tail[kMultiNormTensors];                   // [count] elements past body, squared in pass 2 (0..7)
+  uint8_t vec[kMultiNormTensors];                    // [count] 1: pass 1 reads 8 elements at a time
+  int count;
+};
+static_assert(sizeof(NormTable) <= 32764, "kernel parameters hold at most 32764 bytes");
+
+// The call whose blocks hold block b: the last i < count with first[i] <= b (every
+// call has at least one block, so first[] increases).
+__device__ __forceinline__ int call_of_block(const uint32_t* first, int count, uint32_t b) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Pass 1 of every call of t: block first_block[i] + b is call i's block b of
+// first_block[i + 1] - first_block[i]; partial[first_block[count]].
+__global__ void multi_squared_norm_partial_kernel(float* partial, const __grid_constant__ NormTable t) {
+  __shared__ float red[32];
+  const int i = call_of_block(t.first_block, t.count, blockIdx.x);
+  const unsigned block = blockIdx.x - t.first_block[i], blocks = t.first_block[i + 1] - t.first_block[i];
+  float acc = t.vec[i] ? norm_partial_sum<8>(t.grad[i], t.body[i] / 8, block, blocks)
+                       : norm_partial_sum<1>(t.grad[i], t.body[i], block, blocks);
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// Pass 2: block i finishes call i.
+__global__ void multi_squared_norm_finish_kernel(const float* partial, const __grid_constant__ NormTable t) {
+  __shared__ float red[32];
+  const int i = blockIdx.x;
+  const uint32_t p0 = t.first_block[i];
+  const float acc = norm_finish_sum(partial + p0, static_cast<int>(t.first_block[i + 1] - p0), t.grad[i] + t.body[i],
+                                    t.tail[i], red);
+  if (threadIdx.x == 0) t.out[i][0] = acc;
 }
 
 // scale_norm[2] from sq[P]: the double sum of clip_scale_host, in index order.
@@ -676,6 +741,53 @@ __device__ __forceinline__ void adamw_one(float gin, float scale, float& m, floa
   w = __fmaf_rn(-h.lr, __fmaf_rn(h.weight_decay, w, upd), w);
 }
 
+// Elements 4i..4i+3 (adamw_vec4) or element i (adamw_elem) of one AdamW update:
+// param[n], master[n], m[n], v[n], grad[n]; the 4-wide form needs 16-byte aligned F32
+// arrays and 8-byte aligned bf16 ones. With `skip` (a non-finite scale, a skipped
+// step, optim/adamw.h) master, m and v are left untouched and param is rewritten as
+// the rounded master.
+__device__ __forceinline__ void adamw_vec4(bf16* param, float* master, float* m, float* v, const bf16* grad,
+                                           size_t i, float scale, bool skip, const AdamWHyper& h) {
+  if (skip) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) param[i * 4 + k] = round_bf16(master[i * 4 + k]);
+    return;
+  }
+  float4 mm = reinterpret_cast<const float4*>(m)[i];
+  float4 vv = reinterpret_cast<const float4*>(v)[i];
+  float4 ww = reinterpret_cast<const float4*>(master)[i];
+  uint2 graw = reinterpret_cast<const uint2*>(grad)[i];
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&graw);
+  float2 g01 = __bfloat1622float2(g2[0]), g23 = __bfloat1622float2(g2[1]);
+  adamw_one(g01.x, scale, mm.x, vv.x, ww.x, h);
+  adamw_one(g01.y, scale, mm.y, vv.y, ww.y, h);
+  adamw_one(g23.x, scale, mm.z, vv.z, ww.z, h);
+  adamw_one(g23.y, scale, mm.w, vv.w, ww.w, h);
+  reinterpret_cast<float4*>(m)[i] = mm;
+  reinterpret_cast<float4*>(v)[i] = vv;
+  reinterpret_cast<float4*>(master)[i] = ww;
+  __nv_bfloat162 p[2];
+  p[0].x = round_bf16(ww.x);
+  p[0].y = round_bf16(ww.y);
+  p[1].x = round_bf16(ww.z);
+  p[1].y = round_bf16(ww.w);
+  reinterpret_cast<uint2*>(param)[i] = *reinterpret_cast<const uint2*>(p);
+}
+
+__device__ __forceinline__ void adamw_elem(bf16* param, float* master, float* m, float* v, const bf16* grad,
+                                           size_t i, float scale, bool skip, const AdamWHyper& h) {
+  if (skip) {
+    param[i] = round_bf16(master[i]);
+    return;
+  }
+  float mm = m[i], vv = v[i], ww = master[i];
+  adamw_one(__bfloat162float(grad[i]), scale, mm, vv, ww, h);
+  m[i] = mm;
+  v[i] = vv;
+  master[i] = ww;
+  param[i] = round_bf16(ww);
+}
+
 // param[n], master[n], m[n], v[n], grad[n]; VEC = 4 elements per thread (16-byte
 // F32 accesses) or 1. A non-finite scale (a skipped step, optim/adamw.h) leaves
 // master, m and v untouched and rewrites param as the rounded master.
@@ -687,40 +799,54 @@ __global__ void adamw_kernel(bf16* param, float* master, float* m, float* v, con
   const size_t items = n / VEC;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < items;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    if (skip) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) param[i * VEC + k] = round_bf16(master[i * VEC + k]);
-      continue;
-    }
-    if constexpr (VEC == 4) {
-      float4 mm = reinterpret_cast<const float4*>(m)[i];
-      float4 vv = reinterpret_cast<const float4*>(v)[i];
-      float4 ww = reinterpret_cast<const float4*>(master)[i];
-      uint2 graw = reinterpret_cast<const uint2*>(grad)[i];
-      const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&graw);
-      float2 g01 = __bfloat1622float2(g2[0]), g23 = __bfloat1622float2(g2[1]);
-      adamw_one(g01.x, scale, mm.x, vv.x, ww.x, h);
-      adamw_one(g01.y, scale, mm.y, vv.y, ww.y, h);
-      adamw_one(g23.x, scale, mm.z, vv.z, ww.z, h);
-      adamw_one(g23.y, scale, mm.w, vv.w, ww.w, h);
-      reinterpret_cast<float4*>(m)[i] = mm;
-      reinterpret_cast<float4*>(v)[i] = vv;
-      reinterpret_cast<float4*>(master)[i] = ww;
-      __nv_bfloat162 p[2];
-      p[0].x = round_bf16(ww.x);
-      p[0].y = round_bf16(ww.y);
-      p[1].x = round_bf16(ww.z);
-      p[1].y = round_bf16(ww.w);
-      reinterpret_cast<uint2*>(param)[i] = *reinterpret_cast<const uint2*>(p);
-    } else {
-      float mm = m[i], vv = v[i], ww = master[i];
-      adamw_one(__bfloat162float(grad[i]), scale, mm, vv, ww, h);
-      m[i] = mm;
-      v[i] = vv;
-      master[i] = ww;
-      param[i] = round_bf16(ww);
-    }
+    if constexpr (VEC == 4) adamw_vec4(param, master, m, v, grad, i, scale, skip, h);
+    else adamw_elem(param, master, m, v, grad, i, scale, skip, h);
   }
+}
+
+// Elements of one call that one block of the multi-tensor AdamW updates (a multiple of 4).
+constexpr size_t kAdamWChunk = 4096;
+
+// The calls of one multi-tensor AdamW launch, passed by value (see NormTable).
+struct AdamWTable {
+  AdamWHyper hyper[kMultiAdamWHypers];              // [hypers] the distinct ones but for weight_decay (0 here)
+  bf16* param[kMultiAdamWTensors];                  // [count] each call's operands
+  float* master[kMultiAdamWTensors];                // [count]
+  float* m[kMultiAdamWTensors];                     // [count]
+  float* v[kMultiAdamWTensors];                     // [count]
+  const bf16* grad[kMultiAdamWTensors];             // [count]
+  const float* scale_norm[kMultiAdamWTensors];      // [count]
+  uint64_t n[kMultiAdamWTensors];                   // [count] elements
+  float weight_decay[kMultiAdamWTensors];           // [count] each call's hyper.weight_decay
+  uint32_t first_block[kMultiAdamWTensors + 1];     // [count + 1] blocks (kAdamWChunk elements) before call i
+  uint8_t hyper_index[kMultiAdamWTensors];          // [count] into hyper
+  uint8_t vec[kMultiAdamWTensors];                  // [count] 1: aligned for adamw_vec4
+  int count;
+};
+static_assert(sizeof(AdamWTable) <= 32764, "kernel parameters hold at most 32764 bytes");
+static_assert(kMultiAdamWHypers <= 256, "hyper_index is 8 bits");
+
+// Block first_block[i] + c updates elements [c·kAdamWChunk, +kAdamWChunk) of call i.
+__global__ void multi_adamw_kernel(const __grid_constant__ AdamWTable t) {
+  const int i = call_of_block(t.first_block, t.count, blockIdx.x);
+  const size_t begin = static_cast<size_t>(blockIdx.x - t.first_block[i]) * kAdamWChunk;
+  const size_t end = begin + kAdamWChunk < t.n[i] ? begin + kAdamWChunk : t.n[i];
+  AdamWHyper h = t.hyper[t.hyper_index[i]];
+  h.weight_decay = t.weight_decay[i];
+  const float scale = t.scale_norm[i][0];
+  const bool skip = !isfinite(scale);
+  bf16* param = t.param[i];
+  float *master = t.master[i], *m = t.m[i], *v = t.v[i];
+  const bf16* grad = t.grad[i];
+  size_t scalar_from = begin;
+  if (t.vec[i]) {
+    const size_t quads_end = (begin + (end - begin) / 4 * 4) / 4;  // begin is a multiple of 4
+    for (size_t q = begin / 4 + threadIdx.x; q < quads_end; q += blockDim.x)
+      adamw_vec4(param, master, m, v, grad, q, scale, skip, h);
+    scalar_from = quads_end * 4;
+  }
+  for (size_t j = scalar_from + threadIdx.x; j < end; j += blockDim.x)
+    adamw_elem(param, master, m, v, grad, j, scale, skip, h);
 }
 
 }  // namespace
@@ -935,8 +1061,10 @@ cudaError_t launch_crossentropy(float* losses, bf16* logits, const int32_t* targ
   return launched();
 }
 
+unsigned squared_norm_partials(size_t n) { return norm_blocks(n); }
+
 cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void* scratch,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, uint64_t* launches) {
   float* partial = static_cast<float*>(scratch);
   const bool vec = aligned16(grad);
   const size_t body = vec ? n / 8 * 8 : n;
@@ -947,7 +1075,48 @@ cudaError_t launch_squared_norm(float* out_sq, const bf16* grad, size_t n, void*
   if (e != cudaSuccess) return e;
   squared_norm_finish_kernel<<<1, kThreads, 0, stream>>>(out_sq, partial, static_cast<int>(blocks),
                                                          grad + body, static_cast<int>(n - body));
+  if (launches) *launches += 2;
   return launched();
+}
+
+cudaError_t launch_squared_norms(const SquaredNormCall* calls, size_t count, void* scratch, size_t scratch_bytes,
+                                 cudaStream_t stream, uint64_t* launches) {
+  const size_t capacity = scratch_bytes / sizeof(float);  // partials the scratch holds
+  if (count > 0 && (scratch == nullptr || capacity < static_cast<size_t>(kNormBlocks))) return cudaErrorInvalidValue;
+  float* partial = static_cast<float*>(scratch);
+  NormTable t;
+  size_t next = 0;
+  while (next < count) {
+    // A group: as many calls as the table and the scratch hold (at least one: any
+    // call's partials fit in kNormBlocks floats).
+    t.count = 0;
+    uint32_t blocks = 0;
+    while (next < count && t.count < kMultiNormTensors) {
+      const SquaredNormCall& c = calls[next];
+      const unsigned b = norm_blocks(c.n);
+      if (blocks + b > capacity) break;
+      const bool vec = aligned16(c.grad);
+      const size_t body = vec ? c.n / 8 * 8 : c.n;
+      t.grad[t.count] = c.grad;
+      t.out[t.count] = c.out_sq;
+      t.body[t.count] = body;
+      t.first_block[t.count] = blocks;
+      t.tail[t.count] = static_cast<uint8_t>(c.n - body);
+      t.vec[t.count] = vec ? 1 : 0;
+      blocks += b;
+      ++t.count;
+      ++next;
+    }
+    t.first_block[t.count] = blocks;
+    multi_squared_norm_partial_kernel<<<blocks, kThreads, 0, stream>>>(partial, t);
+    cudaError_t e = launched();
+    if (e != cudaSuccess) return e;
+    multi_squared_norm_finish_kernel<<<t.count, kThreads, 0, stream>>>(partial, t);
+    e = launched();
+    if (e != cudaSuccess) return e;
+    if (launches) *launches += 2;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t launch_clip_scale(float* scale_norm, const float* sq, int P, float max_norm,
@@ -958,7 +1127,7 @@ cudaError_t launch_clip_scale(float* scale_norm, const float* sq, int P, float m
 
 cudaError_t launch_adamw(bf16* param, float* master, float* m, float* v, const bf16* grad,
                          const float* scale_norm, size_t n, const AdamWHyper& hyper,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, uint64_t* launches) {
   if (n == 0) return cudaSuccess;
   const bool vec = aligned16(master) && aligned16(m) && aligned16(v) &&
                    (reinterpret_cast<uintptr_t>(param) & 7u) == 0 &&
@@ -970,12 +1139,70 @@ cudaError_t launch_adamw(bf16* param, float* master, float* m, float* v, const b
                                                                  hyper);
     cudaError_t e = launched();
     if (e != cudaSuccess) return e;
+    if (launches) *launches += 1;
   }
   if (body < n) {
     adamw_kernel<1><<<grid_for(n - body), kThreads, 0, stream>>>(param + body, master + body, m + body,
                                                                  v + body, grad + body, scale_norm,
                                                                  n - body, hyper);
+    if (launches) *launches += 1;
     return launched();
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_adamws(const AdamWCall* calls, size_t count, cudaStream_t stream, uint64_t* launches) {
+  // The most blocks one launch takes (gridDim.x allows 2^31 - 1).
+  constexpr uint64_t kMaxBlocks = uint64_t{1} << 30;
+  AdamWTable t;
+  size_t next = 0;
+  while (next < count) {
+    t.count = 0;
+    int hypers = 0;
+    uint64_t blocks = 0;
+    while (next < count && t.count < kMultiAdamWTensors) {
+      const AdamWCall& c = calls[next];
+      if (c.n == 0) {  // nothing to update (launch_adamw launches nothing either)
+        ++next;
+        continue;
+      }
+      const uint64_t b = (c.n + kAdamWChunk - 1) / kAdamWChunk;
+      if (b > kMaxBlocks) return cudaErrorInvalidValue;  // over 4·10^12 elements: no such tensor fits a GPU
+      if (blocks + b > kMaxBlocks) break;
+      // Weight decay differs between tensors of one step; the rest rarely does.
+      AdamWHyper shared = c.hyper;
+      shared.weight_decay = 0.0f;
+      int h = 0;
+      while (h < hypers && std::memcmp(&t.hyper[h], &shared, sizeof(AdamWHyper)) != 0) ++h;
+      if (h == hypers) {
+        if (hypers == kMultiAdamWHypers) break;
+        t.hyper[hypers++] = shared;
+      }
+      t.weight_decay[t.count] = c.hyper.weight_decay;
+      t.param[t.count] = c.param;
+      t.master[t.count] = c.master;
+      t.m[t.count] = c.m;
+      t.v[t.count] = c.v;
+      t.grad[t.count] = c.grad;
+      t.scale_norm[t.count] = c.scale_norm;
+      t.n[t.count] = c.n;
+      t.first_block[t.count] = static_cast<uint32_t>(blocks);
+      t.hyper_index[t.count] = static_cast<uint8_t>(h);
+      t.vec[t.count] = aligned16(c.master) && aligned16(c.m) && aligned16(c.v) &&
+                               (reinterpret_cast<uintptr_t>(c.param) & 7u) == 0 &&
+                               (reinterpret_cast<uintptr_t>(c.grad) & 7u) == 0
+                           ? 1
+                           : 0;
+      blocks += b;
+      ++t.count;
+      ++next;
+    }
+    if (t.count == 0) continue;  // only empty calls were left
+    t.first_block[t.count] = static_cast<uint32_t>(blocks);
+    multi_adamw_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(t);
+    cudaError_t e = launched();
+    if (e != cudaSuccess) return e;
+    if (launches) *launches += 1;
   }
   return cudaSuccess;
 }

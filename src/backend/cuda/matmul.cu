@@ -38,9 +38,8 @@ LtMatmul::~LtMatmul() {
   if (handle_) (void)cublasLtDestroy(handle_);
 }
 
-Status LtMatmul::init(cudaStream_t stream, void* workspace, size_t workspace_bytes) {
+Status LtMatmul::init(void* workspace, size_t workspace_bytes) {
   LT_RETURN_IF_ERROR("cublasLtCreate", cublasLtCreate(&handle_));
-  stream_ = stream;
   workspace_ = workspace;
   workspace_bytes_ = workspace_bytes;
   return Status::ok();
@@ -141,7 +140,7 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   return Status::ok();
 }
 
-Status LtMatmul::run(const Key& key, const void* A, const void* B, void* D, const void* bias) {
+Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias) {
   std::lock_guard<std::mutex> lock(mu_);
   Plan* p = nullptr;
   SPILLWAY_RETURN_IF_ERROR(plan_for(key, &p));
@@ -150,7 +149,7 @@ Status LtMatmul::run(const Key& key, const void* A, const void* B, void* D, cons
                        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   const float alpha = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
   LT_RETURN_IF_ERROR("cublasLtMatmul", cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->c,
-                                                      D, p->c, &p->algo, workspace_, workspace_bytes_, stream_));
+                                                      D, p->c, &p->algo, workspace_, workspace_bytes_, stream));
   return Status::ok();
 }
 
@@ -161,39 +160,39 @@ uint32_t LtMatmul::align_of(const void* p) {
   return low >= kAlign ? kAlign : static_cast<uint32_t>(low);
 }
 
-Status LtMatmul::forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC,
-                         int ld_out) {
+Status LtMatmul::forward(cudaStream_t stream, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
+                         int N, int C, int OC, int ld_out) {
   if (N == 0 || OC == 0) return Status::ok();
   // Column-major: D = out as [OC,N] (ld ld_out) = Aᵀ · B, A = weight as [C,OC] (ld C),
   // B = inp as [C,N] (ld C).
   Key key{true, false, OC, N, C, C, C, ld_out, bias != nullptr, false,
           align_of(weight), align_of(inp), align_of(out), align_of(bias)};
-  return run(key, weight, inp, out, bias);
+  return run(stream, key, weight, inp, out, bias);
 }
 
-Status LtMatmul::backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC,
-                                int ld_dout, bool accumulate) {
+Status LtMatmul::backward_input(cudaStream_t stream, bf16* dinp, const bf16* dout, const bf16* weight, int N,
+                                int C, int OC, int ld_dout, bool accumulate) {
   if (N == 0 || C == 0) return Status::ok();
   if (OC == 0) {  // an empty sum: dinp += 0, or dinp = 0
     if (accumulate) return Status::ok();
     return cuda_status("cudaMemsetAsync (dinp of an empty product)",
-                       cudaMemsetAsync(dinp, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream_));
+                       cudaMemsetAsync(dinp, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream));
   }
   // Column-major: D = dinp as [C,N] (ld C) = A · B (+ D), A = weight as [C,OC] (ld C),
   // B = dout as [OC,N] (ld ld_dout).
   Key key{false, false, C, N, OC, C, ld_dout, C, false, accumulate,
           align_of(weight), align_of(dout), align_of(dinp), kAlign};
-  return run(key, weight, dout, dinp, nullptr);
+  return run(stream, key, weight, dout, dinp, nullptr);
 }
 
-Status LtMatmul::backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC,
-                                 int ld_dout) {
+Status LtMatmul::backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N,
+                                 int C, int OC, int ld_dout) {
   if (OC == 0 || C == 0 || N == 0) return Status::ok();
   // Column-major: D = dweight as [C,OC] (ld C) += A · Bᵀ, A = inp as [C,N] (ld C),
   // B = dout as [OC,N] (ld ld_dout).
   Key key{false, true, C, OC, N, C, ld_dout, C, false, true,
           align_of(inp), align_of(dout), align_of(dweight), kAlign};
-  return run(key, inp, dout, dweight, nullptr);
+  return run(stream, key, inp, dout, dweight, nullptr);
 }
 
 }  // namespace spillway::cuda_detail

@@ -7,9 +7,9 @@
 // program fixes, never of where the allocator put it.
 //
 //   LtMatmul mm;
-//   SPILLWAY_RETURN_IF_ERROR(mm.init(stream, workspace, 32 << 20));
-//   // row-major out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC]
-//   Status s = mm.forward(out, inp, weight, bias, N, C, OC, /*ld_out=*/OC);
+//   SPILLWAY_RETURN_IF_ERROR(mm.init(workspace, 32 << 20));
+//   // row-major out[N,OC] = inp[N,C] · weight[OC,C]ᵀ + bias[OC], enqueued on `stream`
+//   Status s = mm.forward(stream, out, inp, weight, bias, N, C, OC, /*ld_out=*/OC);
 #pragma once
 
 #include <cublasLt.h>
@@ -34,22 +34,24 @@ class LtMatmul {
 
   // `workspace` (device, workspace_bytes; may be null until set_workspace) is owned
   // by the caller. workspace_bytes is the heuristic's workspace limit for every
-  // product: it never changes, so neither does any algorithm choice.
-  Status init(cudaStream_t stream, void* workspace, size_t workspace_bytes);
+  // product: it never changes, so neither does any algorithm choice. Each product is
+  // enqueued on the stream it is given.
+  Status init(void* workspace, size_t workspace_bytes);
   // The workspace of the next products: `bytes` must equal init's workspace_bytes,
   // at a 256-aligned address.
   void set_workspace(void* workspace, size_t bytes);
 
   // out[N,OC] = inp[N,C] · weight[OC,C]ᵀ (+ bias[OC] when bias is not null); rows of
   // out are ld_out ≥ OC elements apart.
-  Status forward(bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C, int OC,
-                 int ld_out);
+  Status forward(cudaStream_t stream, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,
+                 int OC, int ld_out);
   // dinp[N,C] = dout[N,OC] · weight[OC,C], overwritten, or added into dinp (beta = 1)
   // when `accumulate`; rows of dout are ld_dout ≥ OC elements apart.
-  Status backward_input(bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC, int ld_dout,
-                        bool accumulate);
+  Status backward_input(cudaStream_t stream, bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC,
+                        int ld_dout, bool accumulate);
   // dweight[OC,C] += dout[N,OC]ᵀ · inp[N,C]; rows of dout are ld_dout ≥ OC elements apart.
-  Status backward_weight(bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC, int ld_dout);
+  Status backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC,
+                         int ld_dout);
 
   size_t cached_shapes() const { return plans_.size(); }
 
@@ -79,10 +81,9 @@ class LtMatmul {
     cublasLtMatmulAlgo_t algo{};
   };
   Status plan_for(const Key& key, Plan** out);
-  Status run(const Key& key, const void* A, const void* B, void* D, const void* bias);
+  Status run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias);
 
   cublasLtHandle_t handle_ = nullptr;
-  cudaStream_t stream_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::mutex mu_;
