@@ -4,7 +4,8 @@
 # weights; then the overhead of background checkpoints every 50 steps of
 # gpt2-1.5b under a 24 GiB budget: bench train with and without them, same call.
 # Usage (device tool, carry .deps): scripts/device-checkpoint.sh   (results in $OUT)
-# STEPS (default 131: checkpoints at 50 and 100, the second written before the end).
+# STEPS (default 141: checkpoints after steps 50 and 100; the second write ends before the
+# last step at 0.27 s a step, so no write runs past the steps, as in a long run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -33,7 +34,7 @@ $bin train --resume $ck/rrun --backend cuda --metrics "$out/r_second.jsonl" --sa
 head -6 "$out/r_first.jsonl" > "$out/r_joined.jsonl"; cat "$out/r_second.jsonl" >> "$out/r_joined.jsonl"
 scripts/same_losses.py "cuda resident, resumed from the pinned background checkpoint of step 6" "$out/r_straight.jsonl" "$out/r_joined.jsonl" | tee -a "$out/summary.txt"
 if cmp -s $ck/r_straight.safetensors $ck/r_resumed.safetensors; then log "resident: saved weights identical"; else log "resident: saved weights DIFFER"; fi
-steps=${STEPS:-131}
+steps=${STEPS:-141}
 for mode in plain ckpt; do
   extra=""; [ $mode = ckpt ] && extra="--checkpoint-dir $ck/bench --checkpoint-every 50"
   log "gpt2-1.5b 24 GiB accum 1, $steps steps, $mode"
@@ -44,11 +45,11 @@ for mode in plain ckpt; do
 done
 df -h /tmp | tail -1 | tee -a "$out/summary.txt"
 rm -rf $ck
-python3 - "$out" <<'PY' | tee -a "$out/summary.txt"
+python3 - "$out" "$steps" <<'PY' | tee -a "$out/summary.txt"
 import json, sys
-o = sys.argv[1]
+o, timed = sys.argv[1], int(sys.argv[2]) - 1
 p, c = json.load(open(o + "/b_plain.json")), json.load(open(o + "/b_ckpt.json"))
-extra = (c["step_s"] - p["step_s"]) * 130 / max(1, c["checkpoints"])  # seconds per checkpoint
+extra = (c["step_s"] - p["step_s"]) * timed / max(1, c["checkpoints"])  # seconds per checkpoint
 print(f"plain {p['step_s']:.4f} s/step, with checkpoints {c['step_s']:.4f} s/step ({c['checkpoints']} checkpoints, "
       f"snapshot waits {c['checkpoint_wait_s']:.2f} s); per checkpoint {extra:.2f} s = "
       f"{100*extra/(50*p['step_s']):.1f}% of 50 steps")

@@ -14,10 +14,10 @@ log "build $(( $(date +%s) - t0 )) s"
 bin=build-device/spillway
 part=${PART:-all}
 if [ "$part" != speed ]; then
-  # Tiny: resident against planned at 40 MiB with the optimizer split and all on host.
+  # Tiny: resident against planned at 48 MiB with the optimizer split and all on host.
   $bin train --backend cuda --model tiny --steps 20 --batch 8 --eval-every 10 --metrics "$out/tiny_resident.jsonl" --quiet > "$out/exact.log" 2>&1
   for d in auto 0; do
-    $bin train --backend cuda --model tiny --steps 20 --batch 8 --eval-every 10 --device-budget 40MiB --policy planned \
+    $bin train --backend cuda --model tiny --steps 20 --batch 8 --eval-every 10 --device-budget 48MiB --policy planned \
       --device-optimizer $d --metrics "$out/tiny_planned_$d.jsonl" >> "$out/exact.log" 2>&1 || tail -3 "$out/exact.log"
   done
   grep "plan:" "$out/exact.log" | tee -a "$out/summary.txt"

@@ -505,6 +505,13 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
   };
   constexpr size_t kPiece = kSnapshotStagingBytes / 2;
   std::vector<Piece> host_pieces, device_pieces;  // cut into pieces of at most 8 MiB
+  struct Direct {  // a device tensor copied straight into the pinned destination
+    const uint8_t* src;
+    uint8_t* dst;
+    size_t bytes;
+    TensorId tensor;
+  };
+  std::vector<Direct> direct;
   std::vector<TensorId> host_tensors;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const size_t n = program_.tensors.info(tensors[i]).bytes();
@@ -517,23 +524,7 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
     }
     if (host) host_tensors.push_back(tensors[i]);
     if (!host && pinned.contains(dst[i], n) && pinned.chunk > 0) {
-      // Straight into the pinned destination, one copy per pinned piece it spans; the
-      // next step's writers of this tensor wait for the last (hold_device_reader).
-      CopyEngine& ce = backend_.copy_engine();
-      const auto* from = static_cast<const uint8_t*>(device);
-      size_t at = 0;
-      CopyTicket last{};
-      while (at < n) {
-        const uint64_t offset = static_cast<uint64_t>(dst[i] + at - pinned.base);
-        const size_t bytes = std::min<uint64_t>(n - at, pinned.chunk - offset % pinned.chunk);
-        SPILLWAY_ASSIGN_OR_RETURN(last, ce.copy(CopyDirection::DeviceToHost, dst[i] + at, from + at, bytes,
-                                                /*after_compute=*/true));
-        at += bytes;
-      }
-      if (n > 0) {
-        SPILLWAY_RETURN_IF_ERROR(executor_->hold_device_reader(tensors[i], last));
-        times.device_copies = last;
-      }
+      if (n > 0) direct.push_back({static_cast<const uint8_t*>(device), dst[i], n, tensors[i]});
       times.device_bytes += n;
       continue;
     }
@@ -541,6 +532,45 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
     const auto* from = static_cast<const uint8_t*>(host ? host : device);
     for (size_t at = 0; at < n; at += kPiece) pieces.push_back({from + at, dst[i] + at, std::min(kPiece, n - at)});
     (host ? times.host_bytes : times.device_bytes) += n;
+  }
+  // Device tensors with pinned destinations: copied in the background, neighbours in
+  // both memories as one copy, never across a pinned piece; the first copy waits for
+  // the compute submitted so far and the rest follow it on the same queue. The next
+  // step's writers of each tensor wait for its copy (hold_device_reader).
+  if (!direct.empty()) {
+    CopyEngine& ce = backend_.copy_engine();
+    std::vector<TensorId> batch;
+    const uint8_t *src = nullptr, *end_src = nullptr;
+    uint8_t *dst_at = nullptr, *end_dst = nullptr;
+    bool first = true;
+    auto flush = [&]() -> Status {
+      if (batch.empty()) return Status::ok();
+      CopyTicket last{};
+      size_t at = 0;
+      const size_t total = static_cast<size_t>(end_dst - dst_at);
+      while (at < total) {
+        const uint64_t offset = static_cast<uint64_t>(dst_at + at - pinned.base);
+        const size_t bytes = std::min<uint64_t>(total - at, pinned.chunk - offset % pinned.chunk);
+        SPILLWAY_ASSIGN_OR_RETURN(last, ce.copy(CopyDirection::DeviceToHost, dst_at + at, src + at, bytes, first));
+        first = false;
+        at += bytes;
+      }
+      for (TensorId t : batch) SPILLWAY_RETURN_IF_ERROR(executor_->hold_device_reader(t, last));
+      times.device_copies = last;
+      batch.clear();
+      return Status::ok();
+    };
+    for (const Direct& d : direct) {
+      if (batch.empty() || d.src != end_src || d.dst != end_dst) {
+        SPILLWAY_RETURN_IF_ERROR(flush());
+        src = d.src;
+        dst_at = d.dst;
+      }
+      batch.push_back(d.tensor);
+      end_src = d.src + d.bytes;
+      end_dst = d.dst + d.bytes;
+    }
+    SPILLWAY_RETURN_IF_ERROR(flush());
   }
   // Device copies now (the next step's device optimizer changes them), through two
   // pinned staging buffers: piece k+1 is copied down while piece k is spread on all cores.
