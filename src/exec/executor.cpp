@@ -788,9 +788,18 @@ class PlanExecutor final : public Executor {
           }
           s.to_device.reset();
         }
-        if (o.access != Access::Read && s.to_host) {  // a copy out of this region is still reading it
-          SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(*s.to_host, "wait d2h", o.tensor));
-          s.to_host.reset();
+        if (o.access != Access::Read && s.to_host && !ce.is_done(*s.to_host)) {
+          // A copy out of this region is still reading it: the op waits for it on the
+          // device, the host goes on issuing. to_host stays set: readers of the host
+          // copy it fills still wait for it.
+          auto t0 = Clock::now();
+          const Backend::StallProbe probe = b_.begin_stall_probe();
+          Status ordered = ce.order_compute_after(*s.to_host);  // blocks the host where compute runs on it
+          b_.end_stall_probe(probe);
+          const double d = seconds_since(t0);
+          metrics_.host_wait_s += d;
+          if (trace_ && d > 1e-6) trace_->slice("stall", "wait d2h " + info.name, now_s() - d, now_s());
+          SPILLWAY_RETURN_IF_ERROR(ordered);
         }
         ptrs_.push_back(s.device);
       } else {

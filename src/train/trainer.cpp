@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include <algorithm>
+#include <limits>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -538,6 +539,16 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
   // the compute submitted so far and the rest follow it on the same queue. The next
   // step's writers of each tensor wait for its copy (hold_device_reader).
   if (!direct.empty()) {
+    // In the order the next step's ops first write them (its optimizer, mostly), so
+    // that each writer finds its tensor's copy done as early as the link allows.
+    std::vector<int> first_writer(program_.tensors.size(), std::numeric_limits<int>::max());
+    for (size_t i = 0; i < program_.ops.size(); ++i)
+      for (const Operand& o : program_.ops[i].operands)
+        if (o.access != Access::Read && first_writer[o.tensor] == std::numeric_limits<int>::max())
+          first_writer[o.tensor] = static_cast<int>(i);
+    std::stable_sort(direct.begin(), direct.end(), [&](const Direct& a, const Direct& b) {
+      return first_writer[a.tensor] < first_writer[b.tensor];
+    });
     CopyEngine& ce = backend_.copy_engine();
     std::vector<TensorId> batch;
     const uint8_t *src = nullptr, *end_src = nullptr;
