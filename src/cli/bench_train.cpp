@@ -151,7 +151,7 @@ Status run_bench(const BenchTrainFlags& f) {
   uint64_t rng = f.seed;
   const size_t n = static_cast<size_t>(f.batch) * T;
   std::vector<TokenBatch> batches(static_cast<size_t>(f.accum));
-  double timed_s = 0, stall_s = 0, host_wait_s = 0, issue_s = 0;
+  double timed_s = 0, stall_s = 0, host_wait_s = 0, issue_s = 0, steps_own_s = 0;
   std::chrono::steady_clock::time_point timed_start = std::chrono::steady_clock::now();
   StepMetrics last;
   StepProfile profile;
@@ -189,6 +189,7 @@ Status run_bench(const BenchTrainFlags& f) {
       break;
     }
     if (s > 1) {
+      steps_own_s += r->step_s;
       stall_s += r->exec.stall_s;
       host_wait_s += r->exec.host_wait_s;
       issue_s += r->exec.issue_s;
@@ -236,6 +237,10 @@ Status run_bench(const BenchTrainFlags& f) {
                 checkpoints, format_size(trainer->state_bytes()).c_str(), f.checkpoint_every,
                 writer->sync_reason().empty() ? "background" : "foreground", checkpoint_wait_s,
                 timed_s > 0 ? 100.0 * checkpoint_wait_s / timed_s : 0.0, tail_write_s);
+  if (writer)
+    std::printf("steady state  %.4f s per step: the steps' own times and the snapshot waits, without the last "
+                "write's tail past the last step (a run that ends during a write pays that once)\n",
+                (steps_own_s + checkpoint_wait_s) / timed);
   if (writer && writer->last_write().bytes > 0) {
     const CheckpointWriteStats w = writer->last_write();
     std::printf("last write    %s in %.2f s (%.2f GB/s%s), checksummed meanwhile\n", format_size(w.bytes).c_str(),
@@ -280,11 +285,12 @@ Status run_bench(const BenchTrainFlags& f) {
         "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
         "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s,"
         "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f,"
-        "\"predicted_step_s\":%.6f,\"stall_share\":%.6f,\"host_wait_share\":%.6f}\n",
+        "\"predicted_step_s\":%.6f,\"stall_share\":%.6f,\"host_wait_share\":%.6f,\"steady_state_step_s\":%.6f}\n",
         backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
         static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
         budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s, checkpoints,
-        checkpoint_wait_s, predicted_s, timed_s > 0 ? stall_s / timed_s : 0.0, timed_s > 0 ? host_wait_s / timed_s : 0.0);
+        checkpoint_wait_s, predicted_s, timed_s > 0 ? stall_s / timed_s : 0.0, timed_s > 0 ? host_wait_s / timed_s : 0.0,
+        (steps_own_s + checkpoint_wait_s) / timed);
     const bool closed = std::fclose(out) == 0;
     if (n < 0 || !closed) return Status::io_error("--json " + f.json + ": write failed: " + std::strerror(errno));
   }
