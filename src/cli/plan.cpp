@@ -30,6 +30,7 @@
 #include "cli/command.h"
 #include "cli/train_flags.h"
 #include "core/size.h"
+#include "dist/predict.h"
 #include "exec/dispatch.h"
 #include "exec/trace.h"
 #include "model/model.h"
@@ -58,6 +59,9 @@ struct PlanFlags {
   std::string sweep;                       // KEY=V1,V2,...
   std::string chart;                       // SVG file for --sweep
   bool largest = false;
+  int gpus = 1;                 // data-parallel ranks (one GPU each)
+  double network_gbps = 0;      // each GPU's link to the others, GB/s one way (needed with --gpus above 1)
+  double network_latency_us = 0;
 };
 
 // The machine of --machine with the what-if edits applied; impossible values are errors.
@@ -223,6 +227,31 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
                 100.0 * p.binds_share,
                 p.binds_share < 0.6 ? "; none is busy most of the step: the rest is waiting between them" : "");
   out << line;
+  if (f.gpus > 1) {
+    // Data parallel (dist/predict.h): the busiest rank's program, planned as this one
+    // was, plus its collectives over the network.
+    const NetworkLink link{.bytes_per_s = f.network_gbps * 1e9, .latency_s = f.network_latency_us * 1e-6};
+    const Simulator cost(machine);
+    PlannerOptions rank_options = *planner;
+    auto plan_rank = [&](const Program& rank) -> Result<Plan> {
+      SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(backend, rank));
+      PlannerOptions o = rank_options;
+      o.workspace_bytes = need.bytes;
+      o.reserved_device_bytes = host_mapping_reserve(rank, backend, budgets);
+      return make_plan(rank, cost, allocatable, o);
+    };
+    auto dp = predict_data_parallel(*program, f.gpus, f.gpus * f.accum, static_cast<int64_t>(f.batch) * T * f.accum,
+                                    cost, plan_rank, link);
+    if (!dp.ok()) return dp.status().with_context("--gpus " + std::to_string(f.gpus));
+    std::snprintf(line, sizeof line,
+                  "data parallel, %d GPUs (network %.1f GB/s per GPU each way, %.1f us per collective): step %.3f s "
+                  "(the busiest rank, %d: compute %.3f s + collectives %.3f s), %.0f tokens/s, %.0f per GPU: %.0f%% of "
+                  "one GPU's %.0f\n",
+                  f.gpus, f.network_gbps, f.network_latency_us, dp->step_s, dp->busiest_rank, dp->compute_s,
+                  dp->collective_s, dp->tokens_per_s, dp->tokens_per_s_per_gpu,
+                  p.tokens_per_s > 0 ? 100.0 * dp->tokens_per_s_per_gpu / p.tokens_per_s : 0.0, p.tokens_per_s);
+    out << line;
+  }
   if (!f.trace.empty()) {
     Status s = trace_from_simulation(sim).write(f.trace);
     if (!s.is_ok()) return s;
@@ -462,6 +491,16 @@ int run_largest(const PlanFlags& f, const Machine& machine, ModelConfig cfg) {
 int run_plan(const PlanFlags& f) {
   auto cfg = resolve_model(f.model);
   if (!cfg.ok()) return fail(cfg.status());
+  if (f.gpus < 1 || f.gpus > 1000)
+    return fail(Status::invalid_argument("--gpus: expected 1 to 1000 GPUs, got " + std::to_string(f.gpus)));
+  if (f.gpus > 1 && !(f.network_gbps > 0 && std::isfinite(f.network_gbps)))
+    return fail(Status::invalid_argument("--gpus " + std::to_string(f.gpus) +
+                                         " needs --network-gbps: each GPU's link to the others in GB/s one way (e.g. "
+                                         "450 for NVLink 4, 50 for 400 Gb/s InfiniBand); nothing is assumed"));
+  if (f.network_gbps < 0 || f.network_latency_us < 0 || !std::isfinite(f.network_latency_us))
+    return fail(Status::invalid_argument("--network-gbps and --network-latency-us: expected 0 or more"));
+  if (f.gpus > 1 && (!f.sweep.empty() || f.largest))
+    return fail(Status::invalid_argument("--gpus with --sweep or --largest: not supported; give one"));
   if (!f.chart.empty() && f.sweep.empty()) return fail(Status::invalid_argument("--chart needs --sweep"));
   if (!f.sweep.empty() && f.largest) return fail(Status::invalid_argument("--sweep and --largest: give one"));
   if (!f.sweep.empty()) return run_sweep(f, *cfg);
@@ -509,6 +548,12 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--stream-optimizer", f->stream_optimizer,
                  "planned: on or off, AdamW on device for part of the host-resident state (as train's)");
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
+  app.add_option("--gpus", f->gpus,
+                 "what if: N data-parallel GPUs (1 to 1000), each with this machine's memory and links, reading "
+                 "--batch x --accum sequences a step; state partitioned by whole tensors, gradients reduced in rank "
+                 "order (needs --network-gbps)");
+  app.add_option("--network-gbps", f->network_gbps, "with --gpus: each GPU's link to the others, GB/s one way");
+  app.add_option("--network-latency-us", f->network_latency_us, "with --gpus: microseconds per collective (default 0)");
   return [f]() { return run_plan(*f); };
 };
 CommandRegistration plan_command("plan", "report where tensors go and the predicted step time, without training", setup);

@@ -223,3 +223,40 @@ TEST(SimulateCli, LargestModelIsTheLastLayerCountThatPlans) {
 }
 
 }  // namespace
+
+namespace {
+
+// The "N tokens/s, M per GPU" of a data-parallel line; -1 when absent.
+double data_parallel_tokens(const std::string& output) {
+  const size_t line = output.find("data parallel, ");
+  if (line == std::string::npos) return -1;
+  const size_t at = output.find("s), ", line);
+  return at == std::string::npos ? -1 : std::stod(output.substr(at + 4));
+}
+
+}  // namespace
+
+// issue 15: `simulate --gpus N` predicts data-parallel ranks over a network the user
+// describes; nothing about the network is assumed.
+TEST(SimulateCli, GpusPredictDataParallelOverTheGivenNetwork) {
+  expect_rejected("simulate --model tiny --machine cpu --gpus 2", {"--gpus 2", "--network-gbps"});
+  expect_rejected("simulate --model tiny --machine cpu --gpus 0 --network-gbps 10", {"--gpus", "1 to 1000"});
+  expect_rejected("simulate --model tiny --machine cpu --gpus 1001 --network-gbps 10", {"--gpus", "1 to 1000"});
+  expect_rejected("simulate --model tiny --machine cpu --gpus 2 --network-gbps -1", {"--network-gbps"});
+  CliRun fast = run("simulate --model tiny --machine cpu --gpus 4 --network-gbps 10");
+  CliRun slow = run("simulate --model tiny --machine cpu --gpus 4 --network-gbps 1 --network-latency-us 50");
+  ASSERT_EQ(fast.code, 0) << fast.output;
+  ASSERT_EQ(slow.code, 0) << slow.output;
+  EXPECT_NE(fast.output.find("data parallel, 4 GPUs"), std::string::npos) << fast.output;
+  const double one = predicted_tokens(fast.output), four_fast = data_parallel_tokens(fast.output),
+               four_slow = data_parallel_tokens(slow.output);
+  ASSERT_GT(one, 0) << fast.output;
+  ASSERT_GT(four_fast, 0) << fast.output;
+  ASSERT_GT(four_slow, 0) << slow.output;
+  EXPECT_GT(four_fast, one) << "4 GPUs together read 4 times the tokens of one";
+  EXPECT_LE(four_fast, 4 * one * 1.001) << "no more than linear scaling";
+  EXPECT_LT(four_slow, four_fast) << "a slower network, a slower step";
+  CliRun single = run("simulate --model tiny --machine cpu");
+  ASSERT_EQ(single.code, 0) << single.output;
+  EXPECT_EQ(single.output.find("data parallel"), std::string::npos) << "one GPU prints no data-parallel line";
+}
