@@ -1,8 +1,8 @@
 // libFuzzer target: a machine file (Machine::from_json, sim/machine.h), as `spillway
 // profile` writes it and --machine reads it. Properties: an accepted file has every
 // rate finite and above 0 (latency and the alone AdamW rate at least 0), a duplex
-// factor and compute share in (0, 1], and its to_json() reads back as the same
-// machine.
+// factor and compute share in (0, 1], every per-kind op rate finite and 0 (not
+// measured) or above, and its to_json() reads back as the same machine.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -32,6 +32,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                     m->storage_latency_s >= 0 && std::isfinite(m->host_adam_params_per_s_alone) &&
                     m->host_adam_params_per_s_alone >= 0,
                 "an accepted machine has a negative or non-finite time or alone rate");
+  for (double r : m->op_rates)
+    fuzz::require(std::isfinite(r) && r >= 0, "an accepted machine has a negative or non-finite op rate");
   auto again = Machine::from_json(m->to_json(), "written");
   fuzz::require(again.ok(), "the JSON written for an accepted machine does not read back");
   fuzz::require(*again == *m, "the JSON written for an accepted machine reads back as another machine");

@@ -8,11 +8,16 @@
 // tiny sizes for tests) through the code the executor uses: the backend's copy
 // engine from its pinned host memory, the StorageEngine with O_DIRECT, the host AdamW
 // over the global thread pool, the backend's matmul and elementwise ops
-// (sim/profiler.h, shared with `bench io` and `bench adam`).
+// (sim/profiler.h, shared with `bench io` and `bench adam`), and every op of a sample
+// training step timed in the step (Executor::profile_next_step) for each kind's own rate
+// (Machine::op_rates):
+//
+//   spillway profile --backend cpu --spill-dir /tmp --op-model gpt2-124m --op-batch 2 --op-context 256
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -29,7 +34,11 @@
 #include "core/interrupt.h"
 #include "core/size.h"
 #include "core/thread_pool.h"
+#include "core/random.h"
+#include "model/model.h"
+#include "program/op_registry.h"
 #include "sim/profiler.h"
+#include "train/trainer.h"
 
 namespace spillway::cli {
 namespace {
@@ -40,7 +49,105 @@ struct ProfileFlags {
   std::string spill_dir;
   std::string out;
   bool quick = false;
+  // The sample step whose ops are timed for the per-kind rates: a model preset with
+  // one layer (its ops have the shapes of every layer), B sequences of T tokens.
+  // Empty / 0: the backend's default (see kind_rate_sample).
+  std::string op_model;
+  int op_batch = 0, op_context = 0;
 };
+
+struct OpSample {
+  std::string model;
+  int B = 0, T = 0;
+};
+
+// The default sample: layer and LM-head shapes of the models this backend trains
+// (CPU: GPT-2 small widths at 256 tokens, within the 128-1024 of CPU runs; products
+// at fewer tokens run slower: 0.15 TFLOP/s at 128 tokens, 0.17-0.18 at 512 on the
+// dev box; CUDA: GPT-2 1.5B widths at 8192 tokens).
+OpSample kind_rate_sample(const ProfileFlags& f, bool cuda) {
+  OpSample s = f.quick ? OpSample{"tiny", 2, 64} : cuda ? OpSample{"gpt2-1.5b", 8, 1024} : OpSample{"gpt2-124m", 1, 256};
+  if (!f.op_model.empty()) s.model = f.op_model;
+  if (f.op_batch > 0) s.B = f.op_batch;
+  if (f.op_context > 0) s.T = f.op_context;
+  return s;
+}
+
+// Runs training steps of the sample (one layer, resident, initialized parameters,
+// random tokens) as `spillway train` runs them, times every op of `rounds` more steps
+// (Executor::profile_next_step: each op synchronized before and after, in the step's
+// order, so it finds its operands where the step leaves them, not warm from a repeat
+// of itself), keeps each op's median over the rounds (a typical step: the fastest
+// would be optimistic, a mean would follow another process's bursts on a shared
+// machine) and fits each kind's rate (fit_op_rates): prints a line per kind.
+Status measure_kind_rates(Backend& backend, const OpSample& sample, int rounds, Machine* m) {
+  SPILLWAY_ASSIGN_OR_RETURN(ModelConfig cfg, model_preset(sample.model));
+  cfg.layers = 1;
+  if (sample.T > cfg.context)
+    return Status::invalid_argument("--op-context " + std::to_string(sample.T) + " is longer than " + sample.model +
+                                    "'s context " + std::to_string(cfg.context));
+  TrainerOptions o;
+  o.model = cfg;
+  o.shape = {.B = sample.B, .T = sample.T, .accum = 1};
+  o.schedule = {.peak = 1e-4f, .warmup_steps = 0, .total_steps = 2 + rounds};
+  o.planner.policy = Policy::Resident;
+  o.machine = *m;
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(backend, o));
+  SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
+  const Program& program = trainer->program();
+  uint64_t rng = 1;
+  std::vector<TokenBatch> batch(1);
+  const size_t n = static_cast<size_t>(sample.B) * sample.T;
+  std::vector<std::vector<double>> rounds_of(program.ops.size());  // [ops][rounds]
+  for (int s = 1; s <= 2 + rounds; ++s) {
+    batch[0].tokens.resize(n);
+    batch[0].targets.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      batch[0].tokens[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(cfg.vocab));
+      batch[0].targets[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(cfg.vocab));
+    }
+    StepProfile profile;
+    const bool timed = s > 2;  // two warm-up steps: first touches, the optimizer's first update
+    if (timed) trainer->profile_next_step(&profile);
+    SPILLWAY_ASSIGN_OR_RETURN(StepResult r, trainer->step(batch));
+    if (!r.applied)
+      return Status::internal("the sample step skipped its update (non-finite gradient norm): AdamW not timed");
+    for (const OpTime& t : profile.ops)
+      if (t.op >= 0 && static_cast<size_t>(t.op) < rounds_of.size() && !t.recompute)
+        rounds_of[static_cast<size_t>(t.op)].push_back(t.seconds);
+  }
+  std::vector<double> seconds(program.ops.size(), 0.0);
+  for (size_t i = 0; i < seconds.size(); ++i) {
+    std::vector<double>& r = rounds_of[i];
+    if (r.empty()) continue;
+    std::sort(r.begin(), r.end());
+    seconds[i] = r.size() % 2 ? r[r.size() / 2] : (r[r.size() / 2 - 1] + r[r.size() / 2]) / 2;
+  }
+  SPILLWAY_RETURN_IF_ERROR(trainer->drain());
+  m->op_rates = fit_op_rates(program, seconds, m->op_launch_s);
+  std::printf("\nops of one %s layer step at %dx%d, each op timed in the step (median of %d steps "
+              "after 2), rate of each kind (kept; the simulator costs each op at its kind's rate plus the fixed cost "
+              "per op):\n",
+              sample.model.c_str(), sample.B, sample.T, rounds);
+  std::printf("  %-22s %5s %10s %14s\n", "kind", "ops", "ms", "rate");
+  std::array<int, kOpKindCount> count{};
+  std::array<double, kOpKindCount> time{};
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const size_t k = static_cast<size_t>(program.ops[i].kind);
+    if (k >= kOpKindCount || !(seconds[i] > 0)) continue;
+    ++count[k];
+    time[k] += seconds[i];
+  }
+  for (size_t k = 0; k < kOpKindCount; ++k) {
+    if (count[k] == 0) continue;
+    const OpKind kind = static_cast<OpKind>(k);
+    const bool flops = op_info(kind).flops != nullptr;
+    const double rate = m->op_rates[k];
+    std::printf("  %-22s %5d %10.3f %10.2f %s\n", op_kind_name(kind), count[k], time[k] * 1e3,
+                rate / (flops ? 1e12 : 1e9), rate > 0 ? (flops ? "TFLOP/s" : "GB/s") : "(no time beyond the fixed cost)");
+  }
+  return Status::ok();
+}
 
 Result<uint64_t> mem_total() {
   std::ifstream in("/proc/meminfo");
@@ -252,6 +359,14 @@ int run_profile(const ProfileFlags& f) {
                 *bytes / 1e9, *launch * 1e6, *share);
   }
 
+  {
+    const OpSample sample = kind_rate_sample(f, cuda);
+    Status s = measure_kind_rates(backend, sample, f.quick ? 1 : 5, &m);
+    if (!s.is_ok())
+      return fail(s.with_context("profile: the ops of " + sample.model + " at " + std::to_string(sample.B) + "x" +
+                                 std::to_string(sample.T) + " (--op-model, --op-batch, --op-context)"));
+  }
+
   if (Status s = save_machine(m, out); !s.is_ok()) return fail(s.with_context("--out"));
   std::printf("\nmachine written to %s (%.1f s)%s\n", out.c_str(), seconds_since(started),
               f.out.empty() ? "; train and bench train on CUDA use it from this cache" : "");
@@ -268,6 +383,11 @@ CommandRegistration profile_command(
                      "machine file to write (default: the cache train reads, "
                      "$XDG_CACHE_HOME/spillway/machine-<key>.json or ~/.cache/spillway/...)");
       app.add_flag("--quick", f->quick, "tiny sizes (tests): figures are far from the machine's steady state");
+      app.add_option("--op-model", f->op_model,
+                     "model preset whose op shapes are timed for each kind's rate, one layer of it (default: "
+                     "gpt2-124m on the CPU, gpt2-1.5b on CUDA)");
+      app.add_option("--op-batch", f->op_batch, "sequences of that sample step (default: 1 on the CPU, 8 on CUDA)");
+      app.add_option("--op-context", f->op_context, "tokens per sequence of it (default: 256 on the CPU, 1024 on CUDA)");
       return [f]() { return run_profile(*f); };
     });
 

@@ -3,6 +3,7 @@
 //   Machine m = Machine::h200();                   // figures measured on the lent H200 host
 //   auto c = measure_machine(backend, m);          // rates measured by a short profile (sim/profiler.h)
 //   double s = m.op_seconds(program, op_index);    // measured if profiled, else derived
+//   m.op_rates = fit_op_rates(program, seconds, m.op_launch_s);  // per kind, from timed ops
 //   auto m2 = load_machine("machines/h200.json");  // or "h200", "cpu": the presets
 //   std::string text = m.to_json();                // every field; Machine::from_json reads it back
 //
@@ -10,6 +11,7 @@
 // drives") by editing the fields; the simulator then answers what-if questions.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -48,6 +50,12 @@ struct Machine {
   double attention_flops_per_s = 100e12;
   double device_bytes_per_s = 2e12;     // device memory-bound ops
   double op_launch_s = 5e-6;            // fixed cost per op
+  // Each kind of device op's own measured rate ([kOpKindCount], by OpKind; 0: not
+  // measured): flop/s in op_cost_flops' terms for kinds that have flops (matrix
+  // products, attention), else bytes/s of op_bytes_moved. A measured kind takes
+  // work / rate + op_launch_s, and the class rates above are not used for it.
+  // `spillway profile` fits them from the timed ops of a sample step (fit_op_rates).
+  std::array<double, kOpKindCount> op_rates{};
   double host_adam_params_per_s = 2e9;  // host SIMD AdamW
   bool host_runs_ahead = true;          // CUDA: the host issues ahead of the device; CPU: false
   // Per-op measured seconds for one program ([ops]); empty → derived from the rates.
@@ -65,6 +73,8 @@ struct Machine {
   bool operator==(const Machine&) const = default;
 
   double op_seconds(const Program& program, size_t op_index) const;
+  // The measured rate of device ops of kind k (op_rates), 0 when not measured.
+  double op_rate(OpKind k) const;
   double copy_seconds(uint64_t bytes, bool h2d) const;
 
   static Machine h200();        // PCIe 55 GB/s each way, 720 TFLOP/s bf16 in steps, 1.7 GB/s disk, 16 cores
@@ -79,7 +89,19 @@ struct Machine {
   static Result<Machine> from_json(const std::string& text, const std::string& source);
 };
 
-inline constexpr int kMachineFormatVersion = 2;  // 2: attention_flops_per_s
+// 2: attention_flops_per_s; 3: op_rates. from_json also reads version 2 files (no
+// measured op rates: every kind derived from the class rates, as version 2 did).
+inline constexpr int kMachineFormatVersion = 3;
+
+// The work an op's kind is measured in (Machine::op_rates): op_cost_flops when the
+// kind has flops, else op_bytes_moved.
+double op_rate_work(const Program& program, const Op& op);
+
+// Per-kind rates from measured seconds per op ([program.ops], 0: not measured), as
+// Machine::op_rates: for each kind, the work of its measured device ops over their
+// seconds less `launch_s` each (the fixed cost Machine::op_seconds adds back). A kind
+// with no measured op, no work, or no time left after the fixed costs gets 0.
+std::array<double, kOpKindCount> fit_op_rates(const Program& program, const std::vector<double>& seconds, double launch_s);
 
 // "h200" or "cpu": the presets; anything else: a JSON file written by
 // `spillway profile` (Machine::from_json). Errors name the file or the preset.

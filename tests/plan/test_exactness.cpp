@@ -478,12 +478,17 @@ int recompute_chains(const Plan& plan, const Program& program) {
 // planner re-runs that producer first (a chain), and the run keeps the resident bits.
 TEST(Exactness, RecomputeChainsMatchResident) {
   int chains = 0;
+  // Links slow enough (5 GB/s, the cpu preset's figure before it was measured) that
+  // the planner recomputes rather than swaps: the measured preset's 16 GB/s memcpy
+  // makes swapping these small tensors the cheaper choice.
+  Machine slow_links = Machine::cpu_dev_box();
+  slow_links.h2d_bytes_per_s = slow_links.d2h_bytes_per_s = 5e9;
   for (GPTCase s : {small_model(64), small_llama(false, 64, 64, 512)}) {
     TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 5);
     ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
     for (int divisor : {4, 10}) {
       TrainRun r = train_gpt(s, {.device = ref.plan.device_bytes / divisor}, {.policy = Policy::Planned, .recompute = 1},
-                             5);
+                             5, {}, slow_links);
       ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
       expect_same_run(r, ref, "recompute chains, budget 1/" + std::to_string(divisor));
       auto program = build_training_program(s.cfg, s.shape, DType::F32);

@@ -32,6 +32,8 @@ Machine every_field_set() {
   m.attention_flops_per_s = 2.5e13;
   m.device_bytes_per_s = 9.87e11;
   m.op_launch_s = 3.25e-6;
+  m.op_rates[static_cast<size_t>(OpKind::MatmulBackward)] = 1.5e11;
+  m.op_rates[static_cast<size_t>(OpKind::GeluForward)] = 7.25e9;
   m.host_adam_params_per_s = 2.1e9;
   m.host_adam_params_per_s_alone = 2.6e9;
   m.host_runs_ahead = false;
@@ -69,7 +71,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 22);  // format, version, name, measured_on and the 18 other fields
+  EXPECT_EQ(keys, 23);  // format, version, name, measured_on and the 19 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -109,7 +111,12 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 1, "version 2"},
+                                         {"version", 1, "versions 2 and 3"},
+                                         {"version", 4, "the file is version 4"},
+                                         {"op_rates", 2.0, "expected an object"},
+                                         {"op_rates", {{"Gelu", 1e9}}, "op_rates.Gelu: not a kind of op"},
+                                         {"op_rates", {{"GeluForward", 0}}, "op_rates.GeluForward: expected a number above 0"},
+                                         {"op_rates", {{"AdamW", "fast"}}, "op_rates.AdamW: expected a number"},
                                          {"attention_flops_per_s", 0, "above 0"},
                                          {"format", "other", "spillway-machine"}}) {
     nlohmann::json j = good;
@@ -134,6 +141,35 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
   auto not_json = Machine::from_json("{\"format\": ", "bad.json");
   ASSERT_FALSE(not_json.ok());
   EXPECT_NE(not_json.status().to_string().find("bad.json: not JSON"), std::string::npos);
+}
+
+// Version 2 files (before op_rates) are still read: every kind is costed by the class
+// rates, as they were. A version 2 file with op_rates is refused (an unknown key).
+TEST(MachineFile, Version2FilesAreReadWithNoOpRates) {
+  nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  j["version"] = 2;
+  j.erase("op_rates");
+  auto m = Machine::from_json(j.dump(), "old.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Machine want = every_field_set();
+  want.op_rates = {};
+  EXPECT_EQ(*m, want);
+  for (double r : m->op_rates) EXPECT_EQ(r, 0);
+  j["op_rates"] = nlohmann::json::object();
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("op_rates: unknown key"), std::string::npos) << e;
+  // The fuzz corpus keeps such a file (the cpu preset as version 2 wrote it).
+  auto corpus = load_machine(std::string(SPILLWAY_SOURCE_DIR) + "/fuzz/corpus/machine_file/cpu.json");
+  ASSERT_TRUE(corpus.ok()) << corpus.status().to_string();
+  EXPECT_EQ(corpus->op_rates, (std::array<double, kOpKindCount>{}));
+}
+
+// The op kinds are written by name, only the measured ones.
+TEST(MachineFile, OpRatesAreWrittenByKindName) {
+  const nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  EXPECT_EQ(j["version"], 3);
+  EXPECT_EQ(j["op_rates"], (nlohmann::json{{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}}));
+  EXPECT_EQ(nlohmann::json::parse(Machine().to_json())["op_rates"], nlohmann::json::object());
 }
 
 TEST(MachineFile, RepositoryPresetFilesAreThePresetsInCode) {
