@@ -1248,7 +1248,7 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
   if (budgets.device < minimum) {
     const uint64_t given = given_device, total = minimum + workspace + reserved;
     const uint64_t g = std::max<uint64_t>(1, options.allocation_granularity);
-    const uint64_t suggested = (total + g - 1) / g * g;
+    const uint64_t suggested = (total + g - 1) / g * g + options.outside_budget_bytes;
     return Status::out_of_memory("device budget " + format_size(given) + " is below the minimum " +
                                  format_size(total) + " that the largest op (" + largest_op_name(program, alignment) +
                                  ") needs (" + format_size(minimum) + " of operands and inputs, " + format_size(workspace) +
@@ -1256,7 +1256,11 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
                                  (reserved > 0 ? ", " + format_size(reserved) + " for the GPU's mapping of pinned host memory"
                                                : std::string()) +
                                  "); give --device-budget " + std::to_string((suggested + (1 << 20) - 1) >> 20) +
-                                 "MiB or more");
+                                 "MiB or more" +
+                                 (options.outside_budget_bytes > 0
+                                      ? " (with the " + format_size(options.outside_budget_bytes) +
+                                            " the backend holds itself)"
+                                      : std::string()));
   }
   switch (options.policy) {
     case Policy::Resident: {

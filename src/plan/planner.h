@@ -62,6 +62,11 @@ struct PlannerOptions {
   // The backend's allocation granularity (Backend::allocation_granularity): budgets
   // are used in whole multiples of it, so a refusal's suggested budget is one.
   uint64_t allocation_granularity = 1;
+  // Device memory the process holds outside the budgets given to make_plan (the
+  // backend's own: Backend::fixed_device_bytes, which the caller took out of the
+  // user's --device-budget): added to the --device-budget a refusal suggests, so that
+  // the suggestion is the flag's value.
+  uint64_t outside_budget_bytes = 0;
 };
 
 Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budgets& budgets,

@@ -336,13 +336,14 @@ Result<Plan> plan_for_backend(const Program& program, const Backend& backend, co
                               const Budgets& budgets, const PlannerOptions& options) {
   SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions o, backend_planner_options(program, backend, options));
   o.reserved_device_bytes = host_mapping_reserve(program, backend, budgets);
-  auto plan = make_plan(program, Simulator(machine), allocatable_budgets(budgets, backend), o);
   const uint64_t fixed = backend.fixed_device_bytes();
+  if (budgets.device != UINT64_MAX) o.outside_budget_bytes = fixed;
+  auto plan = make_plan(program, Simulator(machine), allocatable_budgets(budgets, backend), o);
   if (plan.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plan;
   return plan.status().with_context("the device budget " + format_size(budgets.device) + " less the " +
                                     format_size(fixed) +
-                                    " the backend holds itself (streams, library handles): add that to any figure "
-                                    "below");
+                                    " the backend holds itself (streams, library handles): the figures below leave "
+                                    "it out; a suggested --device-budget includes it");
 }
 
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,

@@ -196,6 +196,27 @@ TEST(Budgets, BelowMinimumStatesTheMinimum) {
   EXPECT_NE(r.status.message().find("--device-budget"), std::string::npos) << r.status.message();
 }
 
+// The suggested --device-budget is the flag's value: it adds what the backend holds
+// outside the budgets the planner was given (the caller took it out of the flag).
+TEST(Budgets, SuggestedBudgetIncludesWhatTheBackendHoldsOutside) {
+  auto program = build_training_program(ModelConfig{2, 32, 2, 16, 64}, StepShape{2, 16, 1}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  auto suggested_mib = [&](uint64_t outside) {
+    PlannerOptions o{.policy = Policy::Planned, .alignment = 64};
+    o.outside_budget_bytes = outside;
+    auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), {.device = 4096}, o);
+    EXPECT_FALSE(plan.ok());
+    const std::string m = plan.status().message();
+    const size_t at = m.find("give --device-budget ");
+    EXPECT_NE(at, std::string::npos) << m;
+    if (outside > 0) EXPECT_NE(m.find("the backend holds itself"), std::string::npos) << m;
+    return at == std::string::npos ? -1L : std::stol(m.substr(at + 21));
+  };
+  const long without = suggested_mib(0), with = suggested_mib(uint64_t{6} << 20);
+  ASSERT_GT(without, 0);
+  EXPECT_EQ(with, without + 6);
+}
+
 // The backend's workspace comes out of the device budget: the arena is planned
 // within the rest, arena and workspace are one allocation made before any step,
 // peak_device_bytes counts both, and the losses do not change. The minimum the
