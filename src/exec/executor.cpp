@@ -389,6 +389,18 @@ class PlanExecutor final : public Executor {
     if (trace_) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
     return s;
   }
+  // Device compute submitted from now on runs after copy t (a stream wait on CUDA; the
+  // host blocks where compute runs on it), timed as the waits above are.
+  Status timed_order_after_copy(CopyTicket t, const char* why, TensorId id) {
+    auto t0 = Clock::now();
+    const Backend::StallProbe probe = b_.begin_stall_probe();
+    Status s = b_.copy_engine().order_compute_after(t);
+    b_.end_stall_probe(probe);
+    double d = seconds_since(t0);
+    metrics_.host_wait_s += d;
+    if (trace_ && d > 1e-6) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
+    return s;
+  }
   Status timed_wait_spill(SpillTicket t, const char* why, TensorId id) {
     auto t0 = Clock::now();
     const Backend::StallProbe probe = b_.begin_stall_probe();
@@ -776,30 +788,14 @@ class PlanExecutor final : public Executor {
         if (s.to_device) {
           // A fetch still in flight: compute waits for it on the device (a stream wait;
           // the probe times the GPU's idle). One already done needs no wait.
-          if (!ce.is_done(*s.to_device)) {
-            auto t0 = Clock::now();
-            const Backend::StallProbe probe = b_.begin_stall_probe();
-            Status ordered = ce.order_compute_after(*s.to_device);  // blocks the host where compute runs on it
-            b_.end_stall_probe(probe);
-            const double d = seconds_since(t0);
-            metrics_.host_wait_s += d;
-            if (trace_ && d > 1e-6) trace_->slice("stall", "wait h2d " + info.name, now_s() - d, now_s());
-            SPILLWAY_RETURN_IF_ERROR(ordered);
-          }
+          if (!ce.is_done(*s.to_device)) SPILLWAY_RETURN_IF_ERROR(timed_order_after_copy(*s.to_device, "wait h2d", o.tensor));
           s.to_device.reset();
         }
         if (o.access != Access::Read && s.to_host && !ce.is_done(*s.to_host)) {
           // A copy out of this region is still reading it: the op waits for it on the
           // device, the host goes on issuing. to_host stays set: readers of the host
           // copy it fills still wait for it.
-          auto t0 = Clock::now();
-          const Backend::StallProbe probe = b_.begin_stall_probe();
-          Status ordered = ce.order_compute_after(*s.to_host);  // blocks the host where compute runs on it
-          b_.end_stall_probe(probe);
-          const double d = seconds_since(t0);
-          metrics_.host_wait_s += d;
-          if (trace_ && d > 1e-6) trace_->slice("stall", "wait d2h " + info.name, now_s() - d, now_s());
-          SPILLWAY_RETURN_IF_ERROR(ordered);
+          SPILLWAY_RETURN_IF_ERROR(timed_order_after_copy(*s.to_host, "wait d2h", o.tensor));
         }
         ptrs_.push_back(s.device);
       } else {

@@ -339,7 +339,9 @@ TEST(Checkpoint, ABackgroundWriteIsTheSnapshotOfItsStep) {
     if (pinned) writer.prepare((*t)->state_bytes(), &b);
     ASSERT_TRUE(writer.begin(**t, {.step = 4, .data_batch = 4, .config = {}}).is_ok());
     EXPECT_EQ(writer.last_snapshot().device_copies.has_value(), pinned && writer.last_snapshot().device_bytes > 0);
-    if (pinned) EXPECT_GT(writer.last_snapshot().device_bytes, 0u) << "the test needs device-resident state";
+    if (pinned) {
+      EXPECT_GT(writer.last_snapshot().device_bytes, 0u) << "the test needs device-resident state";
+    }
     StateRun more;
     steps(**t, 5, 8, more);  // while the checkpoint of step 4 is written
     EXPECT_TRUE(more.losses.size() == 4 && more.state == straight.state);
