@@ -3,7 +3,9 @@
 # exactness of budgeted runs against resident ones (gpt2-1.5b at 24 GiB included),
 # and the 24 GiB throughput table beside the no-limit PyTorch peer, in one call.
 # Usage (device tool, carry .deps): scripts/device-pipeline.sh   (results in $OUT)
-# PART=exact runs only the exactness checks; PART=speed only the timings.
+# PART=exact runs only the exactness checks; PART=speed only the timings. EXACT
+# (model:accum ...), MODELS ("model --accum A" ...), PEERS (torch_gpt.py configs) and
+# BENCH_FLAGS (added to every bench) choose what runs; RULE=0 skips the rule's plan.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -22,21 +24,23 @@ if [ "$part" != speed ]; then
   done
   grep "plan:" "$out/exact.log" | tee -a "$out/summary.txt"
   scripts/same_losses.py "cuda exactness, tiny, eval every 10" "$out/tiny_resident.jsonl" "$out/tiny_planned_auto.jsonl" "$out/tiny_planned_0.jsonl" | tee -a "$out/summary.txt"
-  for a in 1 4; do
-    log "gpt2-1.5b accum $a: resident against 24 GiB planned, 5 steps (lr 3e-3: clipping active in some)"
-    timeout 200 $bin train --backend cuda --model gpt2-1.5b --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
-      --eval-every 0 --metrics "$out/xl_res_$a.jsonl" > "$out/xl_res_$a.log" 2>&1 || tail -3 "$out/xl_res_$a.log"
-    timeout 200 $bin train --backend cuda --model gpt2-1.5b --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
-      --eval-every 0 --device-budget 24GiB --policy planned --metrics "$out/xl_24_$a.jsonl" > "$out/xl_24_$a.log" 2>&1 || tail -3 "$out/xl_24_$a.log"
-    grep "plan:" "$out/xl_24_$a.log" | tee -a "$out/summary.txt"
-    scripts/same_losses.py "cuda exactness, gpt2-1.5b accum $a, 24 GiB" "$out/xl_res_$a.jsonl" "$out/xl_24_$a.jsonl" | tee -a "$out/summary.txt"
-    python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" "$out/xl_24_$a.jsonl" | tee -a "$out/summary.txt"
+  # EXACT: model:accum pairs, resident against 24 GiB planned.
+  for ma in ${EXACT:-gpt2-1.5b:1 gpt2-1.5b:4}; do
+    m=${ma%:*}; a=${ma#*:}
+    log "$m accum $a: resident against 24 GiB planned, 5 steps (lr 3e-3: clipping active in some)"
+    timeout 200 $bin train --backend cuda --model $m --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
+      --eval-every 0 --metrics "$out/x_res_${m}_$a.jsonl" > "$out/x_res_${m}_$a.log" 2>&1 || tail -3 "$out/x_res_${m}_$a.log"
+    timeout 200 $bin train --backend cuda --model $m --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
+      --eval-every 0 --device-budget 24GiB --policy planned --metrics "$out/x_24_${m}_$a.jsonl" > "$out/x_24_${m}_$a.log" 2>&1 || tail -3 "$out/x_24_${m}_$a.log"
+    grep "plan:" "$out/x_24_${m}_$a.log" | tee -a "$out/summary.txt"
+    scripts/same_losses.py "cuda exactness, $m accum $a, 24 GiB" "$out/x_res_${m}_$a.jsonl" "$out/x_24_${m}_$a.jsonl" | tee -a "$out/summary.txt"
+    python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" "$out/x_24_${m}_$a.jsonl" | tee -a "$out/summary.txt"
   done
 fi
 if [ "$part" != exact ]; then
   for m in ${MODELS:-"gpt2-1.5b --accum 1" "gpt2-1.5b --accum 4" "gpt-2.7b --accum 1" "gpt-2.7b --accum 4" "gpt-4b --accum 1"}; do
     log "24 GiB budget: $m (planned)"
-    timeout 240 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --device-budget 24GiB --policy planned \
+    timeout 240 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --device-budget 24GiB --policy planned ${BENCH_FLAGS:-} \
       --json "$out/b24_${m// /_}.json" > "$out/b24_${m// /_}.log" 2>&1
     grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
   done

@@ -484,7 +484,7 @@ int run_largest(const PlanFlags& f, const Machine& machine, ModelConfig cfg) {
               lo, c.to_string().c_str(), static_cast<double>(c.num_parameters()) / 1e9, best.tokens_per_s, best.step_s,
               best.binds.c_str());
   if (hi > 0) std::printf("%d layers do not plan: %s\n", hi, stop.c_str());
-  else std::printf("(stopped at the most layers a model may have, %d)\n", kMaxModelDim);
+  else std::printf("(stopped at the most layers a model may have, %d)\n", static_cast<int>(kMaxModelDim));
   return 0;
 }
 

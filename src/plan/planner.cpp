@@ -60,6 +60,7 @@ struct Config {
   // than this many ops, start its device→host copy (Flush), so that its later
   // eviction is clean and the region it leaves can be reused at once. 0 = off.
   int flush_gap = 0;
+  bool layer_major = false;    // the forward runs layer by layer across micro-batches
   bool optimizer_on_host = false;    // some AdamW runs on host
   int device_optimizer_ops = 0, host_optimizer_ops = 0;  // AdamW ops on each side
   int streamed_optimizer_ops = 0;    // AdamW on device with its state streamed from host
@@ -986,6 +987,41 @@ std::vector<int> layer_major_order(const Program& p) {
   return order;
 }
 
+// `order` (position → op index; empty = program order) with each optimizer op that
+// runs on host moved up to just after the last earlier optimizer op it depends on
+// (one that writes what it touches or touches what it writes), keeping the host ops
+// in their own order. The executor queues host ops on the host engine and goes on,
+// so the host AdamW starts as soon as the clip scale is known, beside the device
+// AdamW and the fetches of the state streamed through the device — which, later in
+// the order, would otherwise hold up its issue while their regions free. The ops
+// moved are independent of those they pass: the same bits.
+std::vector<int> host_optimizer_first(const Program& p, std::vector<int> order) {
+  if (order.empty()) {
+    order.resize(p.ops.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  }
+  auto conflict = [&](const Op& a, const Op& b) {
+    if (a.place == Place::Host && b.place == Place::Host) return true;  // the host engine's order stays
+    for (const Operand& x : a.operands)
+      for (const Operand& y : b.operands)
+        if (x.tensor == y.tensor && (x.access != Access::Read || y.access != Access::Read)) return true;
+    return false;
+  };
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Op& op = p.ops[order[i]];
+    if (op.place != Place::Host || op.phase != Phase::Optimizer) continue;
+    size_t j = i;
+    while (j > 0) {
+      const Op& before = p.ops[order[j - 1]];
+      if (before.phase != Phase::Optimizer || conflict(before, op)) break;
+      --j;
+    }
+    std::rotate(order.begin() + static_cast<long>(j), order.begin() + static_cast<long>(i),
+                order.begin() + static_cast<long>(i) + 1);
+  }
+  return order;
+}
+
 // Schedules `program` in the given op order (position → op index; empty = program
 // order); the plan's Run instructions and op_place refer to the program's own
 // op indices. Sets *host_short / *storage_short when it fails for want of host or
@@ -1021,7 +1057,7 @@ Result<Plan> schedule_once(const Program& program, const CostModel& cost, const 
     d << (c.optimizer_on_host ? "host" : "device");
   d << ", recompute " << (c.recompute ? "on" : "off")
     << ", early write-back " << (c.flush_gap > 0 ? "on" : "off") << ", "
-    << (order.empty() ? "micro-batch-major" : "layer-major") << " order, "
+    << (c.layer_major ? "layer-major" : "micro-batch-major") << " order, "
     << s.recomputes() << " recomputed ops per step";
   plan.description = d.str();
   return plan;
@@ -1190,9 +1226,14 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
                                  format_size(minimum));
   }
   Program candidate = with_optimizer_where_state_is(program, c);
-  if (!layer_major) return schedule(candidate, cost, budgets, c, alignment);
-  std::vector<int> order = layer_major_order(candidate);
-  if (order.size() != candidate.ops.size()) return Status::internal("planner: the program's ops have a dependency cycle");
+  c.layer_major = layer_major;
+  std::vector<int> order;
+  if (layer_major) {
+    order = layer_major_order(candidate);
+    if (order.size() != candidate.ops.size()) return Status::internal("planner: the program's ops have a dependency cycle");
+  }
+  if (c.host_optimizer_ops > 0 && c.device_optimizer_ops + c.streamed_optimizer_ops > 0)
+    order = host_optimizer_first(candidate, std::move(order));
   return schedule(candidate, cost, budgets, c, alignment, order);
 }
 

@@ -53,6 +53,9 @@ struct Task {
   double issue = 0;
   double start = -1, end = -1;
   bool done = false;
+  // A deferred copy (a fetch of what a host op writes): it joins its server's queue
+  // only once its dependencies have ended, as the executor issues it then.
+  bool deferred = false;
   // Device compute stall bookkeeping: host-thread data waits since the previous
   // device Run was issued (they may have delayed this Run's issue).
   double host_wait_before = 0;
@@ -77,8 +80,9 @@ struct TensorState {
   uint64_t offset = 0;
   int fetch_task = -1;        // H2D copy bringing the device copy
   bool host_buffer = false;
-  int host_arrival = -1;      // D2H copy or storage read making the host copy valid
+  int host_arrival = -1;      // D2H copy, storage read or host op making the host copy valid
   std::vector<int> host_users;  // tasks reading or writing the host buffer
+  int host_op_use = -1;       // the last host op reading or writing the host buffer
   bool in_storage = false;
   int store_task = -1;        // storage write in progress
 };
@@ -174,9 +178,29 @@ class Sim {
     t.remaining = t.work;
     tasks_.push_back(std::move(t));
     const int id = static_cast<int>(tasks_.size()) - 1;
-    queue_[tasks_[id].server].push_back(id);
+    if (tasks_[id].deferred) deferred_.push_back(id);
+    else queue_[tasks_[id].server].push_back(id);
     return id;
   }
+
+  // Deferred copies whose dependencies have ended join their queues, in issue order.
+  bool enqueue_ready_deferred() {
+    bool any = false;
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      bool ready = true;
+      for (int d : tasks_[*it].deps) ready = ready && tasks_[d].done;
+      if (!ready) {
+        ++it;
+        continue;
+      }
+      queue_[tasks_[*it].server].push_back(*it);
+      it = deferred_.erase(it);
+      any = true;
+    }
+    return any;
+  }
+
+  bool is_host_op(int task) const { return task >= 0 && tasks_[task].server == kHost; }
 
   void mem(int tier, int64_t delta, std::vector<int> after = {}) {
     changes_.push_back({tier, delta, now_, std::move(after)});
@@ -189,8 +213,10 @@ class Sim {
   }
 
   // A task that moves all of `tensor`'s bytes on `server` at `rate`, after `deps`.
-  int add_transfer(Server server, SimResource resource, double rate, TensorId tensor, std::vector<int> deps) {
+  int add_transfer(Server server, SimResource resource, double rate, TensorId tensor, std::vector<int> deps,
+                   bool deferred = false) {
     Task t;
+    t.deferred = deferred;
     t.server = server;
     t.resource = resource;
     t.work = static_cast<double>(bytes_of(tensor));
@@ -231,7 +257,10 @@ class Sim {
         std::vector<int> waits;
         for (const PendingRegion& r : regions_)
           if (pending(r.task) && r.begin < in.offset + bytes && in.offset < r.end) waits.push_back(r.task);
-        if (in.kind == InstrKind::Fetch && pending(s.host_arrival)) waits.push_back(s.host_arrival);
+        // A host copy still arriving over a link or from storage blocks the host thread;
+        // one a queued host op is still writing defers the copy instead (below).
+        if (in.kind == InstrKind::Fetch && pending(s.host_arrival) && !is_host_op(s.host_arrival))
+          waits.push_back(s.host_arrival);
         if (!waits.empty()) {
           block_on(std::move(waits), true, in.tensor);
           return false;
@@ -242,7 +271,11 @@ class Sim {
         s.offset = in.offset;
         s.fetch_task = -1;
         if (in.kind == InstrKind::Fetch) {
-          s.fetch_task = add_transfer(kH2D, SimResource::H2D, machine_.h2d_bytes_per_s, in.tensor, after_compute());
+          std::vector<int> deps = after_compute();
+          const bool deferred = pending(s.host_arrival);  // a host op writes the source
+          if (deferred) deps.push_back(s.host_arrival);
+          s.fetch_task = add_transfer(kH2D, SimResource::H2D, machine_.h2d_bytes_per_s, in.tensor, std::move(deps),
+                                      deferred);
           s.host_users.push_back(s.fetch_task);
           result_.h2d_bytes += bytes;
         }
@@ -251,8 +284,8 @@ class Sim {
       case InstrKind::Evict: {
         if (!s.on_device) return true;
         if (in.write_back) {
-          if (pending(s.fetch_task)) {
-            block_on({s.fetch_task}, true, in.tensor);
+          if (pending(s.fetch_task) || pending(s.host_op_use)) {
+            block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, in.tensor);
             return false;
           }
           const int id = copy_to_host(in.tensor);
@@ -266,8 +299,8 @@ class Sim {
       }
       case InstrKind::Flush: {
         if (!s.on_device) return true;
-        if (pending(s.fetch_task)) {
-          block_on({s.fetch_task}, true, in.tensor);
+        if (pending(s.fetch_task) || pending(s.host_op_use)) {
+          block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, in.tensor);
           return false;
         }
         // The device copy stays; should t later leave and its region be reused,
@@ -355,7 +388,15 @@ class Sim {
       t.server = kHost;
       t.resource = SimResource::Host;
       const int id = add_task(std::move(t));
-      block_on({id}, false);
+      // The host engine runs it; the host thread goes on. What it writes is valid on
+      // host once it ends, and its buffers stay in use until then.
+      for (const Operand& o : op.operands) {
+        if (!valid_tensor(o.tensor)) continue;
+        TensorState& s = tensors_[o.tensor];
+        s.host_users.push_back(id);
+        s.host_op_use = id;
+        if (o.access != Access::Read) s.host_arrival = id;
+      }
       return true;
     }
     t.server = kCompute;
@@ -393,7 +434,7 @@ class Sim {
     bool any = false;
     bool changed = true;
     while (changed) {
-      changed = false;
+      changed = enqueue_ready_deferred();
       for (int s = 0; s < kServerCount; ++s) {
         if (running_[s] >= 0 || queue_[s].empty()) continue;
         const int id = queue_[s].front();
@@ -429,9 +470,9 @@ class Sim {
       }
       result_.compute_s += t.work;
     } else if (t.server == kHost) {
-      const double waited = std::max(0.0, t.start - t.issue);
+      // Waiting for data, not for the host op queued before it.
+      const double waited = std::max(0.0, t.start - std::max(t.issue, last_host_end_));
       result_.host_stall_s += waited;
-      host_wait_accum_ += waited;
       result_.host_compute_s += t.work;
     }
   }
@@ -442,6 +483,7 @@ class Sim {
     t.remaining = 0;
     t.end = now_;
     if (t.server == kCompute) last_compute_end_ = now_;
+    if (t.server == kHost) last_host_end_ = now_;
     if (running_[t.server] == id) running_[t.server] = -1;
   }
 
@@ -545,6 +587,7 @@ class Sim {
   std::vector<TensorState> tensors_;
   std::vector<Task> tasks_;
   std::deque<int> queue_[kServerCount];
+  std::vector<int> deferred_;  // deferred copies not yet in their queue, in issue order
   int running_[kServerCount] = {-1, -1, -1, -1, -1};
   std::vector<PendingRegion> regions_;
   std::vector<MemChange> changes_;
@@ -561,6 +604,8 @@ class Sim {
   int last_compute_ = -1;
   double last_compute_end_ = 0;
   bool first_compute_ = true;
+  // host engine
+  double last_host_end_ = 0;
   SimResult result_;
 };
 
@@ -592,7 +637,9 @@ Trace trace_from_simulation(const SimResult& sim) {
     if (e.tensor != kNoTensor) args["tensor"] = e.tensor;
     if (e.bytes > 0) args["bytes"] = e.bytes;
     if (e.recompute) args["recompute"] = true;
-    trace.slice(sim_resource_name(e.resource), e.name, e.start_s, e.end_s, std::move(args));
+    // The host thread's waits get a track of their own: host ops run beside them.
+    const bool wait = e.resource == SimResource::Host && e.name.starts_with("wait ");
+    trace.slice(wait ? "executor waits" : sim_resource_name(e.resource), e.name, e.start_s, e.end_s, std::move(args));
   }
   for (const MemorySample& m : sim.memory) {
     trace.counter("device bytes", m.t_s, static_cast<double>(m.device_bytes));

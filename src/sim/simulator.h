@@ -14,7 +14,11 @@
 // - The host thread issues instructions in order. With Machine::host_runs_ahead
 //   (CUDA) a device Run is queued and the host moves on; without it (CPU backend)
 //   the host runs the op itself, so the next instruction issues at the Run's end.
-//   A host op (Place::Host) always occupies the host thread until it ends.
+//   A host op (Place::Host) goes to the host engine (the executor's HostQueue): the
+//   host thread queues it and moves on, and host ops run one at a time in issue
+//   order. A Fetch of a tensor that a queued host op writes is deferred, as the
+//   executor defers it: its copy joins the h2d queue when the host op ends, and the
+//   host thread goes on.
 // - A device Run starts when compute is free and the copies that fetched its
 //   operands have arrived. A host Run starts when the D2H copy or storage read that
 //   brings each operand to host has finished.
@@ -25,7 +29,8 @@
 //   Allocate/Fetch into a region from which a D2H copy (Evict, Flush) is still
 //   reading; Fetch or Store of a tensor whose host copy is still arriving (D2H or
 //   Load); Load of a tensor whose Store is still writing; Evict or Flush of a
-//   tensor whose fetch is still arriving.
+//   tensor whose fetch is still arriving, or whose host buffer a queued host op
+//   still uses.
 // - Duplex: while both link directions transfer, each runs at its rate times
 //   Machine::duplex_factor; alone, at its full rate. Rates change at the instants
 //   a copy starts or ends (a fluid model: no per-copy latency, no packet effects).

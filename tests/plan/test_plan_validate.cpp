@@ -70,9 +70,11 @@ TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
 
 // Planned keeps all the state on device, living on recomputation, when that leaves
 // less than half the budget free but the simulator predicts it faster than
-// offloading the optimizer; it never picks the slower of the two.
+// offloading the optimizer; it never picks the slower of the two. (Width 512: at 256
+// offloading wins at every budget, the host AdamW running beside the device's and
+// the streamed state's.)
 TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
-  auto program = build_training_program(ModelConfig{4, 256, 4, 256, 512}, StepShape{4, 256, 4}, DType::BF16);
+  auto program = build_training_program(ModelConfig{4, 512, 4, 256, 512}, StepShape{8, 256, 4}, DType::BF16);
   ASSERT_TRUE(program.ok()) << program.status().to_string();
   const Machine machine = Machine::h200();
   auto resident = make_plan(*program, Simulator(machine), {}, {.policy = Policy::Resident, .alignment = 256});
@@ -128,6 +130,45 @@ TEST(PlanValidate, PlannedSearchesTheOptimizerShareKeptOnDevice) {
   }
   EXPECT_GT(compared, 3);
   EXPECT_GT(faster, 0) << "no budget where a larger share is predicted faster than the rule's";
+}
+
+// With the optimizer split between device, streamed and host AdamW, the host ones
+// are issued first after the clip scale (in their own order), so the host engine
+// starts on them while the device works through the rest; the plan stays valid.
+TEST(PlanValidate, HostAdamWIsIssuedBeforeTheDeviceAdamW) {
+  auto program = build_training_program(ModelConfig{4, 256, 4, 256, 512}, StepShape{4, 256, 4}, DType::BF16);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  const Machine machine = Machine::h200();
+  auto resident = make_plan(*program, Simulator(machine), {}, {.policy = Policy::Resident, .alignment = 256});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  int split = 0;
+  for (int percent = 90; percent >= 50; percent -= 5) {
+    Budgets b;
+    b.device = resident->device_bytes / 100 * static_cast<uint64_t>(percent);
+    auto plan = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256});
+    if (!plan.ok()) continue;
+    EXPECT_TRUE(plan->validate(*program, b).is_ok()) << percent << "%";
+    int clip = -1, last_host = -1, first_device = -1, previous_host_op = -1;
+    for (size_t i = 0; i < plan->instructions.size(); ++i) {
+      const Instruction& in = plan->instructions[i];
+      if (in.kind != InstrKind::Run || in.recompute) continue;
+      const Op& op = program->ops[in.op];
+      if (op.kind == OpKind::ClipScale) clip = static_cast<int>(i);
+      if (op.kind != OpKind::AdamW) continue;
+      if (plan->op_place[in.op] == Place::Host) {
+        last_host = static_cast<int>(i);
+        EXPECT_GT(in.op, previous_host_op) << "host AdamW out of program order";
+        previous_host_op = in.op;
+      } else if (first_device < 0) {
+        first_device = static_cast<int>(i);
+      }
+    }
+    if (last_host < 0 || first_device < 0) continue;  // not split at this budget
+    ++split;
+    EXPECT_LT(clip, last_host) << percent << "%";
+    EXPECT_LT(last_host, first_device) << percent << "%: " << plan->description;
+  }
+  EXPECT_GT(split, 0) << "no budget splits the optimizer between host and device";
 }
 
 }  // namespace

@@ -395,6 +395,44 @@ TEST(Simulator, HostOpWaitsForItsData) {
   EXPECT_NEAR(r.step_s, 5 * kMs, kTol);
 }
 
+// A host op goes to the host engine and the host thread goes on. The fetch of what
+// it writes is deferred: its copy (1 ms) joins the h2d queue when the host op ends
+// at 2 ms, so it does not hold up the fetch of w issued after it (0–1 ms), and op1
+// runs 1–3 ms while the host op still works. op2 reads the host op's output: 3–5 ms.
+// (Were the host thread to run the host op itself: hm 2–3, w 3–4, op1 4–6, op2 6–8.)
+TEST(Simulator, HostOpsRunBesideTheHostThreadAndDeferTheirFetches) {
+  Program p;
+  TensorId m = add(p, "m", Role::Master);
+  TensorId hm = add(p, "hm", Role::OptState);
+  TensorId w = add(p, "w", Role::Param);
+  TensorId c = add(p, "c", Role::Activation);
+  TensorId d = add(p, "d", Role::Activation);
+  gelu(p, "host op", hm, m, Place::Host);
+  gelu(p, "op1", c, w);
+  gelu(p, "op2", d, hm);
+  Plan plan = make_plan_of(p,
+                           {run(0), fetch(hm, 0), fetch(w, 4096), alloc(c, 8192), run(1), alloc(d, 12288), run(2),
+                            release(hm), release(w), release(c), release(d)},
+                           {{m, {Tier::Host, 0}}, {hm, {Tier::Host, 8192}}, {w, {Tier::Host, 16384}}});
+  SimResult r = simulate(p, plan, test_machine(p, true));
+  const SimEvent* host = find_event(r, SimResource::Host, "host op");
+  const SimEvent* fetch_hm = find_event(r, SimResource::H2D, "hm");
+  const SimEvent* fetch_w = find_event(r, SimResource::H2D, "w");
+  const SimEvent* op1 = find_event(r, SimResource::Compute, "op1");
+  const SimEvent* op2 = find_event(r, SimResource::Compute, "op2");
+  ASSERT_TRUE(host && fetch_hm && fetch_w && op1 && op2);
+  EXPECT_NEAR(host->start_s, 0, kTol);
+  EXPECT_NEAR(host->end_s, 2 * kMs, kTol);
+  EXPECT_NEAR(fetch_w->start_s, 0, kTol);
+  EXPECT_NEAR(fetch_w->end_s, 1 * kMs, kTol);
+  EXPECT_NEAR(fetch_hm->start_s, 2 * kMs, kTol);
+  EXPECT_NEAR(fetch_hm->end_s, 3 * kMs, kTol);
+  EXPECT_NEAR(op1->start_s, 1 * kMs, kTol);
+  EXPECT_NEAR(op2->start_s, 3 * kMs, kTol);
+  EXPECT_NEAR(r.step_s, 5 * kMs, kTol);
+  EXPECT_NEAR(r.host_stall_s, 0, kTol);  // the host thread never waited
+}
+
 // A host op shares host memory bandwidth with the copies: its 2 ms are timed at the
 // rate while copies run (half the alone rate here), so alone it needs 1 ms. From 0 to
 // 1 ms an unrelated 1 ms fetch runs (rate 0.5: 0.5 ms of work done), then the
