@@ -10,6 +10,7 @@
 #include "core/size.h"
 #include "exec/dispatch.h"
 #include "exec/host_queue.h"
+#include "plan/residency.h"
 #include "exec/spill.h"
 #include "exec/trace.h"
 #include "core/thread_pool.h"
@@ -30,9 +31,8 @@ double seconds_since(Clock::time_point t0) {
 class PlanExecutor final : public Executor {
  public:
   PlanExecutor(Backend& backend, const Program& program, const Plan& plan, const ExecutorOptions& options)
-      : b_(backend), p_(program), plan_(plan), opt_(options), table_(program.tensors) {
+      : b_(backend), p_(program), plan_(plan), opt_(options), residency_(program, plan_, {.track_placement = false}) {
     slots_.resize(program.tensors.size());
-    table_.reset_residency();
   }
 
   ~PlanExecutor() override {
@@ -125,18 +125,15 @@ class PlanExecutor final : public Executor {
         case Tier::Device: {
           SPILLWAY_RETURN_IF_ERROR(place(t, plan_.home_offset[i]));
           b_.fill_zero(slots_[i].device, bytes);
-          table_.mark_written(t, Tier::Device);
           break;
         }
         case Tier::Host: {
           SPILLWAY_RETURN_IF_ERROR(place_host(t, plan_.home_host_offset[i]));  // zeroed above
-          table_.mark_written(t, Tier::Host);
           break;
         }
         case Tier::Storage: {
           std::vector<char> zeros(bytes, 0);
           SPILLWAY_RETURN_IF_ERROR(spill_->write_sync(t, zeros.data(), bytes));
-          table_.mark_written(t, Tier::Storage);
           break;
         }
       }
@@ -144,6 +141,8 @@ class PlanExecutor final : public Executor {
     // Host mirrors keep their buffers for the whole run (Plan::host_mirror).
     for (size_t i = 0; i < plan_.host_mirror.size() && i < slots_.size(); ++i)
       if (plan_.host_mirror[i]) SPILLWAY_RETURN_IF_ERROR(place_host(static_cast<TensorId>(i), plan_.home_host_offset[i]));
+    // The residency machine starts where the memory now is: state valid at home.
+    SPILLWAY_RETURN_IF_ERROR(residency_.start());
     // Every extent a step will store into is reserved now (the store fallocates it), so
     // a disk too small is found here, before any step, never halfway through one
     // with the training state half updated.
@@ -172,21 +171,19 @@ class PlanExecutor final : public Executor {
         SPILLWAY_RETURN_IF_ERROR(spill_->write_sync(t, src, bytes));
         break;
     }
-    table_.mark_written(t, plan_.home[t]);
-    return Status::ok();
+    return residency_.write_at_home(t);
   }
 
   Status read_tensor(TensorId t, void* dst, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(check_tensor(t, bytes, "read_tensor"));
     SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
-    const Residency& r = table_.state(t);
     Slot& s = slots_[t];
-    if (r.valid(Tier::Device) && s.device) return b_.download(dst, s.device, bytes);
-    if (r.valid(Tier::Host) && s.host) {
+    if (residency_.valid(t, Tier::Device) && s.device) return b_.download(dst, s.device, bytes);
+    if (residency_.valid(t, Tier::Host) && s.host) {
       std::memcpy(dst, s.host, bytes);
       return Status::ok();
     }
-    if (r.valid(Tier::Storage) && spill_) return spill_->read_sync(t, dst, bytes);
+    if (residency_.valid(t, Tier::Storage) && spill_) return spill_->read_sync(t, dst, bytes);
     return Status::invalid_argument("read_tensor: " + p_.tensors.info(t).name +
                                     " holds no value between steps (it lives only inside a step)");
   }
@@ -195,9 +192,8 @@ class PlanExecutor final : public Executor {
     if (t < 0 || static_cast<size_t>(t) >= slots_.size())
       return Status::invalid_argument("host_value: no tensor with id " + std::to_string(t));
     SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
-    const Residency& r = table_.state(t);
     const Slot& s = slots_[t];
-    if (r.valid(Tier::Host) && s.host) return static_cast<const void*>(s.host);
+    if (residency_.valid(t, Tier::Host) && s.host) return static_cast<const void*>(s.host);
     return static_cast<const void*>(nullptr);
   }
 
@@ -205,9 +201,9 @@ class PlanExecutor final : public Executor {
     if (t < 0 || static_cast<size_t>(t) >= slots_.size())
       return Status::invalid_argument("device_value: no tensor with id " + std::to_string(t));
     SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
-    const Residency& r = table_.state(t);
     const Slot& s = slots_[t];
-    if (r.valid(Tier::Device) && s.device && !(r.valid(Tier::Host) && s.host)) return static_cast<const void*>(s.device);
+    if (residency_.valid(t, Tier::Device) && s.device && !(residency_.valid(t, Tier::Host) && s.host))
+      return static_cast<const void*>(s.device);
     return static_cast<const void*>(nullptr);
   }
 
@@ -227,7 +223,7 @@ class PlanExecutor final : public Executor {
       return Status::invalid_argument("hold_device_reader: " + p_.tensors.info(t).name +
                                       ": expected a device-to-host copy ticket");
     Slot& s = slots_[t];
-    if (!s.device || !table_.state(t).valid(Tier::Device))
+    if (!s.device || !residency_.valid(t, Tier::Device))
       return Status::invalid_argument("hold_device_reader: " + p_.tensors.info(t).name + " has no valid device copy");
     // Copies of one direction complete in order: the later ticket covers the earlier.
     if (!s.to_host || s.to_host->sequence < reader.sequence) s.to_host = reader;
@@ -248,6 +244,7 @@ class PlanExecutor final : public Executor {
     const uint64_t d2h0 = b_.copy_engine().bytes_copied(CopyDirection::DeviceToHost);
     const uint64_t sr0 = spill_ ? spill_->bytes_read() : 0, sw0 = spill_ ? spill_->bytes_written() : 0;
     step_start_ = Clock::now();
+    residency_.begin_step();
     Status st = run_instructions();
     metrics_.issue_s = seconds_since(step_start_);
     if (st.is_ok()) st = finish();
@@ -633,7 +630,10 @@ class PlanExecutor final : public Executor {
   Status run_instructions() {
     const auto& ins = plan_.instructions;
     for (size_t at = 0; at < ins.size(); ++at) {
-      Status s = run_instruction(ins[at]);
+      // The residency machine checks the instruction and steps; the executor then
+      // carries it out on the memory it describes.
+      Status s = residency_.apply(at, ins[at]);
+      if (s.is_ok()) s = run_instruction(ins[at]);
       if (!s.is_ok()) {
         std::string what = ins[at].kind == InstrKind::Run ? p_.ops[ins[at].op].name
                                                           : p_.tensors.info(ins[at].tensor).name;
@@ -664,10 +664,8 @@ class PlanExecutor final : public Executor {
       case InstrKind::Fetch: {
         SPILLWAY_RETURN_IF_ERROR(host_data_arrived(t));
         Slot& s = slots_[t];
-        if (!table_.state(t).valid(Tier::Host) || !s.host)
-          return Status::internal("fetch of " + p_.tensors.info(t).name + " which is not valid on host");
+        if (!s.host) return Status::internal("fetch of " + p_.tensors.info(t).name + " without a host buffer");
         SPILLWAY_RETURN_IF_ERROR(place(t, in.offset));
-        table_.mark_copied(t, Tier::Device);
         if (s.host_job_write != 0 && !host_.is_done(s.host_job_write)) {
           // The host op writing the source is queued: the copy goes out when it is done,
           // and the executor goes on (the next step's forward overlaps the optimizer).
@@ -684,8 +682,6 @@ class PlanExecutor final : public Executor {
         std::optional<CopyTicket> out;
         bool copy = in.kind == InstrKind::Flush || in.write_back;
         if (copy) {
-          if (!table_.state(t).valid(Tier::Device))
-            return Status::internal("write-back of " + p_.tensors.info(t).name + " which is not valid on device");
           SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
           if (!s.host) return Status::internal("write-back of " + p_.tensors.info(t).name + " without a host buffer");
           if (s.to_device) {  // copies of the two directions are not ordered with each other
@@ -696,26 +692,19 @@ class PlanExecutor final : public Executor {
                                                           p_.tensors.info(t).bytes()));
           s.to_host = k;
           out = k;
-          table_.mark_copied(t, Tier::Host);
           if (trace_) open_slices_.push_back({k, "d2h", p_.tensors.info(t).name, now_s(), p_.tensors.info(t).bytes()});
         }
-        if (in.kind == InstrKind::Evict) {
-          SPILLWAY_RETURN_IF_ERROR(unplace(t, out));
-          SPILLWAY_RETURN_IF_ERROR(table_.mark_dropped(t, Tier::Device, true));
-        }
+        if (in.kind == InstrKind::Evict) SPILLWAY_RETURN_IF_ERROR(unplace(t, out));
         return Status::ok();
       }
-      case InstrKind::Release: {
-        SPILLWAY_RETURN_IF_ERROR(unplace(t, std::nullopt));
-        return table_.mark_dropped(t, Tier::Device, true);
-      }
+      case InstrKind::Release:
+        return unplace(t, std::nullopt);
       case InstrKind::Load: {
         if (!spill_) return Status::internal("load of " + p_.tensors.info(t).name + " without a storage tier");
         SPILLWAY_RETURN_IF_ERROR(host_ready_for_write(t));
         if (!slots_[t].host) return Status::internal("load of " + p_.tensors.info(t).name + " without a host buffer");
         SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->read(t, slots_[t].host, p_.tensors.info(t).bytes()));
         slots_[t].from_storage = k;
-        table_.mark_copied(t, Tier::Host);
         if (trace_) trace_->slice("storage read", p_.tensors.info(t).name, now_s(), now_s());
         return Status::ok();
       }
@@ -729,11 +718,7 @@ class PlanExecutor final : public Executor {
         }
         SPILLWAY_ASSIGN_OR_RETURN(SpillTicket k, spill_->write(t, s.host, p_.tensors.info(t).bytes()));
         s.to_storage = k;
-        table_.mark_copied(t, Tier::Storage);
-        if (in.free_host) {
-          SPILLWAY_RETURN_IF_ERROR(free_host(t));
-          SPILLWAY_RETURN_IF_ERROR(table_.mark_dropped(t, Tier::Host, true));
-        }
+        if (in.free_host) SPILLWAY_RETURN_IF_ERROR(free_host(t));
         if (trace_) trace_->slice("storage write", p_.tensors.info(t).name, now_s(), now_s());
         return Status::ok();
       }
@@ -747,8 +732,7 @@ class PlanExecutor final : public Executor {
         for (auto& [ticket, id] : h2d_sources_)
           if (id == t) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(ticket, "wait h2d", t));
         std::erase_if(h2d_sources_, [t](auto& e) { return e.second == t; });
-        SPILLWAY_RETURN_IF_ERROR(free_host(t));
-        return table_.mark_dropped(t, Tier::Host, true);
+        return free_host(t);
       }
     }
     return Status::internal("unknown instruction");
@@ -783,8 +767,6 @@ class PlanExecutor final : public Executor {
       if (place == Place::Device) {
         SPILLWAY_RETURN_IF_ERROR(resolve_deferred(o.tensor));
         if (!s.device) return Status::internal("op " + op.name + ": " + info.name + " has no device region (plan bug)");
-        if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Device))
-          return Status::internal("op " + op.name + ": " + info.name + " is not valid on device (plan bug)");
         if (s.to_device) {
           // A fetch still in flight: compute waits for it on the device (a stream wait;
           // the probe times the GPU's idle). One already done needs no wait.
@@ -799,8 +781,6 @@ class PlanExecutor final : public Executor {
         }
         ptrs_.push_back(s.device);
       } else {
-        if (o.access != Access::Write && !table_.state(o.tensor).valid(Tier::Host))
-          return Status::internal("host op " + op.name + ": " + info.name + " is not valid on host (plan bug)");
         if (!s.host) return Status::internal("host op " + op.name + ": " + info.name + " has no host buffer (plan bug)");
         // What the host op must wait for, without holding up the executor: a D2H copy
         // filling the buffer (the host engine waits for it), earlier host ops (the
@@ -839,8 +819,6 @@ class PlanExecutor final : public Executor {
     }
     if (trace_) trace_->slice("compute", (recompute ? "recompute " : "") + op.name, t0, now_s());
     if (recompute) metrics_.recomputed_ops++;
-    for (const Operand& o : op.operands)
-      if (o.access != Access::Read) table_.mark_written(o.tensor, Tier::Device);
     return Status::ok();
   }
 
@@ -873,10 +851,7 @@ class PlanExecutor final : public Executor {
     for (const Operand& o : op.operands) {
       Slot& s = slots_[o.tensor];
       s.host_job_use = job;
-      if (o.access != Access::Read) {
-        s.host_job_write = job;
-        table_.mark_written(o.tensor, Tier::Host);
-      }
+      if (o.access != Access::Read) s.host_job_write = job;
     }
     if (recompute) metrics_.recomputed_ops++;
     // Profiling times each op alone.
@@ -922,21 +897,15 @@ class PlanExecutor final : public Executor {
       return (r.host_job == 0 || host_.is_done(r.host_job)) &&
              (r.fetch_of == kNoTensor || slots_[r.fetch_of].deferred_after == 0);
     });
-    // Every persistent tensor must be back home (the plan promised it).
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      auto t = static_cast<TensorId>(i);
-      if (p_.is_persistent(t) && !table_.state(t).valid(plan_.home[i]))
-        return Status::internal("executor: " + p_.tensors.info(t).name + " is not valid in its home tier (" +
-                                tier_name(plan_.home[i]) + ") after the step");
-    }
-    return Status::ok();
+    // Every op ran once and every persistent tensor is back home (the plan promised it).
+    return residency_.finish().with_context("executor: after the step");
   }
 
   Backend& b_;
   const Program& p_;
   Plan plan_;
   ExecutorOptions opt_;
-  TensorTable table_;            // residency of every tensor
+  ResidencyMachine residency_;   // where each tensor's valid copies are (plan/residency.h)
   std::vector<Slot> slots_;      // [tensors]
   void* arena_memory_ = nullptr; // arena, then workspace: one device allocation (or the region given)
   bool owns_device_ = false;     // arena_memory_ came from device_alloc

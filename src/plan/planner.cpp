@@ -26,6 +26,7 @@
 
 #include "core/size.h"
 #include "memory/range_allocator.h"
+#include "plan/residency.h"
 #include "program/op_registry.h"
 
 namespace spillway {
@@ -161,8 +162,22 @@ class Scheduler {
         host_end_ = std::max(host_end_, *off + host_bytes(t));
       }
     }
+    // Every instruction emitted from here on steps the residency machine (the one
+    // definition of what it does, plan/residency.h), from the homes set above.
+    tables_.home = c_.home;
+    tables_.home_offset = c_.home_offset;
+    tables_.home_host_offset = home_host_offset_;
+    tables_.host_mirror = mirror_;
+    tables_.alignment = align_;
+    residency_.emplace(p_, tables_,
+                       ResidencyMachine::Capacities{.device = capacity, .host = host_.capacity(), .storage = storage_capacity_});
+    residency_status_ = residency_->start();
     for (size_t i = 0; i < p_.ops.size(); ++i) SPILLWAY_RETURN_IF_ERROR(schedule_op(static_cast<int>(i)));
     SPILLWAY_RETURN_IF_ERROR(finish_step());
+    // A scheduler bug, never the user's: the plan it emitted breaks the instruction
+    // semantics (the message names the instruction).
+    SPILLWAY_RETURN_IF_ERROR(residency_status_.with_context("planner"));
+    SPILLWAY_RETURN_IF_ERROR(residency_->finish().with_context("planner"));
     Plan plan;
     plan.policy = c_.policy;
     plan.instructions = std::move(out_);
@@ -233,7 +248,14 @@ class Scheduler {
     in.offset = offset;
     in.write_back = write_back;
     in.free_host = free_host;
+    push(in);
+  }
+
+  // Appends `in` to the plan and steps the residency machine with it (the first
+  // refusal is kept and reported when the step is scheduled).
+  void push(const Instruction& in) {
     out_.push_back(in);
+    if (residency_ && residency_status_.is_ok()) residency_status_ = residency_->apply(out_.size() - 1, in);
   }
 
   // ---- host tier ----
@@ -480,7 +502,7 @@ class Scheduler {
     in.kind = InstrKind::Run;
     in.op = prod;
     in.recompute = true;
-    out_.push_back(in);
+    push(in);
     recomputes_++;
     for (const Operand& o : op.operands) {
       if (o.access == Access::Read) continue;
@@ -592,7 +614,7 @@ class Scheduler {
     Instruction in;
     in.kind = InstrKind::Run;
     in.op = i;
-    out_.push_back(in);
+    push(in);
     // State after the op.
     for (const Operand& o : op.operands) {
       if (o.access == Access::Read) continue;
@@ -727,6 +749,9 @@ class Scheduler {
   std::vector<bool> storage_extent_ = std::vector<bool>(p_.tensors.size(), false);
   std::set<TensorId> locked_;
   std::vector<Instruction> out_;
+  Plan tables_;                               // the homes the residency machine starts from
+  std::optional<ResidencyMachine> residency_;  // stepped by every instruction pushed
+  Status residency_status_ = Status::ok();
   // Spill extents may take this much: the storage budget in whole 4096-byte blocks.
   const uint64_t storage_capacity_ = budgets_.storage / 4096 * 4096;
   bool host_short_ = false, storage_short_ = false;

@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "core/size.h"
+#include "plan/residency.h"
 
 namespace spillway {
 
@@ -75,15 +76,12 @@ struct MemChange {
   std::vector<int> after;
 };
 
+// Timing state of one tensor; where its copies are is the residency machine's.
 struct TensorState {
-  bool on_device = false;
-  uint64_t offset = 0;
   int fetch_task = -1;        // H2D copy bringing the device copy
-  bool host_buffer = false;
   int host_arrival = -1;      // D2H copy, storage read or host op making the host copy valid
   std::vector<int> host_users;  // tasks reading or writing the host buffer
   int host_op_use = -1;       // the last host op reading or writing the host buffer
-  bool in_storage = false;
   int store_task = -1;        // storage write in progress
 };
 
@@ -96,9 +94,17 @@ struct PendingRegion {
 class Sim {
  public:
   Sim(const Program& program, const Plan& plan, const Machine& machine)
-      : program_(program), plan_(plan), machine_(machine), tensors_(program.tensors.size()) {}
+      : program_(program),
+        plan_(plan),
+        machine_(machine),
+        tensors_(program.tensors.size()),
+        residency_(program, plan, {.track_placement = false}) {}
 
   SimResult run() {
+    if (Status st = residency_.start(); !st.is_ok()) {
+      result_.plan_error = st.message();
+      return finish();
+    }
     place_home_tensors();
     const size_t n = plan_.instructions.size();
     while (true) {
@@ -107,8 +113,13 @@ class Sim {
       bool moved = true;
       while (moved) {
         moved = false;
-        while (pc_ < n && !host_blocked()) {
-          if (issue(plan_.instructions[pc_])) ++pc_;
+        while (pc_ < n && !host_blocked() && result_.plan_error.empty()) {
+          // Issued: the residency machine (plan/residency.h) steps; what the
+          // instruction did to residency is read from it.
+          if (issue(plan_.instructions[pc_])) {
+            if (Status st = residency_.apply(pc_, plan_.instructions[pc_]); !st.is_ok()) result_.plan_error = st.message();
+            ++pc_;
+          }
           moved = true;
         }
         if (start_ready_tasks()) moved = true;
@@ -235,11 +246,10 @@ class Sim {
     TensorState& s = tensors_[tensor];
     const uint64_t bytes = bytes_of(tensor);
     const int id = add_transfer(kD2H, SimResource::D2H, machine_.d2h_bytes_per_s, tensor, after_compute());
-    if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
-    s.host_buffer = true;
     s.host_arrival = id;
     s.host_users.push_back(id);
-    regions_.push_back({s.offset, s.offset + bytes, id});
+    const uint64_t offset = residency_.region_offset(tensor);
+    regions_.push_back({offset, offset + bytes, id});
     result_.d2h_bytes += bytes;
     return id;
   }
@@ -266,9 +276,7 @@ class Sim {
           return false;
         }
         std::erase_if(regions_, [&](const PendingRegion& r) { return !pending(r.task); });
-        if (!s.on_device) mem(0, static_cast<int64_t>(bytes));
-        s.on_device = true;
-        s.offset = in.offset;
+        if (!residency_.has_region(in.tensor)) mem(0, static_cast<int64_t>(bytes));
         s.fetch_task = -1;
         if (in.kind == InstrKind::Fetch) {
           std::vector<int> deps = after_compute();
@@ -282,7 +290,7 @@ class Sim {
         return true;
       }
       case InstrKind::Evict: {
-        if (!s.on_device) return true;
+        if (!residency_.has_region(in.tensor)) return true;
         if (in.write_back) {
           if (pending(s.fetch_task) || pending(s.host_op_use)) {
             block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, in.tensor);
@@ -293,12 +301,11 @@ class Sim {
         } else {
           mem(0, -static_cast<int64_t>(bytes));
         }
-        s.on_device = false;
         s.fetch_task = -1;
         return true;
       }
       case InstrKind::Flush: {
-        if (!s.on_device) return true;
+        if (!residency_.has_region(in.tensor)) return true;
         if (pending(s.fetch_task) || pending(s.host_op_use)) {
           block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, in.tensor);
           return false;
@@ -309,8 +316,7 @@ class Sim {
         return true;
       }
       case InstrKind::Release:
-        if (s.on_device) mem(0, -static_cast<int64_t>(bytes));
-        s.on_device = false;
+        if (residency_.has_region(in.tensor)) mem(0, -static_cast<int64_t>(bytes));
         s.fetch_task = -1;
         return true;
       case InstrKind::Load: {
@@ -319,8 +325,6 @@ class Sim {
           return false;
         }
         const int id = add_transfer(kStorage, SimResource::StorageRead, machine_.storage_read_bytes_per_s, in.tensor, {});
-        if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
-        s.host_buffer = true;
         s.host_arrival = id;
         s.host_users.push_back(id);
         result_.storage_read_bytes += bytes;
@@ -332,15 +336,13 @@ class Sim {
           return false;
         }
         const int id = add_transfer(kStorage, SimResource::StorageWrite, machine_.storage_write_bytes_per_s, in.tensor, {});
-        if (!s.in_storage) mem(2, static_cast<int64_t>(bytes));
-        s.in_storage = true;
+        if (!residency_.has_extent(in.tensor)) mem(2, static_cast<int64_t>(bytes));
         s.store_task = id;
         result_.storage_write_bytes += bytes;
-        if (in.free_host && s.host_buffer) {
+        if (in.free_host && residency_.has_host_buffer(in.tensor)) {
           std::vector<int> after = s.host_users;
           after.push_back(id);
           mem(1, -static_cast<int64_t>(bytes), std::move(after));
-          s.host_buffer = false;
           s.host_arrival = -1;
           s.host_users.clear();
         } else {
@@ -349,14 +351,17 @@ class Sim {
         return true;
       }
       case InstrKind::HostAllocate:
-        // The executor's host arena places the buffer at a planned offset; a wait
-        // for a store still reading that range is not modelled.
-        if (!s.host_buffer) mem(1, static_cast<int64_t>(bytes));
-        s.host_buffer = true;
+        // The executor's host arena places the buffer at a planned offset, waiting for
+        // a store still reading that range; modelled for the tensor's own last buffer
+        // (a freeing Store), not for other tensors' ranges.
+        if (pending(s.store_task)) {
+          block_on({s.store_task}, true, in.tensor);
+          return false;
+        }
+        if (!residency_.has_host_buffer(in.tensor)) mem(1, static_cast<int64_t>(bytes));
         return true;
       case InstrKind::HostRelease:
-        if (s.host_buffer) mem(1, -static_cast<int64_t>(bytes), s.host_users);
-        s.host_buffer = false;
+        if (residency_.has_host_buffer(in.tensor)) mem(1, -static_cast<int64_t>(bytes), s.host_users);
         s.host_arrival = -1;
         s.host_users.clear();
         return true;
@@ -507,28 +512,15 @@ class Sim {
   }
 
   // ---- start and end of the step ----
+  // Bytes in use at the start of the step: persistent tensors at home (the residency
+  // machine placed them), and host mirrors, which keep their buffers for the run.
   void place_home_tensors() {
     for (size_t i = 0; i < tensors_.size(); ++i) {
-      const TensorInfo& info = program_.tensors.info(static_cast<TensorId>(i));
-      if (!is_persistent(info.role)) continue;
-      const Tier home = i < plan_.home.size() ? plan_.home[i] : Tier::Device;
-      TensorState& s = tensors_[i];
-      const int64_t bytes = static_cast<int64_t>(info.bytes());
-      switch (home) {
-        case Tier::Device:
-          s.on_device = true;
-          s.offset = i < plan_.home_offset.size() ? plan_.home_offset[i] : 0;
-          mem(0, bytes);
-          break;
-        case Tier::Host:
-          s.host_buffer = true;
-          mem(1, bytes);
-          break;
-        case Tier::Storage:
-          s.in_storage = true;
-          mem(2, bytes);
-          break;
-      }
+      const auto t = static_cast<TensorId>(i);
+      const auto bytes = static_cast<int64_t>(program_.tensors.info(t).bytes());
+      if (residency_.has_region(t)) mem(0, bytes);
+      if (residency_.has_host_buffer(t)) mem(1, bytes);
+      if (residency_.has_extent(t)) mem(2, bytes);
     }
   }
 
@@ -606,6 +598,7 @@ class Sim {
   bool first_compute_ = true;
   // host engine
   double last_host_end_ = 0;
+  ResidencyMachine residency_;  // where each tensor's copies are (plan/residency.h)
   SimResult result_;
 };
 

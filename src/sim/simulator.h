@@ -28,7 +28,7 @@
 // - Waits that cross engines block the host thread (the executor waits there):
 //   Allocate/Fetch into a region from which a D2H copy (Evict, Flush) is still
 //   reading; Fetch or Store of a tensor whose host copy is still arriving (D2H or
-//   Load); Load of a tensor whose Store is still writing; Evict or Flush of a
+//   Load); Load or HostAllocate of a tensor whose Store is still writing; Evict or Flush of a
 //   tensor whose fetch is still arriving, or whose host buffer a queued host op
 //   still uses.
 // - Duplex: while both link directions transfer, each runs at its rate times
@@ -40,14 +40,17 @@
 // - Storage runs one request at a time: reads at storage_read_bytes_per_s, writes
 //   at storage_write_bytes_per_s.
 // - Memory: persistent tensors (Param, Grad, Master, OptState, Input) start in
-//   their home tier. Device bytes rise at Allocate/Fetch issue and fall at Release,
-//   at a clean Evict, or at the end of a write-back Evict's copy. Host buffers
-//   appear at the first write-back Evict, Flush or Load of a tensor and go at HostRelease
+//   their home tier, host mirrors in their buffers. Device bytes rise at
+//   Allocate/Fetch issue and fall at Release, at a clean Evict, or at the end of a
+//   write-back Evict's copy. Host buffers appear at HostAllocate and go at HostRelease
 //   (once copies using the buffer ended) or at the end of a freeing Store. Storage
 //   extents appear at a tensor's first Store and stay for the step.
 //
-// Preconditions: the plan passed Plan::validate for this program. Out-of-range op
-// or tensor indices are skipped, never read.
+// Residency (which copies are valid, which tensors hold regions and buffers) is the
+// residency machine's (plan/residency.h), stepped as each instruction issues: the
+// same definition Plan::validate, the planner and the executor use. The plan should
+// have passed Plan::validate; where the machine refuses an instruction, the replay
+// stops there and SimResult::plan_error says why.
 #pragma once
 
 #include <array>
@@ -100,6 +103,9 @@ struct SimResult {
   // one instant (which the samples below, taken at the end of each instant, omit).
   uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;
   int recomputed_ops = 0;
+  // The first instruction the residency machine (plan/residency.h) refused, where the
+  // replay stopped; empty for a valid plan.
+  std::string plan_error;
   std::vector<SimEvent> timeline;     // sorted by start time
   std::vector<MemorySample> memory;   // one sample per instant the bytes change, from t = 0
 };

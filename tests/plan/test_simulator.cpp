@@ -59,6 +59,7 @@ Instruction release(TensorId t) { return {.kind = InstrKind::Release, .tensor = 
 Instruction load(TensorId t) { return {.kind = InstrKind::Load, .tensor = t}; }
 Instruction store(TensorId t, bool free_host) { return {.kind = InstrKind::Store, .tensor = t, .free_host = free_host}; }
 Instruction host_release(TensorId t) { return {.kind = InstrKind::HostRelease, .tensor = t}; }
+Instruction host_alloc(TensorId t, uint64_t off) { return {.kind = InstrKind::HostAllocate, .tensor = t, .offset = off}; }
 
 Plan make_plan_of(const Program& p, std::vector<Instruction> instructions,
                   std::map<TensorId, std::pair<Tier, uint64_t>> homes) {
@@ -67,11 +68,19 @@ Plan make_plan_of(const Program& p, std::vector<Instruction> instructions,
   plan.instructions = std::move(instructions);
   plan.home.assign(p.tensors.size(), Tier::Device);
   plan.home_offset.assign(p.tensors.size(), 0);
+  plan.home_host_offset.assign(p.tensors.size(), 0);
   for (auto& [t, h] : homes) {
     plan.home[t] = h.first;
-    plan.home_offset[t] = h.second;
+    (h.first == Tier::Host ? plan.home_host_offset : plan.home_offset)[t] = h.second;
   }
   return plan;
+}
+
+// The replay of a plan the residency machine accepts throughout.
+SimResult simulate_checked(const Program& p, const Plan& plan, const Machine& m) {
+  SimResult r = simulate(p, plan, m);
+  EXPECT_EQ(r.plan_error, "");
+  return r;
 }
 
 const SimEvent* find_event(const SimResult& r, SimResource res, const std::string& name) {
@@ -195,7 +204,7 @@ TEST(Simulator, EarlyFetchHidesBehindCompute) {
   for (bool ahead : {false, true}) {
     SCOPED_TRACE(ahead ? "host runs ahead" : "host blocked by runs");
     Machine m = test_machine(f.p, ahead);
-    SimResult r = simulate(f.p, f.plan(/*early=*/true), m);
+    SimResult r = simulate_checked(f.p, f.plan(/*early=*/true), m);
     EXPECT_NEAR(r.step_s, 4 * kMs, kTol);
     EXPECT_NEAR(r.stall_s, 0, kTol);
     EXPECT_NEAR(r.compute_s, 4 * kMs, kTol);
@@ -212,7 +221,7 @@ TEST(Simulator, LateFetchStallsForTheCopy) {
   for (bool ahead : {false, true}) {
     SCOPED_TRACE(ahead ? "host runs ahead" : "host blocked by runs");
     Machine m = test_machine(f.p, ahead);
-    SimResult r = simulate(f.p, f.plan(/*early=*/false), m);
+    SimResult r = simulate_checked(f.p, f.plan(/*early=*/false), m);
     // The copy starts after op0 (issued before it), takes 1 ms; op1 waits for it.
     const SimEvent* copy = find_event(r, SimResource::H2D, "w");
     ASSERT_NE(copy, nullptr);
@@ -237,11 +246,11 @@ TEST(Simulator, DuplexSharesTheLink) {
   gelu(p, "op0", x, a);
   gelu(p, "op1", c, w);
   Plan plan = make_plan_of(p,
-                           {alloc(x, 4096), run(0), evict(x), fetch(w, 8192), alloc(c, 16384), run(1), release(w),
-                            release(c), host_release(x)},
+                           {alloc(x, 4096), run(0), host_alloc(x, 8192), evict(x), fetch(w, 8192), alloc(c, 16384),
+                            run(1), release(w), release(c), host_release(x)},
                            {{a, {Tier::Device, 0}}, {w, {Tier::Host, 0}}});
   Machine m = test_machine(p, false);
-  SimResult r = simulate(p, plan, m);
+  SimResult r = simulate_checked(p, plan, m);
   const SimEvent* down = find_event(r, SimResource::D2H, "x");
   const SimEvent* up = find_event(r, SimResource::H2D, "w");
   ASSERT_TRUE(down && up);
@@ -256,7 +265,7 @@ TEST(Simulator, DuplexSharesTheLink) {
   EXPECT_EQ(r.h2d_bytes, 8000u);
 
   m.duplex_factor = 1.0;  // a link with no sharing: x ends at 3 ms, w at 4 ms
-  r = simulate(p, plan, m);
+  r = simulate_checked(p, plan, m);
   EXPECT_NEAR(find_event(r, SimResource::D2H, "x")->end_s, 3 * kMs, kTol);
   EXPECT_NEAR(find_event(r, SimResource::H2D, "w")->end_s, 4 * kMs, kTol);
   EXPECT_NEAR(r.step_s, 6 * kMs, kTol);
@@ -275,10 +284,11 @@ TEST(Simulator, PeaksAndStorageRoundTripMatchHandCounts) {
   gelu(p, "op0", x, a);
   gelu(p, "op1", c, x);
   Plan plan = make_plan_of(p,
-                           {alloc(x, 4096), run(0), evict(x), store(x, /*free_host=*/true), load(x), fetch(x, 4096),
-                            alloc(c, 8192), run(1), release(x), release(c), host_release(x)},
+                           {alloc(x, 4096), run(0), host_alloc(x, 4096), evict(x), store(x, /*free_host=*/true),
+                            host_alloc(x, 4096), load(x), fetch(x, 4096), alloc(c, 8192), run(1), release(x), release(c),
+                            host_release(x)},
                            {{a, {Tier::Device, 0}}, {w, {Tier::Host, 0}}, {s, {Tier::Storage, 0}}});
-  SimResult r = simulate(p, plan, test_machine(p, false));
+  SimResult r = simulate_checked(p, plan, test_machine(p, false));
   EXPECT_EQ(r.peak_device_bytes, 12000u);   // a, x, c
   EXPECT_EQ(r.peak_host_bytes, 8000u);      // w and x's buffer (freed by the Store before the Load)
   EXPECT_EQ(r.peak_storage_bytes, 8000u);   // s and x
@@ -330,13 +340,15 @@ TEST(Simulator, RegionReuseWaitsForTheEviction) {
   gelu(p, "op0", x, a);
   gelu(p, "op1", y, a);
   auto plan_with_y_at = [&](uint64_t y_offset) {
-    return make_plan_of(p, {alloc(x, 4096), run(0), evict(x), alloc(y, y_offset), run(1), release(y), host_release(x)},
+    return make_plan_of(p,
+                        {alloc(x, 4096), run(0), host_alloc(x, 0), evict(x), alloc(y, y_offset), run(1), release(y),
+                         host_release(x)},
                         {{a, {Tier::Device, 0}}});
   };
   Machine m = test_machine(p, /*host_runs_ahead=*/true);
 
   // op0 0–2, its eviction 2–3; y reuses x's region, so op1 is issued at 3.
-  SimResult reuse = simulate(p, plan_with_y_at(4096), m);
+  SimResult reuse = simulate_checked(p, plan_with_y_at(4096), m);
   EXPECT_NEAR(find_event(reuse, SimResource::D2H, "x")->end_s, 3 * kMs, kTol);
   EXPECT_NEAR(find_event(reuse, SimResource::Compute, "op1")->start_s, 3 * kMs, kTol);
   const SimEvent* wait = find_event(reuse, SimResource::Host, "wait y");
@@ -348,7 +360,7 @@ TEST(Simulator, RegionReuseWaitsForTheEviction) {
   EXPECT_EQ(reuse.peak_device_bytes, 8000u);
 
   // Elsewhere: no wait, op1 right after op0, the copy overlapping it.
-  SimResult apart = simulate(p, plan_with_y_at(8192), m);
+  SimResult apart = simulate_checked(p, plan_with_y_at(8192), m);
   EXPECT_NEAR(apart.host_stall_s, 0, kTol);
   EXPECT_NEAR(apart.stall_s, 0, kTol);
   EXPECT_NEAR(apart.step_s, 4 * kMs, kTol);
@@ -365,10 +377,10 @@ TEST(Simulator, FlushKeepsTheDeviceCopy) {
   gelu(p, "op0", g, a);
   gelu(p, "op1", y, a);
   Instruction flush{.kind = InstrKind::Flush, .tensor = g};
-  Plan plan = make_plan_of(p, {alloc(g, 4096), run(0), flush, release(g), alloc(y, 4096), run(1), release(y),
-                               host_release(g)},
+  Plan plan = make_plan_of(p, {alloc(g, 4096), run(0), host_alloc(g, 0), flush, release(g), alloc(y, 4096), run(1),
+                               release(y), host_release(g)},
                            {{a, {Tier::Device, 0}}});
-  SimResult r = simulate(p, plan, test_machine(p, false));
+  SimResult r = simulate_checked(p, plan, test_machine(p, false));
   EXPECT_EQ(r.d2h_bytes, 4000u);
   EXPECT_EQ(r.peak_host_bytes, 4000u);
   EXPECT_EQ(r.peak_device_bytes, 8000u);
@@ -384,9 +396,9 @@ TEST(Simulator, HostOpWaitsForItsData) {
   TensorId h = add(p, "h", Role::Master);
   gelu(p, "op0", g, a);
   gelu(p, "host op", h, g, Place::Host);
-  Plan plan = make_plan_of(p, {alloc(g, 4096), run(0), evict(g), run(1), host_release(g)},
+  Plan plan = make_plan_of(p, {alloc(g, 4096), run(0), host_alloc(g, 4096), evict(g), run(1), host_release(g)},
                            {{a, {Tier::Device, 0}}, {h, {Tier::Host, 0}}});
-  SimResult r = simulate(p, plan, test_machine(p, false));
+  SimResult r = simulate_checked(p, plan, test_machine(p, false));
   const SimEvent* host = find_event(r, SimResource::Host, "host op");
   ASSERT_NE(host, nullptr);
   EXPECT_NEAR(host->start_s, 3 * kMs, kTol);  // after the 2–3 ms D2H
@@ -414,7 +426,7 @@ TEST(Simulator, HostOpsRunBesideTheHostThreadAndDeferTheirFetches) {
                            {run(0), fetch(hm, 0), fetch(w, 4096), alloc(c, 8192), run(1), alloc(d, 12288), run(2),
                             release(hm), release(w), release(c), release(d)},
                            {{m, {Tier::Host, 0}}, {hm, {Tier::Host, 8192}}, {w, {Tier::Host, 16384}}});
-  SimResult r = simulate(p, plan, test_machine(p, true));
+  SimResult r = simulate_checked(p, plan, test_machine(p, true));
   const SimEvent* host = find_event(r, SimResource::Host, "host op");
   const SimEvent* fetch_hm = find_event(r, SimResource::H2D, "hm");
   const SimEvent* fetch_w = find_event(r, SimResource::H2D, "w");
@@ -451,7 +463,7 @@ TEST(Simulator, HostOpsSlowDownWhileCopiesRun) {
   m.host_adam_params_per_s = 1e9;
   m.host_adam_params_per_s_alone = 2e9;
   auto host_end = [&](const Plan& plan, const Machine& machine) {
-    SimResult r = simulate(p, plan, machine);
+    SimResult r = simulate_checked(p, plan, machine);
     const SimEvent* e = find_event(r, SimResource::Host, "host op");
     EXPECT_NE(e, nullptr);
     return e ? e->end_s : -1.0;
@@ -467,7 +479,7 @@ TEST(Simulator, RecomputeRunsAreCounted) {
   FetchCase f;
   Plan plan = f.plan(true);
   plan.instructions.insert(plan.instructions.begin() + 3, Instruction{.kind = InstrKind::Run, .op = 0, .recompute = true});
-  SimResult r = simulate(f.p, plan, test_machine(f.p, false));
+  SimResult r = simulate_checked(f.p, plan, test_machine(f.p, false));
   EXPECT_EQ(r.recomputed_ops, 1);
   EXPECT_NE(find_event(r, SimResource::Compute, "recompute op0"), nullptr);
   EXPECT_NEAR(r.compute_s, 6 * kMs, kTol);

@@ -105,15 +105,18 @@ TEST(Trace, FromSimulationDrawsEveryEventAndMemoryCounters) {
   Plan plan;
   plan.home = {Tier::Device, Tier::Host, Tier::Device};
   plan.home_offset = {0, 0, 0};
+  plan.home_host_offset = {0, 0, 4096};
   plan.instructions = {{.kind = InstrKind::Allocate, .tensor = b, .offset = 4096},
                        {.kind = InstrKind::Fetch, .tensor = w, .offset = 8192},
                        {.kind = InstrKind::Run, .op = 0},
                        {.kind = InstrKind::Run, .op = 1},
+                       {.kind = InstrKind::HostAllocate, .tensor = b, .offset = 4096},
                        {.kind = InstrKind::Evict, .tensor = b},
                        {.kind = InstrKind::Release, .tensor = w}};
   Machine m;
   m.measured_op_seconds = {1e-3, 1e-3};
   SimResult r = simulate(p, plan, m);
+  EXPECT_EQ(r.plan_error, "");
   Trace trace = trace_from_simulation(r);
   EXPECT_EQ(trace.slice_count(), r.timeline.size());
   EXPECT_EQ(trace.counter_count(), 3 * r.memory.size());
