@@ -3,8 +3,8 @@
 # exactness of budgeted runs against resident ones (gpt2-1.5b at 24 GiB included),
 # and the 24 GiB throughput table beside the no-limit PyTorch peer, in one call.
 # Usage (device tool, carry .deps): scripts/device-pipeline.sh   (results in $OUT)
-# PART=exact runs only the exactness checks; PART=speed only the timings. EXACT
-# (model:accum ...), MODELS ("model --accum A" ...), PEERS (torch_gpt.py configs) and
+# PART=exact runs only the exactness checks; PART=speed only the timings. EXACT and
+# MODELS (model:accum ...), PEERS (torch_gpt.py configs) and
 # BENCH_FLAGS (added to every bench) choose what runs; RULE=0 skips the rule's plan.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +38,12 @@ if [ "$part" != speed ]; then
   done
 fi
 if [ "$part" != exact ]; then
-  for m in ${MODELS:-"gpt2-1.5b --accum 1" "gpt2-1.5b --accum 4" "gpt-2.7b --accum 1" "gpt-2.7b --accum 4" "gpt-4b --accum 1"}; do
-    log "24 GiB budget: $m (planned)"
-    timeout 240 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --device-budget 24GiB --policy planned ${BENCH_FLAGS:-} \
-      --json "$out/b24_${m// /_}.json" > "$out/b24_${m// /_}.log" 2>&1
-    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted" "$out/b24_${m// /_}.log" | tee -a "$out/summary.txt"
+  for ma in ${MODELS:-gpt2-1.5b:1 gpt2-1.5b:4 gpt-2.7b:1 gpt-2.7b:4 gpt-4b:1}; do
+    m=${ma%:*}; a=${ma#*:}
+    log "24 GiB budget: $m --accum $a (planned)"
+    timeout 240 $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget 24GiB \
+      --policy planned ${BENCH_FLAGS:-} --json "$out/b24_${m}_$a.json" > "$out/b24_${m}_$a.log" 2>&1
+    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted" "$out/b24_${m}_$a.log" | tee -a "$out/summary.txt"
   done
   # The optimizer share of the half-budget rule, beside the searched one above (RULE=0 skips).
   if [ "${RULE:-1}" != 0 ]; then

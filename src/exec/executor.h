@@ -60,7 +60,7 @@ struct ExecutorOptions {
   std::string storage_engine = "auto";  // "uring", "threads", "auto"
   // Makes the storage engine of kind storage_engine (empty: make_storage_engine).
   // Tests pass one that wraps it in a FaultStorageEngine (io/fault_storage_engine.h).
-  StorageEngineMaker storage_engine_maker;
+  StorageEngineMaker storage_engine_maker = {};
 };
 
 struct StepContext {

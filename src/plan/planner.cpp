@@ -97,7 +97,16 @@ class Scheduler {
     st_.resize(n);
   }
 
+  // The step's plan. An instruction the residency machine refused is reported first,
+  // even when scheduling then failed for want of room: it is a planner bug.
   Result<Plan> run() {
+    Result<Plan> plan = schedule_step();
+    if (!residency_status_.is_ok()) return residency_status_.with_context("planner");
+    return plan;
+  }
+
+ private:
+  Result<Plan> schedule_step() {
     const size_t n = p_.tensors.size();
     uint64_t capacity = device_.capacity();
     if (c_.pinned_end > capacity)
@@ -176,8 +185,7 @@ class Scheduler {
     SPILLWAY_RETURN_IF_ERROR(finish_step());
     // A scheduler bug, never the user's: the plan it emitted breaks the instruction
     // semantics (the message names the instruction).
-    SPILLWAY_RETURN_IF_ERROR(residency_status_.with_context("planner"));
-    SPILLWAY_RETURN_IF_ERROR(residency_->finish().with_context("planner"));
+    if (residency_status_.is_ok()) SPILLWAY_RETURN_IF_ERROR(residency_->finish().with_context("planner"));
     Plan plan;
     plan.policy = c_.policy;
     plan.instructions = std::move(out_);
@@ -192,6 +200,7 @@ class Scheduler {
     return plan;
   }
 
+ public:
   int recomputes() const { return recomputes_; }
   // Why run() failed: no host room (more state in storage may help), or no storage room.
   bool host_short() const { return host_short_; }
@@ -545,16 +554,27 @@ class Scheduler {
   void prefetch(int now) {
     if (c_.prefetch == 0) return;
     int horizon = c_.prefetch > 0 ? c_.prefetch : 64;
+    // What op `now` writes is about to change: a copy fetched now would hold the old
+    // value (a host op's output, released from the device for it).
+    auto written_now = [&](TensorId t) {
+      for (const Operand& o : p_.ops[now].operands)
+        if (o.tensor == t && o.access != Access::Read) return true;
+      return false;
+    };
     for (int j = now + 1; j < static_cast<int>(p_.ops.size()) && j <= now + horizon; ++j) {
       const Op& op = p_.ops[j];
       if (op.place != Place::Device) continue;
       for (const Operand& o : op.operands) {
         TensorId t = o.tensor;
         State& s = st_[t];
-        if (s.region || s.recompute_pending) continue;
+        if (s.region || s.recompute_pending || written_now(t)) continue;
         if (o.access == Access::Write && c_.write_only_hint) continue;
         if (!s.host_valid) continue;  // storage reads are issued at need (they also take host room)
+        // Locked while its region is found: making room may write other tensors back,
+        // and their host buffers must not come from storing away t's, the fetch's source.
+        const bool lock = locked_.insert(t).second;
         auto off = allocate(t, now, j, /*may_fail=*/true);
+        if (lock) locked_.erase(t);
         if (!off.ok()) return;  // memory is full of tensors needed sooner: stop
         s.region = true;
         s.offset = *off;
@@ -1112,6 +1132,7 @@ Result<Plan> schedule(const Program& program, const CostModel& cost, const Budge
       c = k;
       return plan;
     }
+    if (plan.status().code() == StatusCode::Internal) return plan.status();  // a planner bug: never retried
     storage_short = storage_short || storage_full;
     last = plan.status();
     if (!can_spill || !host_short) break;  // more state in storage would not help
@@ -1122,6 +1143,7 @@ Result<Plan> schedule(const Program& program, const CostModel& cost, const Budge
     roomy.storage = uint64_t{1} << 52;  // never short: no further recursion
     Config k = base;
     auto need = schedule(program, cost, roomy, k, alignment, order);
+    if (!need.ok() && need.status().code() == StatusCode::Internal) return need.status();  // a planner bug
     if (need.ok())
       return Status::out_of_memory("storage budget " + format_size(budgets.storage) + " is too small: this plan spills " +
                                    format_size(need->storage_bytes) + " (training state and swapped activations, in " +
@@ -1289,6 +1311,7 @@ Result<Plan> plan_offload_level_best_share(const Program& program, const CostMod
   for (size_t i = 0; i < planned.size(); ++i) {
     Result<Plan> plan = planned[i].get();
     if (!plan.ok()) {
+      if (plan.status().code() == StatusCode::Internal) return plan.status();  // a planner bug: never skipped
       if (i == 0) first = plan.status();
       continue;
     }
@@ -1387,6 +1410,7 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
                                                     options.prefetch_distance, flush_gap,
                                                     options.layer_major == 1, alignment, nullptr);
             if (all_on_device.ok()) crowded = std::move(*all_on_device);
+            else if (all_on_device.status().code() == StatusCode::Internal) return all_on_device.status();
           }
           continue;
         }
@@ -1394,6 +1418,7 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
           if (crowded && predicted_s(*crowded) < predicted_s(*plan)) return std::move(*crowded);
           return plan;
         }
+        if (plan.status().code() == StatusCode::Internal) return plan.status();  // a planner bug: never skipped
         last = plan.status();
       }
       if (crowded) return std::move(*crowded);
@@ -1442,6 +1467,7 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
                                              options.prefetch_distance, k.flush_gap, k.layer_major, alignment,
                                              nullptr, k.device_optimizer);
         if (!plan.ok()) {
+          if (plan.status().code() == StatusCode::Internal) return plan.status();  // a planner bug: never skipped
           last = plan.status();
           continue;
         }

@@ -209,7 +209,9 @@ TEST(Budgets, SuggestedBudgetIncludesWhatTheBackendHoldsOutside) {
     const std::string m = plan.status().message();
     const size_t at = m.find("give --device-budget ");
     EXPECT_NE(at, std::string::npos) << m;
-    if (outside > 0) EXPECT_NE(m.find("the backend holds itself"), std::string::npos) << m;
+    if (outside > 0) {
+      EXPECT_NE(m.find("the backend holds itself"), std::string::npos) << m;
+    }
     return at == std::string::npos ? -1L : std::stol(m.substr(at + 21));
   };
   const long without = suggested_mib(0), with = suggested_mib(uint64_t{6} << 20);

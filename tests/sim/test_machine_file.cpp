@@ -84,7 +84,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
 // Found by fuzz/fuzz_machine_file.cpp: a number beyond double's range made the JSON
 // library throw out_of_range, which ended the process instead of an error.
 TEST(MachineFile, NumbersBeyondDoubleAreAnError) {
-  for (const std::string text : {std::string("6.666666666666666666E666Cm"), std::string("{\"h2d_bytes_per_s\": 1e999}")}) {
+  for (const std::string& text : {std::string("6.666666666666666666E666Cm"), std::string("{\"h2d_bytes_per_s\": 1e999}")}) {
     const std::string e = [&] {
       auto r = Machine::from_json(text, "big.json");
       return r.ok() ? std::string() : r.status().to_string();

@@ -106,7 +106,9 @@ TEST(OpRates, FittedFromTimedOpsLessTheFixedCost) {
   EXPECT_EQ(rates[kMatmulBwd], 1024);   // 2048 flops in 2 s
   EXPECT_EQ(rates[kResidual], 0);       // not timed
   for (size_t k = 0; k < kOpKindCount; ++k)
-    if (k != kGelu && k != kMatmulFwd && k != kMatmulBwd) EXPECT_EQ(rates[k], 0) << op_kind_name(static_cast<OpKind>(k));
+    if (k != kGelu && k != kMatmulFwd && k != kMatmulBwd) {
+      EXPECT_EQ(rates[k], 0) << op_kind_name(static_cast<OpKind>(k));
+    }
   // Costing the ops with the fitted rates gives back the times of kinds with one op.
   Machine m = slow_machine();
   m.op_rates = rates;

@@ -78,7 +78,9 @@ TEST(ParallelInit, SameBitsForEveryThreadCountAndEqualToTheDocumentedGenerator) 
   const std::vector<double> std_devs = {0.02, 0.02 / std::sqrt(6.0), 0.02};
   // parameter_specs states these standard deviations for a 3-layer GPT-2.
   for (const ParamSpec& q : parameter_specs(cfg))
-    if (q.name == "transformer.h.2.mlp.c_proj.weight") EXPECT_EQ(q.init_std, std_devs[1]);
+    if (q.name == "transformer.h.2.mlp.c_proj.weight") {
+      EXPECT_EQ(q.init_std, std_devs[1]);
+    }
   const uint64_t seed = 4242;
   for (size_t s = 0; s < specs.size(); ++s) {
     const ParamSpec& p = specs[s];
@@ -119,8 +121,12 @@ TEST(ParallelInit, ConstantsFillEveryChunk) {
   const ParamSpec bias = {"transformer.h.0.mlp.c_fc.bias", {200001}, 0, false, false, ParamInit::Zeros};
   const ParamSpec ln = {"transformer.h.0.ln_2.weight", {200001}, 0, false, false, ParamInit::Ones};
   for (const ParamSpec& q : parameter_specs(cfg)) {
-    if (q.name == bias.name) EXPECT_EQ(q.init, ParamInit::Zeros);
-    if (q.name == ln.name) EXPECT_EQ(q.init, ParamInit::Ones);
+    if (q.name == bias.name) {
+      EXPECT_EQ(q.init, ParamInit::Zeros);
+    }
+    if (q.name == ln.name) {
+      EXPECT_EQ(q.init, ParamInit::Ones);
+    }
   }
   for (float x : init_parameter(cfg, bias, 1, pool->get())) ASSERT_EQ(bits(x), bits(0.0f));
   for (float x : init_parameter(cfg, ln, 1, pool->get())) ASSERT_EQ(x, 1.0f);
