@@ -59,15 +59,8 @@ const char* tier_name(Tier t) {
   return "?";
 }
 
-Tier Residency::fastest() const {
-  for (int i = 0; i < kTierCount; ++i)
-    if (valid_in[i]) return static_cast<Tier>(i);
-  return Tier::Storage;
-}
-
 TensorId TensorTable::add(TensorInfo info) {
   infos_.push_back(std::move(info));
-  states_.emplace_back();
   return static_cast<TensorId>(infos_.size() - 1);
 }
 
@@ -75,50 +68,6 @@ TensorId TensorTable::find(std::string_view name) const {
   for (size_t i = 0; i < infos_.size(); ++i)
     if (infos_[i].name == name) return static_cast<TensorId>(i);
   return kNoTensor;
-}
-
-void TensorTable::mark_written(TensorId id, Tier tier) {
-  Residency& r = states_.at(static_cast<size_t>(id));
-  r.valid_in = {false, false, false};
-  r.valid_in[static_cast<int>(tier)] = true;
-  r.dirty = tier != Tier::Storage;
-}
-
-void TensorTable::mark_copied(TensorId id, Tier tier) {
-  Residency& r = states_.at(static_cast<size_t>(id));
-  Tier newest = r.fastest();
-  r.valid_in[static_cast<int>(tier)] = true;
-  if (static_cast<int>(tier) > static_cast<int>(newest)) r.dirty = false;
-}
-
-Status TensorTable::mark_dropped(TensorId id, Tier tier, bool value_is_dead) {
-  Residency& r = states_.at(static_cast<size_t>(id));
-  int t = static_cast<int>(tier);
-  if (!r.valid_in[t]) return Status::ok();
-  if (r.pins > 0)
-    return Status::internal("tensor " + infos_[id].name + ": dropped from " + tier_name(tier) + " while pinned");
-  int copies = r.valid_in[0] + r.valid_in[1] + r.valid_in[2];
-  if (copies == 1 && !value_is_dead)
-    return Status::internal("tensor " + infos_[id].name + ": dropped its only valid copy (" + tier_name(tier) + ")");
-  r.valid_in[t] = false;
-  if (!r.anywhere()) r.dirty = false;
-  // The remaining copies are in lower tiers than the dropped one only if it was the
-  // newest; they hold the same value, so nothing is dirty relative to them.
-  bool lower_only = true;
-  for (int i = 0; i < t; ++i) lower_only &= !r.valid_in[i];
-  if (lower_only) r.dirty = false;
-  return Status::ok();
-}
-
-Status TensorTable::unpin(TensorId id) {
-  Residency& r = states_.at(static_cast<size_t>(id));
-  if (r.pins <= 0) return Status::internal("tensor " + infos_[id].name + ": unpinned more often than pinned");
-  r.pins--;
-  return Status::ok();
-}
-
-void TensorTable::reset_residency() {
-  for (auto& s : states_) s = Residency();
 }
 
 size_t TensorTable::total_bytes() const {

@@ -1,12 +1,12 @@
-// Tensors of a training step: what they are (TensorInfo) and where their valid
-// copies live (TensorTable).
+// Tensors of a training step: what they are (TensorInfo, kept in a TensorTable).
+// Where their valid copies are during a step is the residency machine's
+// (plan/residency.h), the one definition the planner, Plan::validate, the simulator
+// and the executor share.
 //
 //   TensorTable table;
 //   TensorId w = table.add({"h0.attn.qkv.weight", DType::F32, {3 * 768, 768}, Role::Param});
-//   table.mark_written(w, Tier::Device);        // newest copy on device, lower tiers stale
-//   table.mark_copied(w, Tier::Host);           // host now valid too
-//   table.pin(w); ... table.unpin(w);           // running work holds it
-//   table.state(w).valid(Tier::Host);           // true
+//   table.info(w).bytes();                      // 3 * 768 * 768 * 4
+//   table.find("h0.attn.qkv.weight");           // w (kNoTensor when absent)
 #pragma once
 
 #include <array>
@@ -57,18 +57,6 @@ struct TensorInfo {
   size_t bytes() const { return static_cast<size_t>(shape.numel()) * dtype_size(dtype); }
 };
 
-// Where the copies of one tensor are. A copy is valid when it holds the newest
-// values; `dirty` means the newest copy has not reached any lower tier yet.
-struct Residency {
-  std::array<bool, kTierCount> valid_in{false, false, false};
-  bool dirty = false;
-  int pins = 0;
-  bool valid(Tier t) const { return valid_in[static_cast<int>(t)]; }
-  bool anywhere() const { return valid_in[0] || valid_in[1] || valid_in[2]; }
-  // The fastest tier holding a valid copy; only meaningful when anywhere().
-  Tier fastest() const;
-};
-
 class TensorTable {
  public:
   TensorId add(TensorInfo info);
@@ -78,24 +66,11 @@ class TensorTable {
   // kNoTensor when absent.
   TensorId find(std::string_view name) const;
 
-  const Residency& state(TensorId id) const { return states_.at(static_cast<size_t>(id)); }
-  // A new value was written in `tier`: it is the only valid copy, and dirty unless
-  // it is in storage (the lowest tier).
-  void mark_written(TensorId id, Tier tier);
-  // The newest value was copied into `tier`. Copying it down clears dirty.
-  void mark_copied(TensorId id, Tier tier);
-  // The copy in `tier` was freed. Fails when it was the only valid copy of live data.
-  Status mark_dropped(TensorId id, Tier tier, bool value_is_dead = false);
-  void pin(TensorId id) { states_.at(static_cast<size_t>(id)).pins++; }
-  Status unpin(TensorId id);
-  void reset_residency();
-
   size_t total_bytes() const;
   size_t bytes_with_role(Role r) const;
 
  private:
   std::vector<TensorInfo> infos_;
-  std::vector<Residency> states_;
 };
 
 }  // namespace spillway

@@ -138,20 +138,14 @@ TEST(Checksum, DetectsOneFlippedBit) {
   EXPECT_NE(c, checksum64(a.data(), a.size()));
 }
 
-TEST(TensorTable, TracksValidityDirtinessAndPins) {
+TEST(TensorTable, KeepsInfoAndFindsByName) {
   TensorTable t;
   TensorId w = t.add({"w", DType::F32, {4, 8}, Role::Param});
+  TensorId g = t.add({"g", DType::BF16, {4, 8}, Role::Grad});
   EXPECT_EQ(t.info(w).bytes(), 128u);
-  t.mark_written(w, Tier::Device);
-  EXPECT_TRUE(t.state(w).valid(Tier::Device));
-  EXPECT_TRUE(t.state(w).dirty);
-  t.mark_copied(w, Tier::Host);
-  EXPECT_FALSE(t.state(w).dirty);
-  t.pin(w);
-  EXPECT_FALSE(t.mark_dropped(w, Tier::Device).is_ok());  // pinned
-  EXPECT_TRUE(t.unpin(w).is_ok());
-  EXPECT_TRUE(t.mark_dropped(w, Tier::Device).is_ok());
-  EXPECT_FALSE(t.mark_dropped(w, Tier::Host).is_ok());  // only valid copy of live data
-  EXPECT_TRUE(t.mark_dropped(w, Tier::Host, /*value_is_dead=*/true).is_ok());
-  EXPECT_FALSE(t.unpin(w).is_ok());
+  EXPECT_EQ(t.info(g).bytes(), 64u);
+  EXPECT_EQ(t.find("g"), g);
+  EXPECT_EQ(t.find("missing"), kNoTensor);
+  EXPECT_EQ(t.total_bytes(), 192u);
+  EXPECT_EQ(t.bytes_with_role(Role::Grad), 64u);
 }

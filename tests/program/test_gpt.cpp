@@ -528,8 +528,12 @@ TEST(LlamaProgram, StepHasRopeGqaAttentionAndSwiGlu) {
       EXPECT_EQ(op.attrs.KVH, 2);
       EXPECT_EQ(op.attrs.NH, 4);
     }
-    if (op.kind == OpKind::RopeForward) EXPECT_EQ(op.attrs.rope, c.rope);
-    if (op.kind == OpKind::RmsNormForward) EXPECT_EQ(op.attrs.scale, c.norm_eps);
+    if (op.kind == OpKind::RopeForward) {
+      EXPECT_EQ(op.attrs.rope, c.rope);
+    }
+    if (op.kind == OpKind::RmsNormForward) {
+      EXPECT_EQ(op.attrs.scale, c.norm_eps);
+    }
   }
   EXPECT_EQ(rope, 2 * 4 * 2);  // forward and backward, 4 layers, 2 micro-batches
   EXPECT_EQ(swiglu, 2 * 4 * 2);
