@@ -374,39 +374,32 @@ class PlanExecutor final : public Executor {
 
   // The executor's waits. Each is timed twice: host_wait_s is the host's wall time
   // blocked; a stall probe around it (Backend::begin_stall_probe) measures how long
-  // the device's compute sat idle meanwhile, which run_step sums into stall_s.
+  // the device's compute sat idle meanwhile, which run_step sums into stall_s. The
+  // trace shows the wait as a slice (every one with `trace_all`, else those longer
+  // than a microsecond).
+  template <class Wait>
+  Status timed(const char* why, TensorId id, bool trace_all, Wait&& wait) {
+    auto t0 = Clock::now();
+    const Backend::StallProbe probe = b_.begin_stall_probe();
+    Status s = wait();
+    b_.end_stall_probe(probe);
+    double d = seconds_since(t0);
+    metrics_.host_wait_s += d;
+    if (trace_ && (trace_all || d > 1e-6))
+      trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
+    return s;
+  }
   Status timed_wait_copy(CopyTicket t, const char* why, TensorId id) {
     if (b_.copy_engine().is_done(t)) return b_.copy_engine().wait(t);
-    auto t0 = Clock::now();
-    const Backend::StallProbe probe = b_.begin_stall_probe();
-    Status s = b_.copy_engine().wait(t);
-    b_.end_stall_probe(probe);
-    double d = seconds_since(t0);
-    metrics_.host_wait_s += d;
-    if (trace_) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
-    return s;
+    return timed(why, id, true, [&] { return b_.copy_engine().wait(t); });
   }
   // Device compute submitted from now on runs after copy t (a stream wait on CUDA; the
-  // host blocks where compute runs on it), timed as the waits above are.
+  // host blocks where compute runs on it).
   Status timed_order_after_copy(CopyTicket t, const char* why, TensorId id) {
-    auto t0 = Clock::now();
-    const Backend::StallProbe probe = b_.begin_stall_probe();
-    Status s = b_.copy_engine().order_compute_after(t);
-    b_.end_stall_probe(probe);
-    double d = seconds_since(t0);
-    metrics_.host_wait_s += d;
-    if (trace_ && d > 1e-6) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
-    return s;
+    return timed(why, id, false, [&] { return b_.copy_engine().order_compute_after(t); });
   }
   Status timed_wait_spill(SpillTicket t, const char* why, TensorId id) {
-    auto t0 = Clock::now();
-    const Backend::StallProbe probe = b_.begin_stall_probe();
-    Status s = spill_->wait(t);
-    b_.end_stall_probe(probe);
-    double d = seconds_since(t0);
-    metrics_.host_wait_s += d;
-    if (trace_ && d > 1e-6) trace_->slice("stall", std::string(why) + " " + p_.tensors.info(id).name, now_s() - d, now_s());
-    return s;
+    return timed(why, id, false, [&] { return spill_->wait(t); });
   }
 
   // Waits for host op `job` (0: none). Fetches deferred behind host ops go out as

@@ -165,8 +165,7 @@ Status ResidencyMachine::write_at_home(TensorId t) {
 
 // A Run: operands resident where the op runs; recomputes reproduce the versions they
 // replace; what the op writes is then valid only where it ran.
-Status ResidencyMachine::run(size_t at, const Instruction& in, const std::string& where) {
-  (void)at;
+Status ResidencyMachine::run(const Instruction& in, const std::string& where) {
   if (in.op < 0 || static_cast<size_t>(in.op) >= program_.ops.size()) return Status::internal(where + ": bad op index");
   const Op& op = program_.ops[static_cast<size_t>(in.op)];
   const Place place = place_of(in.op);
@@ -233,7 +232,7 @@ Status ResidencyMachine::run(size_t at, const Instruction& in, const std::string
 
 Status ResidencyMachine::apply(size_t at, const Instruction& in) {
   const std::string where = "plan: instruction " + std::to_string(at) + " (" + instr_kind_name(in.kind) + ")";
-  if (in.kind == InstrKind::Run) return run(at, in, where);
+  if (in.kind == InstrKind::Run) return run(in, where);
   const TensorId t = in.tensor;
   if (t < 0 || static_cast<size_t>(t) >= state_.size()) return Status::internal(where + ": bad tensor id");
   TensorState& s = state_[static_cast<size_t>(t)];

@@ -109,7 +109,7 @@ class ResidencyMachine {
   Status place_host(TensorId t, uint64_t offset, const std::string& where);
   void drop_host(TensorId t);
   Status add_extent(TensorId t, const std::string& where);
-  Status run(size_t at, const Instruction& in, const std::string& where);
+  Status run(const Instruction& in, const std::string& where);
 
   const Program& program_;
   const Plan& tables_;

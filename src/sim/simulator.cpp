@@ -254,6 +254,15 @@ class Sim {
     return id;
   }
 
+  // A device→host copy of t waits (the host thread blocks) for a fetch of t still
+  // arriving and for a queued host op still using t's host buffer.
+  bool must_wait_to_copy_out(TensorId t) {
+    const TensorState& s = tensors_[t];
+    if (!pending(s.fetch_task) && !pending(s.host_op_use)) return false;
+    block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, t);
+    return true;
+  }
+
   // Issues one instruction at now_. Returns false when the host must first wait
   // (the instruction is issued again once the wait is over).
   bool issue(const Instruction& in) {
@@ -292,10 +301,7 @@ class Sim {
       case InstrKind::Evict: {
         if (!residency_.has_region(in.tensor)) return true;
         if (in.write_back) {
-          if (pending(s.fetch_task) || pending(s.host_op_use)) {
-            block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, in.tensor);
-            return false;
-          }
+          if (must_wait_to_copy_out(in.tensor)) return false;
           const int id = copy_to_host(in.tensor);
           mem(0, -static_cast<int64_t>(bytes), {id});
         } else {
@@ -306,10 +312,7 @@ class Sim {
       }
       case InstrKind::Flush: {
         if (!residency_.has_region(in.tensor)) return true;
-        if (pending(s.fetch_task) || pending(s.host_op_use)) {
-          block_on({pending(s.fetch_task) ? s.fetch_task : s.host_op_use}, true, in.tensor);
-          return false;
-        }
+        if (must_wait_to_copy_out(in.tensor)) return false;
         // The device copy stays; should t later leave and its region be reused,
         // the reuse waits for this copy (copy_to_host marks the region).
         copy_to_host(in.tensor);
