@@ -22,7 +22,9 @@
 #include <cerrno>
 #include <chrono>
 #include <optional>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -53,6 +55,7 @@ struct BenchTrainFlags {
   std::string machine;  // --machine FILE|PRESET ("": the cached measured machine on CUDA, else the preset)
   int steps = 5, batch = 8, context = 0, accum = 1;
   uint64_t seed = 1337;
+  double grad_clip = 1.0;  // --grad-clip: max global gradient norm (0 = no clipping)
   bool profile = false;
   std::string json;  // file for the JSON summary ("" = none)
   std::string checkpoint_dir;  // --checkpoint-dir: checkpoints every --checkpoint-every steps, timed with the steps
@@ -129,6 +132,10 @@ Status run_bench(const BenchTrainFlags& f) {
   o.shape = {.B = f.batch, .T = T, .accum = f.accum};
   o.schedule = {.peak = 6e-4f, .warmup_steps = 0, .total_steps = f.steps};
   o.seed = f.seed;
+  if (!(f.grad_clip >= 0) || !std::isfinite(f.grad_clip))
+    return Status::invalid_argument("--grad-clip: expected a finite number >= 0 (0 = no clipping), got " +
+                                    std::to_string(f.grad_clip));
+  o.max_grad_norm = f.grad_clip == 0 ? std::numeric_limits<float>::infinity() : static_cast<float>(f.grad_clip);
   o.budgets = mem.budgets;
   o.planner = mem.planner;
   o.auto_confirm = mem.auto_confirm;
@@ -271,6 +278,13 @@ Status run_bench(const BenchTrainFlags& f) {
               format_size(last.h2d_bytes).c_str(), format_size(last.d2h_bytes).c_str(),
               format_size(last.storage_read_bytes).c_str(), format_size(last.storage_write_bytes).c_str(),
               last.recomputed_ops);
+  if (!trainer->plan().speculation.empty()) {
+    const SpeculationTally tally = trainer->executor().speculation_tally();
+    std::printf("speculation   %zu host AdamW ops may start before the clip scale (%s of second buffers); over the "
+                "run %llu committed, %llu redone (clipping active)\n",
+                trainer->plan().speculation.size(), format_size(trainer->plan().speculation_bytes).c_str(),
+                static_cast<unsigned long long>(tally.committed), static_cast<unsigned long long>(tally.redone));
+  }
   std::printf("peaks         device %s, host %s, storage %s\n", format_size(last.peak_device_bytes).c_str(),
               format_size(last.peak_host_bytes).c_str(), format_size(last.peak_storage_bytes).c_str());
   const uint64_t used = backend->device_used_bytes(), used_peak = backend->device_peak_bytes();
@@ -309,6 +323,10 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
   app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
   app.add_option("--accum", f->accum, "micro-batches per step")->capture_default_str();
   app.add_option("--seed", f->seed, "parameters and random tokens")->capture_default_str();
+  app.add_option("--grad-clip", f->grad_clip,
+                 "max global gradient norm (0 = no clipping); speculative updates stand only in steps where it "
+                 "does not clip")
+      ->capture_default_str();
   app.add_option("--checkpoint-dir", f->checkpoint_dir,
                  "also write checkpoints of the whole state here (in the background), timed with the steps");
   app.add_option("--checkpoint-every", f->checkpoint_every, "steps between checkpoints (with --checkpoint-dir)");

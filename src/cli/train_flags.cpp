@@ -269,6 +269,11 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
                  "planned/auto, when the optimizer state is offloaded: on = some AdamW runs on device with its "
                  "state fetched from host and written back, so the link and the host share the update; off")
       ->capture_default_str();
+  app.add_option("--speculate", f.speculate,
+                 "planned/auto, with the AdamW of some parameters on host: on = start each one as soon as its "
+                 "gradient reaches host, as if clipping were inactive, into second buffers of master and moments "
+                 "(host memory), kept when the clip scale is 1 and redone otherwise (the same bits either way); off")
+      ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
                  "first parameters (their AdamW runs there), e.g. 4GiB; auto = the fastest the simulator predicts "
@@ -318,6 +323,9 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   if (f.stream_optimizer == "off") r.planner.stream_optimizer = 0;
   else if (f.stream_optimizer != "on")
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
+  if (f.speculate == "off") r.planner.speculate = 0;
+  else if (f.speculate != "on")
+    return Status::invalid_argument("--speculate: expected on or off, got '" + f.speculate + "'");
   if (f.auto_confirm < 0 || f.auto_confirm > 8)
     return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
                                     std::to_string(f.auto_confirm));

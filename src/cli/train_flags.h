@@ -73,6 +73,7 @@ struct MemoryFlags {
   std::string prefetch = "none";
   std::string order = "auto";  // planned/auto: micro-batch, layer, or auto (planned: micro-batch)
   std::string device_optimizer = "auto";
+  std::string speculate = "on";           // --speculate on|off
   std::string stream_optimizer = "on";    // --stream-optimizer on|off  // --device-optimizer: optimizer state kept on device when offloading
   int auto_confirm = 2;                   // --auto-confirm N: auto times its best N candidates (TrainerOptions)
 };

@@ -438,4 +438,14 @@ Status run_host_op(const Op& op, const std::vector<void*>& x, DType param_dtype,
   return e->host(op, x, param_dtype, step);
 }
 
+Status run_adamw_host_speculative(const Op& op, void* param, const void* grad, const float* const state[3],
+                                  float* const into[3], DType param_dtype, const OptimizerStep& step) {
+  if (op.kind != OpKind::AdamW) return Status::internal("op " + op.name + " is not an AdamW: no speculative update");
+  const AdamWHyper h = adamw_hyper(step.lr, step.step, op.attrs.scale);
+  const float unclipped[2] = {1.0f, 0.0f};
+  adamw_host_into(param_dtype, param, state[0], state[1], state[2], into[0], into[1], into[2], grad, unclipped,
+                  static_cast<size_t>(op.attrs.n), h);
+  return Status::ok();
+}
+
 }  // namespace spillway

@@ -33,6 +33,13 @@ struct OptimizerStep {
   float lr = 0;
 };
 
+// The speculative form of a host AdamW (plan.h, "Speculative updates"): the update
+// as if the clip scale were exactly 1, reading master, m and v from `state` and
+// writing them to `into` (each a buffer of op.attrs.n floats), param in place; grad
+// is read. The same bits as the AdamW op with scale_norm[0] = 1.
+Status run_adamw_host_speculative(const Op& op, void* param, const void* grad, const float* const state[3],
+                                  float* const into[3], DType param_dtype, const OptimizerStep& step);
+
 Status run_device_op(Backend& backend, const Program& program, const Op& op, const std::vector<void*>& ptrs,
                      const OptimizerStep& step);
 // Device workspace (Backend::set_workspace) that run_device_op needs for `op`: the

@@ -1,6 +1,8 @@
 #include "exec/executor.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -16,6 +18,8 @@
 #include "core/thread_pool.h"
 #include "memory/device_arena.h"
 #include "memory/host_pool.h"
+#include "optim/adamw.h"
+#include "program/op_registry.h"
 
 namespace spillway {
 
@@ -43,6 +47,7 @@ class PlanExecutor final : public Executor {
     if (spill_) (void)spill_->wait_all();
     host_arena_.reset();
     if (host_memory_) b_.host_free(host_memory_);
+    std::free(spec_memory_);
     arena_.reset();
     if (workspace_) b_.set_workspace(nullptr, 0);
     if (arena_memory_ && owns_device_) b_.device_free(arena_memory_);
@@ -141,6 +146,7 @@ class PlanExecutor final : public Executor {
     // Host mirrors keep their buffers for the whole run (Plan::host_mirror).
     for (size_t i = 0; i < plan_.host_mirror.size() && i < slots_.size(); ++i)
       if (plan_.host_mirror[i]) SPILLWAY_RETURN_IF_ERROR(place_host(static_cast<TensorId>(i), plan_.home_host_offset[i]));
+    SPILLWAY_RETURN_IF_ERROR(init_speculation(host_bytes));
     // The residency machine starts where the memory now is: state valid at home.
     SPILLWAY_RETURN_IF_ERROR(residency_.start());
     // Every extent a step will store into is reserved now (the store fallocates it), so
@@ -165,7 +171,7 @@ class PlanExecutor final : public Executor {
         SPILLWAY_RETURN_IF_ERROR(b_.upload(s.device, src, bytes));
         break;
       case Tier::Host:
-        std::memcpy(s.host, src, bytes);
+        std::memcpy(host_ptr(t), src, bytes);
         break;
       case Tier::Storage:
         SPILLWAY_RETURN_IF_ERROR(spill_->write_sync(t, src, bytes));
@@ -180,7 +186,7 @@ class PlanExecutor final : public Executor {
     Slot& s = slots_[t];
     if (residency_.valid(t, Tier::Device) && s.device) return b_.download(dst, s.device, bytes);
     if (residency_.valid(t, Tier::Host) && s.host) {
-      std::memcpy(dst, s.host, bytes);
+      std::memcpy(dst, host_ptr(t), bytes);
       return Status::ok();
     }
     if (residency_.valid(t, Tier::Storage) && spill_) return spill_->read_sync(t, dst, bytes);
@@ -193,7 +199,7 @@ class PlanExecutor final : public Executor {
       return Status::invalid_argument("host_value: no tensor with id " + std::to_string(t));
     SPILLWAY_RETURN_IF_ERROR(settle(t, /*for_write=*/false));
     const Slot& s = slots_[t];
-    if (residency_.valid(t, Tier::Host) && s.host) return static_cast<const void*>(s.host);
+    if (residency_.valid(t, Tier::Host) && s.host) return static_cast<const void*>(host_ptr(t));
     return static_cast<const void*>(nullptr);
   }
 
@@ -245,6 +251,8 @@ class PlanExecutor final : public Executor {
     const uint64_t sr0 = spill_ ? spill_->bytes_read() : 0, sw0 = spill_ ? spill_->bytes_written() : 0;
     step_start_ = Clock::now();
     residency_.begin_step();
+    next_spec_ = 0;
+    for (SpecBuffers& sp : spec_) sp.queued = false;
     Status st = run_instructions();
     metrics_.issue_s = seconds_since(step_start_);
     if (st.is_ok()) st = finish();
@@ -287,6 +295,9 @@ class PlanExecutor final : public Executor {
   }
 
   const StepMetrics& metrics() const override { return metrics_; }
+  SpeculationTally speculation_tally() const override {
+    return {speculation_commits_.load(std::memory_order_relaxed), speculation_redos_.load(std::memory_order_relaxed)};
+  }
 
   Status drain() override {
     if (!failure_.is_ok()) return failure_;
@@ -324,6 +335,17 @@ class PlanExecutor final : public Executor {
   }
 
  private:
+  // A speculative update (Plan::speculation). `cur` holds the committed master, m and v
+  // (a commit swaps it with `next`); both are changed only by jobs on the host engine,
+  // and read by the executor's thread after waiting for them.
+  struct SpecBuffers {
+    int32_t op = -1, after = -1;
+    TensorId param = kNoTensor, grad = kNoTensor;
+    std::array<float*, 3> cur{}, next{};  // master, m, v: [attrs.n] F32 each
+    bool queued = false;                  // its speculation was queued this step
+  };
+  static constexpr int kAdamWParam = 0, kAdamWGrad = 4, kAdamWScale = 5;
+  static constexpr int kAdamWState[3] = {1, 2, 3};  // master, m, v
   struct Slot {
     void* device = nullptr;  // base + offset while the tensor holds a device region
     uint64_t offset = 0;
@@ -627,6 +649,8 @@ class PlanExecutor final : public Executor {
       // carries it out on the memory it describes.
       Status s = residency_.apply(at, ins[at]);
       if (s.is_ok()) s = run_instruction(ins[at]);
+      while (s.is_ok() && next_spec_ < spec_.size() && spec_[next_spec_].after == static_cast<int32_t>(at))
+        s = queue_speculation(spec_[next_spec_++]);
       if (!s.is_ok()) {
         std::string what = ins[at].kind == InstrKind::Run ? p_.ops[ins[at].op].name
                                                           : p_.tensors.info(ins[at].tensor).name;
@@ -830,14 +854,36 @@ class PlanExecutor final : public Executor {
     const bool traced = trace_ != nullptr;
     const std::string name = (recompute ? "recompute " : "") + op.name;
     const Clock::time_point start = step_start_;
+    // A host AdamW that may be speculated: its master, m and v are the committed
+    // buffers of its SpecBuffers, read when the job runs (an earlier commit may have
+    // swapped them).
+    SpecBuffers* spec = !recompute && !spec_of_op_.empty() && spec_of_op_[static_cast<size_t>(index)] >= 0
+                            ? &spec_[static_cast<size_t>(spec_of_op_[static_cast<size_t>(index)])]
+                            : nullptr;
+    const bool speculated = spec && spec->queued;
     uint64_t job = host_.submit([this, &op, waits = std::move(waits), ptrs = std::move(ptrs), step, dtype, ce, traced,
-                                 name, start]() -> Status {
+                                 name, start, spec, speculated]() mutable -> Status {
       for (const CopyTicket& w : waits) SPILLWAY_RETURN_IF_ERROR(ce->wait(w));
       const double t0 = traced ? seconds_since(start) : 0;
-      Status s = run_host_op(op, ptrs, dtype, step).with_context("host op " + op.name);
+      Status s = Status::ok();
+      bool committed = false;
+      if (spec) {
+        // The speculation stands when the scale is exactly 1: it is this update's bits.
+        const float scale = static_cast<const float*>(ptrs[kAdamWScale])[0];
+        speculate_next_.store(scale == 1.0f, std::memory_order_relaxed);
+        if (speculated && scale == 1.0f) {
+          std::swap(spec->cur, spec->next);
+          committed = true;
+          speculation_commits_.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          for (int i = 0; i < 3; ++i) ptrs[static_cast<size_t>(kAdamWState[i])] = spec->cur[static_cast<size_t>(i)];
+          if (speculated) speculation_redos_.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+      if (!committed) s = run_host_op(op, ptrs, dtype, step).with_context("host op " + op.name);
       if (traced) {
         std::lock_guard<std::mutex> lock(host_slices_mu_);
-        host_slices_.push_back({name, t0, seconds_since(start)});
+        host_slices_.push_back({committed ? "commit " + name : name, t0, seconds_since(start)});
       }
       return s;
     });
@@ -853,6 +899,124 @@ class PlanExecutor final : public Executor {
       SPILLWAY_RETURN_IF_ERROR(timed_wait_host(job, "host op", op.operands.front().tensor));
       profile_->ops.push_back({index, recompute, now_s() - t0});
     }
+    return Status::ok();
+  }
+
+  // Speculative updates (plan.h): the second buffers of master, m and v, allocated
+  // beside the host arena within the host budget and touched now, so that the first
+  // step does not fault them in.
+  Status init_speculation(uint64_t host_arena_bytes) {
+    if (plan_.speculation.empty()) return Status::ok();
+    const uint64_t bytes = plan_.speculation_bytes;
+    if (bytes != speculation_bytes(p_, plan_.speculation))
+      return Status::internal("executor: the plan's speculation buffers (" + format_size(bytes) +
+                              ") do not match its speculative updates");
+    if (host_arena_bytes > opt_.host_budget || bytes > opt_.host_budget - host_arena_bytes)
+      return Status::out_of_memory("the plan needs " + format_size(host_arena_bytes) + " of host memory and " +
+                                   format_size(bytes) + " for speculative updates, above the host budget " +
+                                   format_size(opt_.host_budget));
+    const uint64_t total = align_up(bytes, 4096);
+    spec_memory_ = std::aligned_alloc(4096, total);
+    if (!spec_memory_)
+      return Status::out_of_memory("could not allocate " + format_size(total) +
+                                   " of host memory for the speculative updates' second buffers");
+    constexpr uint64_t kChunk = uint64_t{64} << 20;
+    char* base = static_cast<char*>(spec_memory_);
+    global_thread_pool().parallel_for(static_cast<int64_t>((total + kChunk - 1) / kChunk), [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint64_t begin = static_cast<uint64_t>(c) * kChunk;
+        std::memset(base + begin, 0, std::min(kChunk, total - begin));
+      }
+    });
+    spec_of_op_.assign(p_.ops.size(), -1);
+    spec_of_tensor_.assign(p_.tensors.size(), -1);
+    spec_which_.assign(p_.tensors.size(), 0);
+    char* next = base;
+    for (const Speculation& sp : plan_.speculation) {
+      if (sp.op < 0 || static_cast<size_t>(sp.op) >= p_.ops.size() || p_.ops[static_cast<size_t>(sp.op)].kind != OpKind::AdamW)
+        return Status::internal("executor: speculative update of op " + std::to_string(sp.op) + ", not an AdamW");
+      const Op& op = p_.ops[static_cast<size_t>(sp.op)];
+      SpecBuffers b;
+      b.op = sp.op;
+      b.after = sp.after;
+      b.param = op.operands[static_cast<size_t>(kAdamWParam)].tensor;
+      b.grad = op.operands[static_cast<size_t>(kAdamWGrad)].tensor;
+      for (int i = 0; i < 3; ++i) {
+        const TensorId t = op.operands[static_cast<size_t>(kAdamWState[i])].tensor;
+        if (!slots_[t].host)
+          return Status::internal("executor: " + p_.tensors.info(t).name + " of speculated " + op.name +
+                                  " has no host buffer");
+        b.cur[static_cast<size_t>(i)] = static_cast<float*>(slots_[t].host);
+        b.next[static_cast<size_t>(i)] = reinterpret_cast<float*>(next);
+        next += host_buffer_bytes(t);
+        spec_of_tensor_[static_cast<size_t>(t)] = static_cast<int32_t>(spec_.size());
+        spec_which_[static_cast<size_t>(t)] = static_cast<uint8_t>(i);
+      }
+      spec_of_op_[static_cast<size_t>(sp.op)] = static_cast<int32_t>(spec_.size());
+      spec_.push_back(b);
+    }
+    if (next != base + bytes) return Status::internal("executor: speculation buffers laid out wrongly");
+    return Status::ok();
+  }
+
+  // The host copy of t: for master, m and v of a speculated AdamW, its committed
+  // buffer. Between steps (after settle), or on the host engine.
+  void* host_ptr(TensorId t) const {
+    if (!spec_of_tensor_.empty() && spec_of_tensor_[static_cast<size_t>(t)] >= 0)
+      return spec_[static_cast<size_t>(spec_of_tensor_[static_cast<size_t>(t)])].cur[spec_which_[static_cast<size_t>(t)]];
+    return slots_[t].host;
+  }
+
+  // Queues the speculative update of `sp` (its gradient has just reached host), unless
+  // the last clip scale seen was not 1 (clipping active, or a skipped step): then the
+  // speculation would likely be thrown away, and its Run updates as usual.
+  Status queue_speculation(SpecBuffers& sp) {
+    sp.queued = false;
+    if (!speculate_next_.load(std::memory_order_relaxed)) return Status::ok();
+    const Op& op = p_.ops[static_cast<size_t>(sp.op)];
+    Slot& ps = slots_[sp.param];
+    Slot& gs = slots_[sp.grad];
+    if (!ps.host || !gs.host)
+      return Status::internal("speculative update of " + op.name + ": param or gradient has no host buffer (plan bug)");
+    std::vector<CopyTicket> waits;
+    // The gradient's copy to host, and one into param's host buffer, must land first.
+    if (gs.from_storage) {
+      SPILLWAY_RETURN_IF_ERROR(timed_wait_spill(*gs.from_storage, "wait load", sp.grad));
+      gs.from_storage.reset();
+    }
+    if (gs.to_host) waits.push_back(*gs.to_host);
+    if (ps.to_host) waits.push_back(*ps.to_host);
+    // Nothing may still read param's host buffer: a deferred or running H2D copy.
+    SPILLWAY_RETURN_IF_ERROR(resolve_deferred(sp.param));
+    for (auto& [ticket, id] : h2d_sources_)
+      if (id == sp.param) waits.push_back(ticket);
+    std::erase_if(h2d_sources_, [&](auto& e) { return e.second == sp.param; });
+    void* param = ps.host;
+    const void* grad = gs.host;
+    const OptimizerStep step = step_;
+    const DType dtype = b_.activation_dtype();
+    CopyEngine* ce = &b_.copy_engine();
+    const bool traced = trace_ != nullptr;
+    const Clock::time_point start = step_start_;
+    SpecBuffers* b = &sp;
+    const uint64_t job = host_.submit([this, &op, b, waits = std::move(waits), param, grad, step, dtype, ce, traced,
+                                       start]() -> Status {
+      for (const CopyTicket& w : waits) SPILLWAY_RETURN_IF_ERROR(ce->wait(w));
+      const double t0 = traced ? seconds_since(start) : 0;
+      const float* state[3] = {b->cur[0], b->cur[1], b->cur[2]};
+      float* into[3] = {b->next[0], b->next[1], b->next[2]};
+      Status s = run_adamw_host_speculative(op, param, grad, state, into, dtype, step)
+                     .with_context("speculative host op " + op.name);
+      if (traced) {
+        std::lock_guard<std::mutex> lock(host_slices_mu_);
+        host_slices_.push_back({"speculate " + op.name, t0, seconds_since(start)});
+      }
+      return s;
+    });
+    ps.host_job_write = ps.host_job_use = job;
+    gs.host_job_use = job;
+    sp.queued = true;
+    metrics_.speculated_ops++;
     return Status::ok();
   }
 
@@ -920,6 +1084,14 @@ class PlanExecutor final : public Executor {
     TensorId fetch_of = kNoTensor;
   };
   std::vector<HostBusyRange> host_busy_;
+  std::vector<SpecBuffers> spec_;        // speculative updates, in the plan's order
+  std::vector<int32_t> spec_of_op_;       // [ops] index into spec_, or -1
+  std::vector<int32_t> spec_of_tensor_;   // [tensors] the spec_ entry whose master, m or v it is, or -1
+  std::vector<uint8_t> spec_which_;       // [tensors] 0 master, 1 m, 2 v
+  size_t next_spec_ = 0;                  // the next spec_ entry to queue this step
+  void* spec_memory_ = nullptr;           // the second buffers (plan_.speculation_bytes)
+  std::atomic<bool> speculate_next_{true};  // the last clip scale seen was 1
+  std::atomic<uint64_t> speculation_commits_{0}, speculation_redos_{0};
   HostQueue host_;                        // host ops (AdamW) run here, in order
   std::vector<TensorId> deferred_;        // tensors with a deferred fetch, in the order they were deferred
   std::mutex host_slices_mu_;

@@ -73,6 +73,9 @@ struct StepMetrics {
   uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t storage_read_bytes = 0, storage_write_bytes = 0;
   int recomputed_ops = 0;
+  // Host AdamW ops started speculatively this step, before the clip scale was known
+  // (Plan::speculation; none after a step whose clipping was active).
+  int speculated_ops = 0;
   // Time the device's compute sat idle waiting for data: for a copy, a host op (the
   // host AdamW writing what a fetch reads) or storage. Timed on the device by the
   // backend's stall probes (CUDA: events on the compute stream); on CPU, where compute
@@ -95,6 +98,12 @@ struct OpTime {
 };
 struct StepProfile {
   std::vector<OpTime> ops;  // in run order
+};
+
+// Speculative updates so far: committed (the clip scale was 1: the speculation was
+// the update) and redone (it was not: the Run updated from the kept state).
+struct SpeculationTally {
+  uint64_t committed = 0, redone = 0;
 };
 
 class Executor {
@@ -127,6 +136,8 @@ class Executor {
   // its error, if it failed (the state is then half updated, and no step runs again).
   virtual Status drain() = 0;
   virtual const StepMetrics& metrics() const = 0;
+  // Counted as the host ops decide, so a step's own may still be missing until drain().
+  virtual SpeculationTally speculation_tally() const = 0;
   // The part of this executor's device memory that no tensor occupies between steps:
   // the arena past the device homes of the persistent tensors (the planner places
   // those first, from offset 0), and the workspace after it (used only inside a step). Another executor may run in it between this one's

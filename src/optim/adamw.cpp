@@ -38,7 +38,8 @@ constexpr size_t kParallelMin = size_t{1} << 18;
 // At or above this many elements the state cannot stay in cache, so param, which
 // is only written, goes out with non-temporal stores: same bits, no read for
 // ownership. (Master, m and v were just read, so their lines are in cache already;
-// streaming them measured slower.)
+// streaming them measured slower. adamw_host_into's separate outputs use ordinary
+// stores too.)
 constexpr size_t kStreamMin = size_t{1} << 22;
 
 bool cpu_has(SimdLevel s) {
@@ -86,11 +87,16 @@ void adamw_range_scalar(DType dtype, const AdamWRange& r, size_t begin, size_t e
 }
 
 void adamw_range_skip(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool /*stream*/) {
+  const size_t bytes = (end - begin) * sizeof(float);
+  // In place the state is left as it is (not rewritten); out of place it is copied.
+  if (r.master_out != r.master_in) std::memcpy(r.master_out + begin, r.master_in + begin, bytes);
+  if (r.m_out != r.m_in) std::memcpy(r.m_out + begin, r.m_in + begin, bytes);
+  if (r.v_out != r.v_in) std::memcpy(r.v_out + begin, r.v_in + begin, bytes);
   if (dtype == DType::BF16) {
     auto* param = static_cast<uint16_t*>(r.param);
-    for (size_t i = begin; i < end; ++i) param[i] = round_bf16(float_bits(r.master[i]));
+    for (size_t i = begin; i < end; ++i) param[i] = round_bf16(float_bits(r.master_in[i]));
   } else {
-    std::memcpy(static_cast<float*>(r.param) + begin, r.master + begin, (end - begin) * sizeof(float));
+    std::memcpy(static_cast<float*>(r.param) + begin, r.master_in + begin, bytes);
   }
 }
 
@@ -127,10 +133,11 @@ bool adamw_force_simd_level(SimdLevel s) {
   return true;
 }
 
-void adamw_host(DType param_dtype, void* param, float* master, float* m, float* v, const void* grad,
-                const float* scale_norm, size_t n, const AdamWHyper& hyper) {
+void adamw_host_into(DType param_dtype, void* param, const float* master_in, const float* m_in, const float* v_in,
+                     float* master_out, float* m_out, float* v_out, const void* grad, const float* scale_norm,
+                     size_t n, const AdamWHyper& hyper) {
   if (n == 0) return;
-  const AdamWRange r{param, master, m, v, grad, scale_norm[0], hyper};
+  const AdamWRange r{param, master_in, m_in, v_in, master_out, m_out, v_out, grad, scale_norm[0], hyper};
   // A skipped step (non-finite norm): param = rounded master, the rest untouched.
   const RangeKernel kernel =
       adamw_step_skipped(scale_norm) ? optim_detail::adamw_range_skip : kernel_for(adamw_simd_level());
@@ -146,6 +153,11 @@ void adamw_host(DType param_dtype, void* param, float* master, float* m, float* 
     size_t end = std::min(n, static_cast<size_t>(t1) * kTile);
     kernel(param_dtype, r, begin, end, stream);
   });
+}
+
+void adamw_host(DType param_dtype, void* param, float* master, float* m, float* v, const void* grad,
+                const float* scale_norm, size_t n, const AdamWHyper& hyper) {
+  adamw_host_into(param_dtype, param, master, m, v, master, m, v, grad, scale_norm, n, hyper);
 }
 
 void clip_scale_host(float* scale_norm, const float* squared_norms, int P, float max_norm) {

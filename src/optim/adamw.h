@@ -68,6 +68,16 @@ bool adamw_force_simd_level(SimdLevel s);
 void adamw_host(DType param_dtype, void* param, float* master, float* m, float* v, const void* grad,
                 const float* scale_norm, size_t n, const AdamWHyper& hyper);
 
+// Out of place: reads master_in, m_in, v_in and writes the updated values to
+// master_out, m_out, v_out (each may equal its _in: then it is adamw_host;
+// otherwise the two must not overlap); param and grad as in adamw_host. The same
+// bits as adamw_host for every SIMD level and thread count. A skipped step
+// (non-finite scale) writes param = master_in rounded and copies master_in, m_in,
+// v_in to the outputs unchanged.
+void adamw_host_into(DType param_dtype, void* param, const float* master_in, const float* m_in, const float* v_in,
+                     float* master_out, float* m_out, float* v_out, const void* grad, const float* scale_norm,
+                     size_t n, const AdamWHyper& hyper);
+
 // scale_norm[0] = NaN when the norm is not finite: the step is skipped (see above).
 void clip_scale_host(float* scale_norm, const float* squared_norms, int P, float max_norm);
 // True when scale_norm[0] from clip_scale marks a skipped step (it is not finite).

@@ -26,9 +26,9 @@ SPILLWAY_AVX2 void run(const AdamWRange& r, size_t i, size_t end) {
   const __m256i round_bias = _mm256_set1_epi32(0x7fff);
   const __m256i quiet = _mm256_set1_epi32(0x0040);
   for (; i + 8 <= end; i += 8) {
-    prefetch_ahead(r.m + i);
-    prefetch_ahead(r.v + i);
-    prefetch_ahead(r.master + i);
+    prefetch_ahead(r.m_in + i);
+    prefetch_ahead(r.v_in + i);
+    prefetch_ahead(r.master_in + i);
     prefetch_ahead(static_cast<const char*>(r.grad) + i * (kBf16 ? 2 : 4));
     __m256 g;
     if constexpr (kBf16) {
@@ -38,16 +38,16 @@ SPILLWAY_AVX2 void run(const AdamWRange& r, size_t i, size_t end) {
       g = _mm256_loadu_ps(static_cast<const float*>(r.grad) + i);
     }
     g = _mm256_mul_ps(g, scale);
-    __m256 m = _mm256_fmadd_ps(beta1, _mm256_loadu_ps(r.m + i), _mm256_mul_ps(omb1, g));
-    __m256 v = _mm256_fmadd_ps(beta2, _mm256_loadu_ps(r.v + i), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+    __m256 m = _mm256_fmadd_ps(beta1, _mm256_loadu_ps(r.m_in + i), _mm256_mul_ps(omb1, g));
+    __m256 v = _mm256_fmadd_ps(beta2, _mm256_loadu_ps(r.v_in + i), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
     __m256 mhat = _mm256_div_ps(m, bc1);
     __m256 vhat = _mm256_div_ps(v, bc2);
     __m256 upd = _mm256_div_ps(mhat, _mm256_add_ps(_mm256_sqrt_ps(vhat), eps));
-    __m256 w0 = _mm256_loadu_ps(r.master + i);
+    __m256 w0 = _mm256_loadu_ps(r.master_in + i);
     __m256 w = _mm256_fmadd_ps(neg_lr, _mm256_fmadd_ps(wd, w0, upd), w0);
-    _mm256_storeu_ps(r.m + i, m);
-    _mm256_storeu_ps(r.v + i, v);
-    _mm256_storeu_ps(r.master + i, w);
+    _mm256_storeu_ps(r.m_out + i, m);
+    _mm256_storeu_ps(r.v_out + i, v);
+    _mm256_storeu_ps(r.master_out + i, w);
     if constexpr (kBf16) {
       // Round to nearest even: bits + 0x7fff + lsb, keep the top half; NaN: quieted top half.
       __m256i bits = _mm256_castps_si256(w);

@@ -29,9 +29,9 @@ SPILLWAY_AVX512 void run(const AdamWRange& r, size_t i, size_t end) {
   const __m512i round_bias = _mm512_set1_epi32(0x7fff);
   const __m512i quiet = _mm512_set1_epi32(0x0040);
   for (; i + 16 <= end; i += 16) {
-    prefetch_ahead(r.m + i);
-    prefetch_ahead(r.v + i);
-    prefetch_ahead(r.master + i);
+    prefetch_ahead(r.m_in + i);
+    prefetch_ahead(r.v_in + i);
+    prefetch_ahead(r.master_in + i);
     prefetch_ahead(static_cast<const char*>(r.grad) + i * (kBf16 ? 2 : 4));
     __m512 g;
     if constexpr (kBf16) {
@@ -41,16 +41,16 @@ SPILLWAY_AVX512 void run(const AdamWRange& r, size_t i, size_t end) {
       g = _mm512_loadu_ps(static_cast<const float*>(r.grad) + i);
     }
     g = _mm512_mul_ps(g, scale);
-    __m512 m = _mm512_fmadd_ps(beta1, _mm512_loadu_ps(r.m + i), _mm512_mul_ps(omb1, g));
-    __m512 v = _mm512_fmadd_ps(beta2, _mm512_loadu_ps(r.v + i), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+    __m512 m = _mm512_fmadd_ps(beta1, _mm512_loadu_ps(r.m_in + i), _mm512_mul_ps(omb1, g));
+    __m512 v = _mm512_fmadd_ps(beta2, _mm512_loadu_ps(r.v_in + i), _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
     __m512 mhat = _mm512_div_ps(m, bc1);
     __m512 vhat = _mm512_div_ps(v, bc2);
     __m512 upd = _mm512_div_ps(mhat, _mm512_add_ps(_mm512_sqrt_ps(vhat), eps));
-    __m512 w0 = _mm512_loadu_ps(r.master + i);
+    __m512 w0 = _mm512_loadu_ps(r.master_in + i);
     __m512 w = _mm512_fmadd_ps(neg_lr, _mm512_fmadd_ps(wd, w0, upd), w0);
-    _mm512_storeu_ps(r.m + i, m);
-    _mm512_storeu_ps(r.v + i, v);
-    _mm512_storeu_ps(r.master + i, w);
+    _mm512_storeu_ps(r.m_out + i, m);
+    _mm512_storeu_ps(r.v_out + i, v);
+    _mm512_storeu_ps(r.master_out + i, w);
     if constexpr (kBf16) {
       // Round to nearest even: bits + 0x7fff + lsb, keep the top half; NaN: quieted top half.
       __m512i bits = _mm512_castps_si512(w);

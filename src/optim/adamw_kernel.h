@@ -1,15 +1,18 @@
 // Internal to optim: the per-element AdamW arithmetic of adamw.h in scalar form,
 // shared by the scalar kernel and the scalar tails of the SIMD kernels, and the
-// range kernels that adamw_host dispatches to.
+// range kernels that adamw_host and adamw_host_into dispatch to.
 //
-//   AdamWRange r{param, master, m, v, grad, scale_norm[0], hyper};
+//   AdamWRange r{param, master_in, m_in, v_in, master_out, m_out, v_out, grad, scale_norm[0], hyper};
 //   adamw_range_avx512(DType::BF16, r, begin, end, /*stream=*/false);
 //
 // A range kernel updates elements [begin, end): a vector body, then a scalar tail
-// that gives the same bits as the body would. `stream` asks for non-temporal
-// stores of param, the one output that is written without being read (no read
-// for ownership); the caller passes it only when param is aligned to 64 bytes at
-// `begin` (see adamw.cpp).
+// that gives the same bits as the body would. It reads master, m and v only
+// through the _in pointers and writes them only through the _out pointers; an
+// _out equal to its _in is the in-place update (every element's inputs are read
+// before its outputs are stored), otherwise the two must not overlap. `stream`
+// asks for non-temporal stores of param, the one output that is always written
+// without being read (no read for ownership); the caller passes it only when
+// param is aligned to 64 bytes at `begin` (see adamw.cpp).
 #pragma once
 
 #include <cmath>
@@ -22,11 +25,14 @@
 namespace spillway::optim_detail {
 
 struct AdamWRange {
-  void* param;         // [n] param dtype
-  float* master;       // [n]
-  float* m;            // [n]
-  float* v;            // [n]
-  const void* grad;    // [n] param dtype
+  void* param;             // [n] param dtype
+  const float* master_in;  // [n]
+  const float* m_in;       // [n]
+  const float* v_in;       // [n]
+  float* master_out;       // [n] may equal master_in
+  float* m_out;            // [n] may equal m_in
+  float* v_out;            // [n] may equal v_in
+  const void* grad;        // [n] param dtype
   float scale;         // scale_norm[0]
   AdamWHyper h;
 };
@@ -61,16 +67,16 @@ inline void adamw_element(const AdamWRange& r, size_t i) {
   else
     gin = static_cast<const float*>(r.grad)[i];
   float g = gin * r.scale;
-  float m = std::fma(h.beta1, r.m[i], h.one_minus_beta1 * g);
-  float v = std::fma(h.beta2, r.v[i], (h.one_minus_beta2 * g) * g);
+  float m = std::fma(h.beta1, r.m_in[i], h.one_minus_beta1 * g);
+  float v = std::fma(h.beta2, r.v_in[i], (h.one_minus_beta2 * g) * g);
   float mhat = m / h.bias_correction1;
   float vhat = v / h.bias_correction2;
   float upd = mhat / (std::sqrt(vhat) + h.eps);
-  float w0 = r.master[i];
+  float w0 = r.master_in[i];
   float w = std::fma(-h.lr, std::fma(h.weight_decay, w0, upd), w0);
-  r.m[i] = m;
-  r.v[i] = v;
-  r.master[i] = w;
+  r.m_out[i] = m;
+  r.v_out[i] = v;
+  r.master_out[i] = w;
   if constexpr (kBf16)
     static_cast<uint16_t*>(r.param)[i] = round_bf16(float_bits(w));
   else
@@ -90,8 +96,9 @@ inline void prefetch_ahead(const void* p) {
 }
 
 void adamw_range_scalar(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
-// The skipped step (r.scale not finite, see adamw.h): param = master rounded to the
-// param dtype; master, m and v untouched. Every SIMD level uses it.
+// The skipped step (r.scale not finite, see adamw.h): param = master_in rounded to
+// the param dtype; master, m and v untouched in place, copied unchanged to the
+// _out arrays out of place. Every SIMD level uses it.
 void adamw_range_skip(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
 void adamw_range_avx2(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);
 void adamw_range_avx512(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream);

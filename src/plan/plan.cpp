@@ -59,6 +59,33 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
   if (host_arena > budgets.host)
     return Status::internal("plan: host arena " + format_size(host_arena) + " exceeds the host budget " +
                             format_size(budgets.host));
+  if (!speculation.empty()) {
+    const std::vector<Speculation> allowed = find_speculations(program, *this);
+    std::vector<bool> seen(program.ops.size(), false);
+    for (size_t i = 0; i < speculation.size(); ++i) {
+      const Speculation& s = speculation[i];
+      if (s.op < 0 || static_cast<size_t>(s.op) >= seen.size() || seen[static_cast<size_t>(s.op)])
+        return Status::internal("plan: speculative update " + std::to_string(i) + " names op " + std::to_string(s.op) +
+                                ", which is out of range or listed twice");
+      seen[static_cast<size_t>(s.op)] = true;
+      auto it = std::find_if(allowed.begin(), allowed.end(), [&](const Speculation& a) { return a.op == s.op; });
+      if (it == allowed.end() || it->after != s.after)
+        return Status::internal("plan: speculative update " + std::to_string(i) + " (op " + std::to_string(s.op) +
+                                " after instruction " + std::to_string(s.after) + ") is not one the plan allows" +
+                                (it == allowed.end() ? std::string()
+                                                     : " (its gradient is final after instruction " +
+                                                           std::to_string(it->after) + ")"));
+      if (i > 0 && speculation[i - 1].after > s.after)
+        return Status::internal("plan: speculative updates are not ordered by the instruction they follow");
+    }
+  }
+  if (speculation_bytes != spillway::speculation_bytes(program, speculation))
+    return Status::internal("plan: speculation buffers of " + format_size(speculation_bytes) + " where its " +
+                            std::to_string(speculation.size()) + " speculative updates need " +
+                            format_size(spillway::speculation_bytes(program, speculation)));
+  if (speculation_bytes > 0 && (host_arena > budgets.host || speculation_bytes > budgets.host - host_arena))
+    return Status::internal("plan: host arena " + format_size(host_arena) + " and speculation buffers " +
+                            format_size(speculation_bytes) + " exceed the host budget " + format_size(budgets.host));
   ResidencyMachine m(program, *this, {.device = device_arena, .host = host_arena, .storage = budgets.storage / 4096 * 4096});
   SPILLWAY_RETURN_IF_ERROR(m.start());
   for (size_t at = 0; at < instructions.size(); ++at) SPILLWAY_RETURN_IF_ERROR(m.apply(at, instructions[at]));

@@ -36,6 +36,19 @@
 // - Store(t): start the host→storage write of t; if `free_host`, its host buffer is
 //   freed once the write is done.
 // - HostRelease(t): free t's host buffer with no copy (dead, or clean in storage).
+//
+// Speculative updates (Plan::speculation; DESIGN.md, "Exact optimizer overlap"): a
+// host AdamW listed there may also start right after instruction `after`, where its
+// gradient's final value has reached host, before the clip scale is known: it
+// updates as if the scale were 1, writing param in place and master, m and v into a
+// second host buffer each (the speculation buffers, Plan::speculation_bytes). When
+// its Run comes and the scale is exactly 1 (clipping inactive, the norm finite), the
+// Run commits: the second buffers become master, m and v, and param already holds
+// the update — the bits of an update at that Run. Otherwise the Run updates from the
+// untouched first buffers as usual (it rewrites param). find_speculations states
+// when an op qualifies: nothing between `after` and its Run may read or write the
+// host copies it touches, and master, m and v live on host and no other instruction
+// names them — so the residency machine sees the same step either way.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +72,12 @@ struct Instruction {
   bool write_back = true;       // Evict (Flush always copies)
   bool free_host = false;       // Store
   bool recompute = false;       // Run
+};
+
+// A host AdamW that may start before the clip scale is known (see above).
+struct Speculation {
+  int32_t op = -1;     // the AdamW (index into Program::ops), placed on host
+  int32_t after = -1;  // the instruction after which its gradient's final value is on host
 };
 
 enum class Policy : uint8_t { Resident, Paging, Planned, Auto };
@@ -92,6 +111,11 @@ struct Plan {
                                             // (PlannerOptions::workspace_bytes, aligned)
   uint64_t host_bytes = 0;                  // host arena bytes the plan uses (≤ budget)
   uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)
+  // Host AdamW ops that start speculatively (see above), ordered by `after`, and the
+  // host bytes of their second buffers (speculation_bytes(); the executor allocates
+  // them beside the host arena: host_bytes + speculation_bytes ≤ the host budget).
+  std::vector<Speculation> speculation;
+  uint64_t speculation_bytes = 0;
   size_t alignment = 64;                    // device offsets are multiples of this
   // Checks the plan against the program: every op runs once per step (plus
   // recomputes), operands resident where the op runs, each recompute reproduces the
@@ -102,6 +126,20 @@ struct Plan {
   // end where they started. Errors name the instruction, op, tensor and versions.
   Status validate(const Program& program, const Budgets& budgets) const;
 };
+
+// Every host AdamW of `plan` that may run speculatively, with the earliest `after`
+// each allows, ordered by `after` (ties: op order). An op qualifies when, under the
+// plan: it runs on host (Plan::op_place); its master, m and v rest on host and no
+// instruction but its own Run names them; the last instruction before its Run that
+// writes its gradient's host copy (a host Run writing the gradient, or an Evict
+// with write-back or a Flush of it) comes after the gradient's last device write; and
+// from there to the Run nothing writes, loads, allocates or frees the gradient's host
+// copy, and nothing reads or writes param's host copy (param keeps its host buffer:
+// it rests on host or is a host mirror).
+std::vector<Speculation> find_speculations(const Program& program, const Plan& plan);
+// The speculation buffers of these ops: master, m and v of each, each rounded up to
+// 4096 bytes.
+uint64_t speculation_bytes(const Program& program, const std::vector<Speculation>& speculation);
 
 // `program` with each op placed where `plan` runs it (Plan::op_place): what the
 // simulator and reports read.

@@ -62,6 +62,10 @@ struct Config {
   // eviction is clean and the region it leaves can be reused at once. 0 = off.
   int flush_gap = 0;
   bool layer_major = false;    // the forward runs layer by layer across micro-batches
+  // State resting on host whose remaining uses are all host ops leaves the device
+  // right after its last device use (a gradient bound for the host AdamW: its host copy is then final
+  // during the backward, where a speculative update can start).
+  bool evict_host_bound = false;
   bool optimizer_on_host = false;    // some AdamW runs on host
   int device_optimizer_ops = 0, host_optimizer_ops = 0;  // AdamW ops on each side
   int streamed_optimizer_ops = 0;    // AdamW on device with its state streamed from host
@@ -248,6 +252,14 @@ class Scheduler {
     if (it == u.end()) return kNever;
     if (!persistent(t) && overwrites_[t][it - u.begin()]) return kNever;
     return *it;
+  }
+
+  // Whether an op after `after` runs on device and uses t.
+  bool used_on_device_after(TensorId t, int after) const {
+    const auto& u = uses_[t];
+    for (auto it = std::upper_bound(u.begin(), u.end(), after); it != u.end(); ++it)
+      if (p_.ops[static_cast<size_t>(*it)].place == Place::Device) return true;
+    return false;
   }
 
   void emit(InstrKind kind, TensorId t, uint64_t offset = 0, bool write_back = true, bool free_host = false) {
@@ -532,6 +544,9 @@ class Scheduler {
     s.last_touch = now;
     if (s.region) {
       if (s.device_valid || write_only) return Status::ok();
+      // A recompute that ran short of room after allocating t's region (the op's
+      // operands are then placed again) left t to be recomputed into it.
+      if (s.recompute_pending) return recompute(t, now);
       return Status::internal("planner: " + name(t) + " read on device before it was written");
     }
     if (s.recompute_pending && !write_only) return recompute(t, now);
@@ -682,6 +697,17 @@ class Scheduler {
         } else if (s.region && !pinned_home(t)) {
           SPILLWAY_RETURN_IF_ERROR(evict(t, i));
         }
+      }
+    }
+    if (c_.evict_host_bound && op.place == Place::Device) {
+      for (const Operand& o : op.operands) {
+        TensorId t = o.tensor;
+        // Only state that rests on host: its buffer is there all step (others would
+        // need one for longer).
+        if (!st_[t].region || !persistent(t) || c_.home[t] != Tier::Host || next_use(t, i) == kNever ||
+            used_on_device_after(t, i))
+          continue;
+        SPILLWAY_RETURN_IF_ERROR(evict(t, i));
       }
     }
     if (c_.flush_gap > 0 && op.place == Place::Device) {
@@ -1067,6 +1093,71 @@ std::vector<int> host_optimizer_first(const Program& p, std::vector<int> order) 
   return order;
 }
 
+// Lets the host AdamW ops of `plan` that qualify (find_speculations) start
+// speculatively, earliest first, as many as `host_budget` holds the second buffers
+// of beside the plan's host arena.
+void add_speculation(const Program& program, Plan& plan, uint64_t host_budget) {
+  const uint64_t arena = std::max<uint64_t>(align_up(plan.host_bytes, 4096), 4096);
+  if (arena >= host_budget) return;
+  uint64_t room = host_budget - arena, bytes = 0;
+  for (const Speculation& s : find_speculations(program, plan)) {
+    const uint64_t b = speculation_bytes(program, {s});
+    if (b > room - bytes) break;
+    bytes += b;
+    plan.speculation.push_back(s);
+  }
+  if (plan.speculation.empty()) return;
+  plan.speculation_bytes = bytes;
+  plan.description += ", speculative update of " + std::to_string(plan.speculation.size()) + " host AdamW ops (" +
+                      format_size(bytes) + " of second buffers)";
+}
+
+// `order` (position → op index; empty = program order) with the gradient norms
+// moved into the backward: the zeroing of the packed norms to the backward's start,
+// and each SquaredNorm to just after the last op that writes its gradient. A norm
+// writes only its own element of the packed tensor, so norms pass each other; the
+// values and the clip scale keep their bits. A gradient's last device use is then in
+// the backward, and one bound for the host AdamW leaves the device there
+// (Config::evict_host_bound), so that its update can start speculatively.
+std::vector<int> norms_early(const Program& p, std::vector<int> order) {
+  if (order.empty()) {
+    order.resize(p.ops.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  }
+  auto packed_norm = [](const Op& op) {
+    return op.kind == OpKind::SquaredNorm && !op.operands.empty() && op.operands[0].access == Access::Update;
+  };
+  auto conflict = [&](const Op& a, const Op& b) {
+    if (packed_norm(a) && packed_norm(b)) return false;  // distinct elements
+    for (const Operand& x : a.operands)
+      for (const Operand& y : b.operands)
+        if (x.tensor == y.tensor && (x.access != Access::Read || y.access != Access::Read)) return true;
+    return false;
+  };
+  auto movable = [&](const Op& op) {
+    if (op.phase != Phase::Optimizer || op.place != Place::Device) return false;
+    if (packed_norm(op)) return true;
+    // The zeroing of the packed norms: a Zero whose tensor the norms update.
+    if (op.kind != OpKind::Zero || op.operands.size() != 1) return false;
+    for (const Op& o : p.ops)
+      if (packed_norm(o) && o.operands[0].tensor == op.operands[0].tensor) return true;
+    return false;
+  };
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Op& op = p.ops[static_cast<size_t>(order[i])];
+    if (!movable(op)) continue;
+    size_t j = i;
+    while (j > 0) {
+      const Op& before = p.ops[static_cast<size_t>(order[j - 1])];
+      if (before.phase == Phase::Forward || conflict(before, op)) break;
+      --j;
+    }
+    std::rotate(order.begin() + static_cast<long>(j), order.begin() + static_cast<long>(i),
+                order.begin() + static_cast<long>(i) + 1);
+  }
+  return order;
+}
+
 // Schedules `program` in the given op order (position → op index; empty = program
 // order); the plan's Run instructions and op_place refer to the program's own
 // op indices. Sets *host_short / *storage_short when it fails for want of host or
@@ -1281,7 +1372,22 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
   }
   if (c.host_optimizer_ops > 0 && c.device_optimizer_ops + c.streamed_optimizer_ops > 0)
     order = host_optimizer_first(candidate, std::move(order));
-  return schedule(candidate, cost, budgets, c, alignment, order);
+  if (c.host_optimizer_ops > 0 && options.speculate != 0) {
+    // Norms in the backward and gradients home early, so that updates can start
+    // there; should that order not fit (host memory fragments differently), the usual
+    // one is planned.
+    Config early = c;
+    early.evict_host_bound = true;
+    auto plan = schedule(candidate, cost, budgets, early, alignment, norms_early(candidate, order));
+    if (plan.ok()) {
+      add_speculation(candidate, *plan, budgets.host);
+      return plan;
+    }
+    if (plan.status().code() != StatusCode::OutOfMemory) return plan;
+  }
+  auto plan = schedule(candidate, cost, budgets, c, alignment, order);
+  if (plan.ok() && options.speculate != 0) add_speculation(candidate, *plan, budgets.host);
+  return plan;
 }
 
 // plan_offload_level over every share of device_optimizer_shares, planned in parallel
@@ -1299,12 +1405,21 @@ Result<Plan> plan_offload_level_best_share(const Program& program, const CostMod
     *roomy = false;
     return Status::out_of_memory("state kept on device takes more than half the budget");
   }
+  // With speculative updates the host's share of the optimizer overlaps the backward,
+  // so streaming none of it through the device can be faster than the rule's balance
+  // of host and link: both are tried.
+  std::vector<PlannerOptions> variants{options};
+  if (options.stream_optimizer != 0 && options.speculate != 0) {
+    variants.push_back(options);
+    variants.back().stream_optimizer = 0;
+  }
   std::vector<std::future<Result<Plan>>> planned;
-  for (uint64_t share : shares)
-    planned.push_back(std::async(std::launch::async, [&, share] {
-      return plan_offload_level(program, cost, budgets, options, level, recompute, prefetch, flush_gap, layer_major,
-                                alignment, nullptr, true, share);
-    }));
+  for (const PlannerOptions& o : variants)
+    for (uint64_t share : shares)
+      planned.push_back(std::async(std::launch::async, [&, share] {
+        return plan_offload_level(program, cost, budgets, o, level, recompute, prefetch, flush_gap, layer_major,
+                                  alignment, nullptr, true, share);
+      }));
   std::optional<Plan> best;
   double best_s = 0;
   Status first = Status::ok();

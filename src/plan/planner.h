@@ -45,6 +45,10 @@ struct PlannerOptions {
   // host share the update (sized so both take about as long by the cost model).
   // -1 = on, 0 = off.
   int stream_optimizer = -1;
+  // planned and auto: start host AdamW ops speculatively, before the clip scale is
+  // known (Plan::speculation), as many as the host budget has room for the second
+  // buffers of their master, m and v (earliest first). -1 = on, 0 = off.
+  int speculate = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)

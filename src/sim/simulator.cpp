@@ -98,7 +98,9 @@ class Sim {
         plan_(plan),
         machine_(machine),
         tensors_(program.tensors.size()),
-        residency_(program, plan, {.track_placement = false}) {}
+        residency_(program, plan, {.track_placement = false}) {
+    speculated_.assign(program.ops.size(), false);
+  }
 
   SimResult run() {
     if (Status st = residency_.start(); !st.is_ok()) {
@@ -118,6 +120,9 @@ class Sim {
           // instruction did to residency is read from it.
           if (issue(plan_.instructions[pc_])) {
             if (Status st = residency_.apply(pc_, plan_.instructions[pc_]); !st.is_ok()) result_.plan_error = st.message();
+            while (next_spec_ < plan_.speculation.size() &&
+                   plan_.speculation[next_spec_].after == static_cast<int32_t>(pc_))
+              issue_speculation(plan_.speculation[next_spec_++]);
             ++pc_;
           }
           moved = true;
@@ -373,13 +378,46 @@ class Sim {
     return true;
   }
 
+  // A speculative host AdamW (plan.h): queued on the host engine once its gradient's
+  // host copy has arrived and nothing reads param's host buffer; it writes param
+  // there. Its Run later only commits (the step modelled has clipping inactive).
+  void issue_speculation(const Speculation& sp) {
+    if (sp.op < 0 || static_cast<size_t>(sp.op) >= program_.ops.size()) return;
+    const Op& op = program_.ops[static_cast<size_t>(sp.op)];
+    if (op.kind != OpKind::AdamW || op.place != Place::Host || op.operands.size() < 5) return;
+    const TensorId param = op.operands[0].tensor, grad = op.operands[4].tensor;
+    if (!valid_tensor(param) || !valid_tensor(grad)) return;
+    Task t;
+    t.work = machine_.op_seconds(program_, static_cast<size_t>(sp.op)) * host_share_while_copying();
+    t.rate = 1;
+    t.name = "speculate " + op.name;
+    t.op = sp.op;
+    t.server = kHost;
+    t.resource = SimResource::Host;
+    if (pending(tensors_[grad].host_arrival)) t.deps.push_back(tensors_[grad].host_arrival);
+    for (int u : tensors_[param].host_users)
+      if (pending(u) && std::find(t.deps.begin(), t.deps.end(), u) == t.deps.end()) t.deps.push_back(u);
+    const int id = add_task(std::move(t));
+    for (TensorId x : {param, grad}) {
+      tensors_[x].host_users.push_back(id);
+      tensors_[x].host_op_use = id;
+    }
+    tensors_[param].host_arrival = id;
+    speculated_[static_cast<size_t>(sp.op)] = true;
+    ++result_.speculated_ops;
+  }
+
   bool issue_run(const Instruction& in) {
     if (in.op < 0 || static_cast<size_t>(in.op) >= program_.ops.size()) return true;
     const Op& op = program_.ops[in.op];
     Task t;
     t.work = machine_.op_seconds(program_, static_cast<size_t>(in.op));
+    if (!in.recompute && speculated_[static_cast<size_t>(in.op)]) {
+      t.work = 0;  // a commit
+      t.name = "commit " + op.name;
+    }
     t.rate = 1;
-    t.name = in.recompute ? "recompute " + op.name : op.name;
+    if (t.name.empty()) t.name = in.recompute ? "recompute " + op.name : op.name;
     t.op = in.op;
     t.recompute = in.recompute;
     if (in.recompute) ++result_.recomputed_ops;
@@ -601,6 +639,8 @@ class Sim {
   bool first_compute_ = true;
   // host engine
   double last_host_end_ = 0;
+  size_t next_spec_ = 0;               // the next entry of plan_.speculation to issue
+  std::vector<bool> speculated_;       // [ops] its speculative update was issued
   ResidencyMachine residency_;  // where each tensor's copies are (plan/residency.h)
   SimResult result_;
 };

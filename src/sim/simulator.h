@@ -37,6 +37,11 @@
 // - Host ops share the host's memory bandwidth with the copies: alone they run at
 //   Machine::host_adam_params_per_s_alone, while either link direction transfers at
 //   host_adam_params_per_s (the rate changes at those instants, as for duplex).
+// - Speculative updates (Plan::speculation): each is a host op queued once the
+//   instruction it follows has issued, starting when its gradient's host copy has
+//   arrived and param's host buffer is no longer read; its Run then commits, taking
+//   no time. The step predicted is one whose clipping is inactive (a clipped step
+//   redoes the update at its Run).
 // - Storage runs one request at a time: reads at storage_read_bytes_per_s, writes
 //   at storage_write_bytes_per_s.
 // - Memory: persistent tensors (Param, Grad, Master, OptState, Input) start in
@@ -103,6 +108,7 @@ struct SimResult {
   // one instant (which the samples below, taken at the end of each instant, omit).
   uint64_t peak_device_bytes = 0, peak_host_bytes = 0, peak_storage_bytes = 0;
   int recomputed_ops = 0;
+  int speculated_ops = 0;      // host AdamW ops started speculatively (Plan::speculation)
   // The first instruction the residency machine (plan/residency.h) refused, where the
   // replay stopped; empty for a valid plan.
   std::string plan_error;

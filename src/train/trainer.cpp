@@ -67,6 +67,7 @@ std::string metrics_json(const StepResult& r) {
   append_integer(s, "storage_read_bytes", r.exec.storage_read_bytes);
   append_integer(s, "storage_write_bytes", r.exec.storage_write_bytes);
   append_integer(s, "recomputed_ops", static_cast<uint64_t>(std::max(r.exec.recomputed_ops, 0)));
+  append_integer(s, "speculated_ops", static_cast<uint64_t>(std::max(r.exec.speculated_ops, 0)));
   append_number(s, "stall_s", r.exec.stall_s, "%.6f");
   append_number(s, "host_wait_s", r.exec.host_wait_s, "%.6f");
   append_integer(s, "peak_device_bytes", r.exec.peak_device_bytes);

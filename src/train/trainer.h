@@ -125,7 +125,7 @@ struct StepResult {
 
 // One JSON object (no newline) with step, loss (%.9g: enough digits to round-trip
 // the float), lr, grad_norm, tokens, step_s, tokens_per_s, h2d_bytes, d2h_bytes,
-// storage_read_bytes, storage_write_bytes, recomputed_ops, stall_s,
+// storage_read_bytes, storage_write_bytes, recomputed_ops, speculated_ops, stall_s,
 // peak_device_bytes, peak_host_bytes, peak_storage_bytes, val_loss when set, and
 // "skipped":true when the update was not applied. JSON has no NaN or infinity: a
 // non-finite number is written as null, so every line parses.

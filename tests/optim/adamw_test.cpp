@@ -2,12 +2,14 @@
 // the formula in optim/adamw.h, bit for bit; clipping; bf16 rounding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <new>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/thread_pool.h"
@@ -323,6 +325,138 @@ TEST_F(AdamWHost, FiniteScalesAreApplied) {
     reference_step(DType::F32, want, scale, h);
     host_step(DType::F32, got, scale, h);
     EXPECT_TRUE(same_state(DType::F32, got, want)) << "scale " << scale;
+  }
+}
+
+// adamw_host_into: the out-of-place update. Sizes across the scalar tails, the
+// vector bodies and the threaded tiles (adamw.cpp's kParallelMin = 1 << 18).
+const std::vector<size_t> kIntoSizes = {1, 17, 1000, (size_t{1} << 18) + 17};
+
+// Bitwise equality, NaN payloads included.
+template <typename T>
+bool same_bits(const Vec<T>& a, const Vec<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Fills an output array with a NaN pattern no update writes, so that an output
+// the kernel does not write is seen.
+void poison(Vec<float>& a) {
+  for (size_t i = 0; i < a.size(); ++i) a[i] = from_bits(0x7fc0beefu ^ static_cast<uint32_t>(i & 0xff));
+}
+
+// One out-of-place step: reads in.master/m/v, writes out.master/m/v and out's param.
+void host_step_into(DType dtype, const State& in, State& out, float scale, const AdamWHyper& h) {
+  float scale_norm[2] = {scale, 0.0f};
+  size_t n = in.master.size();
+  void* param = dtype == DType::BF16 ? static_cast<void*>(out.param_bf16.data()) : out.param_f32.data();
+  const void* grad = dtype == DType::BF16 ? static_cast<const void*>(in.grad_bf16.data()) : in.grad_f32.data();
+  adamw_host_into(dtype, param, in.master.data(), in.m.data(), in.v.data(), out.master.data(), out.m.data(),
+                  out.v.data(), grad, scale_norm, n, h);
+}
+
+// out's state and param bit for bit as want's; in's master, m, v as pristine's.
+void expect_into(DType dtype, const State& in, const State& out, const State& want, const State& pristine,
+                 const std::string& what) {
+  EXPECT_TRUE(same_bits(out.master, want.master)) << what << ": master_out";
+  EXPECT_TRUE(same_bits(out.m, want.m)) << what << ": m_out";
+  EXPECT_TRUE(same_bits(out.v, want.v)) << what << ": v_out";
+  if (dtype == DType::BF16)
+    EXPECT_TRUE(same_bits(out.param_bf16, want.param_bf16)) << what << ": param";
+  else
+    EXPECT_TRUE(same_bits(out.param_f32, want.param_f32)) << what << ": param";
+  EXPECT_TRUE(same_bits(in.master, pristine.master)) << what << ": master_in changed";
+  EXPECT_TRUE(same_bits(in.m, pristine.m)) << what << ": m_in changed";
+  EXPECT_TRUE(same_bits(in.v, pristine.v)) << what << ": v_in changed";
+}
+
+TEST_F(AdamWHost, IntoMatchesInPlaceBitForBitAtEveryLevel) {
+  const AdamWHyper h = adamw_hyper(6e-4f, 3, 0.1f);
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    for (size_t n : kIntoSizes) {
+      const State pristine = make_state(n, static_cast<uint32_t>(n * 13 + 1));
+      // The threaded size also at other thread counts (the tiling must not change).
+      const std::vector<int> thread_counts = n >= (size_t{1} << 18) ? std::vector<int>{0, 1, 3} : std::vector<int>{0};
+      for (int threads : thread_counts) {
+        set_global_thread_count(threads);
+        for (SimdLevel s : available_levels()) {
+          ASSERT_TRUE(adamw_force_simd_level(s));
+          const std::string what = std::string(simd_level_name(s)) + " " + dtype_name(dtype) +
+                                   " n=" + std::to_string(n) + " threads=" + std::to_string(threads);
+          State want = pristine;
+          host_step(dtype, want, 0.37f, h);
+          State in = pristine, out = pristine;
+          poison(out.master);
+          poison(out.m);
+          poison(out.v);
+          std::fill(out.param_f32.begin(), out.param_f32.end(), -1234.5f);
+          std::fill(out.param_bf16.begin(), out.param_bf16.end(), uint16_t{0xdead});
+          host_step_into(dtype, in, out, 0.37f, h);
+          expect_into(dtype, in, out, want, pristine, what);
+          // Mixed: master in place, m and v out of place.
+          State mixed_in = pristine, mixed_out = pristine;
+          poison(mixed_out.m);
+          poison(mixed_out.v);
+          float scale_norm[2] = {0.37f, 0.0f};
+          void* param = dtype == DType::BF16 ? static_cast<void*>(mixed_out.param_bf16.data())
+                                             : mixed_out.param_f32.data();
+          const void* grad = dtype == DType::BF16 ? static_cast<const void*>(pristine.grad_bf16.data())
+                                                  : pristine.grad_f32.data();
+          adamw_host_into(dtype, param, mixed_in.master.data(), mixed_in.m.data(), mixed_in.v.data(),
+                          mixed_in.master.data(), mixed_out.m.data(), mixed_out.v.data(), grad, scale_norm, n, h);
+          EXPECT_TRUE(same_bits(mixed_in.master, want.master)) << what << ": mixed master (in place)";
+          EXPECT_TRUE(same_bits(mixed_out.m, want.m)) << what << ": mixed m_out";
+          EXPECT_TRUE(same_bits(mixed_out.v, want.v)) << what << ": mixed v_out";
+          EXPECT_TRUE(same_bits(mixed_in.m, pristine.m) && same_bits(mixed_in.v, pristine.v))
+              << what << ": mixed m_in/v_in changed";
+          if (dtype == DType::BF16)
+            EXPECT_TRUE(same_bits(mixed_out.param_bf16, want.param_bf16)) << what << ": mixed param";
+          else
+            EXPECT_TRUE(same_bits(mixed_out.param_f32, want.param_f32)) << what << ": mixed param";
+        }
+      }
+      set_global_thread_count(0);
+    }
+  }
+}
+
+// A skipped step out of place: param = master_in rounded (as adamw_host writes it),
+// the inputs copied to the outputs bit for bit, the inputs untouched.
+TEST_F(AdamWHost, IntoSkippedStepCopiesInputsAtEveryLevel) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const AdamWHyper h = adamw_hyper(1e-3f, 5, 0.1f);
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    for (size_t n : kIntoSizes) {
+      State pristine = make_state(n, static_cast<uint32_t>(n + 77));
+      for (size_t i = 0; i < n; i += 5) {  // non-finite gradients, as a diverged step has
+        pristine.grad_f32[i] = i % 2 ? nan : inf;
+        pristine.grad_bf16[i] = static_cast<uint16_t>(bits_of(pristine.grad_f32[i]) >> 16);
+      }
+      for (SimdLevel s : available_levels()) {
+        ASSERT_TRUE(adamw_force_simd_level(s));
+        const std::string what =
+            std::string(simd_level_name(s)) + " " + dtype_name(dtype) + " n=" + std::to_string(n);
+        State want = pristine;
+        std::fill(want.param_f32.begin(), want.param_f32.end(), -1234.5f);
+        std::fill(want.param_bf16.begin(), want.param_bf16.end(), uint16_t{0xdead});
+        host_step(dtype, want, nan, h);
+        ASSERT_TRUE(same_bits(want.master, pristine.master));  // in place: nothing changed
+        for (size_t i = 0; i < n; ++i) {  // and param is master rounded
+          if (dtype == DType::F32)
+            ASSERT_EQ(bits_of(want.param_f32[i]), bits_of(pristine.master[i])) << what << " [" << i << "]";
+          else
+            ASSERT_EQ(want.param_bf16[i], reference_bf16(pristine.master[i])) << what << " [" << i << "]";
+        }
+        State in = pristine, out = pristine;
+        poison(out.master);
+        poison(out.m);
+        poison(out.v);
+        std::fill(out.param_f32.begin(), out.param_f32.end(), -1234.5f);
+        std::fill(out.param_bf16.begin(), out.param_bf16.end(), uint16_t{0xdead});
+        host_step_into(dtype, in, out, nan, h);
+        expect_into(dtype, in, out, want, pristine, what);
+      }
+    }
   }
 }
 

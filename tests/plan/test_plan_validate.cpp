@@ -8,6 +8,7 @@
 #include "plan/planner.h"
 #include "sim/machine.h"
 #include "sim/simulator.h"
+#include "core/size.h"
 
 using namespace spillway;
 
@@ -91,8 +92,11 @@ TEST(PlanValidate, PlannedKeepsCrowdedStateOnDeviceWhenThatIsFaster) {
     Budgets b;
     b.device = resident->device_bytes / 100 * static_cast<uint64_t>(percent);
     if (state <= b.device / 2) continue;  // state leaves half: planned keeps it without asking
-    auto planned = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .alignment = 256});
-    auto offloaded = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256});
+    // Without speculative updates, which make the offloaded plans of this small model
+    // faster than the crowded one at every budget (the choice itself is under test).
+    auto planned = make_plan(*program, Simulator(machine), b, {.policy = Policy::Planned, .speculate = 0, .alignment = 256});
+    auto offloaded = make_plan(*program, Simulator(machine), b,
+                               {.policy = Policy::Planned, .optimizer_on_host = 1, .speculate = 0, .alignment = 256});
     if (!planned.ok() || !offloaded.ok()) continue;
     ++compared;
     EXPECT_TRUE(planned->validate(*program, b).is_ok()) << percent << "%";
@@ -169,6 +173,72 @@ TEST(PlanValidate, HostAdamWIsIssuedBeforeTheDeviceAdamW) {
     EXPECT_LT(last_host, first_device) << percent << "%: " << plan->description;
   }
   EXPECT_GT(split, 0) << "no budget splits the optimizer between host and device";
+}
+
+// Speculative updates (plan.h): the host AdamW ops start in the backward, before the
+// clip scale; Plan::validate refuses an entry the plan does not allow, and the
+// simulator overlaps them with the backward.
+TEST(PlanValidate, SpeculativeUpdatesStartInTheBackwardAndAreChecked) {
+  auto program = build_training_program(ModelConfig{4, 256, 4, 256, 512}, StepShape{4, 256, 1}, DType::BF16);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  const Machine machine = Machine::h200();
+  auto resident = make_plan(*program, Simulator(machine), {}, {.policy = Policy::Resident, .alignment = 256});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  Budgets b;
+  b.device = resident->device_bytes / 2;
+  PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1, .alignment = 256};
+  o.device_optimizer_bytes = 0;  // every AdamW on host
+  auto plan = make_plan(*program, Simulator(machine), b, o);
+  ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+  ASSERT_FALSE(plan->speculation.empty()) << plan->description;
+  EXPECT_EQ(plan->speculation_bytes, speculation_bytes(*program, plan->speculation));
+  int clip = -1;
+  for (size_t i = 0; i < plan->instructions.size(); ++i)
+    if (plan->instructions[i].kind == InstrKind::Run && program->ops[plan->instructions[i].op].kind == OpKind::ClipScale)
+      clip = static_cast<int>(i);
+  ASSERT_GE(clip, 0);
+  int before_clip = 0;
+  for (const Speculation& s : plan->speculation) before_clip += s.after < clip;
+  EXPECT_GT(before_clip, static_cast<int>(plan->speculation.size()) / 2)
+      << "most speculative updates should start before the clip scale is known";
+  ASSERT_TRUE(plan->validate(*program, b).is_ok());
+
+  // Refused: starting before the gradient is final, an op listed twice, wrong bytes.
+  Plan early = *plan;
+  early.speculation.front().after -= 1;
+  Status s = early.validate(*program, b);
+  EXPECT_EQ(s.code(), StatusCode::Internal);
+  EXPECT_NE(s.message().find("not one the plan allows"), std::string::npos) << s.to_string();
+  Plan twice = *plan;
+  twice.speculation.push_back(twice.speculation.back());
+  twice.speculation_bytes = speculation_bytes(*program, twice.speculation);
+  EXPECT_EQ(twice.validate(*program, b).code(), StatusCode::Internal);
+  Plan bytes = *plan;
+  bytes.speculation_bytes += 4096;
+  EXPECT_EQ(bytes.validate(*program, b).code(), StatusCode::Internal);
+  Budgets tight = b;
+  tight.host = align_up(plan->host_bytes, 4096) + plan->speculation_bytes - 4096;
+  EXPECT_EQ(plan->validate(*program, tight).code(), StatusCode::Internal) << "speculation buffers over the host budget";
+
+  // The simulator: every speculation issues, and the step is shorter than the same
+  // plan without them (the host AdamW then waits for the clip scale).
+  const Program placed = placed_as_planned(*program, *plan);
+  SimResult with = simulate(placed, *plan, machine);
+  ASSERT_TRUE(with.plan_error.empty()) << with.plan_error;
+  EXPECT_EQ(with.speculated_ops, static_cast<int>(plan->speculation.size()));
+  Plan without = *plan;
+  without.speculation.clear();
+  without.speculation_bytes = 0;
+  SimResult plain = simulate(placed, without, machine);
+  EXPECT_EQ(plain.speculated_ops, 0);
+  EXPECT_LT(with.step_s, plain.step_s);
+
+  // Off: no speculation.
+  o.speculate = 0;
+  auto off = make_plan(*program, Simulator(machine), b, o);
+  ASSERT_TRUE(off.ok()) << off.status().to_string();
+  EXPECT_TRUE(off->speculation.empty());
+  EXPECT_EQ(off->speculation_bytes, 0u);
 }
 
 }  // namespace

@@ -498,17 +498,20 @@ TEST(Simulator, PlannedGptStep) {
     if (policy != Policy::Resident) budgets.device = minimum_device_budget(*program, 64) * 3;
     auto plan = make_plan(*program, Simulator(m), budgets, {.policy = policy});
     ASSERT_TRUE(plan.ok()) << plan.status().to_string();
-    SimResult r = simulate(*program, *plan, m);
+    const Program placed = placed_as_planned(*program, *plan);
+    SimResult r = simulate(placed, *plan, m);
     size_t runs = 0;
     double compute = 0;
     for (const Instruction& in : plan->instructions) {
       if (in.kind != InstrKind::Run) continue;
       ++runs;
-      if (program->ops[in.op].place == Place::Device) compute += m.op_seconds(*program, in.op);
+      if (placed.ops[in.op].place == Place::Device) compute += m.op_seconds(placed, in.op);
     }
     size_t run_events = 0;
     for (const SimEvent& e : r.timeline) run_events += e.op >= 0;
-    EXPECT_EQ(run_events, runs);
+    // Each Run, and each speculative update (a host op of its own before its Run).
+    EXPECT_EQ(r.speculated_ops, static_cast<int>(plan->speculation.size()));
+    EXPECT_EQ(run_events, runs + plan->speculation.size());
     EXPECT_NEAR(r.compute_s, compute, 1e-9);
     EXPECT_GE(r.step_s, r.compute_s);
     EXPECT_LE(r.peak_device_bytes, plan->device_bytes);

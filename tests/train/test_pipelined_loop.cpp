@@ -33,6 +33,8 @@ struct PipelinedRun {
   float val = 0;                     // evaluation after step 3
   std::string saved_mid, saved_end;  // the --save files' bytes after step 3 and 6
   Plan plan;
+  int speculated = 0;                // host AdamW ops started speculatively, all steps
+  SpeculationTally tally;            // after the last step
 };
 
 // 3 steps, evaluate, save, 3 steps, save.
@@ -55,6 +57,7 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
     if (!r.ok()) return run;
     run.losses.push_back(r->loss);
     run.norms.push_back(r->grad_norm);
+    run.speculated += r->exec.speculated_ops;
     const std::string path = dir + "/pipelined_" + std::to_string(s) + ".safetensors";
     if (s == 3) {
       auto loader = DataLoader::create(split, 1, o.shape.T, LoaderMode::Sequential);
@@ -71,6 +74,7 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
     }
   }
   EXPECT_TRUE(tr.drain().is_ok());
+  run.tally = tr.executor().speculation_tally();
   return run;
 }
 
@@ -116,13 +120,14 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
     for (float n : ref.norms) clipped += n > clip.max_norm;
     if (clip.active) {
       EXPECT_GT(clipped, 0) << "the test needs steps where clipping is active";
+      EXPECT_GT(ref.norms[0], clip.max_norm) << "the test needs step 1 clipped (its speculations are redone)";
     } else {
       EXPECT_EQ(clipped, 0);
     }
     auto program = build_training_program(o.model, o.shape, DType::F32);
     ASSERT_TRUE(program.ok());
     const uint64_t peak = ref.plan.device_bytes;
-    int mixed = 0, host_only = 0;
+    int mixed = 0, host_only = 0, speculating = 0;
     for (int divisor : {2, 4, 10}) {
       for (int64_t device_optimizer : {int64_t{-1}, int64_t{0}}) {
         TrainerOptions b = base;
@@ -140,11 +145,25 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
         if (device_optimizer == 0) {
           EXPECT_EQ(device, 0) << tag;
         }
+        // Speculative updates: each one queued was committed or redone; with clipping
+        // inactive every one stands, with it active (step 1 here) the first are redone.
+        EXPECT_EQ(r.tally.committed + r.tally.redone, static_cast<uint64_t>(r.speculated)) << tag;
+        if (!r.plan.speculation.empty()) {
+          ++speculating;
+          EXPECT_GT(r.speculated, 0) << tag;
+          if (clip.active) {
+            EXPECT_GT(r.tally.redone, 0u) << tag;
+          } else {
+            EXPECT_EQ(r.tally.redone, 0u) << tag;
+            EXPECT_EQ(r.tally.committed, r.plan.speculation.size() * 6) << tag << ": every step commits";
+          }
+        }
         mixed += host > 0 && device > 0;
         host_only += device == 0;
       }
     }
     EXPECT_GT(mixed, 0) << clip.name << ": no budget split the optimizer between device and host";
+    EXPECT_GT(speculating, 0) << clip.name << ": no plan started a host AdamW speculatively";
     EXPECT_GT(host_only, 0);
   }
 }
