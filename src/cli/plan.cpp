@@ -222,7 +222,18 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
                             std::pair{p.h2d_s, "h2d"}, std::pair{p.d2h_s, "d2h"}, std::pair{p.storage_s, "storage"}})
     if (busy > most) most = busy, p.binds = name;
   p.binds_share = p.step_s > 0 ? most / p.step_s : 0;
-  out << "predicted throughput: " << static_cast<int64_t>(p.tokens_per_s) << " tokens/s\n";
+  out << "predicted throughput: " << static_cast<int64_t>(p.tokens_per_s) << " tokens/s";
+  if (!plan->speculation.empty()) {
+    // The step above has clipping inactive. Where it clips, the updates are redone at
+    // their places and the next step does not speculate: the plan without them.
+    Plan clipped = *plan;
+    clipped.speculation.clear();
+    clipped.speculation_bytes = 0;
+    const double clipped_s = simulate(placed, clipped, machine).step_s;
+    out << " (" << plan->speculation.size() << " host AdamW ops speculated; in steps where clipping is active: "
+        << static_cast<int64_t>(clipped_s > 0 ? tokens / clipped_s : 0) << " tokens/s)";
+  }
+  out << "\n";
   char line[320];
   std::snprintf(line, sizeof line,
                 "where the time goes: compute %.3f s, exposed copies %.3f s, host optimizer %.3f s, links h2d %.3f s "
