@@ -31,6 +31,19 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Zeroes [p, p + bytes) on every core, in 64 MiB pieces (tens of GiB of host state
+// would otherwise take one core most of the time to the first step).
+void zero_in_parallel(void* p, uint64_t bytes) {
+  constexpr uint64_t kChunk = uint64_t{64} << 20;
+  char* base = static_cast<char*>(p);
+  global_thread_pool().parallel_for(static_cast<int64_t>((bytes + kChunk - 1) / kChunk), [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const uint64_t begin = static_cast<uint64_t>(c) * kChunk;
+      std::memset(base + begin, 0, std::min(kChunk, bytes - begin));
+    }
+  });
+}
+
 
 class PlanExecutor final : public Executor {
  public:
@@ -101,17 +114,7 @@ class PlanExecutor final : public Executor {
     host_arena_ = std::make_unique<DeviceArena>(host_memory_, host_bytes, 4096);
     // Host-homed state starts zeroed: the whole arena, in parallel (tens of GiB for
     // a large model; one thread would take most of the time to the first step).
-    {
-      constexpr uint64_t kChunk = uint64_t{64} << 20;
-      const auto chunks = static_cast<int64_t>((host_bytes + kChunk - 1) / kChunk);
-      char* base = static_cast<char*>(host_memory_);
-      global_thread_pool().parallel_for(chunks, [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const uint64_t begin = static_cast<uint64_t>(c) * kChunk;
-          std::memset(base + begin, 0, std::min(kChunk, host_bytes - begin));
-        }
-      });
-    }
+    zero_in_parallel(host_memory_, host_bytes);
     bool uses_storage = plan_.storage_bytes > 0;
     if (uses_storage) {
       if (opt_.spill_dir.empty())
@@ -344,8 +347,11 @@ class PlanExecutor final : public Executor {
     std::array<float*, 3> cur{}, next{};  // master, m, v: [attrs.n] F32 each
     bool queued = false;                  // its speculation was queued this step
   };
-  static constexpr int kAdamWParam = 0, kAdamWGrad = 4, kAdamWScale = 5;
-  static constexpr int kAdamWState[3] = {1, 2, 3};  // master, m, v
+  // AdamW's operand slots (program/op_registry.h).
+  const int adamw_param_ = op_slot(OpKind::AdamW, "param"), adamw_grad_ = op_slot(OpKind::AdamW, "grad");
+  const int adamw_scale_ = op_slot(OpKind::AdamW, "scale_norm");
+  const int adamw_state_[3] = {op_slot(OpKind::AdamW, "master"), op_slot(OpKind::AdamW, "m"),
+                               op_slot(OpKind::AdamW, "v")};
   struct Slot {
     void* device = nullptr;  // base + offset while the tensor holds a device region
     uint64_t offset = 0;
@@ -869,14 +875,14 @@ class PlanExecutor final : public Executor {
       bool committed = false;
       if (spec) {
         // The speculation stands when the scale is exactly 1: it is this update's bits.
-        const float scale = static_cast<const float*>(ptrs[kAdamWScale])[0];
+        const float scale = static_cast<const float*>(ptrs[static_cast<size_t>(adamw_scale_)])[0];
         speculate_next_.store(scale == 1.0f, std::memory_order_relaxed);
         if (speculated && scale == 1.0f) {
           std::swap(spec->cur, spec->next);
           committed = true;
           speculation_commits_.fetch_add(1, std::memory_order_relaxed);
         } else {
-          for (int i = 0; i < 3; ++i) ptrs[static_cast<size_t>(kAdamWState[i])] = spec->cur[static_cast<size_t>(i)];
+          for (int i = 0; i < 3; ++i) ptrs[static_cast<size_t>(adamw_state_[i])] = spec->cur[static_cast<size_t>(i)];
           if (speculated) speculation_redos_.fetch_add(1, std::memory_order_relaxed);
         }
       }
@@ -920,14 +926,8 @@ class PlanExecutor final : public Executor {
     if (!spec_memory_)
       return Status::out_of_memory("could not allocate " + format_size(total) +
                                    " of host memory for the speculative updates' second buffers");
-    constexpr uint64_t kChunk = uint64_t{64} << 20;
+    zero_in_parallel(spec_memory_, total);
     char* base = static_cast<char*>(spec_memory_);
-    global_thread_pool().parallel_for(static_cast<int64_t>((total + kChunk - 1) / kChunk), [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const uint64_t begin = static_cast<uint64_t>(c) * kChunk;
-        std::memset(base + begin, 0, std::min(kChunk, total - begin));
-      }
-    });
     spec_of_op_.assign(p_.ops.size(), -1);
     spec_of_tensor_.assign(p_.tensors.size(), -1);
     spec_which_.assign(p_.tensors.size(), 0);
@@ -939,10 +939,10 @@ class PlanExecutor final : public Executor {
       SpecBuffers b;
       b.op = sp.op;
       b.after = sp.after;
-      b.param = op.operands[static_cast<size_t>(kAdamWParam)].tensor;
-      b.grad = op.operands[static_cast<size_t>(kAdamWGrad)].tensor;
+      b.param = op.operands[static_cast<size_t>(adamw_param_)].tensor;
+      b.grad = op.operands[static_cast<size_t>(adamw_grad_)].tensor;
       for (int i = 0; i < 3; ++i) {
-        const TensorId t = op.operands[static_cast<size_t>(kAdamWState[i])].tensor;
+        const TensorId t = op.operands[static_cast<size_t>(adamw_state_[i])].tensor;
         if (!slots_[t].host)
           return Status::internal("executor: " + p_.tensors.info(t).name + " of speculated " + op.name +
                                   " has no host buffer");

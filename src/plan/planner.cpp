@@ -1281,7 +1281,8 @@ Config offload_config(const Program& program, const CostModel& cost, const Budge
     }
     const double host_s = cost.host_adam_seconds(1.0);
     const double link_s = cost.duplex_copy_seconds(12.0);
-    auto streamed = static_cast<int64_t>(static_cast<double>(host_params) * host_s / (host_s + link_s));
+    auto streamed = static_cast<int64_t>(static_cast<double>(host_params) * host_s / (host_s + link_s) *
+                                         std::clamp(options.stream_fraction, 0.0, 1.0));
     // Streamed gradients stay on device: their bytes come out of the prefix's share
     // (fewer are streamed when the share cannot hold them).
     auto grads = static_cast<uint64_t>(static_cast<double>(streamed) * grad_bytes_per_param);
@@ -1406,13 +1407,15 @@ Result<Plan> plan_offload_level_best_share(const Program& program, const CostMod
     return Status::out_of_memory("state kept on device takes more than half the budget");
   }
   // With speculative updates the host's share of the optimizer overlaps the backward,
-  // so streaming none of it through the device can be faster than the rule's balance
-  // of host and link: both are tried.
+  // so streaming less through the device than the rule's balance of host and link
+  // can be faster: 1/2, 1/4 and none of it are tried too.
   std::vector<PlannerOptions> variants{options};
-  if (options.stream_optimizer != 0 && options.speculate != 0) {
-    variants.push_back(options);
-    variants.back().stream_optimizer = 0;
-  }
+  if (options.stream_optimizer != 0 && options.speculate != 0)
+    for (double fraction : {0.5, 0.25, 0.0}) {
+      variants.push_back(options);
+      variants.back().stream_fraction = fraction;
+      if (fraction == 0.0) variants.back().stream_optimizer = 0;
+    }
   std::vector<std::future<Result<Plan>>> planned;
   for (const PlannerOptions& o : variants)
     for (uint64_t share : shares)

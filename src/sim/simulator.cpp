@@ -21,6 +21,7 @@
 
 #include "core/size.h"
 #include "plan/residency.h"
+#include "program/op_registry.h"
 
 namespace spillway {
 
@@ -384,8 +385,11 @@ class Sim {
   void issue_speculation(const Speculation& sp) {
     if (sp.op < 0 || static_cast<size_t>(sp.op) >= program_.ops.size()) return;
     const Op& op = program_.ops[static_cast<size_t>(sp.op)];
-    if (op.kind != OpKind::AdamW || op.place != Place::Host || op.operands.size() < 5) return;
-    const TensorId param = op.operands[0].tensor, grad = op.operands[4].tensor;
+    const int param_slot = op_slot(OpKind::AdamW, "param"), grad_slot = op_slot(OpKind::AdamW, "grad");
+    if (op.kind != OpKind::AdamW || op.place != Place::Host || static_cast<int>(op.operands.size()) <= grad_slot)
+      return;
+    const TensorId param = op.operands[static_cast<size_t>(param_slot)].tensor;
+    const TensorId grad = op.operands[static_cast<size_t>(grad_slot)].tensor;
     if (!valid_tensor(param) || !valid_tensor(grad)) return;
     Task t;
     t.work = machine_.op_seconds(program_, static_cast<size_t>(sp.op)) * host_share_while_copying();

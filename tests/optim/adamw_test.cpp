@@ -344,6 +344,15 @@ void poison(Vec<float>& a) {
   for (size_t i = 0; i < a.size(); ++i) a[i] = from_bits(0x7fc0beefu ^ static_cast<uint32_t>(i & 0xff));
 }
 
+// Every output of an out-of-place step set to values no update writes.
+void poison_outputs(State& out) {
+  poison(out.master);
+  poison(out.m);
+  poison(out.v);
+  std::fill(out.param_f32.begin(), out.param_f32.end(), -1234.5f);
+  std::fill(out.param_bf16.begin(), out.param_bf16.end(), uint16_t{0xdead});
+}
+
 // One out-of-place step: reads in.master/m/v, writes out.master/m/v and out's param.
 void host_step_into(DType dtype, const State& in, State& out, float scale, const AdamWHyper& h) {
   float scale_norm[2] = {scale, 0.0f};
@@ -385,11 +394,7 @@ TEST_F(AdamWHost, IntoMatchesInPlaceBitForBitAtEveryLevel) {
           State want = pristine;
           host_step(dtype, want, 0.37f, h);
           State in = pristine, out = pristine;
-          poison(out.master);
-          poison(out.m);
-          poison(out.v);
-          std::fill(out.param_f32.begin(), out.param_f32.end(), -1234.5f);
-          std::fill(out.param_bf16.begin(), out.param_bf16.end(), uint16_t{0xdead});
+          poison_outputs(out);
           host_step_into(dtype, in, out, 0.37f, h);
           expect_into(dtype, in, out, want, pristine, what);
           // Mixed: master in place, m and v out of place.
@@ -448,11 +453,7 @@ TEST_F(AdamWHost, IntoSkippedStepCopiesInputsAtEveryLevel) {
             ASSERT_EQ(want.param_bf16[i], reference_bf16(pristine.master[i])) << what << " [" << i << "]";
         }
         State in = pristine, out = pristine;
-        poison(out.master);
-        poison(out.m);
-        poison(out.v);
-        std::fill(out.param_f32.begin(), out.param_f32.end(), -1234.5f);
-        std::fill(out.param_bf16.begin(), out.param_bf16.end(), uint16_t{0xdead});
+        poison_outputs(out);
         host_step_into(dtype, in, out, nan, h);
         expect_into(dtype, in, out, want, pristine, what);
       }
