@@ -1,9 +1,15 @@
 #include "dist/data_parallel.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <stdexcept>
 #include <map>
 #include <string>
 
+#include "core/checksum.h"
+#include "model/safetensors.h"
 #include "program/op_registry.h"
 
 namespace spillway {
@@ -288,6 +294,161 @@ Result<std::vector<float>> DataParallelRank::parameter(size_t i) {
   std::vector<float> v(static_cast<size_t>(layout_.params[i].n));
   SPILLWAY_RETURN_IF_ERROR(read_output(layout_.params[i].name, v.data(), v.size() * sizeof(float)));
   return v;
+}
+
+}  // namespace spillway
+
+// ---- sharded checkpoints ------------------------------------------------------------
+
+namespace spillway {
+
+namespace {
+
+constexpr const char* kShardFormat = "spillway-dp-shard";
+constexpr int kShardVersion = 1;
+
+std::string shard_name(int rank, int world) {
+  return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
+}
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+uint64_t checksum_of(const std::vector<float>& v) { return checksum64(v.data(), v.size() * sizeof(float)); }
+
+// A shard's metadata field as an integer, or an error naming the shard.
+Result<int64_t> meta_int(const SafetensorsReader& r, const std::string& key) {
+  auto it = r.metadata().find(key);
+  if (it == r.metadata().end()) return fail(r.path() + ": no '" + key + "' in its metadata (not a data-parallel shard)");
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(it->second, &used);
+    if (used != it->second.size()) throw std::invalid_argument(it->second);
+    return static_cast<int64_t>(v);
+  } catch (const std::exception&) {
+    return fail(r.path() + ": metadata '" + key + "' is '" + it->second + "', expected an integer");
+  }
+}
+
+}  // namespace
+
+Status DataParallelRank::save_shard(const std::string& dir, int64_t step) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::io_error("data parallel: cannot make checkpoint folder " + dir + ": " + ec.message());
+  std::vector<SafetensorsTensor> tensors;
+  std::map<std::string, std::string> meta{{"format", kShardFormat},
+                                          {"version", std::to_string(kShardVersion)},
+                                          {"rank", std::to_string(rank_)},
+                                          {"world", std::to_string(layout_.partition.world)},
+                                          {"step", std::to_string(step)}};
+  // Values are read now (the checksums go in the header, written first).
+  auto add = [&](const std::string& name, std::vector<float> v) {
+    meta["xxh3." + name] = hex64(checksum_of(v));
+    const auto n = static_cast<int64_t>(v.size());
+    auto shared = std::make_shared<std::vector<float>>(std::move(v));
+    tensors.push_back({name, {n}, [shared]() -> Result<std::vector<float>> { return *shared; }});
+  };
+  for (size_t i = 0; i < layout_.params.size(); ++i) {
+    const std::string& name = layout_.params[i].name;
+    const size_t n = static_cast<size_t>(layout_.params[i].n);
+    if (rank_ == 0) {
+      SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> p, parameter(i));
+      add(name, std::move(p));
+    }
+    if (layout_.partition.owner[i] != rank_) continue;
+    for (const char* prefix : {"master.", "adam_m.", "adam_v."}) {
+      std::vector<float> v(n);
+      SPILLWAY_RETURN_IF_ERROR(read_output(prefix + name, v.data(), n * sizeof(float)));
+      add(prefix + name, std::move(v));
+    }
+  }
+  const std::string path = (std::filesystem::path(dir) / shard_name(rank_, layout_.partition.world)).string();
+  return write_safetensors(path, tensors, meta).with_context("data parallel: rank " + std::to_string(rank_) +
+                                                             " writing its checkpoint shard");
+}
+
+Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
+  // The shards present, by rank; all of one world size and one step.
+  std::error_code ec;
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("shard-") && name.ends_with(".safetensors")) found.push_back(entry.path().string());
+  }
+  if (ec) return Status::io_error("data parallel: cannot read checkpoint folder " + dir + ": " + ec.message());
+  if (found.empty()) return Status::not_found("data parallel: no checkpoint shards (shard-R-of-N.safetensors) in " + dir);
+  std::sort(found.begin(), found.end());
+  std::vector<SafetensorsReader> shards;
+  int64_t world = -1, step = -1;
+  std::vector<bool> seen;
+  for (const std::string& path : found) {
+    SPILLWAY_ASSIGN_OR_RETURN(SafetensorsReader r, SafetensorsReader::open(path));
+    auto format = r.metadata().find("format");
+    if (format == r.metadata().end() || format->second != kShardFormat)
+      return fail(path + ": not a data-parallel checkpoint shard (metadata format is not " + kShardFormat + ")");
+    SPILLWAY_ASSIGN_OR_RETURN(int64_t version, meta_int(r, "version"));
+    if (version != kShardVersion)
+      return fail(path + ": shard version " + std::to_string(version) + "; this build reads version " +
+                  std::to_string(kShardVersion));
+    SPILLWAY_ASSIGN_OR_RETURN(int64_t rank, meta_int(r, "rank"));
+    SPILLWAY_ASSIGN_OR_RETURN(int64_t w, meta_int(r, "world"));
+    SPILLWAY_ASSIGN_OR_RETURN(int64_t s, meta_int(r, "step"));
+    if (w < 1 || rank < 0 || rank >= w || std::filesystem::path(path).filename().string() !=
+                                              shard_name(static_cast<int>(rank), static_cast<int>(w)))
+      return fail(path + ": its metadata says rank " + std::to_string(rank) + " of " + std::to_string(w) +
+                  ", which does not match its name");
+    if (world < 0) {
+      world = w;
+      step = s;
+      seen.assign(static_cast<size_t>(w), false);
+    } else if (w != world || s != step) {
+      return fail(dir + ": shards of different checkpoints (" + found.front() + ": " + std::to_string(world) +
+                  " ranks, step " + std::to_string(step) + "; " + path + ": " + std::to_string(w) + " ranks, step " +
+                  std::to_string(s) + ")");
+    }
+    seen[static_cast<size_t>(rank)] = true;
+    shards.push_back(std::move(r));
+  }
+  for (size_t r = 0; r < seen.size(); ++r)
+    if (!seen[r])
+      return fail(dir + ": the checkpoint of " + std::to_string(world) + " ranks lacks " +
+                  shard_name(static_cast<int>(r), static_cast<int>(world)));
+  // A tensor from whichever shard holds it, checked against its size and checksum.
+  auto read = [&](const std::string& name, size_t n) -> Result<std::vector<float>> {
+    for (const SafetensorsReader& r : shards) {
+      const SafetensorsEntry* e = r.find(name);
+      if (!e) continue;
+      if (e->dtype != "F32" || e->numel() != static_cast<int64_t>(n))
+        return fail(r.path() + ": " + name + " is " + e->dtype + " with " + std::to_string(e->numel()) +
+                    " elements; this program's has " + std::to_string(n) + " F32");
+      SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, r.read_f32(*e));
+      auto sum = r.metadata().find("xxh3." + name);
+      if (sum == r.metadata().end()) return fail(r.path() + ": no checksum for " + name);
+      if (sum->second != hex64(checksum_of(v)))
+        return fail(r.path() + ": " + name + " does not match its checksum (xxh3 " + hex64(checksum_of(v)) +
+                    ", recorded " + sum->second + "): the shard is corrupt");
+      return v;
+    }
+    return fail(dir + ": no shard holds " + name);
+  };
+  for (size_t i = 0; i < layout_.params.size(); ++i) {
+    const std::string& name = layout_.params[i].name;
+    const size_t n = static_cast<size_t>(layout_.params[i].n);
+    SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> p, read(name, n));
+    SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
+    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(param, p.data(), n * sizeof(float)));
+    if (layout_.partition.owner[i] != rank_) continue;
+    for (const char* prefix : {"master.", "adam_m.", "adam_v."}) {
+      SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, read(prefix + name, n));
+      SPILLWAY_ASSIGN_OR_RETURN(TensorId t, find(prefix + name));
+      SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(t, v.data(), n * sizeof(float)));
+    }
+  }
+  return step;
 }
 
 }  // namespace spillway

@@ -114,6 +114,19 @@ class DataParallelRank {
   Result<std::vector<float>> master(size_t i);
   // The parameter layout.params[i] as this rank holds it.
   Result<std::vector<float>> parameter(size_t i);
+
+  // Sharded checkpoints. Every rank calls save_shard after the same step: it writes
+  // DIR/shard-<rank>-of-<world>.safetensors (made atomically, DIR made if missing)
+  // with the master weights and both moments of the parameters it owns, and rank 0
+  // also every parameter. Metadata: format "spillway-dp-shard", version, rank, world,
+  // step, and an xxh3 of each tensor's bytes. load_shards reads a checkpoint written
+  // by any number of ranks into this one (the parameters everywhere, the optimizer
+  // state of what this rank owns under its own partition) and returns the step it
+  // was saved after. Errors name the folder, shard and tensor: a missing or extra
+  // shard, shards of different runs, a checksum or size that does not match, a
+  // tensor the program has not.
+  Status save_shard(const std::string& dir, int64_t step);
+  Result<int64_t> load_shards(const std::string& dir);
   const DataParallelLayout& layout() const { return layout_; }
   const Program& program() const { return layout_.rank_programs[static_cast<size_t>(rank_)]; }
 

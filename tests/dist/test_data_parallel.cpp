@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
@@ -121,10 +123,19 @@ RunResult single_rank(const Case& c, int accum, int steps) {
   return run;
 }
 
+// Sharded checkpoints in a data-parallel run: load the state from `load_dir` before
+// the first step (instead of the initial values), which is step `first_step`; save
+// each rank's shard to `save_dir` after the last.
+struct Resume {
+  int first_step = 1;
+  std::string load_dir = {}, save_dir = {};
+};
+
 // `world` in-process ranks, rank r reading micro-batch r. `loss_scale_micro_batches`
 // is `world` for the exact run (tests pass another value to see the check fail).
+// Steps resume.first_step ... resume.first_step + steps - 1.
 RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micro_batches, bool offload = false,
-                        int accum = 1) {
+                        int accum = 1, const Resume& resume = {}) {
   RunResult run;
   auto program = build_training_program(c.cfg, {c.B, c.T, accum, c.tile_vocab}, DType::F32);
   if (!program.ok()) return failed(program.status());
@@ -167,9 +178,16 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
       auto rank = DataParallelRank::create(comm, **backend, *layout, plans[static_cast<size_t>(r)]);
       if (!rank.ok()) return fail(rank.status());
       DataParallelRank& dp = **rank;
-      for (auto& [name, v] : init)
-        if (Status e = dp.write_parameter(name, v); !e.is_ok()) return fail(e);
-      for (int step = 1; step <= steps; ++step) {
+      if (resume.load_dir.empty()) {
+        for (auto& [name, v] : init)
+          if (Status e = dp.write_parameter(name, v); !e.is_ok()) return fail(e);
+      } else {
+        auto saved = dp.load_shards(resume.load_dir);
+        if (!saved.ok()) return fail(saved.status());
+        if (*saved != resume.first_step - 1)
+          return fail(Status::internal("the checkpoint is of step " + std::to_string(*saved)));
+      }
+      for (int step = resume.first_step; step < resume.first_step + steps; ++step) {
         Status e = Status::ok();
         for (int k = 0; k < accum && e.is_ok(); ++k) {  // micro-batches r·A ... r·A+A-1 of the step
           std::vector<int32_t> tok, tgt;
@@ -181,12 +199,15 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
         if (e.is_ok()) e = dp.step({.step = step, .lr = lr_of(step)});
         for (int k = 0; k < accum && e.is_ok(); ++k)
           e = dp.read_output("mb" + std::to_string(k) + ".losses",
-                             run.losses[static_cast<size_t>(step - 1)].data() + (r * accum + k) * tokens, tokens * 4);
+                             run.losses[static_cast<size_t>(step - resume.first_step)].data() + (r * accum + k) * tokens,
+                             tokens * 4);
         if (!e.is_ok()) return fail(e);
         auto clip = dp.scale_norm();
         if (!clip.ok()) return fail(clip.status());
-        if (r == world - 1) std::memcpy(&run.clip[static_cast<size_t>(2 * (step - 1))], clip->data(), 8);
+        if (r == world - 1) std::memcpy(&run.clip[static_cast<size_t>(2 * (step - resume.first_step))], clip->data(), 8);
       }
+      if (!resume.save_dir.empty())
+        if (Status e = dp.save_shard(resume.save_dir, resume.first_step + steps - 1); !e.is_ok()) return fail(e);
       const auto& params = dp.layout().params;
       for (size_t i = 0; i < params.size(); ++i) {
         auto p = dp.parameter(i);
@@ -316,6 +337,81 @@ TEST(DataParallel, TheComparisonSeesAWrongLossScale) {
   RunResult wrong = data_parallel(c, 2, 3, 1);
   ASSERT_TRUE(wrong.status.is_ok()) << wrong.status.to_string();
   EXPECT_GT(differences(wrong, ref), 0u);
+}
+
+// Issue 15: each rank writes its shard of the state, and a checkpoint loads onto
+// another number of ranks. 2 ranks of 2 micro-batches save after step 3; 4 ranks of
+// 1, 1 rank of 4, and 2 ranks again (offloaded) go on from it: steps 4-6 equal the
+// uninterrupted run's (losses, clip scales, final masters and parameters), bit for bit.
+TEST(DataParallel, ShardedCheckpointsLoadOntoOtherRankCounts) {
+  const Case c = cases().front();
+  const std::string root = testing::TempDir() + "/dp_shards";
+  std::filesystem::remove_all(root);
+  const RunResult whole = data_parallel(c, 2, kSteps, 4, false, 2);
+  ASSERT_TRUE(whole.status.is_ok()) << whole.status.to_string();
+  const RunResult first = data_parallel(c, 2, 3, 4, false, 2, {.save_dir = root});
+  ASSERT_TRUE(first.status.is_ok()) << first.status.to_string();
+  ASSERT_TRUE(std::filesystem::exists(root + "/shard-0-of-2.safetensors"));
+  ASSERT_TRUE(std::filesystem::exists(root + "/shard-1-of-2.safetensors"));
+  RunResult tail = whole;  // the uninterrupted run's steps 4-6
+  tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 3);
+  tail.clip.erase(tail.clip.begin(), tail.clip.begin() + 6);
+  struct Onto {
+    int world, accum;
+    bool offload;
+  };
+  for (Onto o : {Onto{4, 1, false}, Onto{1, 4, false}, Onto{2, 2, true}}) {
+    const std::string what = std::to_string(o.world) + " ranks of " + std::to_string(o.accum) + " micro-batches" +
+                             (o.offload ? ", offloaded" : "");
+    const RunResult rest = data_parallel(c, o.world, kSteps - 3, 4, o.offload, o.accum, {.first_step = 4, .load_dir = root});
+    ASSERT_TRUE(rest.status.is_ok()) << what << ": " << rest.status.to_string();
+    EXPECT_EQ(differences(rest, tail), 0u) << what;
+  }
+}
+
+// A damaged or incomplete sharded checkpoint is refused, naming what is wrong.
+TEST(DataParallel, DamagedShardedCheckpointsAreRefused) {
+  const Case c = cases().front();
+  const std::string root = testing::TempDir() + "/dp_shards_bad";
+  std::filesystem::remove_all(root);
+  ASSERT_TRUE(data_parallel(c, 2, 1, 2, false, 1, {.save_dir = root}).status.is_ok());
+  // One rank of 2 micro-batches reads both shards (its errors are its own).
+  auto load = [&](const std::string& dir) { return data_parallel(c, 1, 1, 2, false, 2, {.first_step = 2, .load_dir = dir}); };
+  ASSERT_TRUE(load(root).status.is_ok()) << load(root).status.to_string();
+  const std::string one = root + "/shard-1-of-2.safetensors";
+  // Shard 1 of another checkpoint (saved after step 2).
+  const std::string other = testing::TempDir() + "/dp_shards_other";
+  std::filesystem::remove_all(other);
+  ASSERT_TRUE(data_parallel(c, 2, 2, 2, false, 1, {.save_dir = other}).status.is_ok());
+  std::filesystem::copy_file(one, one + ".kept");
+  std::filesystem::copy_file(other + "/shard-1-of-2.safetensors", one, std::filesystem::copy_options::overwrite_existing);
+  RunResult mixed = load(root);
+  EXPECT_FALSE(mixed.status.is_ok());
+  EXPECT_NE(mixed.status.message().find("shards of different checkpoints"), std::string::npos)
+      << mixed.status.to_string();
+  std::filesystem::rename(one + ".kept", one);
+  // A flipped byte in the data of shard 1 (its last bytes are a moment's values).
+  {
+    std::fstream f(one, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-4, std::ios::end);
+    char b = 0;
+    f.read(&b, 1);
+    b = static_cast<char>(b ^ 0x10);
+    f.seekp(-4, std::ios::end);
+    f.write(&b, 1);
+  }
+  RunResult r = load(root);
+  EXPECT_FALSE(r.status.is_ok());
+  EXPECT_NE(r.status.message().find("checksum"), std::string::npos) << r.status.to_string();
+  EXPECT_NE(r.status.message().find("shard-1-of-2"), std::string::npos) << r.status.to_string();
+  // A missing shard.
+  std::filesystem::remove(one);
+  r = load(root);
+  EXPECT_FALSE(r.status.is_ok());
+  EXPECT_NE(r.status.message().find("lacks shard-1-of-2.safetensors"), std::string::npos) << r.status.to_string();
+  // Nothing there.
+  r = load(root + "/none");
+  EXPECT_FALSE(r.status.is_ok());
 }
 
 TEST(DataParallel, LayoutSplitsTiedGradientsAndPartitionsTheOptimizerState) {
