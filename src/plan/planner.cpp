@@ -1112,9 +1112,10 @@ void add_speculation(const Program& program, Plan& plan, uint64_t host_budget) {
                       format_size(bytes) + " of second buffers)";
 }
 
-// `order` (position → op index; empty = program order) with the gradient norms
-// moved into the backward: the zeroing of the packed norms to the backward's start,
-// and each SquaredNorm to just after the last op that writes its gradient. A norm
+// `order` (position → op index; empty = program order) with the norms of the
+// gradients a host AdamW reads moved into the backward: the zeroing of the packed
+// norms to the backward's start, and each such SquaredNorm to just after the last op
+// that writes its gradient. A norm
 // writes only its own element of the packed tensor, so norms pass each other; the
 // values and the clip scale keep their bits. A gradient's last device use is then in
 // the backward, and one bound for the host AdamW leaves the device there
@@ -1134,9 +1135,16 @@ std::vector<int> norms_early(const Program& p, std::vector<int> order) {
         if (x.tensor == y.tensor && (x.access != Access::Read || y.access != Access::Read)) return true;
     return false;
   };
+  // Only the norms of gradients a host AdamW reads move: the others stay together at
+  // the end, where the CUDA backend launches a run of norms as one.
+  std::vector<bool> host_bound(p.tensors.size(), false);
+  const int grad_slot = op_slot(OpKind::AdamW, "grad");
+  for (const Op& op : p.ops)
+    if (op.kind == OpKind::AdamW && op.place == Place::Host && static_cast<int>(op.operands.size()) > grad_slot)
+      host_bound[static_cast<size_t>(op.operands[static_cast<size_t>(grad_slot)].tensor)] = true;
   auto movable = [&](const Op& op) {
     if (op.phase != Phase::Optimizer || op.place != Place::Device) return false;
-    if (packed_norm(op)) return true;
+    if (packed_norm(op)) return op.operands.size() > 1 && host_bound[static_cast<size_t>(op.operands[1].tensor)];
     // The zeroing of the packed norms: a Zero whose tensor the norms update.
     if (op.kind != OpKind::Zero || op.operands.size() != 1) return false;
     for (const Op& o : p.ops)
