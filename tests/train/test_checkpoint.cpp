@@ -372,6 +372,68 @@ TEST(Checkpoint, ABackgroundWriteIsTheSnapshotOfItsStep) {
   EXPECT_TRUE(resumed.state == straight.state);
 }
 
+// Speculative updates swap the buffers of master weights and moments: checkpoints
+// (foreground and background, the latter while the next steps run) still hold the
+// state of their step, and a run resumed from one gives the uninterrupted run's bits.
+TEST(Checkpoint, SpeculativeUpdatesKeepCheckpointsExact) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  Backend& b = **backend;
+  TrainerOptions o = base_options();
+  o.max_grad_norm = 1e6f;  // clipping inactive: every speculation stands
+  uint64_t full = 0;
+  {
+    auto t = Trainer::create(b, o);
+    ASSERT_TRUE(t.ok());
+    full = (*t)->plan().device_bytes;
+  }
+  o.planner.policy = Policy::Planned;
+  o.planner.optimizer_on_host = 1;
+  o.planner.device_optimizer_bytes = 0;
+  o.budgets.device = full / 2;
+  StateRun straight, first, more, resumed;
+  {
+    auto t = Trainer::create(b, o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_FALSE((*t)->plan().speculation.empty()) << (*t)->plan().description;
+    ASSERT_TRUE((*t)->init_parameters().is_ok());
+    steps(**t, 1, 8, straight);
+    ASSERT_TRUE((*t)->drain().is_ok());
+    const SpeculationTally tally = (*t)->executor().speculation_tally();
+    EXPECT_EQ(tally.committed, 8 * (*t)->plan().speculation.size());
+    EXPECT_EQ(tally.redone, 0u);
+  }
+  testing_support::TempDir fg, bg;
+  auto t = Trainer::create(b, o);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->init_parameters().is_ok());
+  // After step 3: an odd number of commits, so master and moments are in the
+  // buffers they did not start in.
+  steps(**t, 1, 3, first);
+  auto f = write_checkpoint(**t, fg.path(), {.step = 3, .data_batch = 3, .config = {}}, 2);
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  CheckpointWriter writer(bg.path(), 2, CheckpointWriter::Mode::Background);
+  writer.prepare((*t)->state_bytes());
+  ASSERT_TRUE(writer.begin(**t, {.step = 3, .data_batch = 3, .config = {}}).is_ok());
+  steps(**t, 4, 8, more);  // while the checkpoint of step 3 is written
+  EXPECT_TRUE(more.state == straight.state);
+  auto p = writer.wait();
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_EQ(testing_support::read_file(*p + "/state.bin"), testing_support::read_file(*f + "/state.bin"));
+  std::vector<std::string> skipped;
+  auto c = newest_checkpoint(bg.path(), &skipped);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  auto again = Trainer::create(b, o);
+  ASSERT_TRUE(again.ok());
+  ASSERT_TRUE(load_checkpoint(**again, *c).is_ok());
+  resumed = first;
+  steps(**again, 4, 8, resumed);
+  ASSERT_EQ(resumed.losses.size(), straight.losses.size());
+  for (size_t i = 0; i < straight.losses.size(); ++i)
+    EXPECT_EQ(float_bits(resumed.losses[i]), float_bits(straight.losses[i])) << "step " << i + 1;
+  EXPECT_TRUE(resumed.state == straight.state);
+}
+
 // A checkpoint folder that cannot be made fails begin() at once, naming it;
 // nothing is left in flight.
 TEST(Checkpoint, ABackgroundCheckpointWhoseFolderCannotBeMadeFailsAtOnce) {
