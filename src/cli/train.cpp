@@ -508,6 +508,14 @@ Status run_train(const TrainFlags& given_flags) {
               format_size(peaks.peak_device_bytes).c_str(), format_size(peaks.peak_host_bytes).c_str(),
               format_size(peaks.peak_storage_bytes).c_str(), format_size(peaks.h2d_bytes).c_str(),
               format_size(peaks.d2h_bytes).c_str());
+  if (!trainer->plan().speculation.empty()) {
+    // Drained, so that the tally has the last step's updates.
+    SPILLWAY_RETURN_IF_ERROR(trainer->drain());
+    const SpeculationTally tally = trainer->executor().speculation_tally();
+    std::printf("speculative updates: %llu committed, %llu redone (clipping was active; after such a step the next "
+                "does not speculate)\n",
+                static_cast<unsigned long long>(tally.committed), static_cast<unsigned long long>(tally.redone));
+  }
   if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());
   if (!checkpoint_written.empty()) {
     std::printf("checkpoint %s (step %lld); %d written, training waited %.2f s for them%s%s\n", checkpoint_written.c_str(),
