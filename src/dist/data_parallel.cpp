@@ -375,9 +375,10 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
   // The shards present, by rank; all of one world size and one step.
   std::error_code ec;
   std::vector<std::string> found;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.starts_with("shard-") && name.ends_with(".safetensors")) found.push_back(entry.path().string());
+  // Incremented with an error code: a range-for would throw on a failing step.
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.starts_with("shard-") && name.ends_with(".safetensors")) found.push_back(it->path().string());
   }
   if (ec) return Status::io_error("data parallel: cannot read checkpoint folder " + dir + ": " + ec.message());
   if (found.empty()) return Status::not_found("data parallel: no checkpoint shards (shard-R-of-N.safetensors) in " + dir);
