@@ -626,10 +626,18 @@ class PlanExecutor final : public Executor {
       s.to_storage.reset();
     }
     // An H2D copy out of this buffer may still be running.
-    for (auto& [ticket, id] : h2d_sources_)
-      if (id == t) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(ticket, "wait h2d", t));
-    std::erase_if(h2d_sources_, [t](auto& e) { return e.second == t; });
+    for (const CopyTicket& k : take_h2d_readers(t)) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(k, "wait h2d", t));
     return Status::ok();
+  }
+
+  // The H2D copies still reading t's host buffer (to wait for before it is
+  // overwritten or freed), no longer tracked once taken.
+  std::vector<CopyTicket> take_h2d_readers(TensorId t) {
+    std::vector<CopyTicket> readers;
+    for (auto& [ticket, id] : h2d_sources_)
+      if (id == t) readers.push_back(ticket);
+    std::erase_if(h2d_sources_, [t](auto& e) { return e.second == t; });
+    return readers;
   }
 
   // Ends t's host buffer; a store still reading it keeps the range busy.
@@ -752,9 +760,7 @@ class PlanExecutor final : public Executor {
         // store, a queued host op or a deferred fetch still reading it keeps the range
         // busy instead (free_host), so that the executor goes on.
         SPILLWAY_RETURN_IF_ERROR(host_data_arrived(t));
-        for (auto& [ticket, id] : h2d_sources_)
-          if (id == t) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(ticket, "wait h2d", t));
-        std::erase_if(h2d_sources_, [t](auto& e) { return e.second == t; });
+        for (const CopyTicket& k : take_h2d_readers(t)) SPILLWAY_RETURN_IF_ERROR(timed_wait_copy(k, "wait h2d", t));
         return free_host(t);
       }
     }
@@ -820,9 +826,7 @@ class PlanExecutor final : public Executor {
             s.to_storage.reset();
           }
           SPILLWAY_RETURN_IF_ERROR(resolve_deferred(o.tensor));
-          for (auto& [ticket, id] : h2d_sources_)
-            if (id == o.tensor) host_waits_.push_back(ticket);
-          std::erase_if(h2d_sources_, [&](auto& e) { return e.second == o.tensor; });
+          for (const CopyTicket& k : take_h2d_readers(o.tensor)) host_waits_.push_back(k);
         }
         ptrs_.push_back(s.host);
       }
@@ -988,9 +992,7 @@ class PlanExecutor final : public Executor {
     if (ps.to_host) waits.push_back(*ps.to_host);
     // Nothing may still read param's host buffer: a deferred or running H2D copy.
     SPILLWAY_RETURN_IF_ERROR(resolve_deferred(sp.param));
-    for (auto& [ticket, id] : h2d_sources_)
-      if (id == sp.param) waits.push_back(ticket);
-    std::erase_if(h2d_sources_, [&](auto& e) { return e.second == sp.param; });
+    for (const CopyTicket& k : take_h2d_readers(sp.param)) waits.push_back(k);
     void* param = ps.host;
     const void* grad = gs.host;
     const OptimizerStep step = step_;

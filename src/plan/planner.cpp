@@ -1058,6 +1058,14 @@ std::vector<int> layer_major_order(const Program& p) {
   return order;
 }
 
+// Whether two ops touch a tensor that one of them writes: their order matters.
+bool ops_conflict(const Op& a, const Op& b) {
+  for (const Operand& x : a.operands)
+    for (const Operand& y : b.operands)
+      if (x.tensor == y.tensor && (x.access != Access::Read || y.access != Access::Read)) return true;
+  return false;
+}
+
 // `order` (position → op index; empty = program order) with each optimizer op that
 // runs on host moved up to just after the last earlier optimizer op it depends on
 // (one that writes what it touches or touches what it writes), keeping the host ops
@@ -1073,10 +1081,7 @@ std::vector<int> host_optimizer_first(const Program& p, std::vector<int> order) 
   }
   auto conflict = [&](const Op& a, const Op& b) {
     if (a.place == Place::Host && b.place == Place::Host) return true;  // the host engine's order stays
-    for (const Operand& x : a.operands)
-      for (const Operand& y : b.operands)
-        if (x.tensor == y.tensor && (x.access != Access::Read || y.access != Access::Read)) return true;
-    return false;
+    return ops_conflict(a, b);
   };
   for (size_t i = 0; i < order.size(); ++i) {
     const Op& op = p.ops[order[i]];
@@ -1130,10 +1135,7 @@ std::vector<int> norms_early(const Program& p, std::vector<int> order) {
   };
   auto conflict = [&](const Op& a, const Op& b) {
     if (packed_norm(a) && packed_norm(b)) return false;  // distinct elements
-    for (const Operand& x : a.operands)
-      for (const Operand& y : b.operands)
-        if (x.tensor == y.tensor && (x.access != Access::Read || y.access != Access::Read)) return true;
-    return false;
+    return ops_conflict(a, b);
   };
   // Only the norms of gradients a host AdamW reads move: the others stay together at
   // the end, where the CUDA backend launches a run of norms as one.
