@@ -26,14 +26,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                     positive(m->device_bytes_per_s) && positive(m->host_adam_params_per_s),
                 "an accepted machine has a rate that is not a positive finite number");
   fuzz::require(positive(m->duplex_factor) && m->duplex_factor <= 1 && positive(m->compute_share_while_copying) &&
-                    m->compute_share_while_copying <= 1,
+                    m->compute_share_while_copying <= 1 && positive(m->copy_share_while_computing) &&
+                    m->copy_share_while_computing <= 1,
                 "an accepted machine has a share outside (0, 1]");
   fuzz::require(std::isfinite(m->op_launch_s) && m->op_launch_s >= 0 && std::isfinite(m->storage_latency_s) &&
                     m->storage_latency_s >= 0 && std::isfinite(m->host_adam_params_per_s_alone) &&
                     m->host_adam_params_per_s_alone >= 0,
                 "an accepted machine has a negative or non-finite time or alone rate");
-  for (double r : m->op_rates)
-    fuzz::require(std::isfinite(r) && r >= 0, "an accepted machine has a negative or non-finite op rate");
+  for (const OpFit& f : m->op_fits)
+    for (double r : {f.fixed_s, f.rate, f.bytes_per_s})
+      fuzz::require(std::isfinite(r) && r >= 0, "an accepted machine has a negative or non-finite op fit term");
   auto again = Machine::from_json(m->to_json(), "written");
   fuzz::require(again.ok(), "the JSON written for an accepted machine does not read back");
   fuzz::require(*again == *m, "the JSON written for an accepted machine reads back as another machine");

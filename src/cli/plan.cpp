@@ -226,10 +226,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (!plan->speculation.empty()) {
     // The step above has clipping inactive. Where it clips, the updates are redone at
     // their places and the next step does not speculate: the plan without them.
-    Plan clipped = *plan;
-    clipped.speculation.clear();
-    clipped.speculation_bytes = 0;
-    const double clipped_s = simulate(placed, clipped, machine).step_s;
+    const double clipped_s = simulate(placed, without_speculation(*plan), machine).step_s;
     out << " (" << plan->speculation.size() << " host AdamW ops speculated; in steps where clipping is active: "
         << static_cast<int64_t>(clipped_s > 0 ? tokens / clipped_s : 0) << " tokens/s)";
   }

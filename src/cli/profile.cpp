@@ -9,10 +9,10 @@
 // engine from its pinned host memory, the StorageEngine with O_DIRECT, the host AdamW
 // over the global thread pool, the backend's matmul and elementwise ops
 // (sim/profiler.h, shared with `bench io` and `bench adam`), and every op of a sample
-// training step timed in the step (Executor::profile_next_step) for each kind's own rate
-// (Machine::op_rates):
+// training step timed in the step (Executor::profile_next_step), at several shapes, for
+// each kind's own fitted cost (Machine::op_fits):
 //
-//   spillway profile --backend cpu --spill-dir /tmp --op-model gpt2-124m --op-batch 2 --op-context 256
+//   spillway profile --backend cpu --spill-dir /tmp --op-sample gpt2-124m:2x256 --op-sample tiny:8x128
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
@@ -49,29 +49,77 @@ struct ProfileFlags {
   std::string spill_dir;
   std::string out;
   bool quick = false;
-  // The sample step whose ops are timed for the per-kind rates: a model preset with
-  // one layer (its ops have the shapes of every layer), B sequences of T tokens.
-  // Empty / 0: the backend's default (see kind_rate_sample).
-  std::string op_model;
-  int op_batch = 0, op_context = 0;
+  // The sample steps whose ops are timed for the per-kind fits, "MODEL:BxT" each: a
+  // model preset with one layer (its ops have the shapes of every layer), B sequences
+  // of T tokens. Empty: the backend's default (see op_samples).
+  std::vector<std::string> op_samples;
 };
 
 struct OpSample {
   std::string model;
   int B = 0, T = 0;
+  std::string text() const { return model + ":" + std::to_string(B) + "x" + std::to_string(T); }
 };
 
-// The default sample: layer and LM-head shapes of the models this backend trains
-// (CPU: GPT-2 small widths at 256 tokens, within the 128-1024 of CPU runs; products
-// at fewer tokens run slower: 0.15 TFLOP/s at 128 tokens, 0.17-0.18 at 512 on the
-// dev box; CUDA: GPT-2 1.5B widths at 8192 tokens).
-OpSample kind_rate_sample(const ProfileFlags& f, bool cuda) {
-  OpSample s = f.quick ? OpSample{"tiny", 2, 64} : cuda ? OpSample{"gpt2-1.5b", 8, 1024} : OpSample{"gpt2-124m", 1, 256};
-  if (!f.op_model.empty()) s.model = f.op_model;
-  if (f.op_batch > 0) s.B = f.op_batch;
-  if (f.op_context > 0) s.T = f.op_context;
+// "gpt2-124m:1x128" → {gpt2-124m, 1, 128}.
+Result<OpSample> parse_op_sample(const std::string& text) {
+  const auto bad = [&text]() {
+    return Status::invalid_argument("--op-sample '" + text +
+                                    "': expected MODEL:BxT, a model preset and the sample step's sequences and tokens "
+                                    "per sequence (gpt2-124m:1x128)");
+  };
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0) return bad();
+  OpSample s;
+  s.model = text.substr(0, colon);
+  const std::string shape = text.substr(colon + 1);
+  const size_t x = shape.find('x');
+  if (x == std::string::npos) return bad();
+  const auto whole = [](const std::string& digits, int* out) {
+    if (digits.empty() || digits.size() > 6) return false;
+    for (char c : digits)
+      if (c < '0' || c > '9') return false;
+    *out = std::stoi(digits);
+    return *out > 0;
+  };
+  if (!whole(shape.substr(0, x), &s.B) || !whole(shape.substr(x + 1), &s.T)) return bad();
   return s;
 }
+
+// The default samples: layer and LM-head shapes of the models this backend trains, at
+// several token counts, so that each kind's fit sees how its time grows with the rows
+// and with the width (CPU: GPT-2 small and tiny widths at 128 to 1024 tokens; products
+// of few rows spend much of their time on the weight; CUDA: GPT-2 1.5B and 124M widths
+// at 8192 and 16384 tokens).
+Result<std::vector<OpSample>> op_samples(const ProfileFlags& f, bool cuda) {
+  std::vector<OpSample> samples;
+  for (const std::string& text : f.op_samples) {
+    SPILLWAY_ASSIGN_OR_RETURN(OpSample s, parse_op_sample(text));
+    auto cfg = model_preset(s.model);
+    if (!cfg) return cfg.status().with_context("--op-sample " + text);
+    if (s.T > cfg->context)
+      return Status::invalid_argument("--op-sample " + text + ": " + std::to_string(s.T) + " tokens is longer than " +
+                                      s.model + "'s context " + std::to_string(cfg->context));
+    samples.push_back(s);
+  }
+  if (!samples.empty()) return samples;
+  if (f.quick) return std::vector<OpSample>{{"tiny", 2, 64}, {"tiny", 1, 32}};
+  if (cuda) return std::vector<OpSample>{{"gpt2-1.5b", 8, 1024}, {"gpt2-124m", 16, 1024}};
+  return std::vector<OpSample>{{"gpt2-124m", 1, 128}, {"gpt2-124m", 1, 512}, {"tiny", 2, 128}, {"tiny", 16, 128}};
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// What one sample step's ops took.
+struct SampleTimes {
+  std::vector<OpTiming> ops;  // each device op's median over the profiled steps
+  double ops_s = 0;           // their sum
+  double step_s = 0;          // the median unprofiled step (started to finished), ops and all
+};
 
 // Runs training steps of the sample (one layer, resident, initialized parameters,
 // random tokens) as `spillway train` runs them, times every op of `rounds` more steps
@@ -79,19 +127,20 @@ OpSample kind_rate_sample(const ProfileFlags& f, bool cuda) {
 // order, so it finds its operands where the step leaves them, not warm from a repeat
 // of itself), keeps each op's median over the rounds (a typical step: the fastest
 // would be optimistic, a mean would follow another process's bursts on a shared
-// machine) and fits each kind's rate (fit_op_rates): prints a line per kind.
-Status measure_kind_rates(Backend& backend, const OpSample& sample, int rounds, Machine* m) {
+// machine), then times `rounds` whole steps without the profile.
+Result<SampleTimes> time_sample_ops(Backend& backend, const OpSample& sample, int rounds, const Machine& m) {
   SPILLWAY_ASSIGN_OR_RETURN(ModelConfig cfg, model_preset(sample.model));
   cfg.layers = 1;
   if (sample.T > cfg.context)
-    return Status::invalid_argument("--op-context " + std::to_string(sample.T) + " is longer than " + sample.model +
-                                    "'s context " + std::to_string(cfg.context));
+    return Status::invalid_argument("--op-sample " + sample.text() + ": " + std::to_string(sample.T) +
+                                    " tokens is longer than " + sample.model + "'s context " +
+                                    std::to_string(cfg.context));
   TrainerOptions o;
   o.model = cfg;
   o.shape = {.B = sample.B, .T = sample.T, .accum = 1};
-  o.schedule = {.peak = 1e-4f, .warmup_steps = 0, .total_steps = 2 + rounds};
+  o.schedule = {.peak = 1e-4f, .warmup_steps = 0, .total_steps = 2 + 2 * rounds};
   o.planner.policy = Policy::Resident;
-  o.machine = *m;
+  o.machine = m;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(backend, o));
   SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
   const Program& program = trainer->program();
@@ -99,7 +148,8 @@ Status measure_kind_rates(Backend& backend, const OpSample& sample, int rounds, 
   std::vector<TokenBatch> batch(1);
   const size_t n = static_cast<size_t>(sample.B) * sample.T;
   std::vector<std::vector<double>> rounds_of(program.ops.size());  // [ops][rounds]
-  for (int s = 1; s <= 2 + rounds; ++s) {
+  std::vector<double> steps;                                       // unprofiled steps' seconds
+  for (int s = 1; s <= 2 + 2 * rounds; ++s) {
     batch[0].tokens.resize(n);
     batch[0].targets.resize(n);
     for (size_t i = 0; i < n; ++i) {
@@ -107,9 +157,12 @@ Status measure_kind_rates(Backend& backend, const OpSample& sample, int rounds, 
       batch[0].targets[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(cfg.vocab));
     }
     StepProfile profile;
-    const bool timed = s > 2;  // two warm-up steps: first touches, the optimizer's first update
+    const bool timed = s > 2 && s <= 2 + rounds;  // two warm-up steps: first touches, the optimizer's first update
     if (timed) trainer->profile_next_step(&profile);
+    const auto t0 = std::chrono::steady_clock::now();
     SPILLWAY_ASSIGN_OR_RETURN(StepResult r, trainer->step(batch));
+    SPILLWAY_RETURN_IF_ERROR(trainer->drain());
+    if (s > 2 + rounds) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (!r.applied)
       return Status::internal("the sample step skipped its update (non-finite gradient norm): AdamW not timed");
     for (const OpTime& t : profile.ops)
@@ -117,34 +170,65 @@ Status measure_kind_rates(Backend& backend, const OpSample& sample, int rounds, 
         rounds_of[static_cast<size_t>(t.op)].push_back(t.seconds);
   }
   std::vector<double> seconds(program.ops.size(), 0.0);
-  for (size_t i = 0; i < seconds.size(); ++i) {
-    std::vector<double>& r = rounds_of[i];
-    if (r.empty()) continue;
-    std::sort(r.begin(), r.end());
-    seconds[i] = r.size() % 2 ? r[r.size() / 2] : (r[r.size() / 2 - 1] + r[r.size() / 2]) / 2;
+  for (size_t i = 0; i < seconds.size(); ++i) seconds[i] = median(rounds_of[i]);
+  SampleTimes out;
+  out.ops = op_timings(program, seconds);
+  for (const OpTiming& t : out.ops) out.ops_s += t.seconds;
+  out.step_s = median(steps);
+  return out;
+}
+
+// Times the ops of every sample, fits each kind's cost over all of them together
+// (fit_op_kinds), and prints the fits with how well they give back each sample's ops
+// and its whole step (the step also holds the executor's own work between ops, which
+// the fits leave out: within a few percent on the CPU, and noisy as the difference
+// of two close times).
+Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, int rounds, Machine* m) {
+  std::vector<OpTiming> all;
+  std::vector<SampleTimes> times;
+  for (const OpSample& sample : samples) {
+    auto t = time_sample_ops(backend, sample, rounds, *m);
+    if (!t) return t.status().with_context("profile: the ops of " + sample.text() + " (--op-sample)");
+    all.insert(all.end(), t->ops.begin(), t->ops.end());
+    times.push_back(std::move(*t));
   }
-  SPILLWAY_RETURN_IF_ERROR(trainer->drain());
-  m->op_rates = fit_op_rates(program, seconds, m->op_launch_s);
-  std::printf("\nops of one %s layer step at %dx%d, each op timed in the step (median of %d steps "
-              "after 2), rate of each kind (kept; the simulator costs each op at its kind's rate plus the fixed cost "
-              "per op):\n",
-              sample.model.c_str(), sample.B, sample.T, rounds);
-  std::printf("  %-22s %5s %10s %14s\n", "kind", "ops", "ms", "rate");
-  std::array<int, kOpKindCount> count{};
-  std::array<double, kOpKindCount> time{};
-  for (size_t i = 0; i < program.ops.size(); ++i) {
-    const size_t k = static_cast<size_t>(program.ops[i].kind);
-    if (k >= kOpKindCount || !(seconds[i] > 0)) continue;
-    ++count[k];
-    time[k] += seconds[i];
-  }
+  m->op_fits = fit_op_kinds(all, m->op_launch_s);
+  std::printf("\nops of one layer of each sample step, each op timed in the step (median of %d steps after 2), "
+              "a cost fitted per kind over all samples (kept; the simulator costs each op at fixed + work / rate + "
+              "bytes / bytes rate, plus %.2f us per op):\n",
+              rounds, m->op_launch_s * 1e6);
+  std::printf("  %-22s %5s %10s %10s %12s %12s %8s\n", "kind", "ops", "ms", "fixed us", "rate", "bytes GB/s", "error");
   for (size_t k = 0; k < kOpKindCount; ++k) {
-    if (count[k] == 0) continue;
     const OpKind kind = static_cast<OpKind>(k);
+    int count = 0;
+    double timed = 0, fitted = 0;
+    const OpFit& fit = m->op_fits[k];
+    for (const OpTiming& t : all) {
+      if (t.kind != kind) continue;
+      ++count;
+      timed += t.seconds;
+      fitted += m->op_launch_s + fit.fixed_s + (fit.rate > 0 ? t.work / fit.rate : 0) +
+                (fit.bytes_per_s > 0 ? t.bytes / fit.bytes_per_s : 0);
+    }
+    if (count == 0) continue;
     const bool flops = op_info(kind).flops != nullptr;
-    const double rate = m->op_rates[k];
-    std::printf("  %-22s %5d %10.3f %10.2f %s\n", op_kind_name(kind), count[k], time[k] * 1e3,
-                rate / (flops ? 1e12 : 1e9), rate > 0 ? (flops ? "TFLOP/s" : "GB/s") : "(no time beyond the fixed cost)");
+    char rate[32] = "-", bytes[32] = "-";
+    if (fit.rate > 0) std::snprintf(rate, sizeof rate, "%.2f %s", fit.rate / (flops ? 1e12 : 1e9), flops ? "TFLOP/s" : "GB/s");
+    if (fit.bytes_per_s > 0) std::snprintf(bytes, sizeof bytes, "%.2f", fit.bytes_per_s / 1e9);
+    std::printf("  %-22s %5d %10.3f %10.2f %12s %12s %+7.1f%%%s\n", op_kind_name(kind), count, timed * 1e3,
+                fit.fixed_s * 1e6, rate, bytes, fit.measured() ? (fitted / timed - 1) * 100 : 0.0,
+                fit.measured() ? "" : " (no time beyond the fixed cost)");
+  }
+  std::printf("  %-22s %10s %10s %10s %8s\n", "sample step", "ops ms", "step ms", "fitted ms", "error");
+  for (size_t i = 0; i < samples.size(); ++i) {
+    double fitted = 0;
+    for (const OpTiming& t : times[i].ops) {
+      const OpFit& fit = m->op_fits[static_cast<size_t>(t.kind)];
+      fitted += m->op_launch_s + fit.fixed_s + (fit.rate > 0 ? t.work / fit.rate : 0) +
+                (fit.bytes_per_s > 0 ? t.bytes / fit.bytes_per_s : 0);
+    }
+    std::printf("  %-22s %10.3f %10.3f %10.3f %+7.1f%%\n", samples[i].text().c_str(), times[i].ops_s * 1e3,
+                times[i].step_s * 1e3, fitted * 1e3, times[i].step_s > 0 ? (fitted / times[i].step_s - 1) * 100 : 0.0);
   }
   return Status::ok();
 }
@@ -193,6 +277,8 @@ int run_profile(const ProfileFlags& f) {
   if (!backend_made) return fail(backend_made.status());
   Backend& backend = **backend_made;
   const bool cuda = backend.name() == "cuda";
+  auto samples = op_samples(f, cuda);  // checked before anything is measured
+  if (!samples) return fail(samples.status());
   const HostIdentity id = host_identity(backend.description());
   std::string out = f.out;
   if (out.empty()) {
@@ -351,20 +437,18 @@ int run_profile(const ProfileFlags& f) {
     if (!launch) return fail(launch.status().with_context("profile: op launch"));
     m.op_launch_s = *launch;
     const Shape& big = shapes.front();
-    auto share = measure_compute_share_while_copying(backend, big.N, f.quick ? 2 : cuda ? 20 : 3, m.h2d_bytes_per_s);
-    if (!share) return fail(share.status().with_context("profile: compute while copying"));
-    m.compute_share_while_copying = *share;
+    auto shared = measure_shared_speeds(backend, big.N, f.quick ? 2 : cuda ? 20 : 3, m.h2d_bytes_per_s);
+    if (!shared) return fail(shared.status().with_context("profile: compute and copies at once"));
+    m.compute_share_while_copying = shared->compute_while_copying;
+    m.copy_share_while_computing = shared->copy_while_computing;
     std::printf("  memory-bound op (residual add): %.1f GB/s; fixed cost per op %.2f us; compute speed while "
-                "copying %.3f of alone\n",
-                *bytes / 1e9, *launch * 1e6, *share);
+                "copying %.3f of alone, copy speed while computing %.3f of alone\n",
+                *bytes / 1e9, *launch * 1e6, shared->compute_while_copying, shared->copy_while_computing);
   }
 
   {
-    const OpSample sample = kind_rate_sample(f, cuda);
-    Status s = measure_kind_rates(backend, sample, f.quick ? 1 : 5, &m);
-    if (!s.is_ok())
-      return fail(s.with_context("profile: the ops of " + sample.model + " at " + std::to_string(sample.B) + "x" +
-                                 std::to_string(sample.T) + " (--op-model, --op-batch, --op-context)"));
+    Status s = measure_op_fits(backend, *samples, f.quick ? 1 : 5, &m);
+    if (!s.is_ok()) return fail(s);
   }
 
   if (Status s = save_machine(m, out); !s.is_ok()) return fail(s.with_context("--out"));
@@ -383,11 +467,10 @@ CommandRegistration profile_command(
                      "machine file to write (default: the cache train reads, "
                      "$XDG_CACHE_HOME/spillway/machine-<key>.json or ~/.cache/spillway/...)");
       app.add_flag("--quick", f->quick, "tiny sizes (tests): figures are far from the machine's steady state");
-      app.add_option("--op-model", f->op_model,
-                     "model preset whose op shapes are timed for each kind's rate, one layer of it (default: "
-                     "gpt2-124m on the CPU, gpt2-1.5b on CUDA)");
-      app.add_option("--op-batch", f->op_batch, "sequences of that sample step (default: 1 on the CPU, 8 on CUDA)");
-      app.add_option("--op-context", f->op_context, "tokens per sequence of it (default: 256 on the CPU, 1024 on CUDA)");
+      app.add_option("--op-sample", f->op_samples,
+                     "MODEL:BxT, a sample step whose ops are timed for each kind's cost (one layer of the preset, B "
+                     "sequences of T tokens); repeat it for several (default on the CPU: gpt2-124m:1x128, "
+                     "gpt2-124m:1x512, tiny:2x128, tiny:16x128; on CUDA: gpt2-1.5b:8x1024, gpt2-124m:16x1024)");
       return [f]() { return run_profile(*f); };
     });
 

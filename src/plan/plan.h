@@ -140,6 +140,9 @@ std::vector<Speculation> find_speculations(const Program& program, const Plan& p
 // The speculation buffers of these ops: master, m and v of each, each rounded up to
 // 4096 bytes.
 uint64_t speculation_bytes(const Program& program, const std::vector<Speculation>& speculation);
+// `plan` as a step that does not speculate runs it (a step after one where clipping
+// was active): the same instructions, no speculation entries or buffers.
+Plan without_speculation(Plan plan);
 
 // `program` with each op placed where `plan` runs it (Plan::op_place): what the
 // simulator and reports read.

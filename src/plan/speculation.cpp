@@ -133,4 +133,10 @@ uint64_t speculation_bytes(const Program& program, const std::vector<Speculation
   return bytes;
 }
 
+Plan without_speculation(Plan plan) {
+  plan.speculation.clear();
+  plan.speculation_bytes = 0;
+  return plan;
+}
+
 }  // namespace spillway

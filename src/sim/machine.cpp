@@ -1,8 +1,9 @@
 // Machine: op and copy times from rates, and the presets of the machines we know.
 //
 // Derived op time (when no measurement is given):
-//   device op of a kind with a measured rate (op_rates): work / that rate + op_launch_s,
-//              work being the kind's flops (op_cost_flops) if it has any, else its bytes
+//   device op of a fitted kind (op_fits): op_launch_s + fixed_s + work / rate
+//              + bytes / bytes_per_s, work being the kind's flops (op_cost_flops) if it
+//              has any, else its bytes
 //   other device op: max(flops / matmul_flops_per_s (attention: attention_flops_per_s),
 //              bytes touched / device_bytes_per_s) + op_launch_s
 //   host op:   elements / host_adam_params_per_s (ops with a host implementation,
@@ -22,6 +23,7 @@
 #include <cerrno>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -56,17 +58,22 @@ double Machine::op_seconds(const Program& program, size_t op_index) const {
     }
     return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
   }
-  if (const double kind_rate = op_rate(op.kind); kind_rate > 0)
-    return op_rate_work(program, op) / kind_rate + op_launch_s;
+  if (const OpFit& fit = op_fit(op.kind); fit.measured()) {
+    double s = op_launch_s + fit.fixed_s;
+    if (fit.rate > 0) s += op_rate_work(program, op) / fit.rate;
+    if (fit.bytes_per_s > 0) s += op_bytes_moved(program, op) / fit.bytes_per_s;
+    return s;
+  }
   const double rate = op_info(op.kind).op_class == OpClass::Attention ? attention_flops_per_s : matmul_flops_per_s;
   const double compute = rate > 0 ? op_cost_flops(op) / rate : 0;
   const double memory = device_bytes_per_s > 0 ? op_bytes_moved(program, op) / device_bytes_per_s : 0;
   return std::max(compute, memory) + op_launch_s;
 }
 
-double Machine::op_rate(OpKind k) const {
+const OpFit& Machine::op_fit(OpKind k) const {
+  static const OpFit kNone{};
   const size_t i = static_cast<size_t>(k);
-  return i < op_rates.size() ? op_rates[i] : 0;
+  return i < op_fits.size() ? op_fits[i] : kNone;
 }
 
 double op_rate_work(const Program& program, const Op& op) {
@@ -74,20 +81,120 @@ double op_rate_work(const Program& program, const Op& op) {
   return flops > 0 ? flops : op_bytes_moved(program, op);
 }
 
-std::array<double, kOpKindCount> fit_op_rates(const Program& program, const std::vector<double>& seconds,
-                                              double launch_s) {
-  std::array<double, kOpKindCount> work{}, time{};
+std::vector<OpTiming> op_timings(const Program& program, const std::vector<double>& seconds) {
+  std::vector<OpTiming> out;
   for (size_t i = 0; i < program.ops.size() && i < seconds.size(); ++i) {
     const Op& op = program.ops[i];
-    const size_t k = static_cast<size_t>(op.kind);
-    if (op.place != Place::Device || k >= kOpKindCount || !(seconds[i] > 0)) continue;
-    work[k] += op_rate_work(program, op);
-    time[k] += seconds[i] - launch_s;
+    if (op.place != Place::Device || static_cast<size_t>(op.kind) >= kOpKindCount || !(seconds[i] > 0)) continue;
+    out.push_back({.kind = op.kind,
+                   .work = op_rate_work(program, op),
+                   .bytes = static_cast<double>(op_bytes_moved(program, op)),
+                   .seconds = seconds[i]});
   }
-  std::array<double, kOpKindCount> rates{};
-  for (size_t k = 0; k < kOpKindCount; ++k)
-    if (work[k] > 0 && time[k] > 0) rates[k] = work[k] / time[k];
-  return rates;
+  return out;
+}
+
+namespace {
+
+// Weighted least squares over the columns `use` of rows x (each [3]) against y, rows
+// weighted by w: the coefficients (0 for unused columns) and the weighted residual, or
+// nothing when the columns are dependent (no unique solution).
+struct Solved {
+  std::array<double, 3> c{};
+  double residual = 0;
+};
+std::optional<Solved> least_squares(const std::vector<std::array<double, 3>>& x, const std::vector<double>& y,
+                                    const std::vector<double>& w, const std::array<bool, 3>& use) {
+  std::array<int, 3> col{};
+  int n = 0;
+  for (int j = 0; j < 3; ++j)
+    if (use[static_cast<size_t>(j)]) col[static_cast<size_t>(n++)] = j;
+  if (n == 0 || static_cast<size_t>(n) > x.size()) return std::nullopt;
+  // Columns scaled to a largest |value| of 1: flops, bytes and 1 differ by 10^12.
+  std::array<double, 3> scale{1, 1, 1};
+  for (int a = 0; a < n; ++a) {
+    double most = 0;
+    for (const auto& row : x) most = std::max(most, std::fabs(row[static_cast<size_t>(col[static_cast<size_t>(a)])]));
+    if (most == 0) return std::nullopt;
+    scale[static_cast<size_t>(a)] = most;
+  }
+  // Normal equations A c = b, A = Xᵀ W² X, b = Xᵀ W² y, solved by Gaussian elimination.
+  double A[3][4] = {};
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double w2 = w[i] * w[i];
+    for (int a = 0; a < n; ++a) {
+      const double xa = x[i][static_cast<size_t>(col[static_cast<size_t>(a)])] / scale[static_cast<size_t>(a)];
+      for (int b = 0; b < n; ++b)
+        A[a][b] += w2 * xa * x[i][static_cast<size_t>(col[static_cast<size_t>(b)])] / scale[static_cast<size_t>(b)];
+      A[a][n] += w2 * xa * y[i];
+    }
+  }
+  double trace = 0;
+  for (int a = 0; a < n; ++a) trace += A[a][a];
+  for (int a = 0; a < n; ++a) {
+    int pivot = a;
+    for (int r = a + 1; r < n; ++r)
+      if (std::fabs(A[r][a]) > std::fabs(A[pivot][a])) pivot = r;
+    if (!(std::fabs(A[pivot][a]) > 1e-12 * trace)) return std::nullopt;  // dependent columns
+    for (int k = 0; k <= n; ++k) std::swap(A[a][k], A[pivot][k]);
+    for (int r = 0; r < n; ++r) {
+      if (r == a) continue;
+      const double f = A[r][a] / A[a][a];
+      for (int k = a; k <= n; ++k) A[r][k] -= f * A[a][k];
+    }
+  }
+  Solved s;
+  for (int a = 0; a < n; ++a)
+    s.c[static_cast<size_t>(col[static_cast<size_t>(a)])] = A[a][n] / A[a][a] / scale[static_cast<size_t>(a)];
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double e = (s.c[0] * x[i][0] + s.c[1] * x[i][1] + s.c[2] * x[i][2] - y[i]) * w[i];
+    s.residual += e * e;
+  }
+  return s;
+}
+
+}  // namespace
+
+std::array<OpFit, kOpKindCount> fit_op_kinds(const std::vector<OpTiming>& timed, double launch_s) {
+  std::array<OpFit, kOpKindCount> fits{};
+  for (size_t k = 0; k < kOpKindCount; ++k) {
+    const bool has_flops = op_info(static_cast<OpKind>(k)).flops != nullptr;
+    std::vector<std::array<double, 3>> x;  // [ops of the kind] (1, work, bytes)
+    std::vector<double> y, w;              // seconds beyond launch_s; 1 / √(timed seconds)
+    double beyond = 0;
+    for (const OpTiming& t : timed) {
+      if (static_cast<size_t>(t.kind) != k || !(t.seconds > 0)) continue;
+      x.push_back({1.0, t.work, has_flops ? t.bytes : 0.0});
+      y.push_back(t.seconds - launch_s);
+      w.push_back(1.0 / std::sqrt(t.seconds));
+      beyond = std::max(beyond, t.seconds - launch_s);
+    }
+    if (x.empty() || !(beyond > 0)) continue;
+    // The subsets of (fixed, work, bytes), the work-only cost first: among equal fits
+    // the earlier stands (one op fits either a rate or a fixed cost exactly).
+    static constexpr std::array<std::array<bool, 3>, 7> kSubsets = {{{false, true, false},
+                                                                     {true, true, false},
+                                                                     {false, true, true},
+                                                                     {true, true, true},
+                                                                     {true, false, false},
+                                                                     {false, false, true},
+                                                                     {true, false, true}}};
+    std::optional<Solved> best;
+    for (const auto& use : kSubsets) {
+      if (use[2] && !has_flops) continue;
+      auto s = least_squares(x, y, w, use);
+      if (!s) continue;
+      bool positive = true;
+      for (size_t j = 0; j < 3; ++j) positive = positive && (!use[j] || s->c[j] > 0);
+      if (!positive) continue;
+      if (!best || s->residual < best->residual * (1 - 1e-9)) best = s;
+    }
+    if (!best) continue;
+    fits[k] = {.fixed_s = best->c[0],
+               .rate = best->c[1] > 0 ? 1.0 / best->c[1] : 0,
+               .bytes_per_s = best->c[2] > 0 ? 1.0 / best->c[2] : 0};
+  }
+  return fits;
 }
 
 double Machine::copy_seconds(uint64_t bytes, bool h2d) const {
@@ -155,7 +262,7 @@ Machine Machine::cpu_dev_box() {
   m.op_launch_s = 3e-8;            // tiny ops back to back
   // Each kind's rate from the ops of one gpt2-124m layer step at 1x256 (median of 5
   // profiled steps): flop/s for products and attention, bytes/s for the others.
-  auto rate = [&m](OpKind k, double r) { m.op_rates[static_cast<size_t>(k)] = r; };
+  auto rate = [&m](OpKind k, double r) { m.op_fits[static_cast<size_t>(k)].rate = r; };
   rate(OpKind::Zero, 24.0e9);
   rate(OpKind::EmbeddingForward, 9.44e9);
   rate(OpKind::EmbeddingBackward, 7.22e9);
@@ -280,6 +387,7 @@ std::string Machine::to_json() const {
   j["d2h_bytes_per_s"] = d2h_bytes_per_s;
   j["duplex_factor"] = duplex_factor;
   j["compute_share_while_copying"] = compute_share_while_copying;
+  j["copy_share_while_computing"] = copy_share_while_computing;
   j["storage_read_bytes_per_s"] = storage_read_bytes_per_s;
   j["storage_write_bytes_per_s"] = storage_write_bytes_per_s;
   j["storage_latency_s"] = storage_latency_s;
@@ -287,10 +395,12 @@ std::string Machine::to_json() const {
   j["attention_flops_per_s"] = attention_flops_per_s;
   j["device_bytes_per_s"] = device_bytes_per_s;
   j["op_launch_s"] = op_launch_s;
-  Json rates = Json::object();
+  Json fits = Json::object();
   for (size_t k = 0; k < kOpKindCount; ++k)
-    if (op_rates[k] != 0) rates[op_kind_name(static_cast<OpKind>(k))] = op_rates[k];
-  j["op_rates"] = rates;
+    if (op_fits[k].measured())
+      fits[op_kind_name(static_cast<OpKind>(k))] =
+          Json{{"fixed_s", op_fits[k].fixed_s}, {"rate", op_fits[k].rate}, {"bytes_per_s", op_fits[k].bytes_per_s}};
+  j["op_fits"] = fits;
   j["host_adam_params_per_s"] = host_adam_params_per_s;
   j["host_adam_params_per_s_alone"] = host_adam_params_per_s_alone;
   j["host_runs_ahead"] = host_runs_ahead;
@@ -314,8 +424,8 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   if (format != kMachineFormat) return r.error("format", "expected \"" + std::string(kMachineFormat) + "\", got \"" + format + "\"");
   uint64_t version = 0;
   SPILLWAY_RETURN_IF_ERROR(r.bytes("version", &version));
-  if (version != static_cast<uint64_t>(kMachineFormatVersion) && version != 2)
-    return r.error("version", "this build reads versions 2 and " + std::to_string(kMachineFormatVersion) +
+  if (version != static_cast<uint64_t>(kMachineFormatVersion) && version != 2 && version != 3)
+    return r.error("version", "this build reads versions 2, 3 and " + std::to_string(kMachineFormatVersion) +
                                   ", the file is version " + std::to_string(version) +
                                   " (profile the machine again with this build)");
   Machine m;
@@ -339,6 +449,8 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   SPILLWAY_RETURN_IF_ERROR(r.number("d2h_bytes_per_s", &m.d2h_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("duplex_factor", &m.duplex_factor, true, 1.0));
   SPILLWAY_RETURN_IF_ERROR(r.number("compute_share_while_copying", &m.compute_share_while_copying, true, 1.0));
+  if (version >= 4)  // before: copies at full speed while compute runs
+    SPILLWAY_RETURN_IF_ERROR(r.number("copy_share_while_computing", &m.copy_share_while_computing, true, 1.0));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_read_bytes_per_s", &m.storage_read_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_write_bytes_per_s", &m.storage_write_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_latency_s", &m.storage_latency_s, false));
@@ -346,18 +458,38 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   SPILLWAY_RETURN_IF_ERROR(r.number("attention_flops_per_s", &m.attention_flops_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("device_bytes_per_s", &m.device_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("op_launch_s", &m.op_launch_s, false));
-  if (version >= 3) {  // version 2 files have no op_rates: every kind derived from the class rates
-    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* rates, r.get("op_rates"));
-    if (!rates->is_object())
-      return r.error("op_rates", "expected an object of op kind names to rates, got " + std::string(rates->type_name()));
-    FieldReader o(*rates, "op_rates.", source);
-    for (auto it = rates->begin(); it != rates->end(); ++it) {
+  // Version 2 files have no fitted kinds (every kind from the class rates); version 3
+  // files have one rate per kind ("op_rates"), read as a fit of that rate alone.
+  if (version >= 3) {
+    const std::string key = version == 3 ? "op_rates" : "op_fits";
+    SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* kinds, r.get(key));
+    if (!kinds->is_object())
+      return r.error(key, "expected an object of op kind names to " + std::string(version == 3 ? "rates" : "fits") +
+                              ", got " + std::string(kinds->type_name()));
+    FieldReader o(*kinds, key + ".", source);
+    for (auto it = kinds->begin(); it != kinds->end(); ++it) {
       size_t k = 0;
       while (k < kOpKindCount && it.key() != op_kind_name(static_cast<OpKind>(k))) ++k;
       if (k == kOpKindCount)
         return o.error(it.key(), "not a kind of op (kinds are named as in the op registry: MatmulForward, GeluBackward, ...)");
-      SPILLWAY_RETURN_IF_ERROR(o.number(it.key(), &m.op_rates[k], true));
+      OpFit& fit = m.op_fits[k];
+      if (version == 3) {
+        SPILLWAY_RETURN_IF_ERROR(o.number(it.key(), &fit.rate, true));
+        continue;
+      }
+      SPILLWAY_ASSIGN_OR_RETURN(const nlohmann::json* f, o.get(it.key()));
+      if (!f->is_object())
+        return o.error(it.key(), "expected an object with fixed_s, rate and bytes_per_s, got " + std::string(f->type_name()));
+      FieldReader fr(*f, key + "." + it.key() + ".", source);
+      SPILLWAY_RETURN_IF_ERROR(fr.number("fixed_s", &fit.fixed_s, false));
+      SPILLWAY_RETURN_IF_ERROR(fr.number("rate", &fit.rate, false));
+      SPILLWAY_RETURN_IF_ERROR(fr.number("bytes_per_s", &fit.bytes_per_s, false));
+      SPILLWAY_RETURN_IF_ERROR(fr.finish());
+      if (!fit.measured()) return o.error(it.key(), "every term is 0 (leave an unmeasured kind out)");
+      if (fit.bytes_per_s > 0 && op_info(static_cast<OpKind>(k)).flops == nullptr)
+        return fr.error("bytes_per_s", "only kinds with flops have a bytes term (this kind's work is its bytes)");
     }
+    SPILLWAY_RETURN_IF_ERROR(o.finish());
   }
   SPILLWAY_RETURN_IF_ERROR(r.number("host_adam_params_per_s", &m.host_adam_params_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("host_adam_params_per_s_alone", &m.host_adam_params_per_s_alone, false));

@@ -3,7 +3,7 @@
 //   Machine m = Machine::h200();                   // figures measured on the lent H200 host
 //   auto c = measure_machine(backend, m);          // rates measured by a short profile (sim/profiler.h)
 //   double s = m.op_seconds(program, op_index);    // measured if profiled, else derived
-//   m.op_rates = fit_op_rates(program, seconds, m.op_launch_s);  // per kind, from timed ops
+//   m.op_fits = fit_op_kinds(op_timings(program, seconds), m.op_launch_s);  // per kind
 //   auto m2 = load_machine("machines/h200.json");  // or "h200", "cpu": the presets
 //   std::string text = m.to_json();                // every field; Machine::from_json reads it back
 //
@@ -32,6 +32,21 @@ struct MeasuredOn {
   bool operator==(const MeasuredOn&) const = default;
 };
 
+// The fitted cost of one kind of device op (Machine::op_fits): seconds =
+//   fixed_s + work / rate + bytes / bytes_per_s
+// work: op_cost_flops for kinds with flops (matrix products, attention), else
+// op_bytes_moved; bytes: op_bytes_moved, a second term for kinds with flops only (a
+// product of few rows spends much of its time reading the weight, which the flops do
+// not show). A rate of 0 means the term is absent, so a fit of {0, 0, 0} is "not
+// measured".
+struct OpFit {
+  double fixed_s = 0;      // per op, beyond Machine::op_launch_s
+  double rate = 0;         // work per second (flop/s or bytes/s)
+  double bytes_per_s = 0;  // op_bytes_moved per second (kinds with flops only)
+  bool measured() const { return fixed_s > 0 || rate > 0 || bytes_per_s > 0; }
+  bool operator==(const OpFit&) const = default;
+};
+
 struct Machine {
   std::string name = "generic";
   uint64_t device_bytes = 0;            // device memory
@@ -40,6 +55,8 @@ struct Machine {
   double d2h_bytes_per_s = 25e9;        // device → host link, one direction alone
   double duplex_factor = 0.9;           // each direction's share of its rate while both run
   double compute_share_while_copying = 1.0;  // device compute speed while a host⇄device copy
+                                             // runs (below 1 on the CPU backend: shared cores)
+  double copy_share_while_computing = 1.0;   // a host⇄device copy's speed while device compute
                                              // runs (below 1 on the CPU backend: shared cores)
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
@@ -50,12 +67,12 @@ struct Machine {
   double attention_flops_per_s = 100e12;
   double device_bytes_per_s = 2e12;     // device memory-bound ops
   double op_launch_s = 5e-6;            // fixed cost per op
-  // Each kind of device op's own measured rate ([kOpKindCount], by OpKind; 0: not
-  // measured): flop/s in op_cost_flops' terms for kinds that have flops (matrix
-  // products, attention), else bytes/s of op_bytes_moved. A measured kind takes
-  // work / rate + op_launch_s, and the class rates above are not used for it.
-  // `spillway profile` fits them from the timed ops of a sample step (fit_op_rates).
-  std::array<double, kOpKindCount> op_rates{};
+  // Each kind of device op's own fitted cost ([kOpKindCount], by OpKind; unmeasured
+  // kinds keep the class rule below). A measured kind takes
+  //   op_launch_s + fixed_s + work / rate + bytes / bytes_per_s
+  // (a term whose rate is 0 is absent). `spillway profile` fits them from the ops of
+  // sample steps at several shapes (fit_op_kinds).
+  std::array<OpFit, kOpKindCount> op_fits{};
   double host_adam_params_per_s = 2e9;  // host SIMD AdamW
   bool host_runs_ahead = true;          // CUDA: the host issues ahead of the device; CPU: false
   // Per-op measured seconds for one program ([ops]); empty → derived from the rates.
@@ -73,8 +90,8 @@ struct Machine {
   bool operator==(const Machine&) const = default;
 
   double op_seconds(const Program& program, size_t op_index) const;
-  // The measured rate of device ops of kind k (op_rates), 0 when not measured.
-  double op_rate(OpKind k) const;
+  // The fitted cost of device ops of kind k (op_fits); not measured() when none.
+  const OpFit& op_fit(OpKind k) const;
   double copy_seconds(uint64_t bytes, bool h2d) const;
 
   static Machine h200();        // PCIe 55 GB/s each way, 720 TFLOP/s bf16 in steps, 1.7 GB/s disk, 16 cores
@@ -89,19 +106,35 @@ struct Machine {
   static Result<Machine> from_json(const std::string& text, const std::string& source);
 };
 
-// 2: attention_flops_per_s; 3: op_rates. from_json also reads version 2 files (no
-// measured op rates: every kind derived from the class rates, as version 2 did).
-inline constexpr int kMachineFormatVersion = 3;
+// 2: attention_flops_per_s; 3: op_rates (one rate per kind); 4: op_fits (fixed cost,
+// rate and bytes rate per kind) and copy_share_while_computing. from_json also reads versions 2 (no fitted kinds:
+// every kind from the class rates) and 3 (each rate as a fit with that rate alone).
+inline constexpr int kMachineFormatVersion = 4;
 
-// The work an op's kind is measured in (Machine::op_rates): op_cost_flops when the
+// The work an op's kind is measured in (OpFit::rate): op_cost_flops when the
 // kind has flops, else op_bytes_moved.
 double op_rate_work(const Program& program, const Op& op);
 
-// Per-kind rates from measured seconds per op ([program.ops], 0: not measured), as
-// Machine::op_rates: for each kind, the work of its measured device ops over their
-// seconds less `launch_s` each (the fixed cost Machine::op_seconds adds back). A kind
-// with no measured op, no work, or no time left after the fixed costs gets 0.
-std::array<double, kOpKindCount> fit_op_rates(const Program& program, const std::vector<double>& seconds, double launch_s);
+// One device op timed in a sample step: what fit_op_kinds needs of it.
+struct OpTiming {
+  OpKind kind{};
+  double work = 0;     // op_rate_work
+  double bytes = 0;    // op_bytes_moved
+  double seconds = 0;  // as timed, the fixed cost per op (op_launch_s) included
+};
+// The device ops of `program` with a measured time in `seconds` ([program.ops], 0:
+// not timed); host ops are left out.
+std::vector<OpTiming> op_timings(const Program& program, const std::vector<double>& seconds);
+
+// Each kind's cost from timed ops, pooled over any number of sample steps: the
+// non-negative fixed_s, 1/rate and 1/bytes_per_s (bytes only for kinds with flops)
+// that minimize the sum over the kind's ops of (predicted - timed)^2 / timed, each
+// op's time less `launch_s` (every subset of the terms is tried; the best one whose
+// coefficients are all > 0 is kept). Dividing by the time weighs small ops more than
+// a plain sum of squares would (a layer's many small ops add up in a deep model) and
+// large ones more than relative errors would (they make most of a step). A kind with
+// no timed op, or whose ops take no time beyond `launch_s`, is not measured.
+std::array<OpFit, kOpKindCount> fit_op_kinds(const std::vector<OpTiming>& timed, double launch_s);
 
 // "h200" or "cpu": the presets; anything else: a JSON file written by
 // `spillway profile` (Machine::from_json). Errors name the file or the preset.

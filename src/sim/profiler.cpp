@@ -52,8 +52,9 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
     SPILLWAY_ASSIGN_OR_RETURN(m.attention_flops_per_s,
                               gpu ? measure_attention(backend, 8, 1024, 16, 64, kRepeats)
                                   : measure_attention(backend, 2, 128, 4, 32, kRepeats));
-    SPILLWAY_ASSIGN_OR_RETURN(m.compute_share_while_copying,
-                              measure_compute_share_while_copying(backend, S, kRepeats, m.h2d_bytes_per_s));
+    SPILLWAY_ASSIGN_OR_RETURN(SharedSpeeds shared, measure_shared_speeds(backend, S, kRepeats, m.h2d_bytes_per_s));
+    m.compute_share_while_copying = shared.compute_while_copying;
+    m.copy_share_while_computing = shared.copy_while_computing;
     const size_t n = gpu ? (size_t{128} << 20) : (size_t{4} << 20);
     SPILLWAY_ASSIGN_OR_RETURN(m.device_bytes_per_s, measure_memory_bound(backend, n, kRepeats));
     SPILLWAY_ASSIGN_OR_RETURN(m.op_launch_s, measure_op_launch(backend, 200));
@@ -403,7 +404,7 @@ Result<double> measure_op_launch(Backend& backend, int ops) {
   return s / ops;
 }
 
-Result<double> measure_compute_share_while_copying(Backend& backend, int S, int repeats, double h2d_bytes_per_s) {
+Result<SharedSpeeds> measure_shared_speeds(Backend& backend, int S, int repeats, double h2d_bytes_per_s) {
   repeats = std::max(1, repeats);
   const size_t mat = static_cast<size_t>(S) * S * dtype_size(backend.activation_dtype());
   ScratchBuffers buffers(backend);
@@ -424,18 +425,42 @@ Result<double> measure_compute_share_while_copying(Backend& backend, int S, int 
   constexpr size_t kCopyBytes = size_t{64} << 20;
   SPILLWAY_ASSIGN_OR_RETURN(void* host_buf, buffers.host(kCopyBytes));
   SPILLWAY_ASSIGN_OR_RETURN(void* dev_buf, buffers.device(kCopyBytes));
+  std::memset(host_buf, 0x5a, kCopyBytes);  // touch every page before timing
   CopyEngine& ce = backend.copy_engine();
   const int copies = 2 + static_cast<int>(std::min(alone * h2d_bytes_per_s / kCopyBytes, 20000.0));
-  for (int c = 0; c < copies; ++c) {
-    auto t = ce.copy(CopyDirection::HostToDevice, dev_buf, host_buf, kCopyBytes);
-    if (!t) return t.status();
-  }
+  auto queue_copies = [&]() -> Result<CopyTicket> {
+    CopyTicket last{};
+    for (int c = 0; c < copies; ++c) {
+      auto t = ce.copy(CopyDirection::HostToDevice, dev_buf, host_buf, kCopyBytes);
+      if (!t) return t.status().with_context("host→device copy");
+      last = *t;
+    }
+    return last;
+  };
+  SPILLWAY_RETURN_IF_ERROR(queue_copies().status());
   t0 = now_s();
   for (int r = 0; r < repeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
   SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
   const double with_copies = now_s() - t0;
   SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
-  return with_copies > 0 ? std::clamp(alone / with_copies, 0.05, 1.0) : 1.0;
+  SharedSpeeds speeds;
+  speeds.compute_while_copying = with_copies > 0 ? std::clamp(alone / with_copies, 0.05, 1.0) : 1.0;
+  // The copies alone, then the same copies while products run one after another until
+  // the last copy is done (to within one product).
+  t0 = now_s();
+  SPILLWAY_RETURN_IF_ERROR(queue_copies().status());
+  SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
+  const double copies_alone = now_s() - t0;
+  t0 = now_s();
+  SPILLWAY_ASSIGN_OR_RETURN(CopyTicket last, queue_copies());
+  do {
+    backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+    SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
+  } while (!ce.is_done(last));
+  const double copies_computing = now_s() - t0;
+  SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
+  speeds.copy_while_computing = copies_computing > 0 ? std::clamp(copies_alone / copies_computing, 0.05, 1.0) : 1.0;
+  return speeds;
 }
 
 }  // namespace spillway

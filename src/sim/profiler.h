@@ -100,7 +100,14 @@ Result<double> measure_attention(Backend& backend, int B, int T, int NH, int D, 
 Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats);
 // Seconds per op of `ops` tiny ops back to back (the fixed cost per op).
 Result<double> measure_op_launch(Backend& backend, int ops);
-// An S³ product's speed while host→device copies run, over its speed alone (0 to 1].
-Result<double> measure_compute_share_while_copying(Backend& backend, int S, int repeats, double h2d_bytes_per_s);
+// Compute and copies at once, each over its speed alone (0 to 1]: S³ products while
+// host→device copies run, and host→device copies while S³ products run. On the CPU
+// backend both share the cores and the memory bus; on a GPU the copy engines and the
+// SMs are apart, but share device memory.
+struct SharedSpeeds {
+  double compute_while_copying = 1;  // Machine::compute_share_while_copying
+  double copy_while_computing = 1;   // Machine::copy_share_while_computing
+};
+Result<SharedSpeeds> measure_shared_speeds(Backend& backend, int S, int repeats, double h2d_bytes_per_s);
 
 }  // namespace spillway

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <vector>
 
+#include "program/op_registry.h"
 #include "sim/machine.h"
 #include "support/cli_support.h"
 #include "support/test_support.h"
@@ -19,6 +20,8 @@
 namespace {
 
 using spillway::Machine;
+using spillway::OpKind;
+using spillway::op_kind_name;
 using spillway::testing_support::read_file;
 
 using spillway::testing_support::CliRun;
@@ -67,6 +70,13 @@ TEST(ProfileCli, QuickCpuProfileWritesALoadableMachineWithPositiveFields) {
                    m->host_adam_params_per_s_alone})
     EXPECT_GT(v, 0) << read_file(out);
   EXPECT_LE(m->duplex_factor, 1.0);
+  EXPECT_GT(m->copy_share_while_computing, 0);
+  EXPECT_LE(m->copy_share_while_computing, 1.0);
+  // Each kind of the sample steps got a fitted cost; the table gives back each sample.
+  for (OpKind k : {OpKind::MatmulForward, OpKind::MatmulBackward, OpKind::AttentionBackward, OpKind::AdamW})
+    EXPECT_TRUE(m->op_fit(k).measured()) << op_kind_name(k) << "\n" << r.output;
+  for (const char* line : {"tiny:2x64", "tiny:1x32", "fitted ms"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
   EXPECT_FALSE(m->host_runs_ahead);  // the CPU backend runs ops on the host thread
   EXPECT_FALSE(m->measured_on.date.empty());
   EXPECT_EQ(m->measured_on.driver, "none");
@@ -97,6 +107,20 @@ TEST(ProfileCli, WithoutOutWritesTheCacheThatTrainReads) {
   EXPECT_NE(r.output.find(files[0]), std::string::npos) << r.output;
   EXPECT_TRUE(spillway::load_machine(cache + "/spillway/" + files[0]).ok());
   std::filesystem::remove_all(cache);
+  std::filesystem::remove_all(dir);
+}
+
+// Samples are checked before anything is measured.
+TEST(ProfileCli, BadOpSamplesAreNamed) {
+  const std::string dir = temp_path("spill3");
+  std::filesystem::create_directories(dir);
+  const std::string base = "profile --backend cpu --threads 2 --quick --spill-dir " + dir + " --out " +
+                           temp_path("never.json") + " --op-sample ";
+  for (const char* bad : {"tiny", "tiny:2x", "tiny:0x64", "tiny:2y64", ":2x64", "tiny:2x-64"})
+    expect_rejected(base + bad, {"--op-sample", bad, "MODEL:BxT"});
+  expect_rejected(base + "tiny:2x999", {"--op-sample tiny:2x999", "longer than tiny's context 128"});
+  expect_rejected(base + "gpt-0b:1x8", {"--op-sample gpt-0b:1x8", "gpt-0b"});
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
   std::filesystem::remove_all(dir);
 }
 

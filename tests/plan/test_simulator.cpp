@@ -216,6 +216,33 @@ TEST(Simulator, EarlyFetchHidesBehindCompute) {
   }
 }
 
+// On a machine whose copies and compute share the cores (the CPU backend), a copy
+// slows while compute runs (copy_share_while_computing), and compute while a copy
+// runs (compute_share_while_copying).
+TEST(Simulator, CopiesAndComputeSlowEachOtherWhereTheyShare) {
+  FetchCase f;
+  for (bool ahead : {false, true}) {
+    SCOPED_TRACE(ahead ? "host runs ahead" : "host blocked by runs");
+    Machine m = test_machine(f.p, ahead);
+    m.copy_share_while_computing = 0.25;
+    // w's 4000 bytes at 1e6 B/s beside op0 (0-2 ms): 2000 bytes; the rest at 4e6 B/s
+    // after it: 0.5 ms. op1 waits for it: 2.5-4.5 ms.
+    SimResult r = simulate_checked(f.p, f.plan(/*early=*/true), m);
+    const SimEvent* copy = find_event(r, SimResource::H2D, "w");
+    ASSERT_NE(copy, nullptr);
+    EXPECT_NEAR(copy->end_s, 2.5 * kMs, kTol);
+    EXPECT_NEAR(r.stall_s, 0.5 * kMs, kTol);
+    EXPECT_NEAR(r.step_s, 4.5 * kMs, kTol);
+    // Both ways: op0 at half speed and the copy at a quarter beside each other; both
+    // end at 4 ms (2 ms of op0's work, 4000 bytes at 1e6 B/s); op1 4-6 ms.
+    m.compute_share_while_copying = 0.5;
+    r = simulate_checked(f.p, f.plan(/*early=*/true), m);
+    EXPECT_NEAR(find_event(r, SimResource::H2D, "w")->end_s, 4 * kMs, kTol);
+    EXPECT_NEAR(find_event(r, SimResource::Compute, "op0")->end_s, 4 * kMs, kTol);
+    EXPECT_NEAR(r.step_s, 6 * kMs, kTol);
+  }
+}
+
 TEST(Simulator, LateFetchStallsForTheCopy) {
   FetchCase f;
   for (bool ahead : {false, true}) {

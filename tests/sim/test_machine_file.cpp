@@ -25,6 +25,7 @@ Machine every_field_set() {
   m.d2h_bytes_per_s = 11.75e9;
   m.duplex_factor = 0.8123456789012345;
   m.compute_share_while_copying = 0.66;
+  m.copy_share_while_computing = 0.875;
   m.storage_read_bytes_per_s = 3.3e9;
   m.storage_write_bytes_per_s = 2.9e9;
   m.storage_latency_s = 8.5e-5;
@@ -32,8 +33,9 @@ Machine every_field_set() {
   m.attention_flops_per_s = 2.5e13;
   m.device_bytes_per_s = 9.87e11;
   m.op_launch_s = 3.25e-6;
-  m.op_rates[static_cast<size_t>(OpKind::MatmulBackward)] = 1.5e11;
-  m.op_rates[static_cast<size_t>(OpKind::GeluForward)] = 7.25e9;
+  m.op_fits[static_cast<size_t>(OpKind::MatmulBackward)] = {.fixed_s = 1.5e-5, .rate = 1.5e11, .bytes_per_s = 1.25e10};
+  m.op_fits[static_cast<size_t>(OpKind::GeluForward)] = {.rate = 7.25e9};
+  m.op_fits[static_cast<size_t>(OpKind::Zero)] = {.fixed_s = 2e-6};
   m.host_adam_params_per_s = 2.1e9;
   m.host_adam_params_per_s_alone = 2.6e9;
   m.host_runs_ahead = false;
@@ -71,7 +73,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 23);  // format, version, name, measured_on and the 19 other fields
+  EXPECT_EQ(keys, 24);  // format, version, name, measured_on and the 20 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -111,12 +113,27 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 1, "versions 2 and 3"},
-                                         {"version", 4, "the file is version 4"},
-                                         {"op_rates", 2.0, "expected an object"},
-                                         {"op_rates", {{"Gelu", 1e9}}, "op_rates.Gelu: not a kind of op"},
-                                         {"op_rates", {{"GeluForward", 0}}, "op_rates.GeluForward: expected a number above 0"},
-                                         {"op_rates", {{"AdamW", "fast"}}, "op_rates.AdamW: expected a number"},
+                                         {"version", 1, "versions 2, 3 and 4"},
+                                         {"version", 5, "the file is version 5"},
+                                         {"copy_share_while_computing", 1.5, "at most 1"},
+                                         {"copy_share_while_computing", 0, "above 0"},
+                                         {"op_fits", 2.0, "expected an object"},
+                                         {"op_fits", {{"Gelu", {{"fixed_s", 0}, {"rate", 1e9}, {"bytes_per_s", 0}}}},
+                                          "op_fits.Gelu: not a kind of op"},
+                                         {"op_fits", {{"GeluForward", 1e9}}, "op_fits.GeluForward: expected an object"},
+                                         {"op_fits", {{"GeluForward", {{"fixed_s", 0}, {"rate", 1e9}}}},
+                                          "op_fits.GeluForward.bytes_per_s: missing"},
+                                         {"op_fits", {{"GeluForward", {{"fixed_s", 0}, {"rate", -1e9}, {"bytes_per_s", 0}}}},
+                                          "op_fits.GeluForward.rate: expected a number 0 or more"},
+                                         {"op_fits", {{"AdamW", {{"fixed_s", 0}, {"rate", "fast"}, {"bytes_per_s", 0}}}},
+                                          "op_fits.AdamW.rate: expected a number"},
+                                         {"op_fits", {{"GeluForward", {{"fixed_s", 0}, {"rate", 0}, {"bytes_per_s", 0}}}},
+                                          "op_fits.GeluForward: every term is 0"},
+                                         {"op_fits", {{"GeluForward", {{"fixed_s", 0}, {"rate", 1e9}, {"bytes_per_s", 1e9}}}},
+                                          "op_fits.GeluForward.bytes_per_s: only kinds with flops"},
+                                         {"op_fits",
+                                          {{"GeluForward", {{"fixed_s", 0}, {"rate", 1e9}, {"bytes_per_s", 0}, {"x", 1}}}},
+                                          "op_fits.GeluForward.x: unknown key"},
                                          {"attention_flops_per_s", 0, "above 0"},
                                          {"format", "other", "spillway-machine"}}) {
     nlohmann::json j = good;
@@ -145,31 +162,65 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
 
 // Version 2 files (before op_rates) are still read: every kind is costed by the class
 // rates, as they were. A version 2 file with op_rates is refused (an unknown key).
-TEST(MachineFile, Version2FilesAreReadWithNoOpRates) {
+TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
   j["version"] = 2;
-  j.erase("op_rates");
+  j.erase("op_fits");
+  j.erase("copy_share_while_computing");
   auto m = Machine::from_json(j.dump(), "old.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
-  want.op_rates = {};
+  want.op_fits = {};
+  want.copy_share_while_computing = 1.0;  // copies at full speed while compute runs, as before
   EXPECT_EQ(*m, want);
-  for (double r : m->op_rates) EXPECT_EQ(r, 0);
+  for (const OpFit& f : m->op_fits) EXPECT_FALSE(f.measured());
   j["op_rates"] = nlohmann::json::object();
   const std::string e = error_of(j);
   EXPECT_NE(e.find("op_rates: unknown key"), std::string::npos) << e;
   // The fuzz corpus keeps such a file (the cpu preset as version 2 wrote it).
   auto corpus = load_machine(std::string(SPILLWAY_SOURCE_DIR) + "/fuzz/corpus/machine_file/cpu.json");
   ASSERT_TRUE(corpus.ok()) << corpus.status().to_string();
-  EXPECT_EQ(corpus->op_rates, (std::array<double, kOpKindCount>{}));
+  EXPECT_EQ(corpus->op_fits, (std::array<OpFit, kOpKindCount>{}));
 }
 
-// The op kinds are written by name, only the measured ones.
-TEST(MachineFile, OpRatesAreWrittenByKindName) {
+// Version 3 files have one rate per kind ("op_rates"): each is read as a fit of that
+// rate alone, and copies keep their full speed while compute runs.
+TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
+  nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  j["version"] = 3;
+  j.erase("op_fits");
+  j.erase("copy_share_while_computing");
+  j["op_rates"] = {{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}};
+  auto m = Machine::from_json(j.dump(), "v3.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Machine want = every_field_set();
+  want.op_fits = {};
+  want.op_fits[static_cast<size_t>(OpKind::MatmulBackward)] = {.rate = 1.5e11};
+  want.op_fits[static_cast<size_t>(OpKind::GeluForward)] = {.rate = 7.25e9};
+  want.copy_share_while_computing = 1.0;
+  EXPECT_EQ(*m, want);
+  j["op_rates"] = {{"GeluForward", 0}};
+  std::string e = error_of(j);
+  EXPECT_NE(e.find("op_rates.GeluForward: expected a number above 0"), std::string::npos) << e;
+  j["op_rates"] = {{"GeluForward", 1e9}};
+  j["copy_share_while_computing"] = 0.5;  // a version 4 field in a version 3 file
+  e = error_of(j);
+  EXPECT_NE(e.find("copy_share_while_computing: unknown key"), std::string::npos) << e;
+  // The fuzz corpus keeps one (the cpu preset as version 3 wrote it).
+  auto corpus = load_machine(std::string(SPILLWAY_SOURCE_DIR) + "/fuzz/corpus/machine_file/cpu_v3.json");
+  ASSERT_TRUE(corpus.ok()) << corpus.status().to_string();
+  EXPECT_EQ(corpus->op_fit(OpKind::MatmulForward).fixed_s, 0);
+  EXPECT_GT(corpus->op_fit(OpKind::MatmulForward).rate, 0);
+}
+
+// The op kinds are written by name, only the measured ones, each with its three terms.
+TEST(MachineFile, OpFitsAreWrittenByKindName) {
   const nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
-  EXPECT_EQ(j["version"], 3);
-  EXPECT_EQ(j["op_rates"], (nlohmann::json{{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}}));
-  EXPECT_EQ(nlohmann::json::parse(Machine().to_json())["op_rates"], nlohmann::json::object());
+  EXPECT_EQ(j["version"], 4);
+  EXPECT_EQ(j["op_fits"], (nlohmann::json{{"Zero", {{"fixed_s", 2e-6}, {"rate", 0.0}, {"bytes_per_s", 0.0}}},
+                                          {"MatmulBackward", {{"fixed_s", 1.5e-5}, {"rate", 1.5e11}, {"bytes_per_s", 1.25e10}}},
+                                          {"GeluForward", {{"fixed_s", 0.0}, {"rate", 7.25e9}, {"bytes_per_s", 0.0}}}}));
+  EXPECT_EQ(nlohmann::json::parse(Machine().to_json())["op_fits"], nlohmann::json::object());
 }
 
 TEST(MachineFile, RepositoryPresetFilesAreThePresetsInCode) {
