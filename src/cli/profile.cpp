@@ -12,7 +12,7 @@
 // training step timed in the step (Executor::profile_next_step), at several shapes, for
 // each kind's own fitted cost (Machine::op_fits):
 //
-//   spillway profile --backend cpu --spill-dir /tmp --op-sample gpt2-124m:2x256 --op-sample tiny:8x128
+//   spillway profile --backend cpu --spill-dir /tmp --op-sample gpt2-124m:2x256 --op-sample tiny:8x128:4
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
@@ -37,7 +37,9 @@
 #include "core/random.h"
 #include "model/model.h"
 #include "program/op_registry.h"
+#include "plan/plan.h"
 #include "sim/profiler.h"
+#include "sim/simulator.h"
 #include "train/trainer.h"
 
 namespace spillway::cli {
@@ -49,32 +51,32 @@ struct ProfileFlags {
   std::string spill_dir;
   std::string out;
   bool quick = false;
-  // The sample steps whose ops are timed for the per-kind fits, "MODEL:BxT" each: a
-  // model preset with one layer (its ops have the shapes of every layer), B sequences
-  // of T tokens. Empty: the backend's default (see op_samples).
+  // The sample steps whose ops are timed for the per-kind fits, "MODEL:BxT[:L]" each:
+  // L layers of a model preset (default 1: its ops have the shapes of every layer), B
+  // sequences of T tokens. Empty: the backend's default (see op_samples).
   std::vector<std::string> op_samples;
+  // The offloaded step that calibrates copy_share_while_computing, "MODEL:BxT[:L]", and
+  // its device budget. Empty: the backend's default (the CPU's; none on CUDA).
+  std::string offload_sample;
+  std::string offload_budget;
 };
 
 struct OpSample {
   std::string model;
   int B = 0, T = 0;
-  std::string text() const { return model + ":" + std::to_string(B) + "x" + std::to_string(T); }
+  int layers = 1;  // of the model's; the model's own count for a whole step
+  std::string text() const {
+    return model + ":" + std::to_string(B) + "x" + std::to_string(T) + (layers != 1 ? ":" + std::to_string(layers) : "");
+  }
 };
 
-// "gpt2-124m:1x128" → {gpt2-124m, 1, 128}.
-Result<OpSample> parse_op_sample(const std::string& text) {
-  const auto bad = [&text]() {
-    return Status::invalid_argument("--op-sample '" + text +
-                                    "': expected MODEL:BxT, a model preset and the sample step's sequences and tokens "
-                                    "per sequence (gpt2-124m:1x128)");
+// "gpt2-124m:1x128" → {gpt2-124m, 1, 128, 1 layer}; "tiny:4x128:4" → 4 layers.
+Result<OpSample> parse_op_sample(const std::string& text, const std::string& flag) {
+  const auto bad = [&text, &flag]() {
+    return Status::invalid_argument(flag + " '" + text +
+                                    "': expected MODEL:BxT or MODEL:BxT:L, a model preset, the sample step's sequences "
+                                    "and tokens per sequence, and its layers (default 1): gpt2-124m:1x128, tiny:4x128:4");
   };
-  const size_t colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0) return bad();
-  OpSample s;
-  s.model = text.substr(0, colon);
-  const std::string shape = text.substr(colon + 1);
-  const size_t x = shape.find('x');
-  if (x == std::string::npos) return bad();
   const auto whole = [](const std::string& digits, int* out) {
     if (digits.empty() || digits.size() > 6) return false;
     for (char c : digits)
@@ -82,30 +84,77 @@ Result<OpSample> parse_op_sample(const std::string& text) {
     *out = std::stoi(digits);
     return *out > 0;
   };
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos || colon == 0) return bad();
+  OpSample s;
+  s.model = text.substr(0, colon);
+  std::string shape = text.substr(colon + 1);
+  if (const size_t second = shape.find(':'); second != std::string::npos) {
+    if (!whole(shape.substr(second + 1), &s.layers)) return bad();
+    shape = shape.substr(0, second);
+  }
+  const size_t x = shape.find('x');
+  if (x == std::string::npos) return bad();
   if (!whole(shape.substr(0, x), &s.B) || !whole(shape.substr(x + 1), &s.T)) return bad();
+  return s;
+}
+
+// The sample `text` of `flag`, parsed and checked against its preset.
+Result<OpSample> checked_sample(const std::string& text, const std::string& flag) {
+  SPILLWAY_ASSIGN_OR_RETURN(OpSample s, parse_op_sample(text, flag));
+  auto cfg = model_preset(s.model);
+  if (!cfg) return cfg.status().with_context(flag + " " + text);
+  if (s.T > cfg->context)
+    return Status::invalid_argument(flag + " " + text + ": " + std::to_string(s.T) + " tokens is longer than " + s.model +
+                                    "'s context " + std::to_string(cfg->context));
+  if (s.layers > cfg->layers)
+    return Status::invalid_argument(flag + " " + text + ": " + std::to_string(s.layers) + " layers, " + s.model +
+                                    " has " + std::to_string(cfg->layers));
   return s;
 }
 
 // The default samples: layer and LM-head shapes of the models this backend trains, at
 // several token counts, so that each kind's fit sees how its time grows with the rows
-// and with the width (CPU: GPT-2 small and tiny widths at 128 to 1024 tokens; products
-// of few rows spend much of their time on the weight; CUDA: GPT-2 1.5B and 124M widths
-// at 8192 and 16384 tokens).
+// and with the width, and on the CPU whole steps too, whose ops find their data out of
+// the caches as a training step does (a one-layer step runs its AdamW a third faster
+// per byte than gpt2-124m's twelve). CPU: GPT-2 small and tiny at 128 to 2048 tokens;
+// CUDA: one layer of GPT-2 1.5B and 124M at 8192 and 16384 tokens.
 Result<std::vector<OpSample>> op_samples(const ProfileFlags& f, bool cuda) {
   std::vector<OpSample> samples;
   for (const std::string& text : f.op_samples) {
-    SPILLWAY_ASSIGN_OR_RETURN(OpSample s, parse_op_sample(text));
-    auto cfg = model_preset(s.model);
-    if (!cfg) return cfg.status().with_context("--op-sample " + text);
-    if (s.T > cfg->context)
-      return Status::invalid_argument("--op-sample " + text + ": " + std::to_string(s.T) + " tokens is longer than " +
-                                      s.model + "'s context " + std::to_string(cfg->context));
+    SPILLWAY_ASSIGN_OR_RETURN(OpSample s, checked_sample(text, "--op-sample"));
     samples.push_back(s);
   }
   if (!samples.empty()) return samples;
-  if (f.quick) return std::vector<OpSample>{{"tiny", 2, 64}, {"tiny", 1, 32}};
-  if (cuda) return std::vector<OpSample>{{"gpt2-1.5b", 8, 1024}, {"gpt2-124m", 16, 1024}};
-  return std::vector<OpSample>{{"gpt2-124m", 1, 128}, {"gpt2-124m", 1, 512}, {"tiny", 2, 128}, {"tiny", 16, 128}};
+  if (f.quick) return std::vector<OpSample>{{"tiny", 2, 64, 1}, {"tiny", 1, 32, 2}};
+  if (cuda) return std::vector<OpSample>{{"gpt2-1.5b", 8, 1024, 1}, {"gpt2-124m", 16, 1024, 1}};
+  return std::vector<OpSample>{{"gpt2-124m", 1, 128, 1}, {"gpt2-124m", 1, 256, 12}, {"gpt2-124m", 1, 512, 1},
+                               {"tiny", 4, 128, 4}, {"tiny", 16, 128, 1}};
+}
+
+// The offloaded step that calibrates the copy speed while computing, and its budget:
+// --offload-sample and --offload-budget (both or neither), else the backend's default
+// (CPU: all 12 layers of gpt2-124m at 1x256 under 400 MiB, which streams every
+// parameter, gradient and optimizer state; --quick: tiny; CUDA: none, the probe stands).
+struct OffloadSample {
+  OpSample sample;
+  uint64_t budget = 0;  // 0: no calibration
+};
+Result<OffloadSample> offload_sample(const ProfileFlags& f, bool cuda) {
+  if (f.offload_sample.empty() != f.offload_budget.empty())
+    return Status::invalid_argument("--offload-sample and --offload-budget go together (the step and its device budget)");
+  if (!f.offload_sample.empty()) {
+    OffloadSample o;
+    SPILLWAY_ASSIGN_OR_RETURN(o.sample, checked_sample(f.offload_sample, "--offload-sample"));
+    auto budget = parse_size(f.offload_budget);
+    if (!budget) return budget.status().with_context("--offload-budget");
+    if (*budget == 0) return Status::invalid_argument("--offload-budget: expected a size above 0, got " + f.offload_budget);
+    o.budget = *budget;
+    return o;
+  }
+  if (f.quick) return OffloadSample{{"tiny", 2, 64, 2}, 4ull << 20};
+  if (cuda) return OffloadSample{};
+  return OffloadSample{{"gpt2-124m", 1, 256, 12}, 400ull << 20};
 }
 
 double median(std::vector<double> v) {
@@ -121,6 +170,48 @@ struct SampleTimes {
   double step_s = 0;          // the median unprofiled step (started to finished), ops and all
 };
 
+// A trainer for `steps` steps of the sample (its layers of the preset, initialized
+// parameters) under `policy` and a device budget (0: none), and a step's random tokens.
+struct SampleRun {
+  std::unique_ptr<Trainer> trainer;
+  int vocab = 0;
+  size_t tokens = 0;  // per step
+  uint64_t rng = 1;
+  std::vector<TokenBatch> batch = std::vector<TokenBatch>(1);
+  // A step of fresh random tokens, finished (drained) when it returns.
+  Result<StepResult> step() {
+    TokenBatch& b = batch[0];
+    b.tokens.resize(tokens);
+    b.targets.resize(tokens);
+    for (size_t i = 0; i < tokens; ++i) {
+      b.tokens[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(vocab));
+      b.targets[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(vocab));
+    }
+    SPILLWAY_ASSIGN_OR_RETURN(StepResult r, trainer->step(batch));
+    SPILLWAY_RETURN_IF_ERROR(trainer->drain());
+    return r;
+  }
+};
+Result<SampleRun> sample_run(Backend& backend, const OpSample& sample, int steps, const Machine& m, Policy policy,
+                             uint64_t device_budget) {
+  SPILLWAY_ASSIGN_OR_RETURN(ModelConfig cfg, model_preset(sample.model));
+  cfg.layers = sample.layers;
+  TrainerOptions o;
+  o.model = cfg;
+  o.shape = {.B = sample.B, .T = sample.T, .accum = 1};
+  o.schedule = {.peak = 1e-4f, .warmup_steps = 0, .total_steps = steps};
+  o.planner.policy = policy;
+  o.planner.speculate = 0;  // every step the same, whether or not it clips
+  if (device_budget > 0) o.budgets.device = device_budget;
+  o.machine = m;
+  SampleRun run;
+  SPILLWAY_ASSIGN_OR_RETURN(run.trainer, Trainer::create(backend, o));
+  SPILLWAY_RETURN_IF_ERROR(run.trainer->init_parameters());
+  run.vocab = cfg.vocab;
+  run.tokens = static_cast<size_t>(sample.B) * sample.T;
+  return run;
+}
+
 // Runs training steps of the sample (one layer, resident, initialized parameters,
 // random tokens) as `spillway train` runs them, times every op of `rounds` more steps
 // (Executor::profile_next_step: each op synchronized before and after, in the step's
@@ -129,39 +220,16 @@ struct SampleTimes {
 // would be optimistic, a mean would follow another process's bursts on a shared
 // machine), then times `rounds` whole steps without the profile.
 Result<SampleTimes> time_sample_ops(Backend& backend, const OpSample& sample, int rounds, const Machine& m) {
-  SPILLWAY_ASSIGN_OR_RETURN(ModelConfig cfg, model_preset(sample.model));
-  cfg.layers = 1;
-  if (sample.T > cfg.context)
-    return Status::invalid_argument("--op-sample " + sample.text() + ": " + std::to_string(sample.T) +
-                                    " tokens is longer than " + sample.model + "'s context " +
-                                    std::to_string(cfg.context));
-  TrainerOptions o;
-  o.model = cfg;
-  o.shape = {.B = sample.B, .T = sample.T, .accum = 1};
-  o.schedule = {.peak = 1e-4f, .warmup_steps = 0, .total_steps = 2 + 2 * rounds};
-  o.planner.policy = Policy::Resident;
-  o.machine = m;
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(backend, o));
-  SPILLWAY_RETURN_IF_ERROR(trainer->init_parameters());
-  const Program& program = trainer->program();
-  uint64_t rng = 1;
-  std::vector<TokenBatch> batch(1);
-  const size_t n = static_cast<size_t>(sample.B) * sample.T;
+  SPILLWAY_ASSIGN_OR_RETURN(SampleRun run, sample_run(backend, sample, 2 + 2 * rounds, m, Policy::Resident, 0));
+  const Program& program = run.trainer->program();
   std::vector<std::vector<double>> rounds_of(program.ops.size());  // [ops][rounds]
   std::vector<double> steps;                                       // unprofiled steps' seconds
   for (int s = 1; s <= 2 + 2 * rounds; ++s) {
-    batch[0].tokens.resize(n);
-    batch[0].targets.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      batch[0].tokens[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(cfg.vocab));
-      batch[0].targets[i] = static_cast<int32_t>(splitmix64_next(rng) % static_cast<uint64_t>(cfg.vocab));
-    }
     StepProfile profile;
     const bool timed = s > 2 && s <= 2 + rounds;  // two warm-up steps: first touches, the optimizer's first update
-    if (timed) trainer->profile_next_step(&profile);
+    if (timed) run.trainer->profile_next_step(&profile);
     const auto t0 = std::chrono::steady_clock::now();
-    SPILLWAY_ASSIGN_OR_RETURN(StepResult r, trainer->step(batch));
-    SPILLWAY_RETURN_IF_ERROR(trainer->drain());
+    SPILLWAY_ASSIGN_OR_RETURN(StepResult r, run.step());
     if (s > 2 + rounds) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (!r.applied)
       return Status::internal("the sample step skipped its update (non-finite gradient norm): AdamW not timed");
@@ -176,6 +244,56 @@ Result<SampleTimes> time_sample_ops(Backend& backend, const OpSample& sample, in
   for (const OpTiming& t : out.ops) out.ops_s += t.seconds;
   out.step_s = median(steps);
   return out;
+}
+
+// Copies and compute at once, calibrated on a real offloaded step: trains `sample`
+// under `budget` (planned, no speculation) as `spillway train` does, and sets
+// copy_share_while_computing to the value at which the simulator gives back its
+// median step (bisection over [0.05, 1]; the simulator's step grows as copies slow).
+// On the CPU backend the copy threads, the host optimizer and compute share two cores
+// and one memory bus in ways one probe does not show (a step's copies ran at a third
+// of their speed alone, the probe's at four fifths); this one number then carries
+// what the simulator does not model of that sharing, which the note printed says.
+Status calibrate_copy_share(Backend& backend, const OpSample& sample, uint64_t budget, int rounds, Machine* m) {
+  SPILLWAY_ASSIGN_OR_RETURN(SampleRun run, sample_run(backend, sample, 2 + rounds, *m, Policy::Planned, budget));
+  Trainer* trainer = run.trainer.get();
+  std::vector<double> steps;
+  for (int s = 1; s <= 2 + rounds; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    SPILLWAY_RETURN_IF_ERROR(run.step().status());
+    if (s > 2) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double measured = median(steps);
+  const Program placed = placed_as_planned(trainer->program(), trainer->plan());
+  Machine probe = *m;
+  auto predicted = [&](double share) {
+    probe.copy_share_while_computing = share;
+    return simulate(placed, trainer->plan(), probe).step_s;
+  };
+  const double probed = m->copy_share_while_computing;
+  const double at_probe = predicted(probed);
+  double lo = 0.05, hi = 1.0;  // predicted(lo) ≥ measured ≥ predicted(hi) once bracketed
+  double share = 0;
+  if (predicted(hi) >= measured) share = hi;
+  else if (predicted(lo) <= measured) share = lo;
+  else {
+    for (int i = 0; i < 30; ++i) {
+      const double mid = (lo + hi) / 2;
+      (predicted(mid) >= measured ? lo : hi) = mid;
+    }
+    share = (lo + hi) / 2;
+  }
+  m->copy_share_while_computing = share;
+  probe.copy_share_while_computing = share;
+  const SimResult kept = simulate(placed, trainer->plan(), probe);
+  std::printf("\noffloaded step %s under %s (planned, %s host->device and %s device->host a step): %.1f ms measured "
+              "(median of %d), %.1f ms predicted with the probe's copy speed while computing %.3f; kept %.3f, which "
+              "predicts %.1f ms (it also carries what the simulator leaves out of cores shared by copies, host ops and "
+              "compute)\n",
+              sample.text().c_str(), format_size(budget).c_str(), format_size(kept.h2d_bytes).c_str(),
+              format_size(kept.d2h_bytes).c_str(), measured * 1e3, rounds, at_probe * 1e3, probed, share,
+              kept.step_s * 1e3);
+  return Status::ok();
 }
 
 // Times the ops of every sample, fits each kind's cost over all of them together
@@ -279,6 +397,8 @@ int run_profile(const ProfileFlags& f) {
   const bool cuda = backend.name() == "cuda";
   auto samples = op_samples(f, cuda);  // checked before anything is measured
   if (!samples) return fail(samples.status());
+  auto offload = offload_sample(f, cuda);
+  if (!offload) return fail(offload.status());
   const HostIdentity id = host_identity(backend.description());
   std::string out = f.out;
   if (out.empty()) {
@@ -450,6 +570,12 @@ int run_profile(const ProfileFlags& f) {
     Status s = measure_op_fits(backend, *samples, f.quick ? 1 : 5, &m);
     if (!s.is_ok()) return fail(s);
   }
+  if (offload->budget > 0) {
+    Status s = calibrate_copy_share(backend, offload->sample, offload->budget, f.quick ? 1 : 3, &m);
+    if (!s.is_ok())
+      return fail(s.with_context("profile: the offloaded step " + offload->sample.text() + " under " +
+                                 format_size(offload->budget) + " (--offload-sample, --offload-budget)"));
+  }
 
   if (Status s = save_machine(m, out); !s.is_ok()) return fail(s.with_context("--out"));
   std::printf("\nmachine written to %s (%.1f s)%s\n", out.c_str(), seconds_since(started),
@@ -468,9 +594,14 @@ CommandRegistration profile_command(
                      "$XDG_CACHE_HOME/spillway/machine-<key>.json or ~/.cache/spillway/...)");
       app.add_flag("--quick", f->quick, "tiny sizes (tests): figures are far from the machine's steady state");
       app.add_option("--op-sample", f->op_samples,
-                     "MODEL:BxT, a sample step whose ops are timed for each kind's cost (one layer of the preset, B "
-                     "sequences of T tokens); repeat it for several (default on the CPU: gpt2-124m:1x128, "
-                     "gpt2-124m:1x512, tiny:2x128, tiny:16x128; on CUDA: gpt2-1.5b:8x1024, gpt2-124m:16x1024)");
+                     "MODEL:BxT[:L], a sample step whose ops are timed for each kind's cost (L layers of the preset, "
+                     "default 1; B sequences of T tokens); repeat it for several (default on the CPU: "
+                     "gpt2-124m:1x128, gpt2-124m:1x256:12, gpt2-124m:1x512, tiny:4x128:4, tiny:16x128; on CUDA: "
+                     "gpt2-1.5b:8x1024, gpt2-124m:16x1024)");
+      app.add_option("--offload-sample", f->offload_sample,
+                     "MODEL:BxT[:L], an offloaded step that calibrates the copy speed while computing (default on the "
+                     "CPU: gpt2-124m:1x256:12; none on CUDA)");
+      app.add_option("--offload-budget", f->offload_budget, "its device budget (default on the CPU: 400MiB)");
       return [f]() { return run_profile(*f); };
     });
 

@@ -241,56 +241,66 @@ Machine Machine::h200() {
 }
 
 Machine Machine::cpu_dev_box() {
-  // `spillway profile --backend cpu --threads 2` on the dev box, 2026-12-04 16:52 UTC,
-  // after 6 s of idle cores (other sessions compile on it; bench/RESULTS.md, "Predicted
-  // against measured on the CPU backend"); the rates rounded to 3 digits. The capacities
-  // are the CI's choices (the CPU backend's device is host memory), not measurements.
+  // `spillway profile --backend cpu --threads 2` on the dev box, 2026-12-05 01:48 UTC,
+  // after 3 s of idle cores (other sessions compile on it; bench/RESULTS.md, "Predicted
+  // against measured on the CPU backend", `PROFILE=1 scripts/cpu-predictions.sh`); the
+  // figures rounded to 3 digits. The capacities are the CI's choices (the CPU backend's
+  // device is host memory), not measurements.
   Machine m;
   m.name = "cpu-dev-box";
   m.device_bytes = 8ull << 30;  // the CPU backend's arena stands in for the device
   m.host_bytes = 16ull << 30;
-  m.h2d_bytes_per_s = 16.3e9;   // memcpy by the copy engine's worker thread, 256 MiB pieces
-  m.d2h_bytes_per_s = 16.7e9;
-  m.duplex_factor = 0.587;      // two memcpy threads share the cores and the memory bus
-  m.compute_share_while_copying = 0.339;  // a 512^3 product while copies run, over alone
-  m.storage_read_bytes_per_s = 3.98e9;    // O_DIRECT, 1 MiB requests, best depth, /tmp
-  m.storage_write_bytes_per_s = 2.55e9;
-  m.storage_latency_s = 1.0e-4;
-  m.matmul_flops_per_s = 183e9;    // OpenBLAS sgemm, 512^3 and 1024x768x768
-  m.attention_flops_per_s = 56.7e9;  // fwd+bwd at B2 T256 4x32
-  m.device_bytes_per_s = 57.3e9;   // residual add over 32 M floats
-  m.op_launch_s = 3e-8;            // tiny ops back to back
-  // Each kind's rate from the ops of one gpt2-124m layer step at 1x256 (median of 5
-  // profiled steps): flop/s for products and attention, bytes/s for the others.
-  auto rate = [&m](OpKind k, double r) { m.op_fits[static_cast<size_t>(k)].rate = r; };
-  rate(OpKind::Zero, 24.0e9);
-  rate(OpKind::EmbeddingForward, 9.44e9);
-  rate(OpKind::EmbeddingBackward, 7.22e9);
-  rate(OpKind::LayerNormForward, 17.3e9);
-  rate(OpKind::LayerNormBackward, 14.7e9);
-  rate(OpKind::MatmulForward, 179e9);
-  rate(OpKind::MatmulBackward, 173e9);
-  rate(OpKind::AttentionForward, 76.3e9);
-  rate(OpKind::AttentionBackward, 92.7e9);
-  rate(OpKind::GeluForward, 7.61e9);
-  rate(OpKind::GeluBackward, 9.08e9);
-  rate(OpKind::ResidualForward, 28.4e9);
-  rate(OpKind::CrossEntropyBackward, 9.16e9);
-  rate(OpKind::SquaredNorm, 16.6e9);
-  rate(OpKind::ClipScale, 74.3e6);
-  rate(OpKind::AdamW, 90.2e9);
-  m.host_adam_params_per_s = 1.93e9;  // f32, 2 threads, while copies run
+  m.h2d_bytes_per_s = 1.77e10;  // memcpy by the copy engine's worker thread, 256 MiB pieces
+  m.d2h_bytes_per_s = 1.82e10;
+  m.duplex_factor = 0.971;      // two memcpy threads, one per direction
+  // Compute (a 512^3 product and a residual add over 8 M floats) while copies run, over
+  // alone; copies while compute runs: calibrated on an offloaded step of gpt2-124m at
+  // 1x256 under 400 MiB (the probe alone said 0.825).
+  m.compute_share_while_copying = 0.356;
+  m.copy_share_while_computing = 0.165;
+  m.storage_read_bytes_per_s = 3.14e9;    // O_DIRECT, 1 MiB requests, best depth, /tmp
+  m.storage_write_bytes_per_s = 2.17e9;
+  m.storage_latency_s = 5.93e-5;
+  m.matmul_flops_per_s = 1.91e11;  // OpenBLAS sgemm, 512^3 and 1024x768x768
+  m.attention_flops_per_s = 6.03e10;  // fwd+bwd at B2 T256 4x32
+  m.device_bytes_per_s = 6.39e10;  // residual add over 32 M floats
+  m.op_launch_s = 2.74e-8;         // tiny ops back to back
+  // Each kind's cost fitted over the ops of five sample steps (gpt2-124m: one layer at
+  // 1x128 and 1x512, all twelve at 1x256; tiny: all four at 4x128, one at 16x128;
+  // median of 5 profiled steps): fixed seconds, work rate (flop/s for products and
+  // attention, bytes/s for the others) and bytes rate (0: no such term).
+  auto fit = [&m](OpKind k, double fixed_s, double rate, double bytes_per_s) {
+    m.op_fits[static_cast<size_t>(k)] = {.fixed_s = fixed_s, .rate = rate, .bytes_per_s = bytes_per_s};
+  };
+  fit(OpKind::Zero, 1.44e-7, 2.35e10, 0);
+  fit(OpKind::EmbeddingForward, 8.56e-5, 3.05e10, 0);
+  fit(OpKind::EmbeddingBackward, 1.24e-5, 9.72e9, 0);
+  fit(OpKind::LayerNormForward, 3e-5, 2.57e10, 0);
+  fit(OpKind::LayerNormBackward, 7.56e-5, 2.39e10, 0);
+  fit(OpKind::MatmulForward, 2.81e-5, 1.84e11, 0);
+  fit(OpKind::MatmulBackward, 8.91e-5, 1.99e11, 2.04e10);
+  fit(OpKind::AttentionForward, 6.66e-5, 1.36e11, 6.87e9);
+  fit(OpKind::AttentionBackward, 7.34e-5, 1.76e11, 7.54e9);
+  fit(OpKind::GeluForward, 2.77e-5, 8.25e9, 0);
+  fit(OpKind::GeluBackward, 1.77e-5, 9.63e9, 0);
+  fit(OpKind::ResidualForward, 2.68e-5, 4.81e10, 0);
+  fit(OpKind::CrossEntropyBackward, 2.27e-5, 9.52e9, 0);
+  fit(OpKind::SquaredNorm, 8.81e-7, 1.67e10, 0);
+  fit(OpKind::ClipScale, 7.84e-7, 2.38e9, 0);
+  fit(OpKind::AdamW, 8.73e-7, 7.51e10, 0);
+  m.host_adam_params_per_s = 1.86e9;  // f32, 2 threads, while copies run
   m.host_runs_ahead = false;    // CPU ops run on the host thread
   // machines/cpu.json holds the same figures (a test checks that they agree).
-  m.host_adam_params_per_s_alone = 2.81e9;
-  m.measured_on = {.date = "2026-12-04T16:52:20Z",
+  m.host_adam_params_per_s_alone = 3.33e9;
+  m.measured_on = {.date = "2026-12-05T01:48:38Z",
                    .host = "this project's dev box (a VM: Debian 12, 23 GiB RAM)",
                    .cpu = "AMD EPYC, 2 cores",
                    .gpu = "CPU, 2 threads",
                    .driver = "none",
-                   .notes = "spillway profile --backend cpu --threads 2 --spill-dir /tmp/... (default op sample: one "
-                            "gpt2-124m layer at 1x256), rounded to 3 digits; device and host capacities are the CI's "
-                            "choices, not measured; bench/RESULTS.md, 'Predicted against measured on the CPU backend'"};
+                   .notes = "PROFILE=1 scripts/cpu-predictions.sh (spillway profile --backend cpu --threads 2 with the "
+                            "default op samples and offloaded step), rounded to 3 digits; device and host capacities "
+                            "are the CI's choices, not measured; bench/RESULTS.md, 'Predicted against measured on the "
+                            "CPU backend'"};
   return m;
 }
 

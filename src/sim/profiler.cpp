@@ -406,17 +406,29 @@ Result<double> measure_op_launch(Backend& backend, int ops) {
 
 Result<SharedSpeeds> measure_shared_speeds(Backend& backend, int S, int repeats, double h2d_bytes_per_s) {
   repeats = std::max(1, repeats);
-  const size_t mat = static_cast<size_t>(S) * S * dtype_size(backend.activation_dtype());
+  const size_t act = dtype_size(backend.activation_dtype());
+  const size_t mat = static_cast<size_t>(S) * S * act;
+  // The compute: an S³ product (held in the caches on a CPU) then a residual add over
+  // three arrays of S² · 32 elements, at most 64 Mi (beyond them), as a step mixes
+  // compute-bound and memory-bound ops: copies contend for the memory bus with the second.
+  const size_t n = std::min(static_cast<size_t>(S) * S * 32, size_t{64} << 20);
   ScratchBuffers buffers(backend);
   SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(mat));
   SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(mat));
   SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(mat));
+  SPILLWAY_ASSIGN_OR_RETURN(void* ra, buffers.device(n * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* rb, buffers.device(n * act));
+  SPILLWAY_ASSIGN_OR_RETURN(void* rc, buffers.device(n * act));
   OwnWorkspace workspace(backend);
   SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.matmul_workspace(S, S, false, false)));
-  backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+  auto compute = [&]() {
+    backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+    backend.residual_forward(rc, ra, rb, n);
+  };
+  compute();
   SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
   double t0 = now_s();
-  for (int r = 0; r < repeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+  for (int r = 0; r < repeats; ++r) compute();
   SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
   const double alone = now_s() - t0;
   if (!(alone > 0)) return Status::internal("measure compute while copying: took no measurable time");
@@ -439,14 +451,14 @@ Result<SharedSpeeds> measure_shared_speeds(Backend& backend, int S, int repeats,
   };
   SPILLWAY_RETURN_IF_ERROR(queue_copies().status());
   t0 = now_s();
-  for (int r = 0; r < repeats; ++r) backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+  for (int r = 0; r < repeats; ++r) compute();
   SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
   const double with_copies = now_s() - t0;
   SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
   SharedSpeeds speeds;
   speeds.compute_while_copying = with_copies > 0 ? std::clamp(alone / with_copies, 0.05, 1.0) : 1.0;
-  // The copies alone, then the same copies while products run one after another until
-  // the last copy is done (to within one product).
+  // The copies alone, then the same copies while compute runs until the last copy is
+  // done (to within one round of compute).
   t0 = now_s();
   SPILLWAY_RETURN_IF_ERROR(queue_copies().status());
   SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
@@ -454,7 +466,7 @@ Result<SharedSpeeds> measure_shared_speeds(Backend& backend, int S, int repeats,
   t0 = now_s();
   SPILLWAY_ASSIGN_OR_RETURN(CopyTicket last, queue_copies());
   do {
-    backend.matmul_forward(out, inp, w, nullptr, S, S, S);
+    compute();
     SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
   } while (!ce.is_done(last));
   const double copies_computing = now_s() - t0;

@@ -100,10 +100,11 @@ Result<double> measure_attention(Backend& backend, int B, int T, int NH, int D, 
 Result<double> measure_memory_bound(Backend& backend, size_t n, int repeats);
 // Seconds per op of `ops` tiny ops back to back (the fixed cost per op).
 Result<double> measure_op_launch(Backend& backend, int ops);
-// Compute and copies at once, each over its speed alone (0 to 1]: S³ products while
-// host→device copies run, and host→device copies while S³ products run. On the CPU
-// backend both share the cores and the memory bus; on a GPU the copy engines and the
-// SMs are apart, but share device memory.
+// Compute and copies at once, each over its speed alone (0 to 1]: compute (an S³
+// product and a residual add over 32·S² elements, at most 64 Mi, a step's mix of compute-bound and
+// memory-bound ops) while host→device copies run, and host→device copies while that
+// compute runs. On the CPU backend both share the cores and the memory bus; on a GPU
+// the copy engines and the SMs are apart, but share device memory.
 struct SharedSpeeds {
   double compute_while_copying = 1;  // Machine::compute_share_while_copying
   double copy_while_computing = 1;   // Machine::copy_share_while_computing

@@ -75,7 +75,7 @@ TEST(ProfileCli, QuickCpuProfileWritesALoadableMachineWithPositiveFields) {
   // Each kind of the sample steps got a fitted cost; the table gives back each sample.
   for (OpKind k : {OpKind::MatmulForward, OpKind::MatmulBackward, OpKind::AttentionBackward, OpKind::AdamW})
     EXPECT_TRUE(m->op_fit(k).measured()) << op_kind_name(k) << "\n" << r.output;
-  for (const char* line : {"tiny:2x64", "tiny:1x32", "fitted ms"})
+  for (const char* line : {"tiny:2x64", "tiny:1x32", "fitted ms", "offloaded step tiny:2x64:2 under 4.00 MiB"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
   EXPECT_FALSE(m->host_runs_ahead);  // the CPU backend runs ops on the host thread
   EXPECT_FALSE(m->measured_on.date.empty());
@@ -116,10 +116,19 @@ TEST(ProfileCli, BadOpSamplesAreNamed) {
   std::filesystem::create_directories(dir);
   const std::string base = "profile --backend cpu --threads 2 --quick --spill-dir " + dir + " --out " +
                            temp_path("never.json") + " --op-sample ";
-  for (const char* bad : {"tiny", "tiny:2x", "tiny:0x64", "tiny:2y64", ":2x64", "tiny:2x-64"})
+  for (const char* bad : {"tiny", "tiny:2x", "tiny:0x64", "tiny:2y64", ":2x64", "tiny:2x-64", "tiny:2x64:0", "tiny:2x64:"})
     expect_rejected(base + bad, {"--op-sample", bad, "MODEL:BxT"});
+  expect_rejected(base + "tiny:2x64:9", {"--op-sample tiny:2x64:9", "9 layers, tiny has 4"});
   expect_rejected(base + "tiny:2x999", {"--op-sample tiny:2x999", "longer than tiny's context 128"});
   expect_rejected(base + "gpt-0b:1x8", {"--op-sample gpt-0b:1x8", "gpt-0b"});
+  const std::string plain = "profile --backend cpu --threads 2 --quick --spill-dir " + dir + " --out " +
+                            temp_path("never.json");
+  expect_rejected(plain + " --offload-sample tiny:2x64", {"--offload-sample and --offload-budget go together"});
+  expect_rejected(plain + " --offload-budget 4MiB", {"--offload-sample and --offload-budget go together"});
+  expect_rejected(plain + " --offload-sample tiny:2x64 --offload-budget 0", {"--offload-budget", "above 0"});
+  expect_rejected(plain + " --offload-sample tiny:2x64 --offload-budget lots", {"--offload-budget", "lots"});
+  expect_rejected(plain + " --offload-sample tiny:2x64:9 --offload-budget 4MiB", {"--offload-sample tiny:2x64:9"});
+  expect_rejected(plain + " --offload-sample tiny --offload-budget 4MiB", {"--offload-sample", "MODEL:BxT"});
   EXPECT_TRUE(std::filesystem::is_empty(dir));
   std::filesystem::remove_all(dir);
 }

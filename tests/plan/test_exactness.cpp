@@ -170,13 +170,27 @@ TEST(Budgets, StorageTooSmallIsFoundBeforeAnyStep) {
   FAIL() << "no host budget made the plan store activations";
 }
 
+// A machine on which the planner recomputes these small models' activations rather
+// than swapping them: links of 5 GB/s (the cpu preset's figure before it was
+// measured) and ops at the class rates. The measured preset's ops carry a fixed cost
+// of tens of microseconds each (its fits), and its copies none, so it swaps tensors
+// this small.
+namespace {
+Machine recompute_friendly_machine() {
+  Machine m = Machine::cpu_dev_box();
+  m.h2d_bytes_per_s = m.d2h_bytes_per_s = 5e9;
+  m.op_fits = {};
+  return m;
+}
+}  // namespace
+
 TEST(Exactness, PlannedRecomputesWhereItChose) {
   GPTCase s = small_model(64);
   TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 3);
   ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
   Budgets b;
   b.device = ref.plan.device_bytes / 4;
-  TrainRun r = train_gpt(s, b, {.policy = Policy::Planned, .recompute = 1}, 3);
+  TrainRun r = train_gpt(s, b, {.policy = Policy::Planned, .recompute = 1}, 3, {}, recompute_friendly_machine());
   ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
   expect_same_run(r, ref, "planned with recompute");
   int planned_recomputes = 0;
@@ -501,11 +515,7 @@ int recompute_chains(const Plan& plan, const Program& program) {
 // planner re-runs that producer first (a chain), and the run keeps the resident bits.
 TEST(Exactness, RecomputeChainsMatchResident) {
   int chains = 0;
-  // Links slow enough (5 GB/s, the cpu preset's figure before it was measured) that
-  // the planner recomputes rather than swaps: the measured preset's 16 GB/s memcpy
-  // makes swapping these small tensors the cheaper choice.
-  Machine slow_links = Machine::cpu_dev_box();
-  slow_links.h2d_bytes_per_s = slow_links.d2h_bytes_per_s = 5e9;
+  const Machine slow_links = recompute_friendly_machine();
   for (GPTCase s : {small_model(64), small_llama(false, 64, 64, 512)}) {
     TrainRun ref = train_gpt(s, {}, {.policy = Policy::Resident}, 5);
     ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();

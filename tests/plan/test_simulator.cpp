@@ -188,10 +188,11 @@ TEST(Machine, PresetsAgreeWithTheMeasuredMachines) {
   EXPECT_TRUE(h.host_runs_ahead);  // CUDA launches return before the kernels finish
 
   const Machine c = Machine::cpu_dev_box();
-  // CPU copy engine, 1 GiB each way, two passes: 7.76 / 10.78 h2d, 7.20 / 11.04 d2h, 7.00 / 12.41 both.
-  within("dev box h2d", c.h2d_bytes_per_s, 7.76e9, 10.78e9, 2.0);
-  within("dev box d2h", c.d2h_bytes_per_s, 7.20e9, 11.04e9, 2.0);
-  within("dev box both directions", (c.h2d_bytes_per_s + c.d2h_bytes_per_s) * c.duplex_factor, 7.00e9, 12.41e9, 2.0);
+  // CPU copy engine, 64 and 256 MiB pieces (spillway profile, 2026-12-05): 17.7-18.3 h2d,
+  // 17.4-18.2 d2h, 34.6-34.8 both (2026-12-02, 1 GiB: 7.8-10.8, 7.2-11.0, 7.0-12.4).
+  within("dev box h2d", c.h2d_bytes_per_s, 7.76e9, 18.34e9, 1.25);
+  within("dev box d2h", c.d2h_bytes_per_s, 7.20e9, 18.19e9, 1.25);
+  within("dev box both directions", (c.h2d_bytes_per_s + c.d2h_bytes_per_s) * c.duplex_factor, 7.00e9, 34.83e9, 1.25);
   // Host AdamW, bf16, 2 threads: 1.06 (AVX2) to 1.47 (AVX-512 best) G params/s.
   within("dev box host AdamW", c.host_adam_params_per_s, 1.06e9, 1.47e9, 2.0);
   // Training gpt2-124m resident, 1 × 128, on the CPU backend: 129 and 151 tokens/s.
