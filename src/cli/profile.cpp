@@ -157,6 +157,10 @@ Result<OffloadSample> offload_sample(const ProfileFlags& f, bool cuda) {
   return OffloadSample{{"gpt2-124m", 1, 256, 12}, 400ull << 20};
 }
 
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -212,7 +216,7 @@ Result<SampleRun> sample_run(Backend& backend, const OpSample& sample, int steps
   return run;
 }
 
-// Runs training steps of the sample (one layer, resident, initialized parameters,
+// Runs training steps of the sample (its layers, resident, initialized parameters,
 // random tokens) as `spillway train` runs them, times every op of `rounds` more steps
 // (Executor::profile_next_step: each op synchronized before and after, in the step's
 // order, so it finds its operands where the step leaves them, not warm from a repeat
@@ -230,7 +234,7 @@ Result<SampleTimes> time_sample_ops(Backend& backend, const OpSample& sample, in
     if (timed) run.trainer->profile_next_step(&profile);
     const auto t0 = std::chrono::steady_clock::now();
     SPILLWAY_ASSIGN_OR_RETURN(StepResult r, run.step());
-    if (s > 2 + rounds) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (s > 2 + rounds) steps.push_back(seconds_since(t0));
     if (!r.applied)
       return Status::internal("the sample step skipped its update (non-finite gradient norm): AdamW not timed");
     for (const OpTime& t : profile.ops)
@@ -261,7 +265,7 @@ Status calibrate_copy_share(Backend& backend, const OpSample& sample, uint64_t b
   for (int s = 1; s <= 2 + rounds; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     SPILLWAY_RETURN_IF_ERROR(run.step().status());
-    if (s > 2) steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (s > 2) steps.push_back(seconds_since(t0));
   }
   const double measured = median(steps);
   const Program placed = placed_as_planned(trainer->program(), trainer->plan());
@@ -311,7 +315,7 @@ Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, i
     times.push_back(std::move(*t));
   }
   m->op_fits = fit_op_kinds(all, m->op_launch_s);
-  std::printf("\nops of one layer of each sample step, each op timed in the step (median of %d steps after 2), "
+  std::printf("\nops of each sample step, each op timed in the step (median of %d steps after 2), "
               "a cost fitted per kind over all samples (kept; the simulator costs each op at fixed + work / rate + "
               "bytes / bytes rate, plus %.2f us per op):\n",
               rounds, m->op_launch_s * 1e6);
@@ -325,8 +329,7 @@ Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, i
       if (t.kind != kind) continue;
       ++count;
       timed += t.seconds;
-      fitted += m->op_launch_s + fit.fixed_s + (fit.rate > 0 ? t.work / fit.rate : 0) +
-                (fit.bytes_per_s > 0 ? t.bytes / fit.bytes_per_s : 0);
+      fitted += m->op_launch_s + fit.seconds(t.work, t.bytes);
     }
     if (count == 0) continue;
     const bool flops = op_info(kind).flops != nullptr;
@@ -342,8 +345,7 @@ Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, i
     double fitted = 0;
     for (const OpTiming& t : times[i].ops) {
       const OpFit& fit = m->op_fits[static_cast<size_t>(t.kind)];
-      fitted += m->op_launch_s + fit.fixed_s + (fit.rate > 0 ? t.work / fit.rate : 0) +
-                (fit.bytes_per_s > 0 ? t.bytes / fit.bytes_per_s : 0);
+      fitted += m->op_launch_s + fit.seconds(t.work, t.bytes);
     }
     std::printf("  %-22s %10.3f %10.3f %10.3f %+7.1f%%\n", samples[i].text().c_str(), times[i].ops_s * 1e3,
                 times[i].step_s * 1e3, fitted * 1e3, times[i].step_s > 0 ? (fitted / times[i].step_s - 1) * 100 : 0.0);
@@ -378,10 +380,6 @@ Status make_dirs(const std::string& dir) {
     if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return errno_status("create folder " + part, errno);
   }
   return Status::ok();
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 int run_profile(const ProfileFlags& f) {

@@ -58,12 +58,8 @@ double Machine::op_seconds(const Program& program, size_t op_index) const {
     }
     return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
   }
-  if (const OpFit& fit = op_fit(op.kind); fit.measured()) {
-    double s = op_launch_s + fit.fixed_s;
-    if (fit.rate > 0) s += op_rate_work(program, op) / fit.rate;
-    if (fit.bytes_per_s > 0) s += op_bytes_moved(program, op) / fit.bytes_per_s;
-    return s;
-  }
+  if (const OpFit& fit = op_fit(op.kind); fit.measured())
+    return op_launch_s + fit.seconds(op_rate_work(program, op), static_cast<double>(op_bytes_moved(program, op)));
   const double rate = op_info(op.kind).op_class == OpClass::Attention ? attention_flops_per_s : matmul_flops_per_s;
   const double compute = rate > 0 ? op_cost_flops(op) / rate : 0;
   const double memory = device_bytes_per_s > 0 ? op_bytes_moved(program, op) / device_bytes_per_s : 0;

@@ -44,6 +44,10 @@ struct OpFit {
   double rate = 0;         // work per second (flop/s or bytes/s)
   double bytes_per_s = 0;  // op_bytes_moved per second (kinds with flops only)
   bool measured() const { return fixed_s > 0 || rate > 0 || bytes_per_s > 0; }
+  // The seconds of an op of this kind with this work and these bytes (Machine::op_launch_s not included).
+  double seconds(double work, double bytes) const {
+    return fixed_s + (rate > 0 ? work / rate : 0) + (bytes_per_s > 0 ? bytes / bytes_per_s : 0);
+  }
   bool operator==(const OpFit&) const = default;
 };
 
