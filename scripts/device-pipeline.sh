@@ -5,7 +5,8 @@
 # Usage (device tool, carry .deps): scripts/device-pipeline.sh   (results in $OUT)
 # PART=exact runs only the exactness checks; PART=speed only the timings. EXACT and
 # MODELS (model:accum ...), PEERS (torch_gpt.py configs) and
-# BENCH_FLAGS (added to every bench) choose what runs; RULE=0 skips the rule's plan.
+# BENCH_FLAGS (added to every bench), EXACT_FLAGS (added to the exactness runs, e.g.
+# --grad-clip 50 so that only the first steps clip) choose what runs; RULE=0 skips the rule's plan.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -29,10 +30,10 @@ if [ "$part" != speed ]; then
     m=${ma%:*}; a=${ma#*:}
     log "$m accum $a: resident against 24 GiB planned, 5 steps (lr 3e-3: clipping active in some)"
     timeout 200 $bin train --backend cuda --model $m --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
-      --eval-every 0 --metrics "$out/x_res_${m}_$a.jsonl" > "$out/x_res_${m}_$a.log" 2>&1 || tail -3 "$out/x_res_${m}_$a.log"
+      --eval-every 0 ${EXACT_FLAGS:-} --metrics "$out/x_res_${m}_$a.jsonl" > "$out/x_res_${m}_$a.log" 2>&1 || tail -3 "$out/x_res_${m}_$a.log"
     timeout 200 $bin train --backend cuda --model $m --batch 8 --context 1024 --accum $a --steps 5 --lr 3e-3 --warmup 0 \
-      --eval-every 0 --device-budget 24GiB --policy planned --metrics "$out/x_24_${m}_$a.jsonl" > "$out/x_24_${m}_$a.log" 2>&1 || tail -3 "$out/x_24_${m}_$a.log"
-    grep "plan:" "$out/x_24_${m}_$a.log" | tee -a "$out/summary.txt"
+      --eval-every 0 ${EXACT_FLAGS:-} --device-budget 24GiB --policy planned --metrics "$out/x_24_${m}_$a.jsonl" > "$out/x_24_${m}_$a.log" 2>&1 || tail -3 "$out/x_24_${m}_$a.log"
+    grep -E "plan:|speculat" "$out/x_24_${m}_$a.log" | tee -a "$out/summary.txt"
     scripts/same_losses.py "cuda exactness, $m accum $a, 24 GiB" "$out/x_res_${m}_$a.jsonl" "$out/x_24_${m}_$a.jsonl" | tee -a "$out/summary.txt"
     python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" "$out/x_24_${m}_$a.jsonl" | tee -a "$out/summary.txt"
   done
@@ -43,7 +44,7 @@ if [ "$part" != exact ]; then
     log "24 GiB budget: $m --accum $a (planned)"
     timeout 240 $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget 24GiB \
       --policy planned ${BENCH_FLAGS:-} --json "$out/b24_${m}_$a.json" > "$out/b24_${m}_$a.log" 2>&1
-    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted" "$out/b24_${m}_$a.log" | tee -a "$out/summary.txt"
+    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted|speculat" "$out/b24_${m}_$a.log" | tee -a "$out/summary.txt"
   done
   # The optimizer share of the half-budget rule, beside the searched one above (RULE=0 skips).
   if [ "${RULE:-1}" != 0 ]; then
