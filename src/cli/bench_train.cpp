@@ -170,6 +170,7 @@ Status run_bench(const BenchTrainFlags& f) {
   int checkpoints = 0;
   double checkpoint_wait_s = 0, tail_write_s = 0;
   int speculated_steps = 0;  // timed steps whose speculative updates were committed
+  double speculated_own_s = 0;  // their own times (trainer->step), summed
   uint64_t committed_before = 0;
   double profiled_step_s = 0;
   const int last_step = f.steps + (f.profile ? 1 : 0);
@@ -201,7 +202,10 @@ Status run_bench(const BenchTrainFlags& f) {
       // A step with committed speculative updates ran the plan as planned; any other
       // (clipping active, or the step after one) ran it without speculation.
       const uint64_t committed = trainer->executor().speculation_tally().committed;
-      if (committed > committed_before) ++speculated_steps;
+      if (committed > committed_before) {
+        ++speculated_steps;
+        speculated_own_s += r->step_s;
+      }
       committed_before = committed;
       steps_own_s += r->step_s;
       stall_s += r->exec.stall_s;
@@ -256,6 +260,29 @@ Status run_bench(const BenchTrainFlags& f) {
                               "updates and " + std::to_string(timed - speculated_steps) + " without")
                                  .c_str()
                            : "");
+  }
+  // The steps' own times (each trainer->step call; a step's host optimizer tail is
+  // waited for by the next one) leave out the last step's drain, which a run pays
+  // once: the rate of a long run. Split by regime where the plan speculates, each
+  // beside its own prediction.
+  std::printf("own steps     %.4f s per step, %s tokens/s (the step calls alone; the drain of the last step's "
+              "host optimizer, %.4f s, is paid once per run)\n",
+              steps_own_s / timed, format_count(tokens * timed / steps_own_s).c_str(),
+              std::max(0.0, timed_s - steps_own_s - checkpoint_wait_s - tail_write_s));
+  if (!trainer->plan().speculation.empty()) {
+    const Program placed = placed_as_planned(trainer->program(), trainer->plan());
+    const int others = timed - speculated_steps;
+    auto regime = [&](const char* what, int count, double own_s, const Plan& plan) {
+      if (count == 0) return;
+      const double mean = own_s / count, predicted = simulate(placed, plan, o.machine).step_s;
+      std::printf("  %d %s: %.4f s each, predicted %.4f s (%+.1f%%)\n", count, what, mean, predicted,
+                  100.0 * (predicted / mean - 1));
+    };
+    regime(speculated_steps == 1 ? "step with committed speculation" : "steps with committed speculation",
+           speculated_steps, speculated_own_s, trainer->plan());
+    regime(others == 1 ? "step without (clipping active, or the step after one)"
+                       : "steps without (clipping active, or the step after one)",
+           others, steps_own_s - speculated_own_s, without_speculation(trainer->plan()));
   }
   if (writer)
     std::printf("checkpoints   %d of %s (every %d steps, written in the %s), training waited %.2f s for their "
