@@ -44,7 +44,7 @@ if [ "$part" != exact ]; then
     log "24 GiB budget: $m --accum $a (planned)"
     timeout 240 $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget 24GiB \
       --policy planned ${BENCH_FLAGS:-} --json "$out/b24_${m}_$a.json" > "$out/b24_${m}_$a.log" 2>&1
-    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted|speculat" "$out/b24_${m}_$a.log" | tee -a "$out/summary.txt"
+    grep -E "plan:|tokens/s|GPU stalled|executor waits|first step|MFU|predicted|speculat|own steps|^  [0-9]+ step" "$out/b24_${m}_$a.log" | tee -a "$out/summary.txt"
   done
   # The optimizer share of the half-budget rule, beside the searched one above (RULE=0 skips).
   if [ "${RULE:-1}" != 0 ]; then

@@ -19,7 +19,7 @@ for r in ${RUNS:-gpt-2.7b:1:--grad-clip+0 gpt-4b:1:--grad-clip+0 gpt2-1.5b:4:--g
   log "24 GiB: $m accum $a $flags"
   timeout 240 $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget 24GiB \
     --policy planned $flags > /tmp/logs/$name.log 2>&1
-  grep -E "plan:|tokens/s|GPU stalled|predicted|speculation" /tmp/logs/$name.log | tee -a "$out/summary.txt"
+  grep -E "plan:|tokens/s|GPU stalled|predicted|speculation|own steps|^  [0-9]+ step|^step " /tmp/logs/$name.log | tee -a "$out/summary.txt"
 done
 if [ "${PROFILE:-1}" = 1 ]; then
   log "profile --backend cuda"
