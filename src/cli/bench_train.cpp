@@ -139,7 +139,7 @@ Status run_bench(const BenchTrainFlags& f) {
   o.budgets = mem.budgets;
   o.planner = mem.planner;
   o.auto_confirm = mem.auto_confirm;
-  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend));
+  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend, mem.spill_dir));
   o.spill_dir = mem.spill_dir;
   const auto setup_start = std::chrono::steady_clock::now();
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
@@ -380,8 +380,9 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
                                      "CUDA context and its peak, the budget) to this file as one JSON object");
   add_memory_flags(app, f->memory);
   app.add_option("--machine", f->machine,
-                 "the planner's machine model: h200, cpu or a file from `spillway profile` (default on CUDA: this "
-                 "host's measured machine in the cache, else h200; on the CPU: cpu)");
+                 "the planner's machine model: h200, cpu, a file from `spillway profile`, or measured: this host's "
+                 "measured machine from the cache, profiled briefly (seconds, once per host, GPU and driver) and "
+                 "cached when there is none (default on CUDA: measured; on the CPU: cpu)");
   return [f]() -> int {
     Status s = run_bench(*f);
     return s.is_ok() ? 0 : fail(s);

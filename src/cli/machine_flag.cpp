@@ -3,12 +3,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <thread>
 
+#include "cli/profile.h"
+#include "core/atomic_file.h"
 #include "core/checksum.h"
 
 namespace spillway::cli {
@@ -74,30 +78,67 @@ Result<std::string> machine_cache_path(const HostIdentity& id) {
   return dir + "/machine-" + id.key() + ".json";
 }
 
-Result<Machine> training_machine(const std::string& flag, const Backend& backend) {
+Result<Machine> measured_machine(Backend& backend, const std::string& spill_dir, bool* profiled) {
+  if (profiled) *profiled = false;
   const bool cuda = backend.name() == "cuda";
+  const std::string preset = cuda ? "h200" : "cpu";
+  const std::string instead =
+      "; --machine " + preset + " plans with a preset instead (--machine h200, cpu or a file from `spillway profile`)";
+  auto path = machine_cache_path(host_identity(backend.description()));
+  if (!path) return Status(path.status().code(), "--machine measured: " + path.status().message() + instead);
+  struct stat st {};
+  const int err = ::stat(path->c_str(), &st) == 0 ? 0 : errno;
+  if (err == 0) {
+    auto loaded = load_machine(*path);
+    if (!loaded)
+      return Status(loaded.status().code(),
+                    "the cached measured machine " + *path + " does not load (remove it to profile this host again, or "
+                    "run `spillway profile`): " + loaded.status().message() + instead);
+    std::cerr << "spillway: machine: measured " << loaded->measured_on.date << " (" << *path << ")\n";
+    return loaded;
+  }
+  if (err != ENOENT) {
+    const Status s = errno_status("--machine measured: the cached measured machine " + *path, err);
+    return Status(s.code(), s.message() + instead);
+  }
+
+  const auto started = std::chrono::steady_clock::now();
+  std::cerr << "spillway: machine: no measured machine for this host; profiling it briefly (once, cached at " << *path
+            << "; --machine " << preset << " skips it)\n";
+  const std::string folder = parent_directory(*path);
+  if (Status s = make_dirs(folder); !s.is_ok())
+    return Status(s.code(), "--machine measured: the machine cache: " + s.message() + instead);
+  ProfileSettings settings;
+  settings.brief = true;
+  settings.spill_dir = spill_dir.empty() ? folder : spill_dir;
+  settings.table = stderr;
+  auto m = measure_machine(backend, settings);
+  if (!m) {
+    if (m.status().code() == StatusCode::Interrupted) return m.status();
+    return Status(m.status().code(),
+                  "--machine measured: the brief profile of this host failed: " + m.status().message() + instead);
+  }
+  if (Status s = save_machine(*m, *path); !s.is_ok())
+    return Status(s.code(), "--machine measured: writing the machine cache " + *path + ": " + s.message() + instead);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::fprintf(stderr,
+               "spillway: machine: profiled in %.1f s, written to %s (used from now on; remove it to profile "
+               "again, `spillway profile` measures in full)\n",
+               seconds, path->c_str());
+  if (profiled) *profiled = true;
+  return m;
+}
+
+Result<Machine> training_machine(const std::string& flag, Backend& backend, const std::string& spill_dir) {
+  const bool cuda = backend.name() == "cuda";
+  const std::string which = !flag.empty() ? flag : cuda ? "measured" : "cpu";
   Machine m;
-  if (!flag.empty()) {
-    auto loaded = load_machine(flag);
+  if (which == "measured") {
+    SPILLWAY_ASSIGN_OR_RETURN(m, measured_machine(backend, spill_dir));
+  } else {
+    auto loaded = load_machine(which);
     if (!loaded) return loaded.status().with_context("--machine");
     m = *loaded;
-  } else if (!cuda) {
-    m = Machine::cpu_dev_box();
-  } else {
-    const HostIdentity id = host_identity(backend.description());
-    auto path = machine_cache_path(id);
-    struct stat st {};
-    if (path.ok() && ::stat(path->c_str(), &st) == 0) {
-      auto loaded = load_machine(*path);
-      if (!loaded) return loaded.status().with_context("the cached measured machine (remove it or profile again)");
-      m = *loaded;
-      std::cerr << "spillway: machine: measured " << m.measured_on.date << " (" << *path << ")\n";
-    } else {
-      m = Machine::h200();
-      std::cerr << "spillway: machine: no measured machine for this host"
-                << (path.ok() ? " at " + *path : std::string()) << "; planning with the h200 preset ("
-                << "`spillway profile --backend cuda --spill-dir DIR` measures this one and caches it)\n";
-    }
   }
   if (cuda) m.device_bytes = backend.device_capacity();
   return m;

@@ -1,6 +1,8 @@
 // `spillway profile`: measures this machine for the planner and the simulator and
 // writes it as a machine file (sim/machine.h), by default into the cache that
-// `spillway train` and `bench train` read on CUDA (cli/machine_flag.h).
+// `spillway train` and `bench train` read on CUDA (cli/machine_flag.h). The measuring
+// is measure_machine (cli/profile.h), which train and bench train also run, briefly,
+// when that cache has no machine for this host yet.
 //
 //   spillway profile --backend cuda --spill-dir /nvme/spill [--out machine.json] [--quick]
 //
@@ -15,6 +17,7 @@
 //   spillway profile --backend cpu --spill-dir /tmp --op-sample gpt2-124m:2x256 --op-sample tiny:8x128:4
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -24,11 +27,13 @@
 #include <ctime>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "cli/command.h"
 #include "cli/machine_flag.h"
+#include "cli/profile.h"
 #include "cli/train_flags.h"
 #include "core/atomic_file.h"
 #include "core/interrupt.h"
@@ -59,15 +64,6 @@ struct ProfileFlags {
   // its device budget. Empty: the backend's default (the CPU's; none on CUDA).
   std::string offload_sample;
   std::string offload_budget;
-};
-
-struct OpSample {
-  std::string model;
-  int B = 0, T = 0;
-  int layers = 1;  // of the model's; the model's own count for a whole step
-  std::string text() const {
-    return model + ":" + std::to_string(B) + "x" + std::to_string(T) + (layers != 1 ? ":" + std::to_string(layers) : "");
-  }
 };
 
 // "gpt2-124m:1x128" → {gpt2-124m, 1, 128, 1 layer}; "tiny:4x128:4" → 4 layers.
@@ -113,48 +109,30 @@ Result<OpSample> checked_sample(const std::string& text, const std::string& flag
   return s;
 }
 
-// The default samples: layer and LM-head shapes of the models this backend trains, at
-// several token counts, so that each kind's fit sees how its time grows with the rows
-// and with the width, and on the CPU whole steps too, whose ops find their data out of
-// the caches as a training step does (a one-layer step runs its AdamW a third faster
-// per byte than gpt2-124m's twelve). CPU: GPT-2 small and tiny at 128 to 2048 tokens;
-// CUDA: one layer of GPT-2 1.5B and 124M at 8192 and 16384 tokens.
-Result<std::vector<OpSample>> op_samples(const ProfileFlags& f, bool cuda) {
+// The --op-sample steps, checked against their presets; empty without the flag (the
+// backend's default, default_op_samples).
+Result<std::vector<OpSample>> op_samples(const ProfileFlags& f) {
   std::vector<OpSample> samples;
   for (const std::string& text : f.op_samples) {
     SPILLWAY_ASSIGN_OR_RETURN(OpSample s, checked_sample(text, "--op-sample"));
     samples.push_back(s);
   }
-  if (!samples.empty()) return samples;
-  if (f.quick) return std::vector<OpSample>{{"tiny", 2, 64, 1}, {"tiny", 1, 32, 2}};
-  if (cuda) return std::vector<OpSample>{{"gpt2-1.5b", 8, 1024, 1}, {"gpt2-124m", 16, 1024, 1}};
-  return std::vector<OpSample>{{"gpt2-124m", 1, 128, 1}, {"gpt2-124m", 1, 256, 12}, {"gpt2-124m", 1, 512, 1},
-                               {"tiny", 4, 128, 4}, {"tiny", 16, 128, 1}};
+  return samples;
 }
 
-// The offloaded step that calibrates the copy speed while computing, and its budget:
-// --offload-sample and --offload-budget (both or neither), else the backend's default
-// (CPU: all 12 layers of gpt2-124m at 1x256 under 400 MiB, which streams every
-// parameter, gradient and optimizer state; --quick: tiny; CUDA: none, the probe stands).
-struct OffloadSample {
-  OpSample sample;
-  uint64_t budget = 0;  // 0: no calibration
-};
-Result<OffloadSample> offload_sample(const ProfileFlags& f, bool cuda) {
+// --offload-sample and --offload-budget (both or neither), checked; none without them
+// (the backend's default, default_offload_sample).
+Result<std::optional<OffloadSample>> offload_sample(const ProfileFlags& f) {
   if (f.offload_sample.empty() != f.offload_budget.empty())
     return Status::invalid_argument("--offload-sample and --offload-budget go together (the step and its device budget)");
-  if (!f.offload_sample.empty()) {
-    OffloadSample o;
-    SPILLWAY_ASSIGN_OR_RETURN(o.sample, checked_sample(f.offload_sample, "--offload-sample"));
-    auto budget = parse_size(f.offload_budget);
-    if (!budget) return budget.status().with_context("--offload-budget");
-    if (*budget == 0) return Status::invalid_argument("--offload-budget: expected a size above 0, got " + f.offload_budget);
-    o.budget = *budget;
-    return o;
-  }
-  if (f.quick) return OffloadSample{{"tiny", 2, 64, 2}, 4ull << 20};
-  if (cuda) return OffloadSample{};
-  return OffloadSample{{"gpt2-124m", 1, 256, 12}, 400ull << 20};
+  if (f.offload_sample.empty()) return std::optional<OffloadSample>();
+  OffloadSample o;
+  SPILLWAY_ASSIGN_OR_RETURN(o.sample, checked_sample(f.offload_sample, "--offload-sample"));
+  auto budget = parse_size(f.offload_budget);
+  if (!budget) return budget.status().with_context("--offload-budget");
+  if (*budget == 0) return Status::invalid_argument("--offload-budget: expected a size above 0, got " + f.offload_budget);
+  o.budget = *budget;
+  return std::optional<OffloadSample>(o);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -258,7 +236,8 @@ Result<SampleTimes> time_sample_ops(Backend& backend, const OpSample& sample, in
 // and one memory bus in ways one probe does not show (a step's copies ran at a third
 // of their speed alone, the probe's at four fifths); this one number then carries
 // what the simulator does not model of that sharing, which the note printed says.
-Status calibrate_copy_share(Backend& backend, const OpSample& sample, uint64_t budget, int rounds, Machine* m) {
+Status calibrate_copy_share(Backend& backend, const OpSample& sample, uint64_t budget, int rounds, Machine* m,
+                            std::FILE* out) {
   SPILLWAY_ASSIGN_OR_RETURN(SampleRun run, sample_run(backend, sample, 2 + rounds, *m, Policy::Planned, budget));
   Trainer* trainer = run.trainer.get();
   std::vector<double> steps;
@@ -290,13 +269,14 @@ Status calibrate_copy_share(Backend& backend, const OpSample& sample, uint64_t b
   m->copy_share_while_computing = share;
   probe.copy_share_while_computing = share;
   const SimResult kept = simulate(placed, trainer->plan(), probe);
-  std::printf("\noffloaded step %s under %s (planned, %s host->device and %s device->host a step): %.1f ms measured "
-              "(median of %d), %.1f ms predicted with the probe's copy speed while computing %.3f; kept %.3f, which "
-              "predicts %.1f ms (it also carries what the simulator leaves out of cores shared by copies, host ops and "
-              "compute)\n",
-              sample.text().c_str(), format_size(budget).c_str(), format_size(kept.h2d_bytes).c_str(),
-              format_size(kept.d2h_bytes).c_str(), measured * 1e3, rounds, at_probe * 1e3, probed, share,
-              kept.step_s * 1e3);
+  std::fprintf(
+      out,
+      "\noffloaded step %s under %s (planned, %s host->device and %s device->host a step): %.1f ms measured "
+      "(median of %d), %.1f ms predicted with the probe's copy speed while computing %.3f; kept %.3f, which "
+      "predicts %.1f ms (it also carries what the simulator leaves out of cores shared by copies, host ops and "
+      "compute)\n",
+      sample.text().c_str(), format_size(budget).c_str(), format_size(kept.h2d_bytes).c_str(),
+      format_size(kept.d2h_bytes).c_str(), measured * 1e3, rounds, at_probe * 1e3, probed, share, kept.step_s * 1e3);
   return Status::ok();
 }
 
@@ -305,7 +285,8 @@ Status calibrate_copy_share(Backend& backend, const OpSample& sample, uint64_t b
 // and its whole step (the step also holds the executor's own work between ops, which
 // the fits leave out: within a few percent on the CPU, and noisy as the difference
 // of two close times).
-Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, int rounds, Machine* m) {
+Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, int rounds, Machine* m,
+                       std::FILE* out) {
   std::vector<OpTiming> all;
   std::vector<SampleTimes> times;
   for (const OpSample& sample : samples) {
@@ -315,11 +296,13 @@ Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, i
     times.push_back(std::move(*t));
   }
   m->op_fits = fit_op_kinds(all, m->op_launch_s);
-  std::printf("\nops of each sample step, each op timed in the step (median of %d steps after 2), "
-              "a cost fitted per kind over all samples (kept; the simulator costs each op at fixed + work / rate + "
-              "bytes / bytes rate, plus %.2f us per op):\n",
-              rounds, m->op_launch_s * 1e6);
-  std::printf("  %-22s %5s %10s %10s %12s %12s %8s\n", "kind", "ops", "ms", "fixed us", "rate", "bytes GB/s", "error");
+  std::fprintf(out,
+               "\nops of each sample step, each op timed in the step (median of %d steps after 2), "
+               "a cost fitted per kind over all samples (kept; the simulator costs each op at fixed + work / rate + "
+               "bytes / bytes rate, plus %.2f us per op):\n",
+               rounds, m->op_launch_s * 1e6);
+  std::fprintf(out, "  %-22s %5s %10s %10s %12s %12s %8s\n", "kind", "ops", "ms", "fixed us", "rate", "bytes GB/s",
+               "error");
   for (size_t k = 0; k < kOpKindCount; ++k) {
     const OpKind kind = static_cast<OpKind>(k);
     int count = 0;
@@ -336,19 +319,19 @@ Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, i
     char rate[32] = "-", bytes[32] = "-";
     if (fit.rate > 0) std::snprintf(rate, sizeof rate, "%.2f %s", fit.rate / (flops ? 1e12 : 1e9), flops ? "TFLOP/s" : "GB/s");
     if (fit.bytes_per_s > 0) std::snprintf(bytes, sizeof bytes, "%.2f", fit.bytes_per_s / 1e9);
-    std::printf("  %-22s %5d %10.3f %10.2f %12s %12s %+7.1f%%%s\n", op_kind_name(kind), count, timed * 1e3,
-                fit.fixed_s * 1e6, rate, bytes, fit.measured() ? (fitted / timed - 1) * 100 : 0.0,
-                fit.measured() ? "" : " (no time beyond the fixed cost)");
+    std::fprintf(out, "  %-22s %5d %10.3f %10.2f %12s %12s %+7.1f%%%s\n", op_kind_name(kind), count, timed * 1e3,
+                 fit.fixed_s * 1e6, rate, bytes, fit.measured() ? (fitted / timed - 1) * 100 : 0.0,
+                 fit.measured() ? "" : " (no time beyond the fixed cost)");
   }
-  std::printf("  %-22s %10s %10s %10s %8s\n", "sample step", "ops ms", "step ms", "fitted ms", "error");
+  std::fprintf(out, "  %-22s %10s %10s %10s %8s\n", "sample step", "ops ms", "step ms", "fitted ms", "error");
   for (size_t i = 0; i < samples.size(); ++i) {
     double fitted = 0;
     for (const OpTiming& t : times[i].ops) {
       const OpFit& fit = m->op_fits[static_cast<size_t>(t.kind)];
       fitted += m->op_launch_s + fit.seconds(t.work, t.bytes);
     }
-    std::printf("  %-22s %10.3f %10.3f %10.3f %+7.1f%%\n", samples[i].text().c_str(), times[i].ops_s * 1e3,
-                times[i].step_s * 1e3, fitted * 1e3, times[i].step_s > 0 ? (fitted / times[i].step_s - 1) * 100 : 0.0);
+    std::fprintf(out, "  %-22s %10.3f %10.3f %10.3f %+7.1f%%\n", samples[i].text().c_str(), times[i].ops_s * 1e3,
+                 times[i].step_s * 1e3, fitted * 1e3, times[i].step_s > 0 ? (fitted / times[i].step_s - 1) * 100 : 0.0);
   }
   return Status::ok();
 }
@@ -373,6 +356,34 @@ std::string utc_now() {
   return buf;
 }
 
+}  // namespace
+
+// The default samples: layer and LM-head shapes of the models this backend trains, at
+// several token counts, so that each kind's fit sees how its time grows with the rows
+// and with the width, and on the CPU whole steps too, whose ops find their data out of
+// the caches as a training step does (a one-layer step runs its AdamW a third faster
+// per byte than gpt2-124m's twelve). CPU: GPT-2 small and tiny at 128 to 2048 tokens
+// (brief: tiny only); CUDA: one layer of GPT-2 1.5B and 124M at 8192 and 16384 tokens
+// (brief too: they take seconds on a GPU).
+std::vector<OpSample> default_op_samples(bool cuda, const ProfileSettings& s) {
+  if (s.quick) return {{"tiny", 2, 64, 1}, {"tiny", 1, 32, 2}};
+  if (cuda) return {{"gpt2-1.5b", 8, 1024, 1}, {"gpt2-124m", 16, 1024, 1}};
+  if (s.brief) return {{"tiny", 4, 128, 4}, {"tiny", 16, 128, 1}};
+  return {{"gpt2-124m", 1, 128, 1}, {"gpt2-124m", 1, 256, 12}, {"gpt2-124m", 1, 512, 1},
+          {"tiny", 4, 128, 4}, {"tiny", 16, 128, 1}};
+}
+
+// The offloaded step that calibrates the copy speed while computing, and its budget.
+// CPU: all 12 layers of gpt2-124m at 1x256 under 400 MiB, which streams every
+// parameter, gradient and optimizer state (brief: tiny at 4x128 under 8 MiB; --quick:
+// tiny at 2x64:2 under 4 MiB); CUDA: none, the probe stands.
+OffloadSample default_offload_sample(bool cuda, const ProfileSettings& s) {
+  if (s.quick) return {{"tiny", 2, 64, 2}, 4ull << 20};
+  if (cuda) return {};
+  if (s.brief) return {{"tiny", 4, 128, 4}, 8ull << 20};
+  return {{"gpt2-124m", 1, 256, 12}, 400ull << 20};
+}
+
 Status make_dirs(const std::string& dir) {
   for (size_t at = 1; at <= dir.size(); ++at) {
     if (at != dir.size() && dir[at] != '/') continue;
@@ -381,6 +392,211 @@ Status make_dirs(const std::string& dir) {
   }
   return Status::ok();
 }
+
+Result<Machine> measure_machine(Backend& backend, const ProfileSettings& settings) {
+  const bool cuda = backend.name() == "cuda";
+  const bool quick = settings.quick;
+  const bool brief = settings.brief && !quick;
+  std::FILE* out = settings.table;
+  const std::vector<OpSample> samples =
+      settings.samples.empty() ? default_op_samples(cuda, settings) : settings.samples;
+  const OffloadSample offload = settings.offload ? *settings.offload : default_offload_sample(cuda, settings);
+  // A signal that only sets the flag (InterruptMode::BetweenSteps, train) stops the
+  // profile between two measurements.
+  const auto stop_before = [](const std::string& what) {
+    return interrupted() ? interrupted_status("while profiling this machine, before " + what + " (nothing written)") : Status::ok();
+  };
+  struct statvfs fs {};
+  if (::statvfs(settings.spill_dir.c_str(), &fs) != 0)
+    return errno_status("profile: the storage folder " + settings.spill_dir, errno);
+  const HostIdentity id = host_identity(backend.description());
+
+  Machine m;
+  m.name = id.host_name + " " + backend.name();
+  std::string notes = settings.notes;
+  if (notes.empty())
+    notes = brief ? "brief profile on first use of train or bench train (--backend " + std::string(backend.name()) +
+                        ", --machine measured)"
+                  : "spillway profile --backend " + std::string(backend.name()) + (quick ? " --quick" : "");
+  m.measured_on = {.date = utc_now(),
+                   .host = id.host_name,
+                   .cpu = id.cpu(),
+                   .gpu = id.gpu,
+                   .driver = id.driver,
+                   .notes = notes};
+  m.host_runs_ahead = cuda;
+  std::fprintf(out, "profile: %s; %s; driver %s%s\n", id.gpu.c_str(), id.cpu().c_str(), id.driver.c_str(),
+               quick   ? " (--quick: tiny sizes, for tests)"
+               : brief ? " (brief: fewer sizes and rounds; `spillway profile` measures in full)"
+                       : "");
+
+  // ---- capacities ----
+  SPILLWAY_ASSIGN_OR_RETURN(const uint64_t total, mem_total());
+  SPILLWAY_ASSIGN_OR_RETURN(const uint64_t available, available_host_memory());
+  m.host_bytes = total;
+  const size_t capacity = backend.device_capacity();
+  // The CPU backend's device tier is host memory: what is available now.
+  m.device_bytes = capacity != SIZE_MAX ? capacity : available;
+  m.storage_bytes = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
+  const uint64_t storage_free = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  std::fprintf(out, "capacity: device %s%s, host %s (%s available), storage %s (%s free at %s)\n",
+               format_size(m.device_bytes).c_str(), cuda ? "" : " (the CPU backend's device is host memory available)",
+               format_size(m.host_bytes).c_str(), format_size(available).c_str(), format_size(m.storage_bytes).c_str(),
+               format_size(storage_free).c_str(), settings.spill_dir.c_str());
+
+  // ---- host⇄device copies at the sizes plans move ----
+  const std::vector<uint64_t> pieces = quick   ? std::vector<uint64_t>{1ull << 20, 4ull << 20}
+                                       : brief ? std::vector<uint64_t>{cuda ? (64ull << 20) : (4ull << 20)}
+                                               : std::vector<uint64_t>{4ull << 20, 64ull << 20, 256ull << 20};
+  const uint64_t copy_total = quick ? (8ull << 20) : cuda ? (1ull << 30) : brief ? (64ull << 20) : (256ull << 20);
+  std::fprintf(out,
+               "\ncopies (%s, the executor's copy engine and host memory), %s per direction per round, best of 3:\n",
+               backend.description().c_str(), format_size(copy_total).c_str());
+  std::fprintf(out, "  %10s %10s %10s %10s %8s\n", "piece", "H2D GB/s", "D2H GB/s", "both GB/s", "duplex");
+  CopyRates copies;
+  for (uint64_t piece : pieces) {
+    auto c = measure_copies(backend, piece, std::max(copy_total, piece), 3);
+    if (!c) return c.status().with_context("profile: copies of " + format_size(piece));
+    std::fprintf(out, "  %10s %10.2f %10.2f %10.2f %8.3f\n", format_size(piece).c_str(), c->h2d / 1e9, c->d2h / 1e9,
+                 c->both / 1e9, c->both / (c->h2d + c->d2h));
+    copies = *c;  // the largest piece's figures are kept: a layer's tensors are tens to hundreds of MiB
+  }
+  m.h2d_bytes_per_s = copies.h2d;
+  m.d2h_bytes_per_s = copies.d2h;
+  m.duplex_factor = std::clamp(copies.both / (copies.h2d + copies.d2h), 0.05, 1.0);
+
+  // ---- storage ----
+  SPILLWAY_RETURN_IF_ERROR(stop_before("storage"));
+  {
+    const std::string path = settings.spill_dir + "/spillway-profile-" + std::to_string(::getpid()) + ".bin";
+    RemoveOnInterrupt remove_on_interrupt(path);
+    const uint64_t bytes = quick ? (4ull << 20) : brief ? (cuda ? (256ull << 20) : (32ull << 20)) : (1ull << 30);
+    const size_t block = size_t{1} << 20;
+    const std::vector<int> depths = brief ? std::vector<int>{1, 16} : std::vector<int>{1, 4, 16, 64};
+    std::fprintf(out,
+                 "\nstorage at %s (the executor's engine, O_DIRECT), %s written then read per depth, %s requests:\n",
+                 settings.spill_dir.c_str(), format_size(bytes).c_str(), format_size(block).c_str());
+    std::fprintf(out, "  %6s %11s %11s\n", "depth", "write GB/s", "read GB/s");
+    double best_write = 0, best_read = 0;
+    for (int depth : depths) {
+      auto s = measure_storage("auto", depth, path, bytes, block);
+      if (!s) return s.status().with_context("profile: storage at depth " + std::to_string(depth));
+      std::fprintf(out, "  %6d %11.2f %11.2f%s\n", depth, s->write / 1e9, s->read / 1e9,
+                   s->direct ? "" : "  (buffered: the file system refused O_DIRECT; page-cache figures)");
+      best_write = std::max(best_write, s->write);
+      best_read = std::max(best_read, s->read);
+    }
+    auto latency = measure_storage_latency("auto", path, quick ? 16 : brief ? 128 : 512);
+    if (!latency) return latency.status().with_context("profile: storage latency");
+    std::fprintf(out, "  latency at depth 1: %.1f us per 4 KiB read\n", *latency * 1e6);
+    m.storage_write_bytes_per_s = best_write;
+    m.storage_read_bytes_per_s = best_read;
+    m.storage_latency_s = *latency;
+  }
+
+  // ---- host AdamW, alone and beside copies ----
+  SPILLWAY_RETURN_IF_ERROR(stop_before("the host AdamW"));
+  {
+    const DType dtype = backend.activation_dtype();
+    const size_t n = quick ? (size_t{1} << 20) : cuda ? (size_t{64} << 20) : (size_t{16} << 20);
+    const int iters = quick || brief ? 2 : 5;
+    auto alone = measure_host_adam(n, dtype, iters, nullptr);
+    if (!alone) return alone.status().with_context("profile: host AdamW");
+    auto busy = measure_host_adam(n, dtype, iters, &backend);
+    if (!busy) return busy.status().with_context("profile: host AdamW while copies run");
+    std::fprintf(out,
+                 "\nhost AdamW (%s, %d threads, %zu params): %.2f G params/s alone, %.2f while host⇄device copies run "
+                 "(kept: plans overlap the optimizer with copies)\n",
+                 dtype_name(dtype), global_thread_pool().size(), n, *alone / 1e9, *busy / 1e9);
+    m.host_adam_params_per_s_alone = *alone;
+    m.host_adam_params_per_s = *busy;
+  }
+
+  // ---- device compute ----
+  SPILLWAY_RETURN_IF_ERROR(stop_before("the device's compute"));
+  {
+    struct Shape {
+      int N, C, OC;
+    };
+    // The CPU's: in and beyond its caches. CUDA: 8192³ (the compute-while-copying
+    // probe), then the layer products of 1.5B-4B models at 8192 tokens (qkv, MLP up,
+    // MLP down): what steps run; brief: three of them.
+    std::vector<Shape> shapes = {{512, 512, 512}, {1024, 768, 768}};
+    if (quick) shapes = {{128, 128, 128}, {256, 128, 64}};
+    else if (cuda && brief) shapes = {{8192, 8192, 8192}, {8192, 1600, 4800}, {8192, 2560, 10240}, {8192, 10240, 2560}};
+    else if (cuda)
+      shapes = {{8192, 8192, 8192}, {8192, 1600, 4800},  {8192, 1600, 6400}, {8192, 6400, 1600},
+                {8192, 2560, 10240}, {8192, 10240, 2560}, {8192, 3072, 9216}};
+    const int repeats = quick ? 2 : cuda ? (brief ? 10 : 20) : 3;
+    std::fprintf(out, "\ndevice (%s):\n", backend.description().c_str());
+    double flops = 0, seconds = 0;
+    for (const Shape& s : shapes) {
+      auto rate = measure_matmul(backend, s.N, s.C, s.OC, repeats);
+      if (!rate)
+        return rate.status().with_context("profile: matmul " + std::to_string(s.N) + "x" + std::to_string(s.C) + "x" +
+                                          std::to_string(s.OC));
+      const double work = 2.0 * s.N * s.C * static_cast<double>(s.OC);
+      flops += work;
+      seconds += work / *rate;
+      std::fprintf(out, "  matmul %dx%dx%d: %.2f TFLOP/s\n", s.N, s.C, s.OC, *rate / 1e12);
+    }
+    m.matmul_flops_per_s = flops / seconds;
+    std::fprintf(out, "  matmul, all shapes together: %.2f TFLOP/s (kept)\n", m.matmul_flops_per_s / 1e12);
+    // Causal attention forward + backward: head sizes 64 and 128 (GPT-2, Llama) at the
+    // sequence lengths plans use.
+    struct AttentionShape {
+      int B, T, NH, D;
+    };
+    const std::vector<AttentionShape> attention = quick ? std::vector<AttentionShape>{{1, 64, 2, 16}}
+                                                  : cuda ? std::vector<AttentionShape>{{8, 1024, 16, 64},
+                                                                                       {8, 1024, 8, 128}}
+                                                         : std::vector<AttentionShape>{{2, 256, 4, 32}};
+    double attention_flops = 0, attention_seconds = 0;
+    for (const AttentionShape& a : attention) {
+      auto rate = measure_attention(backend, a.B, a.T, a.NH, a.D, repeats);
+      if (!rate)
+        return rate.status().with_context("profile: attention B=" + std::to_string(a.B) + " T=" + std::to_string(a.T) +
+                                          " NH=" + std::to_string(a.NH) + " D=" + std::to_string(a.D));
+      const double work = 7.0 * a.B * static_cast<double>(a.T) * a.T * a.NH * a.D;
+      attention_flops += work;
+      attention_seconds += work / *rate;
+      std::fprintf(out, "  attention fwd+bwd B=%d T=%d %dx%d: %.2f TFLOP/s\n", a.B, a.T, a.NH, a.D, *rate / 1e12);
+    }
+    m.attention_flops_per_s = attention_flops / attention_seconds;
+    std::fprintf(out, "  attention, all shapes together: %.2f TFLOP/s (kept)\n", m.attention_flops_per_s / 1e12);
+    // Beyond the caches (brief on the CPU: three arrays of 32 MiB; allocating and
+    // touching four times that takes a second there).
+    const size_t n = quick ? (size_t{256} << 10) : (size_t{128} << 20) / (cuda ? 1 : brief ? 16 : 4);
+    auto bytes = measure_memory_bound(backend, n, quick ? 2 : brief ? 3 : 5);
+    if (!bytes) return bytes.status().with_context("profile: memory-bound op");
+    m.device_bytes_per_s = *bytes;
+    auto launch = measure_op_launch(backend, quick ? 50 : 1000);
+    if (!launch) return launch.status().with_context("profile: op launch");
+    m.op_launch_s = *launch;
+    const Shape& big = shapes.front();
+    auto shared = measure_shared_speeds(backend, big.N, repeats, m.h2d_bytes_per_s);
+    if (!shared) return shared.status().with_context("profile: compute and copies at once");
+    m.compute_share_while_copying = shared->compute_while_copying;
+    m.copy_share_while_computing = shared->copy_while_computing;
+    std::fprintf(out,
+                 "  memory-bound op (residual add): %.1f GB/s; fixed cost per op %.2f us; compute speed while "
+                 "copying %.3f of alone, copy speed while computing %.3f of alone\n",
+                 *bytes / 1e9, *launch * 1e6, shared->compute_while_copying, shared->copy_while_computing);
+  }
+
+  SPILLWAY_RETURN_IF_ERROR(stop_before("the ops of the sample steps"));
+  SPILLWAY_RETURN_IF_ERROR(measure_op_fits(backend, samples, quick ? 1 : brief ? (cuda ? 3 : 1) : 5, &m, out));
+  if (offload.budget > 0) {
+    SPILLWAY_RETURN_IF_ERROR(stop_before("the offloaded step"));
+    Status s = calibrate_copy_share(backend, offload.sample, offload.budget, quick ? 1 : 3, &m, out);
+    if (!s.is_ok())
+      return s.with_context("profile: the offloaded step " + offload.sample.text() + " under " +
+                            format_size(offload.budget) + " (--offload-sample, --offload-budget)");
+  }
+  return m;
+}
+
+namespace {
 
 int run_profile(const ProfileFlags& f) {
   const auto started = std::chrono::steady_clock::now();
@@ -392,190 +608,28 @@ int run_profile(const ProfileFlags& f) {
   auto backend_made = open_backend(f.backend, f.threads);
   if (!backend_made) return fail(backend_made.status());
   Backend& backend = **backend_made;
-  const bool cuda = backend.name() == "cuda";
-  auto samples = op_samples(f, cuda);  // checked before anything is measured
+  ProfileSettings settings;
+  settings.quick = f.quick;
+  settings.spill_dir = f.spill_dir;
+  auto samples = op_samples(f);  // checked before anything is measured
   if (!samples) return fail(samples.status());
-  auto offload = offload_sample(f, cuda);
+  settings.samples = std::move(*samples);
+  auto offload = offload_sample(f);
   if (!offload) return fail(offload.status());
-  const HostIdentity id = host_identity(backend.description());
+  settings.offload = *offload;
   std::string out = f.out;
   if (out.empty()) {
-    auto path = machine_cache_path(id);
+    auto path = machine_cache_path(host_identity(backend.description()));
     if (!path) return fail(path.status());
     out = *path;
     if (Status s = make_dirs(parent_directory(out)); !s.is_ok()) return fail(s.with_context("--out (default)"));
   }
+  // A signal ends the profile at once, removing the storage test file.
+  if (Status s = install_interrupt_handlers(InterruptMode::AtOnce); !s.is_ok()) return fail(s);
 
-  Machine m;
-  m.name = id.host_name + " " + backend.name();
-  m.measured_on = {.date = utc_now(),
-                   .host = id.host_name,
-                   .cpu = id.cpu(),
-                   .gpu = id.gpu,
-                   .driver = id.driver,
-                   .notes = std::string("spillway profile --backend ") + backend.name() + (f.quick ? " --quick" : "")};
-  m.host_runs_ahead = cuda;
-  std::printf("profile: %s; %s; driver %s%s\n", id.gpu.c_str(), id.cpu().c_str(), id.driver.c_str(),
-              f.quick ? " (--quick: tiny sizes, for tests)" : "");
-
-  // ---- capacities ----
-  auto total = mem_total();
-  if (!total) return fail(total.status());
-  auto available = available_host_memory();
-  if (!available) return fail(available.status());
-  m.host_bytes = *total;
-  const size_t capacity = backend.device_capacity();
-  // The CPU backend's device tier is host memory: what is available now.
-  m.device_bytes = capacity != SIZE_MAX ? capacity : *available;
-  m.storage_bytes = static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize;
-  const uint64_t storage_free = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-  std::printf("capacity: device %s%s, host %s (%s available), storage %s (%s free at %s)\n",
-              format_size(m.device_bytes).c_str(), cuda ? "" : " (the CPU backend's device is host memory available)",
-              format_size(m.host_bytes).c_str(), format_size(*available).c_str(), format_size(m.storage_bytes).c_str(),
-              format_size(storage_free).c_str(), f.spill_dir.c_str());
-
-  // ---- host⇄device copies at the sizes plans move ----
-  const std::vector<uint64_t> pieces = f.quick ? std::vector<uint64_t>{1ull << 20, 4ull << 20}
-                                               : std::vector<uint64_t>{4ull << 20, 64ull << 20, 256ull << 20};
-  const uint64_t copy_total = f.quick ? (8ull << 20) : cuda ? (1ull << 30) : (256ull << 20);
-  std::printf("\ncopies (%s, the executor's copy engine and host memory), %s per direction per round, best of 3:\n",
-              backend.description().c_str(), format_size(copy_total).c_str());
-  std::printf("  %10s %10s %10s %10s %8s\n", "piece", "H2D GB/s", "D2H GB/s", "both GB/s", "duplex");
-  CopyRates copies;
-  for (uint64_t piece : pieces) {
-    auto c = measure_copies(backend, piece, std::max(copy_total, piece), 3);
-    if (!c) return fail(c.status().with_context("profile: copies of " + format_size(piece)));
-    std::printf("  %10s %10.2f %10.2f %10.2f %8.3f\n", format_size(piece).c_str(), c->h2d / 1e9, c->d2h / 1e9,
-                c->both / 1e9, c->both / (c->h2d + c->d2h));
-    copies = *c;  // the largest piece's figures are kept: a layer's tensors are tens to hundreds of MiB
-  }
-  m.h2d_bytes_per_s = copies.h2d;
-  m.d2h_bytes_per_s = copies.d2h;
-  m.duplex_factor = std::clamp(copies.both / (copies.h2d + copies.d2h), 0.05, 1.0);
-
-  // ---- storage ----
-  {
-    Status handlers = install_interrupt_handlers(InterruptMode::AtOnce);
-    if (!handlers.is_ok()) return fail(handlers);
-    const std::string path = f.spill_dir + "/spillway-profile-" + std::to_string(::getpid()) + ".bin";
-    RemoveOnInterrupt remove_on_interrupt(path);
-    const uint64_t bytes = f.quick ? (4ull << 20) : (1ull << 30);
-    const size_t block = size_t{1} << 20;
-    std::printf("\nstorage at %s (the executor's engine, O_DIRECT), %s written then read per depth, %s requests:\n",
-                f.spill_dir.c_str(), format_size(bytes).c_str(), format_size(block).c_str());
-    std::printf("  %6s %11s %11s\n", "depth", "write GB/s", "read GB/s");
-    double best_write = 0, best_read = 0;
-    for (int depth : {1, 4, 16, 64}) {
-      auto s = measure_storage("auto", depth, path, bytes, block);
-      if (!s) return fail(s.status().with_context("profile: storage at depth " + std::to_string(depth)));
-      std::printf("  %6d %11.2f %11.2f%s\n", depth, s->write / 1e9, s->read / 1e9,
-                  s->direct ? "" : "  (buffered: the file system refused O_DIRECT; page-cache figures)");
-      best_write = std::max(best_write, s->write);
-      best_read = std::max(best_read, s->read);
-    }
-    auto latency = measure_storage_latency("auto", path, f.quick ? 16 : 512);
-    if (!latency) return fail(latency.status().with_context("profile: storage latency"));
-    std::printf("  latency at depth 1: %.1f us per 4 KiB read\n", *latency * 1e6);
-    m.storage_write_bytes_per_s = best_write;
-    m.storage_read_bytes_per_s = best_read;
-    m.storage_latency_s = *latency;
-  }
-
-  // ---- host AdamW, alone and beside copies ----
-  {
-    const DType dtype = backend.activation_dtype();
-    const size_t n = f.quick ? (size_t{1} << 20) : cuda ? (size_t{64} << 20) : (size_t{16} << 20);
-    const int iters = f.quick ? 2 : 5;
-    auto alone = measure_host_adam(n, dtype, iters, nullptr);
-    if (!alone) return fail(alone.status().with_context("profile: host AdamW"));
-    auto busy = measure_host_adam(n, dtype, iters, &backend);
-    if (!busy) return fail(busy.status().with_context("profile: host AdamW while copies run"));
-    std::printf("\nhost AdamW (%s, %d threads, %zu params): %.2f G params/s alone, %.2f while host⇄device copies run "
-                "(kept: plans overlap the optimizer with copies)\n",
-                dtype_name(dtype), global_thread_pool().size(), n, *alone / 1e9, *busy / 1e9);
-    m.host_adam_params_per_s_alone = *alone;
-    m.host_adam_params_per_s = *busy;
-  }
-
-  // ---- device compute ----
-  {
-    struct Shape {
-      int N, C, OC;
-    };
-    const std::vector<Shape> shapes = f.quick  ? std::vector<Shape>{{128, 128, 128}, {256, 128, 64}}
-                                      // 8192³ (the compute-while-copying probe), then the
-                                      // layer products of 1.5B-4B models at 8192 tokens
-                                      // (qkv, MLP up, MLP down): what steps run
-                                      : cuda   ? std::vector<Shape>{{8192, 8192, 8192}, {8192, 1600, 4800},
-                                                                    {8192, 1600, 6400}, {8192, 6400, 1600},
-                                                                    {8192, 2560, 10240}, {8192, 10240, 2560},
-                                                                    {8192, 3072, 9216}}
-                                               : std::vector<Shape>{{512, 512, 512}, {1024, 768, 768}};
-    const int repeats = f.quick ? 2 : cuda ? 20 : 3;
-    std::printf("\ndevice (%s):\n", backend.description().c_str());
-    double flops = 0, seconds = 0;
-    for (const Shape& s : shapes) {
-      auto rate = measure_matmul(backend, s.N, s.C, s.OC, repeats);
-      if (!rate) return fail(rate.status().with_context("profile: matmul " + std::to_string(s.N) + "x" +
-                                                        std::to_string(s.C) + "x" + std::to_string(s.OC)));
-      const double work = 2.0 * s.N * s.C * static_cast<double>(s.OC);
-      flops += work;
-      seconds += work / *rate;
-      std::printf("  matmul %dx%dx%d: %.2f TFLOP/s\n", s.N, s.C, s.OC, *rate / 1e12);
-    }
-    m.matmul_flops_per_s = flops / seconds;
-    std::printf("  matmul, all shapes together: %.2f TFLOP/s (kept)\n", m.matmul_flops_per_s / 1e12);
-    // Causal attention forward + backward: head sizes 64 and 128 (GPT-2, Llama) at the
-    // sequence lengths plans use.
-    struct AttentionShape {
-      int B, T, NH, D;
-    };
-    const std::vector<AttentionShape> attention = f.quick ? std::vector<AttentionShape>{{1, 64, 2, 16}}
-                                                  : cuda  ? std::vector<AttentionShape>{{8, 1024, 16, 64},
-                                                                                        {8, 1024, 8, 128}}
-                                                          : std::vector<AttentionShape>{{2, 256, 4, 32}};
-    double attention_flops = 0, attention_seconds = 0;
-    for (const AttentionShape& a : attention) {
-      auto rate = measure_attention(backend, a.B, a.T, a.NH, a.D, repeats);
-      if (!rate) return fail(rate.status().with_context("profile: attention B=" + std::to_string(a.B) + " T=" +
-                                                        std::to_string(a.T) + " NH=" + std::to_string(a.NH) +
-                                                        " D=" + std::to_string(a.D)));
-      const double work = 7.0 * a.B * static_cast<double>(a.T) * a.T * a.NH * a.D;
-      attention_flops += work;
-      attention_seconds += work / *rate;
-      std::printf("  attention fwd+bwd B=%d T=%d %dx%d: %.2f TFLOP/s\n", a.B, a.T, a.NH, a.D, *rate / 1e12);
-    }
-    m.attention_flops_per_s = attention_flops / attention_seconds;
-    std::printf("  attention, all shapes together: %.2f TFLOP/s (kept)\n", m.attention_flops_per_s / 1e12);
-    const size_t n = f.quick ? (size_t{256} << 10) : (size_t{128} << 20) / (cuda ? 1 : 4);  // beyond the caches
-    auto bytes = measure_memory_bound(backend, n, f.quick ? 2 : 5);
-    if (!bytes) return fail(bytes.status().with_context("profile: memory-bound op"));
-    m.device_bytes_per_s = *bytes;
-    auto launch = measure_op_launch(backend, f.quick ? 50 : 1000);
-    if (!launch) return fail(launch.status().with_context("profile: op launch"));
-    m.op_launch_s = *launch;
-    const Shape& big = shapes.front();
-    auto shared = measure_shared_speeds(backend, big.N, f.quick ? 2 : cuda ? 20 : 3, m.h2d_bytes_per_s);
-    if (!shared) return fail(shared.status().with_context("profile: compute and copies at once"));
-    m.compute_share_while_copying = shared->compute_while_copying;
-    m.copy_share_while_computing = shared->copy_while_computing;
-    std::printf("  memory-bound op (residual add): %.1f GB/s; fixed cost per op %.2f us; compute speed while "
-                "copying %.3f of alone, copy speed while computing %.3f of alone\n",
-                *bytes / 1e9, *launch * 1e6, shared->compute_while_copying, shared->copy_while_computing);
-  }
-
-  {
-    Status s = measure_op_fits(backend, *samples, f.quick ? 1 : 5, &m);
-    if (!s.is_ok()) return fail(s);
-  }
-  if (offload->budget > 0) {
-    Status s = calibrate_copy_share(backend, offload->sample, offload->budget, f.quick ? 1 : 3, &m);
-    if (!s.is_ok())
-      return fail(s.with_context("profile: the offloaded step " + offload->sample.text() + " under " +
-                                 format_size(offload->budget) + " (--offload-sample, --offload-budget)"));
-  }
-
-  if (Status s = save_machine(m, out); !s.is_ok()) return fail(s.with_context("--out"));
+  auto m = measure_machine(backend, settings);
+  if (!m) return fail(m.status());
+  if (Status s = save_machine(*m, out); !s.is_ok()) return fail(s.with_context("--out"));
   std::printf("\nmachine written to %s (%.1f s)%s\n", out.c_str(), seconds_since(started),
               f.out.empty() ? "; train and bench train on CUDA use it from this cache" : "");
   return 0;

@@ -42,7 +42,7 @@ namespace {
 struct TrainFlags {
   ModelFlags model;
   MemoryFlags memory;
-  std::string machine;  // --machine FILE|PRESET ("": the cached measured machine on CUDA, else the preset)
+  std::string machine;  // --machine FILE|PRESET|measured ("": measured on CUDA, the cpu preset on the CPU)
   std::string data;
   std::string tokenizer;  // --tokenizer: a tokenizer.json (or its directory) that encodes --data
   int steps = 300, batch = 8, context = 0, accum = 1;
@@ -339,7 +339,7 @@ Status run_train(const TrainFlags& given_flags) {
   o.budgets = mem.budgets;
   o.planner = mem.planner;
   o.auto_confirm = mem.auto_confirm;
-  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend));
+  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend, mem.spill_dir));
   o.spill_dir = mem.spill_dir;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
   const nlohmann::json config = run_config(cfg, f, T, lr, f.data);
@@ -577,8 +577,9 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
                  "end the run after step N with a checkpoint, as if interrupted (the schedule still runs to --steps)");
   add_memory_flags(app, f->memory);
   app.add_option("--machine", f->machine,
-                 "the planner's machine model: h200, cpu or a file from `spillway profile` (default on CUDA: this "
-                 "host's measured machine in the cache, else h200; on the CPU: cpu)");
+                 "the planner's machine model: h200, cpu, a file from `spillway profile`, or measured: this host's "
+                 "measured machine from the cache, profiled briefly (seconds, once per host, GPU and driver) and "
+                 "cached when there is none (default on CUDA: measured; on the CPU: cpu)");
   CLI::App* parsed = &app;
   return [f, parsed]() -> int {
     for (const char* flag : {"--model", "--layers", "--width", "--heads", "--model-context", "--vocab", "--batch",

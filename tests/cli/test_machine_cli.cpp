@@ -139,6 +139,92 @@ TEST(ProfileCli, NeedsASpillDirectory) {
                   {"--spill-dir /nonexistent/spill"});
 }
 
+// issue 13: `--machine measured` uses this host's cached measured machine, or profiles
+// it briefly once, caches it and uses it.
+const std::string kMeasuredTrain =
+    "train --backend cpu --threads 2 --model tiny --steps 1 --batch 2 --context 64 --machine measured";
+const std::string kProfilingLine = "no measured machine for this host; profiling it briefly";
+
+// The machine-<key>.json files in `folder`.
+std::vector<std::string> machine_files(const std::string& folder) {
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(folder)) files.push_back(e.path().filename());
+  return files;
+}
+
+TEST(MachineFlagCli, MeasuredProfilesBrieflyOnceThenUsesTheCache) {
+  const std::string cache = temp_path("measured_cache");
+  std::filesystem::remove_all(cache);
+  ::setenv("XDG_CACHE_HOME", cache.c_str(), 1);
+  CliRun first = run(kMeasuredTrain);
+  ::unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_NE(first.output.find(kProfilingLine), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("spillway: machine: profiled in "), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("step 1/1"), std::string::npos) << first.output;
+  const std::string folder = cache + "/spillway";
+  const std::vector<std::string> files = machine_files(folder);  // the storage test file is gone
+  ASSERT_EQ(files.size(), 1u);
+  ASSERT_EQ(files[0].size(), std::string("machine-0123456789abcdef.json").size()) << files[0];
+  EXPECT_EQ(files[0].rfind("machine-", 0), 0u);
+  const std::string path = folder + "/" + files[0];
+  EXPECT_NE(first.output.find(path), std::string::npos) << first.output;
+  auto m = spillway::load_machine(path);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  for (double v : {m->h2d_bytes_per_s, m->d2h_bytes_per_s, m->storage_read_bytes_per_s, m->storage_write_bytes_per_s,
+                   m->storage_latency_s, m->matmul_flops_per_s, m->attention_flops_per_s, m->device_bytes_per_s,
+                   m->op_launch_s, m->host_adam_params_per_s, m->copy_share_while_computing})
+    EXPECT_GT(v, 0) << read_file(path);
+  EXPECT_TRUE(m->op_fit(OpKind::MatmulForward).measured()) << read_file(path);
+  EXPECT_NE(m->measured_on.notes.find("brief"), std::string::npos) << m->measured_on.notes;
+  // The second run plans with the cached machine: no profile, the file as it was.
+  const std::string bytes = read_file(path);
+  ::setenv("XDG_CACHE_HOME", cache.c_str(), 1);
+  CliRun second = run(kMeasuredTrain);
+  ::unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(second.code, 0) << second.output;
+  EXPECT_EQ(read_file(path), bytes);
+  EXPECT_EQ(second.output.find(kProfilingLine), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("spillway: machine: measured " + m->measured_on.date), std::string::npos)
+      << second.output;
+  EXPECT_EQ(machine_files(folder).size(), 1u);
+  // A corrupt cache is an error naming the file, not a silent profile over it.
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("{ not a machine", f);
+    ASSERT_EQ(std::fclose(f), 0);
+  }
+  ::setenv("XDG_CACHE_HOME", cache.c_str(), 1);
+  CliRun corrupt = run(kMeasuredTrain);
+  ::unsetenv("XDG_CACHE_HOME");
+  EXPECT_EQ(corrupt.code, 1) << corrupt.output;
+  EXPECT_NE(corrupt.output.find("spillway: error:"), std::string::npos) << corrupt.output;
+  EXPECT_NE(corrupt.output.find(path), std::string::npos) << corrupt.output;
+  EXPECT_NE(corrupt.output.find("remove it"), std::string::npos) << corrupt.output;
+  EXPECT_EQ(corrupt.output.find(kProfilingLine), std::string::npos) << corrupt.output;
+  EXPECT_EQ(read_file(path), "{ not a machine");
+  std::filesystem::remove_all(cache);
+}
+
+// Without --machine the CPU backend plans with the cpu preset: no cache is read or written.
+TEST(MachineFlagCli, CpuBackendDefaultsToThePresetAndNeverProfiles) {
+  const std::string cache = temp_path("preset_cache");
+  std::filesystem::remove_all(cache);
+  ::setenv("XDG_CACHE_HOME", cache.c_str(), 1);
+  CliRun r = run("train --backend cpu --threads 2 --model tiny --steps 1 --batch 2 --context 64");
+  ::unsetenv("XDG_CACHE_HOME");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find(kProfilingLine), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(cache)) << r.output;
+}
+
+TEST(MachineFlagCli, MissingMachineFileIsStillAnError) {
+  expect_rejected("train --backend cpu --threads 2 --model tiny --steps 1 --batch 2 --context 64 --machine "
+                  "/nonexistent/box.json",
+                  {"--machine", "/nonexistent/box.json"});
+}
+
 TEST(SimulateCli, SweepPrintsOneRowPerValueAndFasterStorageRaisesThroughput) {
   const std::string svg = temp_path("sweep.svg");
   CliRun r = run(kStorageBound + " --machine cpu --sweep storage-gbps=0.25,1,4 --chart " + svg);
