@@ -27,4 +27,5 @@ if [ "${PROFILE:-1}" = 1 ]; then
   timeout 200 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-measured.json" > /tmp/logs/profile.txt 2>&1
   tail -40 /tmp/logs/profile.txt >> "$out/summary.txt"
 fi
+for f in ~/.cache/spillway/machine-*.json; do [ -f "$f" ] && cp "$f" "$out/brief-$(basename "$f")"; done
 tar -czf "$out/logs.tar.gz" -C /tmp logs
