@@ -48,6 +48,7 @@ struct TrainFlags {
   int steps = 300, batch = 8, context = 0, accum = 1;
   float lr = 0;  // 0: 4e-3 for models up to 10M parameters, else 6e-4
   int warmup = 20;
+  double grad_clip = 1.0;  // --grad-clip: max global gradient norm (0: no clipping)
   uint64_t seed = 1337;
   int eval_every = 100, eval_batches = 20;
   std::string save, save_grads, load, metrics, trace;
@@ -74,7 +75,7 @@ nlohmann::json run_config(const ModelConfig& cfg, const TrainFlags& f, int T, fl
   }
   return {{"model", model},
           {"batch", f.batch}, {"context", T}, {"accum", f.accum}, {"lr", lr}, {"warmup", f.warmup},
-          {"steps", f.steps}, {"seed", f.seed}, {"data", data}, {"tokenizer", f.tokenizer}};
+          {"grad_clip", f.grad_clip}, {"steps", f.steps}, {"seed", f.seed}, {"data", data}, {"tokenizer", f.tokenizer}};
 }
 
 // --resume: the run's flags from the checkpoint's config; a flag given on the
@@ -132,6 +133,9 @@ Status apply_checkpoint_config(const nlohmann::json& c, TrainFlags& f) {
     take("--accum", f.accum, c.at("accum"));
     take("--lr", f.lr, c.at("lr"));
     take("--warmup", f.warmup, c.at("warmup"));
+    // Checkpoints from before --grad-clip existed clipped at 1.
+    if (c.contains("grad_clip")) take("--grad-clip", f.grad_clip, c.at("grad_clip"));
+    else take("--grad-clip", f.grad_clip, nlohmann::json(1.0));
     take("--steps", f.steps, c.at("steps"));
     take("--seed", f.seed, c.at("seed"));
     take("--data", f.data, c.at("data"));
@@ -263,6 +267,9 @@ Status run_train(const TrainFlags& given_flags) {
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.warmup, "--warmup", 0));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.eval_every, "--eval-every", 0));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.eval_batches, "--eval-batches"));
+  if (!(f.grad_clip >= 0) || !std::isfinite(f.grad_clip))
+    return Status::invalid_argument("--grad-clip: expected a finite number >= 0 (0 = no clipping), got " +
+                                    std::to_string(f.grad_clip));
   if (!(f.lr >= 0) || !std::isfinite(f.lr))
     return Status::invalid_argument("--lr must be a positive number, got " + std::to_string(f.lr));
 
@@ -335,6 +342,7 @@ Status run_train(const TrainFlags& given_flags) {
   o.shape = {.B = f.batch, .T = T, .accum = f.accum};
   const float lr = f.lr > 0 ? f.lr : (cfg.num_parameters() <= 10'000'000 ? 4e-3f : 6e-4f);
   o.schedule = {.peak = lr, .warmup_steps = f.warmup, .total_steps = f.steps};
+  o.max_grad_norm = f.grad_clip == 0 ? std::numeric_limits<float>::infinity() : static_cast<float>(f.grad_clip);
   o.seed = f.seed;
   o.budgets = mem.budgets;
   o.planner = mem.planner;
@@ -546,6 +554,10 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
                  "peak learning rate, linear warmup then cosine decay to 10% (default: 4e-3 for models of up to "
                  "10M parameters, else 6e-4)");
   app.add_option("--warmup", f->warmup, "warmup steps")->capture_default_str();
+  app.add_option("--grad-clip", f->grad_clip,
+                 "max global gradient norm: gradients are scaled down to it when their norm is above (0 = no "
+                 "clipping); speculative updates stand only in steps where it does not clip")
+      ->capture_default_str();
   app.add_option("--seed", f->seed, "parameter initialization and batch order")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "evaluate every N steps and after the last (0 = never)")->capture_default_str();
   app.add_option("--eval-batches", f->eval_batches, "validation batches per evaluation")->capture_default_str();
@@ -583,7 +595,7 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   CLI::App* parsed = &app;
   return [f, parsed]() -> int {
     for (const char* flag : {"--model", "--layers", "--width", "--heads", "--model-context", "--vocab", "--batch",
-                             "--context", "--accum", "--lr", "--warmup", "--steps", "--seed", "--data", "--tokenizer",
+                             "--context", "--accum", "--lr", "--warmup", "--grad-clip", "--steps", "--seed", "--data", "--tokenizer",
                              "--arch", "--kv-heads", "--intermediate", "--rope-theta", "--rope-scaling", "--norm-eps",
                              "--untied"})
       if (parsed->count(flag) > 0) f->given.insert(flag);

@@ -482,6 +482,47 @@ TEST(TrainCli, SpeculateAndGradClipFlagsAreChecked) {
                   {"--grad-clip", ">= 0", "0 = no clipping"});
 }
 
+// The losses of a --metrics file, step by step, and the first step's gradient norm.
+std::vector<double> metric_losses(const std::string& path, double* first_norm = nullptr) {
+  std::ifstream in(path);
+  std::string line;
+  std::vector<double> losses;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (first_norm && losses.empty()) *first_norm = j["grad_norm"].get<double>();
+    losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
+}
+
+// --grad-clip 0 trains without clipping: the same bits as a bound no step reaches, and
+// other bits than a bound below the first step's norm (there the update is scaled).
+TEST(TrainCli, GradClipBoundsTheUpdateAndZeroTurnsItOff) {
+  const std::string off = temp_path("clip_off.jsonl"), high = temp_path("clip_high.jsonl"),
+                    low = temp_path("clip_low.jsonl");
+  const std::string base = "train --steps 3 --eval-every 0 --quiet --lr 0.01 --warmup 0 " + kSmall;
+  CliRun a = run(base + " --grad-clip 0 --metrics " + off);
+  ASSERT_EQ(a.code, 0) << a.output;
+  CliRun b = run(base + " --grad-clip 1e30 --metrics " + high);
+  ASSERT_EQ(b.code, 0) << b.output;
+  double norm = 0;
+  const std::vector<double> unclipped = metric_losses(off, &norm);
+  ASSERT_EQ(unclipped.size(), 3u);
+  EXPECT_EQ(metric_losses(high), unclipped);
+  ASSERT_GT(norm, 0);
+  char bound[64];
+  std::snprintf(bound, sizeof bound, "%.6g", norm / 4);
+  CliRun c = run(base + " --grad-clip " + bound + " --metrics " + low);
+  ASSERT_EQ(c.code, 0) << c.output;
+  const std::vector<double> clipped = metric_losses(low);
+  ASSERT_EQ(clipped.size(), 3u);
+  EXPECT_EQ(clipped[0], unclipped[0]);  // the first loss comes before any update
+  EXPECT_NE(clipped[1], unclipped[1]) << "a bound of " << bound << " below the first norm " << norm;
+  for (const char* bad : {"-1", "nan", "inf", "lots"})
+    expect_rejected("train --steps 1 --grad-clip " + std::string(bad) + " " + kSmall, {"--grad-clip"});
+  for (const std::string& p : {off, high, low}) std::filesystem::remove(p);
+}
+
 TEST(PlanCli, ReservesTheBackendsWorkspaceInsideTheDeviceBudget) {
   const std::string flags = " --model tiny --batch 4 --policy planned";
   auto cfg = spillway::model_preset("tiny");
