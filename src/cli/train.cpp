@@ -32,6 +32,8 @@
 #include "exec/trace.h"
 #include "memory/storage_store.h"
 #include "model/hf_model.h"
+#include "plan/plan.h"
+#include "sim/simulator.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/trainer.h"
@@ -52,6 +54,7 @@ struct TrainFlags {
   uint64_t seed = 1337;
   int eval_every = 100, eval_batches = 20;
   std::string save, save_grads, load, metrics, trace;
+  std::string trace_predicted;  // --trace-predicted: the simulator's step of the plan this run executes
   bool allow_nonfinite_weights = false;  // --load: accept NaN and Inf in the weights
   bool quiet = false;
   std::string checkpoint_dir, resume;    // --checkpoint-dir, --resume
@@ -350,6 +353,14 @@ Status run_train(const TrainFlags& given_flags) {
   SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend, mem.spill_dir));
   o.spill_dir = mem.spill_dir;
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
+  if (!f.trace_predicted.empty()) {
+    // Before any step: a path that cannot be written fails the run before it trains.
+    const SimResult sim = simulate(placed_as_planned(trainer->program(), trainer->plan()), trainer->plan(), o.machine);
+    SPILLWAY_RETURN_IF_ERROR(trace_from_simulation(sim).write(f.trace_predicted).with_context("--trace-predicted"));
+    if (!f.quiet)
+      std::cerr << "spillway train: predicted step " << sim.step_s << " s on machine " << o.machine.name
+                << ", drawn in " << f.trace_predicted << "\n";
+  }
   const nlohmann::json config = run_config(cfg, f, T, lr, f.data);
   if (resume) {
     SPILLWAY_RETURN_IF_ERROR(load_checkpoint(*trainer, *resume).with_context("--resume " + resume->path));
@@ -575,6 +586,9 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
                "--load weights with NaN or Inf values (refused by default)");
   app.add_option("--metrics", f->metrics, "write one JSON line per step to this file");
   app.add_option("--trace", f->trace, "write a Perfetto trace of step 2 (step 1 with --steps 1)");
+  app.add_option("--trace-predicted", f->trace_predicted,
+                 "write the simulator's Perfetto trace of a step of the plan this run executes (on its machine "
+                 "model; a step whose speculative updates stand), to lay beside --trace");
   app.add_flag("--quiet", f->quiet, "no banner or progress line on stderr (the summary still goes to stdout)");
   app.add_option("--checkpoint-dir", f->checkpoint_dir,
                  "write checkpoints of the whole training state here (every --checkpoint-every steps, at the end, "

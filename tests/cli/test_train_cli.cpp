@@ -523,6 +523,38 @@ TEST(TrainCli, GradClipBoundsTheUpdateAndZeroTurnsItOff) {
   for (const std::string& p : {off, high, low}) std::filesystem::remove(p);
 }
 
+// The complete ("X") slices of a trace file, as track -> count.
+std::map<std::string, int> trace_slices(const std::string& path) {
+  std::ifstream in(path);
+  std::map<std::string, int> count;
+  const auto j = nlohmann::json::parse(in);
+  for (const auto& e : j.at("traceEvents"))
+    if (e.at("ph") == "X") count[e.at("cat").get<std::string>()]++;
+  return count;
+}
+
+// --trace draws a measured step and --trace-predicted the simulator's step of the
+// same plan: both have the step's compute and its copies. An unwritable predicted
+// trace fails the run before its first step.
+TEST(TrainCli, TraceAndPredictedTraceDrawTheSamePlan) {
+  const std::string measured = temp_path("measured_trace.json"), predicted = temp_path("predicted_trace.json");
+  CliRun r = run("train --steps 2 --eval-every 0 --quiet --policy planned --device-budget 256KiB --trace " + measured +
+                 " --trace-predicted " + predicted + " " + kSmall);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const std::string& path : {measured, predicted}) {
+    const std::map<std::string, int> slices = trace_slices(path);
+    for (const char* track : {"compute", "h2d", "d2h"})
+      EXPECT_GT(slices.count(track) ? slices.at(track) : 0, 0) << track << " in " << path;
+  }
+  const std::string metrics = temp_path("never_metrics.jsonl");
+  std::filesystem::remove(metrics);
+  expect_rejected("train --steps 2 --eval-every 0 --metrics " + metrics + " --trace-predicted /nonexistent/dir/p.json " +
+                      kSmall,
+                  {"--trace-predicted", "/nonexistent/dir/p.json"});
+  EXPECT_EQ(count_lines(metrics), 0u);
+  for (const std::string& p : {measured, predicted, metrics}) std::filesystem::remove(p);
+}
+
 TEST(PlanCli, ReservesTheBackendsWorkspaceInsideTheDeviceBudget) {
   const std::string flags = " --model tiny --batch 4 --policy planned";
   auto cfg = spillway::model_preset("tiny");

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One call on the lent H200: exactness of gpt2-1.5b at 24 GiB against resident with
+# clipping in the first steps only (EXACT_FLAGS, default --grad-clip 50), then for
+# each of TRACE_MODELS (default gpt-2.7b gpt-4b) a measured trace of step 2 under
+# 24 GiB with clipping off (every speculation stands) beside the simulator's trace of
+# the same plan (train --trace / --trace-predicted), for reading in Perfetto.
+# Results: $OUT/summary.txt, $OUT/traces.tar.gz. Usage (carry .deps): scripts/device-traces.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/traces
+bin=build-device/spillway
+MACHINE=${MACHINE:-h200} OUT=/tmp/traces/exact PART=exact EXACT="${EXACT:-gpt2-1.5b:1 gpt2-1.5b:4}" \
+  EXACT_FLAGS="${EXACT_FLAGS:---grad-clip 50}" scripts/device-pipeline.sh > /tmp/traces/pipeline.log 2>&1
+cat /tmp/traces/exact/summary.txt >> "$out/summary.txt"
+for m in ${TRACE_MODELS:-gpt-2.7b gpt-4b}; do
+  echo "== trace: $m accum 1, 24 GiB, --grad-clip 0" | tee -a "$out/summary.txt"
+  timeout 200 $bin train --backend cuda --model $m --batch 8 --context 1024 --steps 3 --grad-clip 0 --eval-every 0 \
+    --device-budget 24GiB --policy planned --machine ${MACHINE:-h200} --trace /tmp/traces/measured_$m.json \
+    --trace-predicted /tmp/traces/predicted_$m.json > /tmp/traces/train_$m.log 2>&1
+  grep -E "plan:|predicted step|step [0-9]+ |error" /tmp/traces/train_$m.log | head -8 | tee -a "$out/summary.txt"
+done
+tar -czf "$out/traces.tar.gz" -C /tmp traces
