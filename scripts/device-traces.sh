@@ -4,7 +4,8 @@
 # each of TRACE_MODELS (default gpt-2.7b gpt-4b) a measured trace of step 2 under
 # 24 GiB with clipping off (every speculation stands) beside the simulator's trace of
 # the same plan (train --trace / --trace-predicted), for reading in Perfetto.
-# Results: $OUT/summary.txt, $OUT/traces.tar.gz. Usage (carry .deps): scripts/device-traces.sh
+# Then a full `spillway profile`. Results: $OUT/summary.txt, $OUT/traces.tar.gz,
+# $OUT/h200-measured.json. Usage (carry .deps): scripts/device-traces.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out" /tmp/traces
@@ -19,4 +20,8 @@ for m in ${TRACE_MODELS:-gpt-2.7b gpt-4b}; do
     --trace-predicted /tmp/traces/predicted_$m.json > /tmp/traces/train_$m.log 2>&1
   grep -E "plan:|predicted step|step [0-9]+ |error" /tmp/traces/train_$m.log | head -8 | tee -a "$out/summary.txt"
 done
+mkdir -p /tmp/spill
+echo "== profile --backend cuda" | tee -a "$out/summary.txt"
+timeout 200 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-measured.json" > /tmp/traces/profile.txt 2>&1
+grep -E "synchronization|kept|sample step|gpt2-|written" /tmp/traces/profile.txt | tee -a "$out/summary.txt"
 tar -czf "$out/traces.tar.gz" -C /tmp traces
