@@ -394,6 +394,7 @@ std::string Machine::to_json() const {
   j["duplex_factor"] = duplex_factor;
   j["compute_share_while_copying"] = compute_share_while_copying;
   j["copy_share_while_computing"] = copy_share_while_computing;
+  j["copy_share_while_host_computes"] = copy_share_while_host_computes;
   j["storage_read_bytes_per_s"] = storage_read_bytes_per_s;
   j["storage_write_bytes_per_s"] = storage_write_bytes_per_s;
   j["storage_latency_s"] = storage_latency_s;
@@ -430,8 +431,8 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   if (format != kMachineFormat) return r.error("format", "expected \"" + std::string(kMachineFormat) + "\", got \"" + format + "\"");
   uint64_t version = 0;
   SPILLWAY_RETURN_IF_ERROR(r.bytes("version", &version));
-  if (version != static_cast<uint64_t>(kMachineFormatVersion) && version != 2 && version != 3)
-    return r.error("version", "this build reads versions 2, 3 and " + std::to_string(kMachineFormatVersion) +
+  if (version != static_cast<uint64_t>(kMachineFormatVersion) && version != 2 && version != 3 && version != 4)
+    return r.error("version", "this build reads versions 2, 3, 4 and " + std::to_string(kMachineFormatVersion) +
                                   ", the file is version " + std::to_string(version) +
                                   " (profile the machine again with this build)");
   Machine m;
@@ -457,6 +458,9 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   SPILLWAY_RETURN_IF_ERROR(r.number("compute_share_while_copying", &m.compute_share_while_copying, true, 1.0));
   if (version >= 4)  // before: copies at full speed while compute runs
     SPILLWAY_RETURN_IF_ERROR(r.number("copy_share_while_computing", &m.copy_share_while_computing, true, 1.0));
+  if (version >= 5)  // before: copies at full speed while a host op runs
+    SPILLWAY_RETURN_IF_ERROR(
+        r.number("copy_share_while_host_computes", &m.copy_share_while_host_computes, true, 1.0));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_read_bytes_per_s", &m.storage_read_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_write_bytes_per_s", &m.storage_write_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_latency_s", &m.storage_latency_s, false));

@@ -62,6 +62,8 @@ struct Machine {
                                              // runs (below 1 on the CPU backend: shared cores)
   double copy_share_while_computing = 1.0;   // a host⇄device copy's speed while device compute
                                              // runs (below 1 on the CPU backend: shared cores)
+  double copy_share_while_host_computes = 1.0;  // a host⇄device copy's speed while a host op (the
+                                                // host AdamW) runs: they share host memory bandwidth
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
   double matmul_flops_per_s = 100e12;   // device matrix products
@@ -111,9 +113,11 @@ struct Machine {
 };
 
 // 2: attention_flops_per_s; 3: op_rates (one rate per kind); 4: op_fits (fixed cost,
-// rate and bytes rate per kind) and copy_share_while_computing. from_json also reads versions 2 (no fitted kinds:
-// every kind from the class rates) and 3 (each rate as a fit with that rate alone).
-inline constexpr int kMachineFormatVersion = 4;
+// rate and bytes rate per kind) and copy_share_while_computing; 5: copy_share_while_host_computes.
+// from_json also reads versions 2 (no fitted kinds: every kind from the class rates),
+// 3 (each rate as a fit with that rate alone) and 4; a field a version lacks keeps
+// what that version modelled (copies at full speed).
+inline constexpr int kMachineFormatVersion = 5;
 
 // The work an op's kind is measured in (OpFit::rate): op_cost_flops when the
 // kind has flops, else op_bytes_moved.

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <cerrno>
 #include <cstdlib>
 #include <chrono>
@@ -320,6 +322,29 @@ Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copy
   time_steps(&best);
   SPILLWAY_RETURN_IF_ERROR(ce.wait_all());
   return static_cast<double>(n) / best;
+}
+
+Result<double> measure_copy_share_beside_host_adam(Backend& backend, size_t n, DType dtype, uint64_t piece,
+                                                   uint64_t total) {
+  if (n == 0) return Status::invalid_argument("measure copies beside host AdamW: no params");
+  SPILLWAY_ASSIGN_OR_RETURN(HostAdamState state, HostAdamState::make(n, dtype));
+  state.step(1);  // warm-up
+  SPILLWAY_ASSIGN_OR_RETURN(CopyRates alone, measure_copies(backend, piece, total, 2));
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> steps{0};
+  std::thread optimizer([&] {
+    for (int64_t s = 2; !stop.load(std::memory_order_relaxed); ++s) {
+      state.step(s);
+      steps.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  // Copies start once a whole step has run: the optimizer is under way throughout.
+  while (steps.load(std::memory_order_relaxed) < 1) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  auto busy = measure_copies(backend, piece, total, 2);
+  stop.store(true, std::memory_order_relaxed);  // the step under way still runs to its end
+  optimizer.join();
+  if (!busy) return busy.status().with_context("copies beside host AdamW");
+  return std::clamp(busy->both / alone.both, 0.05, 1.0);
 }
 
 Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeats) {

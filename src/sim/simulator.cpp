@@ -5,8 +5,8 @@
 // when it reaches the head of its server's queue and the tasks it depends on have
 // ended; compute tasks last their op's seconds, link and storage tasks move bytes
 // at a rate that, for the two link directions, drops to rate × duplex_factor while
-// the other direction is also moving bytes, and by copy_share_while_computing while
-// device compute runs (and, for device compute, to rate × compute_share_while_copying
+// the other direction is also moving bytes, by copy_share_while_computing while
+// device compute runs and by copy_share_while_host_computes while a host op runs (and, for device compute, to rate × compute_share_while_copying
 // while either link moves bytes). The host thread is one more actor: it
 // issues instructions at the current time until an instruction must wait (on a
 // cross-engine dependency, on a host op, or on a device Run when the host does not
@@ -468,6 +468,7 @@ class Sim {
       if ((server == kH2D && running_[kD2H] >= 0) || (server == kD2H && running_[kH2D] >= 0))
         rate *= machine_.duplex_factor;
       if (running_[kCompute] >= 0) rate *= machine_.copy_share_while_computing;
+      if (running_[kHost] >= 0) rate *= machine_.copy_share_while_host_computes;
       return rate;
     }
     if (server == kCompute && (running_[kH2D] >= 0 || running_[kD2H] >= 0))

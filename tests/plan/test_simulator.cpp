@@ -503,6 +503,35 @@ TEST(Simulator, HostOpsSlowDownWhileCopiesRun) {
   EXPECT_NEAR(host_end(without, m), 2.0 * kMs, kTol);
 }
 
+// And the other way: a copy shares host memory bandwidth with a host op. The 1 ms
+// fetch of w runs at a quarter of its speed beside the 2 ms host op (0-2 ms: half its
+// bytes), then the rest at full speed alone: it ends at 2.5 ms (at 1 ms alone).
+TEST(Simulator, CopiesSlowWhileAHostOpRuns) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId h = add(p, "h", Role::Master);
+  TensorId w = add(p, "w", Role::Param);
+  gelu(p, "host op", h, a, Place::Host);
+  const auto homes = std::map<TensorId, std::pair<Tier, uint64_t>>{
+      {a, {Tier::Host, 0}}, {h, {Tier::Host, 8192}}, {w, {Tier::Host, 16384}}};
+  Plan plan = make_plan_of(p, {run(0), fetch(w, 0), release(w)}, homes);
+  Machine m = test_machine(p, true);
+  auto fetch_end = [&](double share) {
+    m.copy_share_while_host_computes = share;
+    SimResult r = simulate_checked(p, plan, m);
+    const SimEvent* e = find_event(r, SimResource::H2D, "w");
+    EXPECT_NE(e, nullptr);
+    const SimEvent* host = find_event(r, SimResource::Host, "host op");
+    EXPECT_NE(host, nullptr);
+    if (host) {
+      EXPECT_NEAR(host->end_s, 2 * kMs, kTol);  // host ops keep their rate (no alone rate given)
+    }
+    return e ? e->end_s : -1.0;
+  };
+  EXPECT_NEAR(fetch_end(1.0), 1 * kMs, kTol);
+  EXPECT_NEAR(fetch_end(0.25), 2.5 * kMs, kTol);
+}
+
 TEST(Simulator, RecomputeRunsAreCounted) {
   FetchCase f;
   Plan plan = f.plan(true);

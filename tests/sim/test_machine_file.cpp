@@ -26,6 +26,7 @@ Machine every_field_set() {
   m.duplex_factor = 0.8123456789012345;
   m.compute_share_while_copying = 0.66;
   m.copy_share_while_computing = 0.875;
+  m.copy_share_while_host_computes = 0.625;
   m.storage_read_bytes_per_s = 3.3e9;
   m.storage_write_bytes_per_s = 2.9e9;
   m.storage_latency_s = 8.5e-5;
@@ -73,7 +74,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 24);  // format, version, name, measured_on and the 20 other fields
+  EXPECT_EQ(keys, 25);  // format, version, name, measured_on and the 21 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -113,8 +114,8 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 1, "versions 2, 3 and 4"},
-                                         {"version", 5, "the file is version 5"},
+                                         {"version", 1, "versions 2, 3, 4 and 5"},
+                                         {"version", 6, "the file is version 6"},
                                          {"copy_share_while_computing", 1.5, "at most 1"},
                                          {"copy_share_while_computing", 0, "above 0"},
                                          {"op_fits", 2.0, "expected an object"},
@@ -167,11 +168,13 @@ TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   j["version"] = 2;
   j.erase("op_fits");
   j.erase("copy_share_while_computing");
+  j.erase("copy_share_while_host_computes");
   auto m = Machine::from_json(j.dump(), "old.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.op_fits = {};
   want.copy_share_while_computing = 1.0;  // copies at full speed while compute runs, as before
+  want.copy_share_while_host_computes = 1.0;
   EXPECT_EQ(*m, want);
   for (const OpFit& f : m->op_fits) EXPECT_FALSE(f.measured());
   j["op_rates"] = nlohmann::json::object();
@@ -190,6 +193,7 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   j["version"] = 3;
   j.erase("op_fits");
   j.erase("copy_share_while_computing");
+  j.erase("copy_share_while_host_computes");
   j["op_rates"] = {{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}};
   auto m = Machine::from_json(j.dump(), "v3.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
@@ -198,6 +202,7 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   want.op_fits[static_cast<size_t>(OpKind::MatmulBackward)] = {.rate = 1.5e11};
   want.op_fits[static_cast<size_t>(OpKind::GeluForward)] = {.rate = 7.25e9};
   want.copy_share_while_computing = 1.0;
+  want.copy_share_while_host_computes = 1.0;
   EXPECT_EQ(*m, want);
   j["op_rates"] = {{"GeluForward", 0}};
   std::string e = error_of(j);
@@ -213,10 +218,33 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   EXPECT_GT(corpus->op_fit(OpKind::MatmulForward).rate, 0);
 }
 
+// Version 4 files have no copy_share_while_host_computes: copies keep their full speed
+// while a host op runs, as version 4 modelled; the key in a version 4 file is refused.
+TEST(MachineFile, Version4FilesKeepCopiesAtFullSpeedBesideHostOps) {
+  nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  j["version"] = 4;
+  j.erase("copy_share_while_host_computes");
+  auto m = Machine::from_json(j.dump(), "v4.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Machine want = every_field_set();
+  want.copy_share_while_host_computes = 1.0;
+  EXPECT_EQ(*m, want);
+  j["copy_share_while_host_computes"] = 0.5;
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find("copy_share_while_host_computes: unknown key"), std::string::npos) << e;
+  auto corpus = load_machine(std::string(SPILLWAY_SOURCE_DIR) + "/fuzz/corpus/machine_file/cpu_v4.json");
+  ASSERT_TRUE(corpus.ok()) << corpus.status().to_string();
+  EXPECT_EQ(corpus->copy_share_while_host_computes, 1.0);
+  // Above 1 is refused in a version 5 file.
+  j["version"] = 5;
+  j["copy_share_while_host_computes"] = 1.5;
+  EXPECT_NE(error_of(j).find("copy_share_while_host_computes"), std::string::npos);
+}
+
 // The op kinds are written by name, only the measured ones, each with its three terms.
 TEST(MachineFile, OpFitsAreWrittenByKindName) {
   const nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
-  EXPECT_EQ(j["version"], 4);
+  EXPECT_EQ(j["version"], 5);
   EXPECT_EQ(j["op_fits"], (nlohmann::json{{"Zero", {{"fixed_s", 2e-6}, {"rate", 0.0}, {"bytes_per_s", 0.0}}},
                                           {"MatmulBackward", {{"fixed_s", 1.5e-5}, {"rate", 1.5e11}, {"bytes_per_s", 1.25e10}}},
                                           {"GeluForward", {{"fixed_s", 0.0}, {"rate", 7.25e9}, {"bytes_per_s", 0.0}}}}));
