@@ -26,7 +26,7 @@ timeout 200 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-
 grep -E "synchronization|kept|sample step|gpt2-|written" /tmp/traces/profile.txt | tee -a "$out/summary.txt"
 tar -czf "$out/traces.tar.gz" -C /tmp traces
 # The measured machine's own plan and prediction for the first traced model.
-m=${TRACE_MODELS%% *}; m=${m:-gpt-2.7b}
+m=${TRACE_MODELS:-gpt-2.7b gpt-4b}; m=${m%% *}
 echo "== $m accum 1, 24 GiB, --grad-clip 0, --machine (the profile above)" | tee -a "$out/summary.txt"
 timeout 150 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --grad-clip 0 --device-budget 24GiB \
   --policy planned --machine "$out/h200-measured.json" 2>&1 | grep -E "plan:|tokens/s|predicted|own steps|^  [0-9]+ step" |
