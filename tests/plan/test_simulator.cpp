@@ -477,16 +477,23 @@ TEST(Simulator, HostOpsRunBesideTheHostThreadAndDeferTheirFetches) {
 // rate while copies run (half the alone rate here), so alone it needs 1 ms. From 0 to
 // 1 ms an unrelated 1 ms fetch runs (rate 0.5: 0.5 ms of work done), then the
 // remaining 0.5 ms runs alone: it ends at 1.5 ms.
-TEST(Simulator, HostOpsSlowDownWhileCopiesRun) {
+// A host op (2 ms on the test machine) and a parameter w whose fetch is unrelated
+// to it (1 ms alone), all at home on host.
+struct HostOpAndFetch {
   Program p;
   TensorId a = add(p, "a", Role::Input);
   TensorId h = add(p, "h", Role::Master);
   TensorId w = add(p, "w", Role::Param);
-  gelu(p, "host op", h, a, Place::Host);
-  const auto homes = std::map<TensorId, std::pair<Tier, uint64_t>>{
+  std::map<TensorId, std::pair<Tier, uint64_t>> homes{
       {a, {Tier::Host, 0}}, {h, {Tier::Host, 8192}}, {w, {Tier::Host, 16384}}};
-  Plan with_copy = make_plan_of(p, {fetch(w, 0), run(0), release(w)}, homes);
-  Plan without = make_plan_of(p, {run(0)}, homes);
+  HostOpAndFetch() { gelu(p, "host op", h, a, Place::Host); }
+};
+
+TEST(Simulator, HostOpsSlowDownWhileCopiesRun) {
+  HostOpAndFetch f;
+  const Program& p = f.p;
+  Plan with_copy = make_plan_of(p, {fetch(f.w, 0), run(0), release(f.w)}, f.homes);
+  Plan without = make_plan_of(p, {run(0)}, f.homes);
   Machine m = test_machine(p, true);
   m.host_adam_params_per_s = 1e9;
   m.host_adam_params_per_s_alone = 2e9;
@@ -507,14 +514,9 @@ TEST(Simulator, HostOpsSlowDownWhileCopiesRun) {
 // fetch of w runs at a quarter of its speed beside the 2 ms host op (0-2 ms: half its
 // bytes), then the rest at full speed alone: it ends at 2.5 ms (at 1 ms alone).
 TEST(Simulator, CopiesSlowWhileAHostOpRuns) {
-  Program p;
-  TensorId a = add(p, "a", Role::Input);
-  TensorId h = add(p, "h", Role::Master);
-  TensorId w = add(p, "w", Role::Param);
-  gelu(p, "host op", h, a, Place::Host);
-  const auto homes = std::map<TensorId, std::pair<Tier, uint64_t>>{
-      {a, {Tier::Host, 0}}, {h, {Tier::Host, 8192}}, {w, {Tier::Host, 16384}}};
-  Plan plan = make_plan_of(p, {run(0), fetch(w, 0), release(w)}, homes);
+  HostOpAndFetch f;
+  const Program& p = f.p;
+  Plan plan = make_plan_of(p, {run(0), fetch(f.w, 0), release(f.w)}, f.homes);
   Machine m = test_machine(p, true);
   auto fetch_end = [&](double share) {
     m.copy_share_while_host_computes = share;
