@@ -292,20 +292,15 @@ Status measure_op_fits(Backend& backend, const std::vector<OpSample>& samples, i
   for (const OpSample& sample : samples) {
     auto t = time_sample_ops(backend, sample, rounds, *m);
     if (!t) return t.status().with_context("profile: the ops of " + sample.text() + " (--op-sample)");
-    if (m->host_runs_ahead && !t->ops.empty() && t->ops_s > t->step_s) {
-      // Each op timed alone waits for the device before and after it; in a step the
-      // host runs ahead and the device goes from op to op without those round trips.
-      // What the sample's timed ops sum to beyond its whole step is that waiting:
-      // taken off every op evenly, so that the fits cost ops as a step runs them.
-      const double each = (t->ops_s - t->step_s) / static_cast<double>(t->ops.size());
-      t->ops_s = 0;
-      for (OpTiming& op : t->ops) {
-        op.seconds = std::max(op.seconds - each, 0.0);
-        t->ops_s += op.seconds;
+    if (m->host_runs_ahead) {
+      // The fits cost ops as a step runs them, without the waits of timing each alone.
+      if (const double each = take_off_synchronization(&t->ops, t->step_s); each > 0) {
+        t->ops_s = 0;
+        for (const OpTiming& op : t->ops) t->ops_s += op.seconds;
+        std::fprintf(out, "%s: %.2f us of synchronization per op timed alone (its ops summed beyond its step), "
+                          "taken off each before fitting: the host runs ahead of this device in a step\n",
+                     sample.text().c_str(), each * 1e6);
       }
-      std::fprintf(out, "%s: %.2f us of synchronization per op timed alone (its ops summed beyond its step), taken "
-                        "off each before fitting: the host runs ahead of this device in a step\n",
-                   sample.text().c_str(), each * 1e6);
     }
     all.insert(all.end(), t->ops.begin(), t->ops.end());
     times.push_back(std::move(*t));

@@ -151,6 +151,16 @@ std::optional<Solved> least_squares(const std::vector<std::array<double, 3>>& x,
 
 }  // namespace
 
+double take_off_synchronization(std::vector<OpTiming>* ops, double step_s) {
+  if (ops->empty() || !(step_s > 0)) return 0;
+  double sum = 0;
+  for (const OpTiming& op : *ops) sum += op.seconds;
+  if (!(sum > step_s)) return 0;
+  const double each = (sum - step_s) / static_cast<double>(ops->size());
+  for (OpTiming& op : *ops) op.seconds = std::max(op.seconds - each, 0.0);
+  return each;
+}
+
 std::array<OpFit, kOpKindCount> fit_op_kinds(const std::vector<OpTiming>& timed, double launch_s) {
   std::array<OpFit, kOpKindCount> fits{};
   for (size_t k = 0; k < kOpKindCount; ++k) {

@@ -134,6 +134,15 @@ struct OpTiming {
 // not timed); host ops are left out.
 std::vector<OpTiming> op_timings(const Program& program, const std::vector<double>& seconds);
 
+// Ops timed one at a time each wait for the device before and after; in a step on a
+// device the host runs ahead of, the device goes from op to op without those waits.
+// When the ops of one sample step sum to more than its whole step (`step_s`, timed
+// unprofiled), the excess is that waiting: taken off every op evenly (none below 0).
+// Returns the seconds taken off each op (0 when the ops fit within the step).
+//
+//   double each = take_off_synchronization(&timings, step_s);  // before fit_op_kinds
+double take_off_synchronization(std::vector<OpTiming>* ops, double step_s);
+
 // Each kind's cost from timed ops, pooled over any number of sample steps: the
 // non-negative fixed_s, 1/rate and 1/bytes_per_s (bytes only for kinds with flops)
 // that minimize the sum over the kind's ops of (predicted - timed)^2 / timed, each

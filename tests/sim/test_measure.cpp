@@ -45,6 +45,13 @@ TEST(Measure, CopiesStorageAndHostAdamArePositive) {
   auto busy = measure_host_adam(1 << 18, DType::F32, 2, backend->get());
   ASSERT_TRUE(busy.ok()) << busy.status().to_string();
   EXPECT_GT(*busy, 0);
+  auto share = measure_copy_share_beside_host_adam(**backend, 1 << 18, DType::F32, 1 << 20, 4 << 20);
+  ASSERT_TRUE(share.ok()) << share.status().to_string();
+  EXPECT_GT(*share, 0);
+  EXPECT_LE(*share, 1.0);
+  auto nothing = measure_copy_share_beside_host_adam(**backend, 0, DType::F32, 1 << 20, 4 << 20);
+  ASSERT_FALSE(nothing.ok());
+  EXPECT_NE(nothing.status().to_string().find("no params"), std::string::npos) << nothing.status().to_string();
 
   auto flops = measure_matmul(**backend, 64, 64, 32, 2);
   ASSERT_TRUE(flops.ok()) << flops.status().to_string();

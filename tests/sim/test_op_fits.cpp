@@ -62,6 +62,28 @@ Machine slow_machine() {
   return m;
 }
 
+// What ops timed alone sum to beyond their step comes off each evenly, never below 0;
+// ops that fit within the step stay as timed.
+TEST(OpFits, SynchronizationBeyondTheStepComesOffEachOp) {
+  std::vector<OpTiming> ops = {{.seconds = 10e-6}, {.seconds = 1e-3}, {.seconds = 3e-6}, {.seconds = 2e-3}};
+  // 3.013 ms timed against a 2.981 ms step: 32 us over, 8 us off each (the 3 us op to 0,
+  // whose 5 us short is not taken from the others: the step the fits see ends a
+  // little above 2.981 ms).
+  const double each = take_off_synchronization(&ops, 2.981e-3);
+  EXPECT_NEAR(each, 8e-6, 1e-12);
+  EXPECT_NEAR(ops[0].seconds, 2e-6, 1e-12);
+  EXPECT_NEAR(ops[1].seconds, 992e-6, 1e-12);
+  EXPECT_EQ(ops[2].seconds, 0.0);
+  EXPECT_NEAR(ops[3].seconds, 1992e-6, 1e-12);
+  std::vector<OpTiming> within = {{.seconds = 1e-3}, {.seconds = 2e-3}};
+  EXPECT_EQ(take_off_synchronization(&within, 3.5e-3), 0.0);
+  EXPECT_EQ(within[0].seconds, 1e-3);
+  EXPECT_EQ(within[1].seconds, 2e-3);
+  std::vector<OpTiming> none;
+  EXPECT_EQ(take_off_synchronization(&none, 1e-3), 0.0);
+  EXPECT_EQ(take_off_synchronization(&within, 0), 0.0);  // no step time: nothing known
+}
+
 TEST(OpFits, TheWorkOfEachKind) {
   const Program p = sample();
   EXPECT_EQ(op_rate_work(p, p.ops[0]), 8192);   // bytes: no flops
