@@ -135,7 +135,10 @@ Status run_bench(const BenchTrainFlags& f) {
   if (!(f.grad_clip >= 0) || !std::isfinite(f.grad_clip))
     return Status::invalid_argument("--grad-clip: expected a finite number >= 0 (0 = no clipping), got " +
                                     std::to_string(f.grad_clip));
-  o.max_grad_norm = f.grad_clip == 0 ? std::numeric_limits<float>::infinity() : static_cast<float>(f.grad_clip);
+  // 0, or a bound beyond float's range: no step can reach it.
+  o.max_grad_norm = f.grad_clip == 0 || f.grad_clip > std::numeric_limits<float>::max()
+                        ? std::numeric_limits<float>::infinity()
+                        : static_cast<float>(f.grad_clip);
   o.budgets = mem.budgets;
   o.planner = mem.planner;
   o.auto_confirm = mem.auto_confirm;

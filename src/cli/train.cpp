@@ -345,7 +345,10 @@ Status run_train(const TrainFlags& given_flags) {
   o.shape = {.B = f.batch, .T = T, .accum = f.accum};
   const float lr = f.lr > 0 ? f.lr : (cfg.num_parameters() <= 10'000'000 ? 4e-3f : 6e-4f);
   o.schedule = {.peak = lr, .warmup_steps = f.warmup, .total_steps = f.steps};
-  o.max_grad_norm = f.grad_clip == 0 ? std::numeric_limits<float>::infinity() : static_cast<float>(f.grad_clip);
+  // 0, or a bound beyond float's range: no step can reach it.
+  o.max_grad_norm = f.grad_clip == 0 || f.grad_clip > std::numeric_limits<float>::max()
+                        ? std::numeric_limits<float>::infinity()
+                        : static_cast<float>(f.grad_clip);
   o.seed = f.seed;
   o.budgets = mem.budgets;
   o.planner = mem.planner;
