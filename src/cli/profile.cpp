@@ -520,10 +520,10 @@ Result<Machine> measure_machine(Backend& backend, const ProfileSettings& setting
                  dtype_name(dtype), global_thread_pool().size(), n, *alone / 1e9, *busy / 1e9);
     m.host_adam_params_per_s_alone = *alone;
     m.host_adam_params_per_s = *busy;
-    // And the other way: the copies' speed while the optimizer runs.
-    const uint64_t piece = quick ? (1ull << 20) : cuda ? (64ull << 20) : (4ull << 20);
-    const uint64_t total = quick ? (8ull << 20) : cuda ? (1ull << 30) : (64ull << 20);
-    auto share = measure_copy_share_beside_host_adam(backend, n, dtype, piece, total);
+    // And the other way: the copies' speed while the optimizer runs, at the piece
+    // size whose rates were kept above.
+    auto share = measure_copy_share_beside_host_adam(backend, n, dtype, pieces.back(),
+                                                     std::max(copy_total, pieces.back()));
     if (!share) return share.status().with_context("profile: copies while the host AdamW runs");
     m.copy_share_while_host_computes = *share;
     std::fprintf(out, "copies both ways while the host AdamW runs: %.3f of their speed alone (kept)\n", *share);

@@ -6,8 +6,9 @@
 // ended; compute tasks last their op's seconds, link and storage tasks move bytes
 // at a rate that, for the two link directions, drops to rate × duplex_factor while
 // the other direction is also moving bytes, by copy_share_while_computing while
-// device compute runs and by copy_share_while_host_computes while a host op runs (and, for device compute, to rate × compute_share_while_copying
-// while either link moves bytes). The host thread is one more actor: it
+// device compute runs and by copy_share_while_host_computes while a host op runs
+// (and, for device compute, to rate × compute_share_while_copying while either link
+// moves bytes). The host thread is one more actor: it
 // issues instructions at the current time until an instruction must wait (on a
 // cross-engine dependency, on a host op, or on a device Run when the host does not
 // run ahead), and resumes when what it waits for has ended.
