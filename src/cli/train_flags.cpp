@@ -252,7 +252,9 @@ Result<ModelConfig> resolve_loaded_model(const ModelFlags& f, const std::string&
 
 void add_memory_flags(CLI::App& app, MemoryFlags& f) {
   app.add_option("--backend", f.backend, "cpu, cuda or auto (cuda when a GPU is present)")->capture_default_str();
-  app.add_option("--threads", f.threads, "CPU backend threads (0 = all cores)");
+  app.add_option("--threads", f.threads,
+                 "host compute threads: the CPU backend's ops and the host AdamW (0 = all cores; on CUDA all but one, "
+                 "which the executor issues GPU work from)");
   app.add_option("--device-budget", f.device_budget,
                  "device bytes the step may use, e.g. 512MiB (default: the device's memory; unlimited on cpu)");
   app.add_option("--host-budget", f.host_budget, "host bytes for tensors (default: 80% of available RAM)");
@@ -431,10 +433,12 @@ Status check_step_is_bounded(const ModelConfig& cfg, const StepShape& shape, DTy
 
 Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads) {
   SPILLWAY_RETURN_IF_ERROR(check_thread_count(threads, "--threads"));
-  // The host AdamW runs on the process-wide pool; give it the same thread count.
-  SPILLWAY_RETURN_IF_ERROR(start_global_thread_pool(threads).with_context("--threads " + std::to_string(threads)));
   auto b = make_backend(name, {.threads = threads});
   if (!b.ok()) return b.status().with_context("--backend " + name);
+  // The host AdamW runs on the process-wide pool: --threads, or with 0 every core
+  // (on CUDA less the one the executor's thread issues GPU work from).
+  SPILLWAY_RETURN_IF_ERROR(start_global_thread_pool(host_compute_threads(threads, (*b)->name() == "cuda"))
+                               .with_context("--threads " + std::to_string(threads)));
   return b;
 }
 

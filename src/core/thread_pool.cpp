@@ -1,6 +1,7 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <system_error>
 
@@ -87,6 +88,22 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [this] { return pending_ == 0; });
   job_ = nullptr;
+}
+
+void ThreadPool::parallel_tiles(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  // One part per thread; each takes tiles until none is left.
+  parallel_for(std::min<int64_t>(n, size()), [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < n;
+         t = next.fetch_add(1, std::memory_order_relaxed))
+      fn(t, t + 1);
+  });
+}
+
+int host_compute_threads(int requested, bool beside_gpu_issue) {
+  if (requested != 0) return requested;
+  return beside_gpu_issue ? std::max(1, hardware_threads() - 1) : hardware_threads();
 }
 
 void ThreadPool::worker_loop(int index) {

@@ -55,6 +55,13 @@ class ThreadPool {
   // thread takes one chunk. Chunks shorter than `grain` are merged. Calls from
   // several threads run one after another (fn must not call parallel_for itself).
   void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t grain = 1);
+  // Runs fn(t, t + 1) for every tile t of [0, n), handing the tiles out one by one
+  // to the threads as they come free: a thread that the scheduler takes off its
+  // core (for the thread issuing GPU work, say) holds up one tile, not a
+  // size()-th of the loop. Which thread does which tile varies from call to call,
+  // so use it only where fn's result does not depend on that (elementwise updates,
+  // fills); reductions belong in parallel_for.
+  void parallel_tiles(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
   void worker_loop(int index);
@@ -79,5 +86,13 @@ class ThreadPool {
 ThreadPool& global_thread_pool();
 void set_global_thread_count(int threads);
 Status start_global_thread_pool(int threads);
+
+// The threads for host compute when `requested` (a --threads value) is 0: every
+// hardware thread, less one when `beside_gpu_issue`: on a GPU backend the
+// executor's thread issues kernels and copies while the host AdamW runs (during the
+// backward, with speculative updates), and a pool as large as the machine would
+// leave it waiting for a core while the GPU drains its queue. A requested count
+// other than 0 is returned as given.
+int host_compute_threads(int requested, bool beside_gpu_issue);
 
 }  // namespace spillway

@@ -148,7 +148,10 @@ void adamw_host_into(DType param_dtype, void* param, const float* master_in, con
   }
   ThreadPool& pool = global_thread_pool();
   const int64_t tiles = static_cast<int64_t>((n + kTile - 1) / kTile);
-  pool.parallel_for(tiles, [&](int64_t t0, int64_t t1) {
+  // Tiles handed out as threads come free (elementwise: the bits do not depend on
+  // which thread updates which tile): one thread the scheduler preempts holds up a
+  // tile, not its share of the tensor.
+  pool.parallel_tiles(tiles, [&](int64_t t0, int64_t t1) {
     size_t begin = static_cast<size_t>(t0) * kTile;
     size_t end = std::min(n, static_cast<size_t>(t1) * kTile);
     kernel(param_dtype, r, begin, end, stream);

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <map>
+#include <mutex>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -78,6 +81,57 @@ TEST(ThreadPool, CoversRangeOnceWithFixedChunks) {
     for (int64_t i = b; i < e; ++i) hits[i]++;
   });
   for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+// A thread held up in one tile (as one the scheduler takes off its core) holds up
+// that tile only: the others take every remaining tile. With parallel_for's fixed
+// chunks the held thread would own a quarter of them, and the wait below would end
+// at its deadline with those tiles undone.
+TEST(ThreadPool, TilesGoToTheThreadsThatAreFree) {
+  ThreadPool pool(4);
+  ASSERT_TRUE(pool.status().is_ok());
+  constexpr int64_t kTiles = 400;
+  std::vector<std::atomic<int>> hits(kTiles);
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> waited_out{false};
+  std::thread::id held;
+  std::mutex mu;
+  std::map<std::thread::id, int> tiles_of;
+  pool.parallel_tiles(kTiles, [&](int64_t b, int64_t e) {
+    ASSERT_EQ(e, b + 1);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      tiles_of[std::this_thread::get_id()]++;
+    }
+    if (b == 0) {
+      held = std::this_thread::get_id();
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (done.load() < kTiles - 1 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      waited_out = done.load() < kTiles - 1;
+    }
+    hits[b]++;
+    done++;
+  });
+  EXPECT_FALSE(waited_out.load()) << "the other threads did not take the held thread's tiles";
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  EXPECT_EQ(tiles_of[held], 1);
+  // On the calling thread alone (no workers) every tile still runs once, in order.
+  ThreadPool alone(1);
+  std::vector<int64_t> order;
+  alone.parallel_tiles(5, [&](int64_t b, int64_t) { order.push_back(b); });
+  EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  pool.parallel_tiles(0, [&](int64_t, int64_t) { ADD_FAILURE() << "no tiles, no calls"; });
+}
+
+// On a GPU backend the host compute leaves one core to the thread that issues GPU
+// work; a --threads value is kept as given.
+TEST(ThreadPool, HostComputeLeavesACoreBesideGpuIssue) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(host_compute_threads(0, false), cores);
+  EXPECT_EQ(host_compute_threads(0, true), std::max(1, cores - 1));
+  EXPECT_EQ(host_compute_threads(7, true), 7);
+  EXPECT_EQ(host_compute_threads(3, false), 3);
 }
 
 TEST(ThreadPool, RefusesMoreThanFourTimesTheHardwareThreads) {
