@@ -228,18 +228,25 @@ Machine Machine::h200() {
   m.attention_flops_per_s = 103e12;
   m.device_bytes_per_s = 3.5e12;  // achieved by elementwise kernels (4.8 TB/s peak)
   m.op_launch_s = 5e-6;
-  m.host_adam_params_per_s = 4.4e9;  // bf16, 16 threads: 4.11 and 4.64 G/s (bench/RESULTS.md)
+  // The host AdamW (bf16, 16 threads) and compute beside copies: `spillway profile
+  // --backend cuda` of 2026-12-05 (bench/RESULTS.md, "Seventh call"): 4.69 G params/s
+  // alone, 3.30 while host⇄device copies run (they share the host's memory
+  // bandwidth); products and attention at 0.928 of their speed while copies run.
+  // Copies beside a host op are not measured on this host yet: 1.
+  m.host_adam_params_per_s = 3.30e9;
+  m.host_adam_params_per_s_alone = 4.69e9;
+  m.compute_share_while_copying = 0.928;
   m.host_runs_ahead = true;
   // machines/h200.json holds the same figures (a test checks that they agree).
-  m.host_adam_params_per_s_alone = 4.4e9;
-  m.measured_on = {.date = "2026-12-02",
+  m.measured_on = {.date = "2026-12-02, host rates 2026-12-05",
                    .host = "the lent H200 host (one GPU, 16 cores, 128 GiB RAM, ext4 on virtio /dev/vda)",
                    .cpu = "16 cores",
                    .gpu = "NVIDIA H200, 139.8 GiB",
                    .driver = "not recorded",
                    .notes = "figures of bench/RESULTS.md (2026-12-02): bench io (PCIe 54.9/55.1 GB/s, both 95.7-101; "
-                            "disk 1.7 GB/s O_DIRECT), bench adam (bf16, 16 threads, 4.11 and 4.64 G params/s alone; "
-                            "not measured while copies run), bench ops (784 TFLOP/s bf16 on 8192^3 products, 417-743 on gpt2-124m's "
+                            "disk 1.7 GB/s O_DIRECT), host AdamW and compute beside copies from spillway profile "
+                            "--backend cuda of 2026-12-05 (bf16, 16 threads: 4.69 G params/s alone, 3.30 while copies "
+                            "run; compute at 0.928 while copies run; copies beside host ops not measured: 1), bench ops (784 TFLOP/s bf16 on 8192^3 products, 417-743 on gpt2-124m's "
                             "layer products; 720 fits the resident steps of gpt2-124m, 1.5b and 2.7b within 2%; attention forward "
                             "0.242 ms and backward 0.635 ms at B16 T1024 12x64: 103 TFLOP/s); "
                             "storage latency not measured (0)"};
