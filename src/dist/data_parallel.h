@@ -128,6 +128,8 @@ class DataParallelRank {
   Status save_shard(const std::string& dir, int64_t step);
   Result<int64_t> load_shards(const std::string& dir);
   const DataParallelLayout& layout() const { return layout_; }
+  // The rank's executor (drain, metrics, trace, device_bytes, tensors by id).
+  Executor& executor() { return *executor_; }
   const Program& program() const { return layout_.rank_programs[static_cast<size_t>(rank_)]; }
 
  private:
