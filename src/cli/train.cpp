@@ -29,6 +29,11 @@
 #include "core/atomic_file.h"
 #include "core/interrupt.h"
 #include "core/size.h"
+#include "dist/data_parallel_training.h"
+#include "dist/rank_env.h"
+#ifdef SPILLWAY_HAVE_NCCL
+#include "dist/nccl/nccl_communicator.h"
+#endif
 #include "exec/trace.h"
 #include "memory/storage_store.h"
 #include "model/hf_model.h"
@@ -64,7 +69,11 @@ struct TrainFlags {
 
 // What a run's math depends on, as a checkpoint records it (--resume refuses a
 // given flag that differs, and takes the rest from here).
-nlohmann::json run_config(const ModelConfig& cfg, const TrainFlags& f, int T, float lr, const std::string& data) {
+// With `world` ranks of --accum micro-batches each, the math is one process's with
+// world·accum (what "accum" records, so that a checkpoint resumes onto any world size
+// that divides it).
+nlohmann::json run_config(const ModelConfig& cfg, const TrainFlags& f, int T, float lr, const std::string& data,
+                          int world = 1) {
   nlohmann::json model = {{"layers", cfg.layers}, {"width", cfg.width}, {"heads", cfg.heads},
                           {"context", cfg.context}, {"vocab", cfg.vocab}};
   if (cfg.arch == Arch::Llama) {  // what --arch llama needs to build it again on --resume
@@ -77,7 +86,7 @@ nlohmann::json run_config(const ModelConfig& cfg, const TrainFlags& f, int T, fl
     model["untied"] = !cfg.tied;
   }
   return {{"model", model},
-          {"batch", f.batch}, {"context", T}, {"accum", f.accum}, {"lr", lr}, {"warmup", f.warmup},
+          {"batch", f.batch}, {"context", T}, {"accum", f.accum * world}, {"lr", lr}, {"warmup", f.warmup},
           {"grad_clip", f.grad_clip}, {"steps", f.steps}, {"seed", f.seed}, {"data", data}, {"tokenizer", f.tokenizer}};
 }
 
@@ -242,20 +251,243 @@ Status stop_after_failed_step(Trainer& trainer, const Status& error, const Train
   return Status(error.code(), error.message() + outcome);
 }
 
+// WORLD_SIZE > 1: what data-parallel training cannot do, refused before anything is
+// loaded, each naming its flag. Rank 0 alone writes --save, --metrics and --trace.
+Status check_data_parallel_flags(const TrainFlags& f, const RankEnv& env) {
+  const std::string job = "WORLD_SIZE=" + std::to_string(env.world) + " (data-parallel training, rank " +
+                          std::to_string(env.rank) + ")";
+  if (f.memory.backend == "cpu")
+    return Status::unsupported(job + ": --backend cpu has no transport between processes; data-parallel training "
+                               "runs on CUDA devices over NCCL (--backend cuda). Unset WORLD_SIZE to train in one "
+                               "process");
+  if (!f.save_grads.empty())
+    return Status::unsupported(job + ": --save-grads is not supported: the gradients live reduced on the rank that "
+                               "owns each parameter");
+  if (!f.trace_predicted.empty())
+    return Status::unsupported(job + ": --trace-predicted is not supported (the simulator draws one process's step; "
+                               "`spillway simulate --gpus N` predicts a data-parallel one)");
+  if (f.memory.policy == "auto" && f.memory.auto_confirm > 1)
+    return Status::unsupported(job + ": --policy auto with --auto-confirm " + std::to_string(f.memory.auto_confirm) +
+                               " is not supported (timing candidates would run collectives): add --auto-confirm 1 "
+                               "for the simulator's best plan");
+#ifndef SPILLWAY_HAVE_NCCL
+  return Status::unsupported(job + ": this spillway was built without NCCL (nccl.h and libnccl were not found with "
+                             "the CUDA toolkit at build time), which data-parallel training needs");
+#endif
+  return Status::ok();
+}
+
+// A data-parallel checkpoint's config for `world` ranks: its "accum" is the whole
+// step's micro-batches (world × --accum), which `world` must divide.
+Result<nlohmann::json> config_for_world(nlohmann::json config, int world, const std::string& path) {
+  if (!config.contains("accum") || !config["accum"].is_number_integer() || config["accum"].get<int64_t>() < 1)
+    return Status::corrupt(path + ": the manifest's config has no micro-batch count (accum)");
+  const int64_t total = config["accum"].get<int64_t>();
+  if (total % world != 0)
+    return Status::invalid_argument("--resume " + path + ": its run takes " + std::to_string(total) +
+                                    " micro-batches a step (ranks × --accum), which WORLD_SIZE=" +
+                                    std::to_string(world) + " does not divide; resume it on a number of ranks that "
+                                    "does (each rank then takes --accum " + std::to_string(total) +
+                                    " / ranks)");
+  config["accum"] = total / world;
+  return config;
+}
+
+// One rank of a data-parallel run (dist/data_parallel_training.h) over NCCL: the job's
+// id from SPILLWAY_NCCL_ID (spillway launch) or, from rank 0, through a rendezvous
+// file (torchrun); rank 0 prints and writes what one process would.
+Status run_data_parallel(const TrainFlags& f, const RankEnv& env, const TrainerOptions& o, const Dataset& data,
+                         const std::string& data_path, const nlohmann::json& config, const std::string& resume,
+                         Backend& backend) {
+#ifndef SPILLWAY_HAVE_NCCL
+  (void)f, (void)env, (void)o, (void)data, (void)data_path, (void)config, (void)resume, (void)backend;
+  return Status::unsupported("this spillway was built without NCCL");
+#else
+  const bool lead = env.rank == 0;
+  const std::string me = "rank " + std::to_string(env.rank) + " of " + std::to_string(env.world);
+  NcclId id{};
+  std::string rendezvous;
+  if (!env.nccl_id.empty()) {
+    auto parsed = nccl_id_from_hex(env.nccl_id);
+    if (!parsed.ok()) return parsed.status().with_context("SPILLWAY_NCCL_ID");
+    id = *parsed;
+  } else {
+    rendezvous = rendezvous_path(env);
+    if (lead) {
+      SPILLWAY_ASSIGN_OR_RETURN(id, nccl_unique_id());
+      SPILLWAY_RETURN_IF_ERROR(publish_rendezvous(rendezvous, nccl_id_to_hex(id)));
+    } else {
+      SPILLWAY_ASSIGN_OR_RETURN(std::string text, await_rendezvous(rendezvous, std::chrono::seconds(300)));
+      auto parsed = nccl_id_from_hex(text);
+      if (!parsed.ok()) return parsed.status().with_context("the NCCL id in " + rendezvous);
+      id = *parsed;
+    }
+  }
+  auto comm = NcclCommunicator::create(env.rank, env.world, id, env.local_rank);
+  if (!comm.ok())
+    return comm.status().with_context("joining the NCCL job as " + me + " on CUDA device " +
+                                      std::to_string(env.local_rank) + " (LOCAL_RANK)");
+  if (lead && !rendezvous.empty()) {  // every rank has joined, so every rank has read it
+    if (Status s = remove_rendezvous(rendezvous); !s.is_ok()) std::cerr << "spillway: warning: " << s.message() << "\n";
+  }
+
+  std::ofstream metrics;
+  if (lead && !f.metrics.empty()) {
+    metrics.open(f.metrics, std::ios::out | std::ios::trunc);
+    if (!metrics) return errno_status("--metrics: open " + f.metrics, errno);
+  }
+  const bool quiet = f.quiet || !lead;
+  if (!quiet)
+    std::cerr << "spillway train: " << o.model.to_string() << " ("
+              << format_count(static_cast<double>(o.model.num_parameters())) << " parameters), data parallel: "
+              << env.world << " ranks (WORLD_SIZE), this one on " << backend.description() << "\n"
+              << "  data " << data_path << ": " << format_count(static_cast<double>(data.train.size())) << " train, "
+              << format_count(static_cast<double>(data.val.size())) << " val tokens; batch " << f.batch << "x"
+              << o.shape.T << ", accum " << f.accum << " a rank (" << f.accum * env.world << " micro-batches a step), "
+              << f.steps << " steps, lr " << o.schedule.peak << "\n"
+              << "  budgets (each rank): device "
+              << (o.budgets.device == UINT64_MAX ? std::string("unlimited") : format_size(o.budgets.device))
+              << ", host " << format_size(o.budgets.host) << ", storage "
+              << (o.budgets.storage ? format_size(o.budgets.storage) : std::string("none")) << "; machine "
+              << o.machine.name << "\n";
+
+  DataParallelTrainingOptions d;
+  d.trainer = o;
+  d.data = &data;
+  d.steps = f.steps;
+  d.stop_after = f.stop_after;
+  d.eval_every = f.eval_every;
+  d.eval_batches = f.eval_batches;
+  d.load = f.load;
+  d.allow_nonfinite = f.allow_nonfinite_weights;
+  if (lead) d.save = f.save;
+  d.checkpoint_dir = f.checkpoint_dir;
+  d.checkpoint_every = f.checkpoint_every;
+  d.keep = f.keep;
+  d.resume = resume;
+  d.config = config;
+  Trace trace;
+  const int trace_step = f.steps >= 2 ? 2 : 1;
+  if (lead && !f.trace.empty()) {
+    d.trace = &trace;
+    d.trace_step = trace_step;
+  }
+  Progress progress(f.steps, quiet);
+  StepMetrics peaks;
+  double elapsed = 0, timed_s = 0;
+  int64_t timed_tokens = 0;
+  Status callback_error;
+  const auto loop_start = std::chrono::steady_clock::now();
+  d.on_step = [&](const StepResult& r) {
+    elapsed += r.step_s;
+    if (r.step > 1 || f.steps == 1) {
+      timed_s += r.step_s;
+      timed_tokens += r.tokens;
+    }
+    peaks.peak_device_bytes = std::max(peaks.peak_device_bytes, r.exec.peak_device_bytes);
+    peaks.peak_host_bytes = std::max(peaks.peak_host_bytes, r.exec.peak_host_bytes);
+    peaks.peak_storage_bytes = std::max(peaks.peak_storage_bytes, r.exec.peak_storage_bytes);
+    peaks.h2d_bytes += r.exec.h2d_bytes;
+    peaks.d2h_bytes += r.exec.d2h_bytes;
+    peaks.stall_s += r.exec.stall_s;
+    if (!lead) return;
+    if (metrics.is_open() && callback_error.is_ok()) {
+      metrics << metrics_json(r) << "\n";
+      metrics.flush();
+      if (!metrics) callback_error = errno_status("--metrics: write " + f.metrics, errno);
+    }
+    progress.update(r, std::chrono::duration<double>(std::chrono::steady_clock::now() - loop_start).count());
+    if (d.trace && r.step == trace_step && callback_error.is_ok())
+      callback_error = trace.write(f.trace).with_context("--trace");
+  };
+  d.stop_requested = [&]() { return interrupted() || !callback_error.is_ok(); };
+  if (lead && !resume.empty() && !quiet)
+    std::cerr << "spillway train: resuming from " << resume << "\n";
+
+  auto run = train_data_parallel(**comm, backend, d);
+  if (!run.ok()) {
+    progress.interrupt();
+    return run.status().with_context(me);
+  }
+  if (!callback_error.is_ok()) return callback_error;
+  if (run->stopped) {
+    progress.interrupt();
+    return interrupted_status("before step " + std::to_string(run->steps_done + 1) + " of " + std::to_string(f.steps) +
+                              " (every rank stopped there)" +
+                              (run->checkpoint.empty() ? ""
+                                                       : "; checkpoint " + run->checkpoint +
+                                                             " written: continue with --resume " + f.checkpoint_dir) +
+                              (f.save.empty() ? "" : "; nothing was saved to " + f.save));
+  }
+  if (metrics.is_open()) {
+    metrics.close();
+    if (!metrics) return errno_status("--metrics: close " + f.metrics, errno);
+  }
+  if (!lead) return Status::ok();
+  const int final_step = f.stop_after > 0 ? std::min(f.steps, f.stop_after) : f.steps;
+  const double tps = timed_s > 0 ? static_cast<double>(timed_tokens) / timed_s : 0;
+  if (run->last) {
+    std::printf("final train loss %.4f", run->last->loss);
+    if (run->last_val) std::printf(", val loss %.4f", *run->last_val);
+    std::printf(" after %d steps (%s tokens, %d ranks)\n", f.steps,
+                format_count(static_cast<double>(run->tokens_per_step) * f.steps).c_str(), env.world);
+    std::printf("throughput %s tokens/s (all ranks), %.3f s/step; rank 0's compute stalled %.1f%% of it\n",
+                format_count(tps).c_str(), timed_s > 0 ? timed_s / std::max(1, f.steps > 1 ? f.steps - 1 : 1) : 0.0,
+                elapsed > 0 ? 100.0 * peaks.stall_s / elapsed : 0.0);
+    std::printf("rank 0's peaks: device %s, host %s, storage %s; moved %s host->device, %s device->host\n",
+                format_size(peaks.peak_device_bytes).c_str(), format_size(peaks.peak_host_bytes).c_str(),
+                format_size(peaks.peak_storage_bytes).c_str(), format_size(peaks.h2d_bytes).c_str(),
+                format_size(peaks.d2h_bytes).c_str());
+  }
+  std::printf("rank 0's plan: %s\n", run->plan.c_str());
+  if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());
+  if (!run->checkpoint.empty()) {
+    std::printf("checkpoint %s (step %lld, sharded over %d ranks)\n", run->checkpoint.c_str(),
+                static_cast<long long>(run->steps_done), env.world);
+    if (final_step < f.steps)
+      std::printf("stopped after step %d of %d (--stop-after): continue with --resume %s\n", final_step, f.steps,
+                  f.checkpoint_dir.c_str());
+  }
+  if (!f.trace.empty()) std::printf("trace of step %d (rank 0): %s (open in https://ui.perfetto.dev)\n", trace_step, f.trace.c_str());
+  std::fflush(stdout);
+  return Status::ok();
+#endif
+}
+
 Status run_train(const TrainFlags& given_flags) {
   // SIGINT/SIGTERM: stop between steps; the spill directory goes with the trainer.
   SPILLWAY_RETURN_IF_ERROR(install_interrupt_handlers(InterruptMode::BetweenSteps));
   TrainFlags f = given_flags;
+  // RANK, WORLD_SIZE, LOCAL_RANK (torchrun, spillway launch): WORLD_SIZE > 1 trains
+  // data-parallel (run_data_parallel); unset or 1 is one process, as always.
+  SPILLWAY_ASSIGN_OR_RETURN(const RankEnv env, rank_env());
+  if (env.distributed()) SPILLWAY_RETURN_IF_ERROR(check_data_parallel_flags(f, env));
   std::optional<Checkpoint> resume;
+  std::string dp_resume;  // data parallel: the checkpoint folder to go on from
   if (!f.resume.empty()) {
     if (!f.load.empty()) return Status::invalid_argument("--resume and --load: give one (the checkpoint holds the weights)");
     std::vector<std::string> skipped;
-    auto c = newest_checkpoint(f.resume, &skipped);
-    for (const std::string& s : skipped) std::cerr << "spillway: warning: --resume: skipped " << s << "\n";
-    if (!c.ok()) return c.status().with_context("--resume");
-    SPILLWAY_RETURN_IF_ERROR(apply_checkpoint_config(c->meta.config, f).with_context(c->path));
+    if (env.distributed()) {
+      auto c = newest_data_parallel_checkpoint(f.resume, &skipped);
+      if (env.rank == 0)
+        for (const std::string& s : skipped) std::cerr << "spillway: warning: --resume: skipped " << s << "\n";
+      if (!c.ok()) return c.status().with_context("--resume");
+      SPILLWAY_ASSIGN_OR_RETURN(nlohmann::json config, config_for_world(c->config, env.world, c->path));
+      SPILLWAY_RETURN_IF_ERROR(apply_checkpoint_config(config, f).with_context(c->path));
+      dp_resume = c->path;
+    } else {
+      auto c = newest_checkpoint(f.resume, &skipped);
+      if (!c.ok() && holds_data_parallel_checkpoints(f.resume))
+        return Status::invalid_argument(
+            "--resume " + f.resume + " holds data-parallel checkpoints (dp-ckpt-*: shards of several ranks), which "
+            "load onto WORLD_SIZE > 1 only (spillway launch --gpus N train --resume " + f.resume + "); " +
+            c.status().message());
+      for (const std::string& s : skipped) std::cerr << "spillway: warning: --resume: skipped " << s << "\n";
+      if (!c.ok()) return c.status().with_context("--resume");
+      SPILLWAY_RETURN_IF_ERROR(apply_checkpoint_config(c->meta.config, f).with_context(c->path));
+      resume = std::move(*c);
+    }
     if (f.checkpoint_dir.empty()) f.checkpoint_dir = f.resume;
-    resume = std::move(*c);
   }
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.checkpoint_every, "--checkpoint-every", 0));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.keep, "--keep"));
@@ -311,7 +543,12 @@ Status run_train(const TrainFlags& given_flags) {
   if (!val_loader.ok()) return val_loader.status().with_context("--data (validation split)");
 
   // Backend and memory.
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, open_backend(f.memory.backend, f.memory.threads));
+  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                            open_backend(f.memory.backend, f.memory.threads, env.local_rank));
+  if (env.distributed() && backend->name() != "cuda")
+    return Status::unsupported("WORLD_SIZE=" + std::to_string(env.world) + ": --backend " + f.memory.backend +
+                               " chose the " + backend->name() + " backend; data-parallel training across processes "
+                               "runs on CUDA devices over NCCL (--backend cuda)");
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
   // --save's folder is checked now: the weights are written only at the end.
   std::string save_path = f.save;  // "out/llama/" is the folder llama in out
@@ -353,8 +590,19 @@ Status run_train(const TrainFlags& given_flags) {
   o.budgets = mem.budgets;
   o.planner = mem.planner;
   o.auto_confirm = mem.auto_confirm;
-  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(f.machine, *backend, mem.spill_dir));
+  std::string machine_flag = f.machine;
+  if (env.distributed() && machine_flag.empty()) {
+    // Not N ranks profiling one machine at once on first use: the measured machine
+    // when it is cached, else the h200 preset (`spillway profile` measures it first).
+    auto cached = machine_cache_path(host_identity(backend->description()));
+    std::error_code ec;
+    machine_flag = cached.ok() && std::filesystem::exists(*cached, ec) ? "measured" : "h200";
+  }
+  SPILLWAY_ASSIGN_OR_RETURN(o.machine, training_machine(machine_flag, *backend, mem.spill_dir));
   o.spill_dir = mem.spill_dir;
+  if (env.distributed())
+    return run_data_parallel(f, env, o, *data, data_path, run_config(cfg, f, T, lr, f.data, env.world), dp_resume,
+                             *backend);
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
   if (!f.trace_predicted.empty()) {
     // Before any step: a path that cannot be written fails the run before it trains.

@@ -431,10 +431,10 @@ Status check_step_is_bounded(const ModelConfig& cfg, const StepShape& shape, DTy
   return Status::ok();
 }
 
-Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads) {
+Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads, int device) {
   SPILLWAY_RETURN_IF_ERROR(check_thread_count(threads, "--threads"));
-  auto b = make_backend(name, {.threads = threads});
-  if (!b.ok()) return b.status().with_context("--backend " + name);
+  auto b = make_backend(name, {.threads = threads, .device = device});
+  if (!b.ok()) return b.status().with_context("--backend " + name + (device ? " (device " + std::to_string(device) + ")" : ""));
   // The host AdamW runs on the process-wide pool: --threads, or with 0 every core
   // (on CUDA less the one the executor's thread issues GPU work from).
   SPILLWAY_RETURN_IF_ERROR(start_global_thread_pool(host_compute_threads(threads, (*b)->name() == "cuda"))

@@ -110,8 +110,9 @@ Status check_step_is_bounded(const ModelConfig& cfg, const StepShape& shape, DTy
 // one and two layers and micro-batches: exact, since the count is linear in each.
 Result<int64_t> count_step_ops(const ModelConfig& cfg, const StepShape& shape, DType act);
 
-// make_backend with the flag's name in the error.
-Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads);
+// make_backend with the flag's name in the error; `device`: the CUDA device (a
+// data-parallel rank's LOCAL_RANK).
+Result<std::unique_ptr<Backend>> open_backend(const std::string& name, int threads, int device = 0);
 
 // MemAvailable from /proc/meminfo, and 80% of it (the default host budget).
 Result<uint64_t> available_host_memory();
