@@ -4,11 +4,22 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <atomic>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 
+#include "backend/backend.h"
+#include "dist/data_parallel_training.h"
+#include "model/model.h"
+#include "sim/machine.h"
 #include "support/cli_support.h"
+#include "support/thread_communicator.h"
+#include "train/data.h"
 
 namespace {
 
@@ -122,4 +133,91 @@ TEST(LaunchCli, StartsRanksOrSaysWhyNot) {
       << r.output;
   EXPECT_NE(r.output.find("spillway launch: rank "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" exited with status 1"), std::string::npos) << r.output;
+}
+
+namespace {
+
+std::string bytes_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
+// The claim end to end: `spillway train --accum 4` (one process, the binary) and the
+// data-parallel driver of `train` under WORLD_SIZE=2 with --accum 2 (here in two
+// threads with in-process communicators, as the CPU has no transport between
+// processes), given the options the command derives from the same flags (tiny's
+// default learning rate, warmup, clip, seed; the default data), report the same
+// losses and validation losses and save the same bytes.
+TEST(TrainUnderWorldSize, TheDriverSavesWhatOneProcessOfTheCommandSaves) {
+  const std::string dir = testing::TempDir() + "/launch_cli_same_bytes";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const int steps = 4;
+  CliRun one = spillway::testing_support::run_cli(
+      "train --backend cpu --threads 1 --model tiny --batch 2 --context 32 --accum 4 --steps 4 --eval-every 2 "
+      "--eval-batches 2 --quiet --metrics " + dir + "/one.jsonl --save " + dir + "/one.safetensors");
+  ASSERT_EQ(one.code, 0) << one.output;
+  std::vector<float> losses, val;
+  {
+    std::ifstream in(dir + "/one.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      losses.push_back(static_cast<float>(j.at("loss").get<double>()));  // %.9g: the float exactly
+      if (j.contains("val_loss")) val.push_back(static_cast<float>(j.at("val_loss").get<double>()));
+    }
+  }
+  ASSERT_EQ(losses.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(val.size(), 2u);
+
+  using namespace spillway;
+  auto data = load_dataset(std::string(SPILLWAY_SOURCE_DIR) + "/data/tinyshakespeare.txt", 256);
+  ASSERT_TRUE(data.ok()) << data.status().to_string();
+  testing_support::ThreadGroup group(2);
+  std::vector<Status> status(2);
+  std::vector<std::vector<float>> rank_losses(2), rank_val(2);
+  std::atomic<int> finished{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      testing_support::ThreadCommunicator comm(group, r);
+      auto backend = make_backend("cpu", {.threads = 1});
+      DataParallelTrainingOptions o;
+      o.trainer.model = *model_preset("tiny");
+      o.trainer.shape = {.B = 2, .T = 32, .accum = 2};
+      o.trainer.schedule = {.peak = 4e-3f, .warmup_steps = 20, .total_steps = steps};  // train's defaults for tiny
+      o.trainer.seed = 1337;
+      o.trainer.planner = {.policy = Policy::Planned};
+      o.trainer.machine = Machine::cpu_dev_box();
+      o.data = &*data;
+      o.steps = steps;
+      o.eval_every = 2;
+      o.eval_batches = 2;
+      if (r == 0) o.save = dir + "/many.safetensors";
+      o.on_step = [&, r](const StepResult& s) {
+        rank_losses[static_cast<size_t>(r)].push_back(s.loss);
+        if (s.val_loss) rank_val[static_cast<size_t>(r)].push_back(*s.val_loss);
+      };
+      auto run = backend.ok() ? train_data_parallel(comm, **backend, o) : Result<DataParallelTrainingResult>(backend.status());
+      ++finished;
+      if (!run.ok()) {
+        status[static_cast<size_t>(r)] = run.status();
+        for (int i = 0; i < 400 && finished < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (finished < 2) comm.abort(run.status().message());
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(status[static_cast<size_t>(r)].is_ok()) << status[static_cast<size_t>(r)].to_string();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(rank_losses[static_cast<size_t>(r)].size(), losses.size());
+    EXPECT_EQ(std::memcmp(rank_losses[static_cast<size_t>(r)].data(), losses.data(), losses.size() * sizeof(float)), 0)
+        << "rank " << r << "'s losses";
+  }
+  ASSERT_EQ(rank_val[0].size(), val.size());
+  EXPECT_EQ(std::memcmp(rank_val[0].data(), val.data(), val.size() * sizeof(float)), 0) << "validation losses";
+  EXPECT_TRUE(bytes_of(dir + "/many.safetensors") == bytes_of(dir + "/one.safetensors"))
+      << "the saved weights differ from the command's";
 }
