@@ -489,13 +489,15 @@ Status Run::save() {
 }
 
 Result<DataParallelTrainingResult> Run::run() {
-  if (backend_.activation_dtype() != DType::F32)
-    return Status::unsupported("data-parallel training on the " + backend_.name() + " backend: it trains in " +
-                               dtype_name(backend_.activation_dtype()) +
-                               ", and the collectives reduce f32 gradients only (bf16 gradients: not yet; README, "
-                               "\"Data parallelism\")");
   result_.tokens_per_step = int64_t{o_.trainer.shape.B} * o_.trainer.shape.T * o_.trainer.shape.accum * world_;
-  Status s = setup();
+  // Refused before anything is built, and still agreed on: every rank says why.
+  Status s = backend_.activation_dtype() == DType::F32
+                 ? Status::ok()
+                 : Status::unsupported("data-parallel training on the " + backend_.name() + " backend: it trains in " +
+                                       dtype_name(backend_.activation_dtype()) +
+                                       ", and the collectives reduce f32 gradients only (bf16 gradients: not yet; "
+                                       "README, \"Data parallelism\")");
+  if (s.is_ok()) s = setup();
   if (s.is_ok()) s = init_or_load();
   SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "setting up data-parallel training"));
   const int final_step = o_.stop_after > 0 ? std::min(o_.steps, o_.stop_after) : o_.steps;
