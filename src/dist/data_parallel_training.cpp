@@ -253,6 +253,14 @@ Status Run::setup() {
     return Status::invalid_argument("context " + std::to_string(t.shape.T) + " is longer than the model's context " +
                                     std::to_string(cfg_.context));
   if (o_.data == nullptr) return Status::invalid_argument("data parallel training: no data");
+  if (o_.steps < 1 || o_.stop_after < 0 || o_.eval_every < 0 || (o_.eval_every > 0 && o_.eval_batches < 1) ||
+      o_.checkpoint_every < 0 || o_.keep < 1)
+    return Status::invalid_argument("data parallel training: steps " + std::to_string(o_.steps) + ", stop after " +
+                                    std::to_string(o_.stop_after) + ", evaluation every " +
+                                    std::to_string(o_.eval_every) + " steps over " + std::to_string(o_.eval_batches) +
+                                    " batches, checkpoints every " + std::to_string(o_.checkpoint_every) +
+                                    " steps keeping " + std::to_string(o_.keep) +
+                                    ": expected steps, batches and keep >= 1, the others >= 0");
   SPILLWAY_ASSIGN_OR_RETURN(DataLoader train, DataLoader::create(o_.data->train, t.shape.B, t.shape.T,
                                                                  LoaderMode::Random, t.seed));
   train_.emplace(std::move(train));
@@ -518,11 +526,20 @@ Result<DataParallelTrainingResult> Run::run() {
       return result_;
     }
     SPILLWAY_ASSIGN_OR_RETURN(StepResult r, this->step(at));
-    if (rank_id_ == 0 && o_.eval_every > 0 && (at % o_.eval_every == 0 || at == o_.steps)) {
-      auto v = evaluate();
-      if (!v.ok()) return v.status().with_context("evaluation after step " + std::to_string(at));
-      r.val_loss = *v;
-      result_.last_val = *v;
+    if (o_.eval_every > 0 && (at % o_.eval_every == 0 || at == o_.steps)) {
+      // Rank 0 evaluates; its outcome is agreed on (the others do not wait for a
+      // step that will not come).
+      Status evaluated;
+      if (rank_id_ == 0) {
+        auto v = evaluate();
+        if (v.ok()) {
+          r.val_loss = *v;
+          result_.last_val = *v;
+        } else {
+          evaluated = v.status();
+        }
+      }
+      SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, evaluated, "evaluation after step " + std::to_string(at)));
     }
     result_.last = r;
     if (o_.on_step) o_.on_step(r);

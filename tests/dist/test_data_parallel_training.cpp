@@ -326,3 +326,13 @@ TEST(DataParallelTraining, ARankThatFailsToSetUpFailsEveryRankNamingIt) {
     EXPECT_NE(s.message().find("missing.safetensors"), std::string::npos) << s.to_string();
   }
 }
+
+// Options out of range are refused before anything is built, naming the values.
+TEST(DataParallelTraining, OptionsOutOfRangeAreRefused) {
+  const auto runs = data_parallel(gpt2(), 2, 1, [&](int, DataParallelTrainingOptions& o) { o.eval_batches = 0; });
+  for (int r = 0; r < 2; ++r) {
+    const Status& s = runs[static_cast<size_t>(r)].status;
+    ASSERT_FALSE(s.is_ok()) << "rank " << r;
+    EXPECT_NE(s.message().find("evaluation every 3 steps over 0 batches"), std::string::npos) << s.to_string();
+  }
+}
