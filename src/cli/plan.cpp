@@ -52,7 +52,7 @@ struct PlanFlags {
   std::string order = "auto";
   std::string device_optimizer = "auto";  // as train's --device-optimizer
   std::string stream_optimizer = "on";    // as train's --stream-optimizer
-  std::string speculate = "on";           // as train's --speculate
+  std::string speculate = "auto";         // as train's --speculate
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;  // 0: the machine's
   int nvme_count = 0;                      // 0: the machine's storage as it is
@@ -165,9 +165,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (f.stream_optimizer == "off") planner->stream_optimizer = 0;
   else if (f.stream_optimizer != "on")
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
-  if (f.speculate == "off") planner->speculate = 0;
-  else if (f.speculate != "on")
-    return Status::invalid_argument("--speculate: expected on or off, got '" + f.speculate + "'");
+  SPILLWAY_ASSIGN_OR_RETURN(planner->speculate, parse_speculate(f.speculate));
   auto workspace = program_workspace(backend, *program);
   if (!workspace.ok()) return workspace.status();
   // The GPU's mapping of the pinned host arena, reserved as train reserves it.
@@ -560,8 +558,8 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--stream-optimizer", f->stream_optimizer,
                  "planned: on or off, AdamW on device for part of the host-resident state (as train's)");
   app.add_option("--speculate", f->speculate,
-                 "planned: on or off, host AdamW started as its gradient arrives, kept when clipping is inactive "
-                 "(as train's)");
+                 "planned: auto, on or off, host AdamW started as its gradient arrives, kept when clipping is "
+                 "inactive (as train's)");
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
   app.add_option("--gpus", f->gpus,
                  "what if: N data-parallel GPUs (1 to 1000), each with this machine's memory and links, reading "

@@ -505,10 +505,12 @@ Result<Machine> measure_machine(Backend& backend, const ProfileSettings& setting
   }
 
   // ---- host AdamW, alone and beside copies ----
+  // (beside device compute: with the device's compute below)
+  const size_t adam_params = quick ? (size_t{1} << 20) : cuda ? (size_t{64} << 20) : (size_t{16} << 20);
   SPILLWAY_RETURN_IF_ERROR(stop_before("the host AdamW"));
   {
     const DType dtype = backend.activation_dtype();
-    const size_t n = quick ? (size_t{1} << 20) : cuda ? (size_t{64} << 20) : (size_t{16} << 20);
+    const size_t n = adam_params;
     const int iters = quick || brief ? 2 : 5;
     auto alone = measure_host_adam(n, dtype, iters, nullptr);
     if (!alone) return alone.status().with_context("profile: host AdamW");
@@ -599,6 +601,14 @@ Result<Machine> measure_machine(Backend& backend, const ProfileSettings& setting
                  "  memory-bound op (residual add): %.1f GB/s; fixed cost per op %.2f us; compute speed while "
                  "copying %.3f of alone, copy speed while computing %.3f of alone\n",
                  *bytes / 1e9, *launch * 1e6, shared->compute_while_copying, shared->copy_while_computing);
+    // And beside the host AdamW (on the CPU backend they share the cores; on a GPU
+    // the compute loses what its issuing thread does).
+    auto side = measure_compute_beside_host_adam(backend, adam_params, backend.activation_dtype(), big.N, repeats);
+    if (!side) return side.status().with_context("profile: compute and the host AdamW at once");
+    m.compute_share_while_host_computes = side->compute_while_host;
+    m.host_share_while_computing = side->host_while_computing;
+    std::fprintf(out, "  compute speed while the host AdamW runs %.3f of alone, the host AdamW's while computing %.3f\n",
+                 side->compute_while_host, side->host_while_computing);
   }
 
   SPILLWAY_RETURN_IF_ERROR(stop_before("the ops of the sample steps"));

@@ -274,7 +274,8 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
   app.add_option("--speculate", f.speculate,
                  "planned/auto, with the AdamW of some parameters on host: on = start each one as soon as its "
                  "gradient reaches host, as if clipping were inactive, into second buffers of master and moments "
-                 "(host memory), kept when the clip scale is 1 and redone otherwise (the same bits either way); off")
+                 "(host memory), kept when the clip scale is 1 and redone otherwise (the same bits either way); off; "
+                 "auto = where the machine model predicts the step faster with them")
       ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
@@ -304,6 +305,13 @@ Result<uint64_t> default_host_budget() {
   return available / 10 * 8;
 }
 
+Result<int> parse_speculate(const std::string& value) {
+  if (value == "auto") return -1;
+  if (value == "on") return 1;
+  if (value == "off") return 0;
+  return Status::invalid_argument("--speculate: expected auto, on or off, got '" + value + "'");
+}
+
 Result<PlannerOptions> resolve_planner_options(const std::string& policy, const std::string& prefetch,
                                                const std::string& order) {
   PlannerOptions o;
@@ -325,9 +333,7 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   if (f.stream_optimizer == "off") r.planner.stream_optimizer = 0;
   else if (f.stream_optimizer != "on")
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
-  if (f.speculate == "off") r.planner.speculate = 0;
-  else if (f.speculate != "on")
-    return Status::invalid_argument("--speculate: expected on or off, got '" + f.speculate + "'");
+  SPILLWAY_ASSIGN_OR_RETURN(r.planner.speculate, parse_speculate(f.speculate));
   if (f.auto_confirm < 0 || f.auto_confirm > 8)
     return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
                                     std::to_string(f.auto_confirm));

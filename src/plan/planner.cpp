@@ -1392,7 +1392,17 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
     auto plan = schedule(candidate, cost, budgets, early, alignment, norms_early(candidate, order));
     if (plan.ok()) {
       add_speculation(candidate, *plan, budgets.host);
-      return plan;
+      if (options.speculate > 0) return plan;
+      // Chosen by the cost model: the updates overlap the backward, but they run beside
+      // it (on the CPU backend, on the same cores) and need the gradients home early;
+      // the usual order without them may be faster.
+      auto usual = schedule(candidate, cost, budgets, c, alignment, order);
+      if (!usual.ok()) {
+        if (usual.status().code() == StatusCode::Internal) return usual.status();
+        return plan;
+      }
+      const double speculating = cost.step_seconds(placed_as_planned(program, *plan), *plan);
+      return cost.step_seconds(placed_as_planned(program, *usual), *usual) < speculating ? usual : plan;
     }
     if (plan.status().code() != StatusCode::OutOfMemory) return plan;
   }

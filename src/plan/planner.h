@@ -51,7 +51,9 @@ struct PlannerOptions {
   double stream_fraction = 1.0;
   // planned and auto: start host AdamW ops speculatively, before the clip scale is
   // known (Plan::speculation), as many as the host budget has room for the second
-  // buffers of their master, m and v (earliest first). -1 = on, 0 = off.
+  // buffers of their master, m and v (earliest first). -1 = where the cost model
+  // predicts the step faster with them than without (each level is planned both
+  // ways), 1 = wherever host AdamW ops are, 0 = off.
   int speculate = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)

@@ -271,6 +271,14 @@ Machine Machine::cpu_dev_box() {
   // 1x256 under 400 MiB (the probe alone said 0.825).
   m.compute_share_while_copying = 0.356;
   m.copy_share_while_computing = 0.165;
+  // Beside the host AdamW (f32, 16 M params, 2 threads), each over its speed alone:
+  // copies both ways 0.390, compute 0.592 (both run on the two cores), the AdamW
+  // 0.479 beside compute (`spillway profile --backend cpu --threads 2`, 2026-12-05
+  // 08:00 UTC, with another session's build on the box; the rest of that profile
+  // was not kept).
+  m.copy_share_while_host_computes = 0.390;
+  m.compute_share_while_host_computes = 0.592;
+  m.host_share_while_computing = 0.479;
   m.storage_read_bytes_per_s = 3.14e9;    // O_DIRECT, 1 MiB requests, best depth, /tmp
   m.storage_write_bytes_per_s = 2.17e9;
   m.storage_latency_s = 5.93e-5;
@@ -313,7 +321,8 @@ Machine Machine::cpu_dev_box() {
                    .notes = "PROFILE=1 scripts/cpu-predictions.sh (spillway profile --backend cpu --threads 2 with the "
                             "default op samples and offloaded step), rounded to 3 digits; device and host capacities "
                             "are the CI's choices, not measured; bench/RESULTS.md, 'Predicted against measured on the "
-                            "CPU backend'"};
+                            "CPU backend'; the three shares beside the host AdamW from spillway profile of "
+                            "2026-12-05 08:00 (format 6)"};
   return m;
 }
 
@@ -412,6 +421,8 @@ std::string Machine::to_json() const {
   j["compute_share_while_copying"] = compute_share_while_copying;
   j["copy_share_while_computing"] = copy_share_while_computing;
   j["copy_share_while_host_computes"] = copy_share_while_host_computes;
+  j["compute_share_while_host_computes"] = compute_share_while_host_computes;
+  j["host_share_while_computing"] = host_share_while_computing;
   j["storage_read_bytes_per_s"] = storage_read_bytes_per_s;
   j["storage_write_bytes_per_s"] = storage_write_bytes_per_s;
   j["storage_latency_s"] = storage_latency_s;
@@ -448,8 +459,8 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   if (format != kMachineFormat) return r.error("format", "expected \"" + std::string(kMachineFormat) + "\", got \"" + format + "\"");
   uint64_t version = 0;
   SPILLWAY_RETURN_IF_ERROR(r.bytes("version", &version));
-  if (version != static_cast<uint64_t>(kMachineFormatVersion) && version != 2 && version != 3 && version != 4)
-    return r.error("version", "this build reads versions 2, 3, 4 and " + std::to_string(kMachineFormatVersion) +
+  if (version != static_cast<uint64_t>(kMachineFormatVersion) && (version < 2 || version > 5))
+    return r.error("version", "this build reads versions 2 to " + std::to_string(kMachineFormatVersion) +
                                   ", the file is version " + std::to_string(version) +
                                   " (profile the machine again with this build)");
   Machine m;
@@ -478,6 +489,11 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   if (version >= 5)  // before: copies at full speed while a host op runs
     SPILLWAY_RETURN_IF_ERROR(
         r.number("copy_share_while_host_computes", &m.copy_share_while_host_computes, true, 1.0));
+  if (version >= 6) {  // before: compute and host ops at full speed side by side
+    SPILLWAY_RETURN_IF_ERROR(
+        r.number("compute_share_while_host_computes", &m.compute_share_while_host_computes, true, 1.0));
+    SPILLWAY_RETURN_IF_ERROR(r.number("host_share_while_computing", &m.host_share_while_computing, true, 1.0));
+  }
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_read_bytes_per_s", &m.storage_read_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_write_bytes_per_s", &m.storage_write_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_latency_s", &m.storage_latency_s, false));

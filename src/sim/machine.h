@@ -64,6 +64,11 @@ struct Machine {
                                              // runs (below 1 on the CPU backend: shared cores)
   double copy_share_while_host_computes = 1.0;  // a host⇄device copy's speed while a host op (the
                                                 // host AdamW) runs: they share host memory bandwidth
+  // Device compute and host ops side by side, each over its speed alone: on the CPU
+  // backend both run on the host's cores; on a GPU the compute loses only what the
+  // thread issuing it loses to the host optimizer's threads.
+  double compute_share_while_host_computes = 1.0;  // device compute's speed while a host op runs
+  double host_share_while_computing = 1.0;         // a host op's speed while device compute runs
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
   double matmul_flops_per_s = 100e12;   // device matrix products
@@ -113,11 +118,12 @@ struct Machine {
 };
 
 // 2: attention_flops_per_s; 3: op_rates (one rate per kind); 4: op_fits (fixed cost,
-// rate and bytes rate per kind) and copy_share_while_computing; 5: copy_share_while_host_computes.
+// rate and bytes rate per kind) and copy_share_while_computing; 5: copy_share_while_host_computes;
+// 6: compute_share_while_host_computes and host_share_while_computing.
 // from_json also reads versions 2 (no fitted kinds: every kind from the class rates),
-// 3 (each rate as a fit with that rate alone) and 4; a field a version lacks keeps
-// what that version modelled (copies at full speed).
-inline constexpr int kMachineFormatVersion = 5;
+// 3 (each rate as a fit with that rate alone), 4 and 5; a field a version lacks keeps
+// what that version modelled (full speed side by side).
+inline constexpr int kMachineFormatVersion = 6;
 
 // The work an op's kind is measured in (OpFit::rate): op_cost_flops when the
 // kind has flops, else op_bytes_moved.

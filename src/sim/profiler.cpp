@@ -11,6 +11,8 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <vector>
 #include <string>
 #include <utility>
 
@@ -62,11 +64,15 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
     SPILLWAY_ASSIGN_OR_RETURN(m.op_launch_s, measure_op_launch(backend, 200));
   }
 
-  // ---- host AdamW ----
+  // ---- host AdamW, and beside device compute ----
   {
     const size_t n = gpu ? (size_t{32} << 20) : (size_t{4} << 20);
     SPILLWAY_ASSIGN_OR_RETURN(m.host_adam_params_per_s,
                               measure_host_adam(n, backend.activation_dtype(), kRepeats, nullptr));
+    SPILLWAY_ASSIGN_OR_RETURN(HostComputeShares side, measure_compute_beside_host_adam(backend, n, backend.activation_dtype(),
+                                                                                     gpu ? 8192 : 512, kRepeats));
+    m.compute_share_while_host_computes = side.compute_while_host;
+    m.host_share_while_computing = side.host_while_computing;
   }
 
   const size_t capacity = backend.device_capacity();
@@ -429,34 +435,131 @@ Result<double> measure_op_launch(Backend& backend, int ops) {
   return s / ops;
 }
 
+namespace {
+
+// The compute of the side-by-side measurements: an S³ product (held in the caches on
+// a CPU) then a residual add over three arrays of S² · 32 elements, at most 64 Mi
+// (beyond them), as a step mixes compute-bound and memory-bound ops: copies and the
+// host optimizer contend for the memory bus with the second.
+class ComputeMix {
+ public:
+  explicit ComputeMix(Backend& backend) : backend_(backend), buffers_(backend), workspace_(backend) {}
+  Status make(int S) {
+    S_ = S;
+    const size_t act = dtype_size(backend_.activation_dtype());
+    const size_t mat = static_cast<size_t>(S) * S * act;
+    n_ = std::min(static_cast<size_t>(S) * S * 32, size_t{64} << 20);
+    for (auto [p, bytes] : {std::pair{&out_, mat}, std::pair{&inp_, mat}, std::pair{&w_, mat},
+                            std::pair{&ra_, n_ * act}, std::pair{&rb_, n_ * act}, std::pair{&rc_, n_ * act}}) {
+      auto buffer = buffers_.device(bytes);
+      if (!buffer) return buffer.status();
+      *p = *buffer;
+    }
+    SPILLWAY_RETURN_IF_ERROR(workspace_.use(backend_.matmul_workspace(S, S, false, false)));
+    queue();  // warm-up
+    return backend_.synchronize();
+  }
+  // One round, queued (the backend may run it asynchronously).
+  void queue() {
+    backend_.matmul_forward(out_, inp_, w_, nullptr, S_, S_, S_);
+    backend_.residual_forward(rc_, ra_, rb_, n_);
+  }
+  // Seconds of `rounds` rounds, to their end.
+  Result<double> time(int rounds) {
+    const double t0 = now_s();
+    for (int r = 0; r < rounds; ++r) queue();
+    SPILLWAY_RETURN_IF_ERROR(backend_.synchronize());
+    return now_s() - t0;
+  }
+  ScratchBuffers& buffers() { return buffers_; }
+
+ private:
+  Backend& backend_;
+  ScratchBuffers buffers_;
+  OwnWorkspace workspace_;
+  int S_ = 0;
+  size_t n_ = 0;
+  void *out_ = nullptr, *inp_ = nullptr, *w_ = nullptr, *ra_ = nullptr, *rb_ = nullptr, *rc_ = nullptr;
+};
+
+}  // namespace
+
+Result<HostComputeShares> measure_compute_beside_host_adam(Backend& backend, size_t n, DType dtype, int S,
+                                                           int repeats) {
+  if (n == 0) return Status::invalid_argument("measure compute beside host AdamW: no params");
+  repeats = std::max(1, repeats);
+  ComputeMix mix(backend);
+  SPILLWAY_RETURN_IF_ERROR(mix.make(S).with_context("measure compute beside host AdamW"));
+  SPILLWAY_ASSIGN_OR_RETURN(HostAdamState state, HostAdamState::make(n, dtype));
+  state.step(1);  // warm-up
+  SPILLWAY_ASSIGN_OR_RETURN(const double compute_alone, mix.time(repeats));
+  double host_alone = 1e30;
+  for (int64_t s = 2; s < 4; ++s) {
+    const double t0 = now_s();
+    state.step(s);
+    host_alone = std::min(host_alone, now_s() - t0);
+  }
+  if (!(compute_alone > 0) || !(host_alone > 0))
+    return Status::internal("measure compute beside host AdamW: took no measurable time");
+  // Side by side: the optimizer's steps back to back on their own thread (the global
+  // pool under it, as the executor's host queue runs them), the compute rounds on
+  // this one (issuing and waiting, as the executor does) until at least two whole
+  // optimizer steps and `repeats` rounds have run beside each other.
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> steps{0};
+  std::mutex mu;
+  std::vector<std::pair<double, double>> spans;  // optimizer steps' start and end
+  std::thread optimizer([&] {
+    for (int64_t s = 4; !stop.load(std::memory_order_relaxed); ++s) {
+      const double t0 = now_s();
+      state.step(s);
+      const double t1 = now_s();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        spans.emplace_back(t0, t1);
+      }
+      steps.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  while (steps.load(std::memory_order_relaxed) < 1) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  const double begin = now_s();
+  int rounds = 0;
+  Status failed = Status::ok();
+  while (failed.is_ok()) {
+    mix.queue();
+    failed = backend.synchronize();
+    ++rounds;
+    size_t inside = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& [a, b] : spans) inside += a >= begin;
+    }
+    if (rounds >= repeats && inside >= 2) break;
+  }
+  const double end = now_s();
+  stop.store(true, std::memory_order_relaxed);
+  optimizer.join();
+  SPILLWAY_RETURN_IF_ERROR(failed.with_context("compute beside host AdamW"));
+  double host_side = 0;
+  int counted = 0;
+  for (auto& [a, b] : spans)
+    if (a >= begin && b <= end) host_side += b - a, ++counted;
+  if (counted == 0) return Status::internal("measure compute beside host AdamW: no optimizer step ran beside compute");
+  HostComputeShares shares;
+  shares.compute_while_host = std::clamp(compute_alone / repeats / ((end - begin) / rounds), 0.05, 1.0);
+  shares.host_while_computing = std::clamp(host_alone / (host_side / counted), 0.05, 1.0);
+  return shares;
+}
+
 Result<SharedSpeeds> measure_shared_speeds(Backend& backend, int S, int repeats, double h2d_bytes_per_s) {
   repeats = std::max(1, repeats);
-  const size_t act = dtype_size(backend.activation_dtype());
-  const size_t mat = static_cast<size_t>(S) * S * act;
-  // The compute: an S³ product (held in the caches on a CPU) then a residual add over
-  // three arrays of S² · 32 elements, at most 64 Mi (beyond them), as a step mixes
-  // compute-bound and memory-bound ops: copies contend for the memory bus with the second.
-  const size_t n = std::min(static_cast<size_t>(S) * S * 32, size_t{64} << 20);
-  ScratchBuffers buffers(backend);
-  SPILLWAY_ASSIGN_OR_RETURN(void* out, buffers.device(mat));
-  SPILLWAY_ASSIGN_OR_RETURN(void* inp, buffers.device(mat));
-  SPILLWAY_ASSIGN_OR_RETURN(void* w, buffers.device(mat));
-  SPILLWAY_ASSIGN_OR_RETURN(void* ra, buffers.device(n * act));
-  SPILLWAY_ASSIGN_OR_RETURN(void* rb, buffers.device(n * act));
-  SPILLWAY_ASSIGN_OR_RETURN(void* rc, buffers.device(n * act));
-  OwnWorkspace workspace(backend);
-  SPILLWAY_RETURN_IF_ERROR(workspace.use(backend.matmul_workspace(S, S, false, false)));
-  auto compute = [&]() {
-    backend.matmul_forward(out, inp, w, nullptr, S, S, S);
-    backend.residual_forward(rc, ra, rb, n);
-  };
-  compute();
-  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-  double t0 = now_s();
-  for (int r = 0; r < repeats; ++r) compute();
-  SPILLWAY_RETURN_IF_ERROR(backend.synchronize());
-  const double alone = now_s() - t0;
+  ComputeMix mix(backend);
+  SPILLWAY_RETURN_IF_ERROR(mix.make(S).with_context("measure compute while copying"));
+  auto compute = [&]() { mix.queue(); };
+  SPILLWAY_ASSIGN_OR_RETURN(const double alone, mix.time(repeats));
   if (!(alone > 0)) return Status::internal("measure compute while copying: took no measurable time");
+  ScratchBuffers& buffers = mix.buffers();
+  double t0 = 0;
   // The same products while host→device copies run: on the CPU backend the copy
   // threads share the cores and the memory bus with compute.
   constexpr size_t kCopyBytes = size_t{64} << 20;

@@ -111,6 +111,17 @@ Result<double> measure_op_launch(Backend& backend, int ops);
 // memory-bound ops) while host→device copies run, and host→device copies while that
 // compute runs. On the CPU backend both share the cores and the memory bus; on a GPU
 // the copy engines and the SMs are apart, but share device memory.
+// Device compute (the same mix) and the host AdamW (n params of `dtype` on the global
+// thread pool, steps back to back on a thread of their own) side by side, each over
+// its speed alone, in (0, 1]: on the CPU backend both run on the host's cores; on a
+// GPU the compute loses what the thread issuing and waiting for it loses to the
+// optimizer's threads.
+struct HostComputeShares {
+  double compute_while_host = 1;    // Machine::compute_share_while_host_computes
+  double host_while_computing = 1;  // Machine::host_share_while_computing
+};
+Result<HostComputeShares> measure_compute_beside_host_adam(Backend& backend, size_t n, DType dtype, int S,
+                                                           int repeats);
 struct SharedSpeeds {
   double compute_while_copying = 1;  // Machine::compute_share_while_copying
   double copy_while_computing = 1;   // Machine::copy_share_while_computing

@@ -8,7 +8,8 @@
 // the other direction is also moving bytes, by copy_share_while_computing while
 // device compute runs and by copy_share_while_host_computes while a host op runs
 // (and, for device compute, to rate × compute_share_while_copying while either link
-// moves bytes). The host thread is one more actor: it
+// moves bytes; device compute and host ops slow each other by
+// compute_share_while_host_computes and host_share_while_computing). The host thread is one more actor: it
 // issues instructions at the current time until an instruction must wait (on a
 // cross-engine dependency, on a host op, or on a device Run when the host does not
 // run ahead), and resumes when what it waits for has ended.
@@ -472,10 +473,16 @@ class Sim {
       if (running_[kHost] >= 0) rate *= machine_.copy_share_while_host_computes;
       return rate;
     }
-    if (server == kCompute && (running_[kH2D] >= 0 || running_[kD2H] >= 0))
-      return t.rate * machine_.compute_share_while_copying;
-    if (server == kHost && (running_[kH2D] >= 0 || running_[kD2H] >= 0)) return t.rate * host_share_while_copying();
-    return t.rate;
+    double rate = t.rate;
+    const bool copying = running_[kH2D] >= 0 || running_[kD2H] >= 0;
+    if (server == kCompute) {
+      if (copying) rate *= machine_.compute_share_while_copying;
+      if (running_[kHost] >= 0) rate *= machine_.compute_share_while_host_computes;
+    } else if (server == kHost) {
+      if (copying) rate *= host_share_while_copying();
+      if (running_[kCompute] >= 0) rate *= machine_.host_share_while_computing;
+    }
+    return rate;
   }
 
   // The host optimizer's speed while host⇄device copies run over its speed alone

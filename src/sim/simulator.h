@@ -37,6 +37,9 @@
 // - Host ops share the host's memory bandwidth with the copies: alone they run at
 //   Machine::host_adam_params_per_s_alone, while either link direction transfers at
 //   host_adam_params_per_s (the rate changes at those instants, as for duplex).
+// - Host ops and device compute side by side: each at its rate times
+//   Machine::host_share_while_computing and compute_share_while_host_computes (on
+//   the CPU backend both run on the host's cores).
 // - Speculative updates (Plan::speculation): each is a host op queued once the
 //   instruction it follows has issued, starting when its gradient's host copy has
 //   arrived and param's host buffer is no longer read; its Run then commits, taking

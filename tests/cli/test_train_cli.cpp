@@ -476,8 +476,8 @@ TEST(PlanCli, TilesTheVocabularyWhenTheBudgetCallsForIt) {
 // backend's figure needs no GPU (backend_sizes.h), so this runs everywhere.
 // The flags of speculative updates and of clipping name what they expect.
 TEST(TrainCli, SpeculateAndGradClipFlagsAreChecked) {
-  expect_rejected("train --model tiny --steps 1 --speculate maybe", {"--speculate", "on or off", "maybe"});
-  expect_rejected("plan --model tiny --batch 4 --speculate 1", {"--speculate", "on or off"});
+  expect_rejected("train --model tiny --steps 1 --speculate maybe", {"--speculate", "auto, on or off", "maybe"});
+  expect_rejected("plan --model tiny --batch 4 --speculate 1", {"--speculate", "auto, on or off"});
   expect_rejected("bench train --model tiny --batch 2 --context 64 --steps 2 --grad-clip -1",
                   {"--grad-clip", ">= 0", "0 = no clipping"});
 }

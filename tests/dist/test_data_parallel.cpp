@@ -148,7 +148,7 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
     if (offload) {  // the rank's optimizer state (its shard) on host, AdamW there, under half the device memory
       plan = make_plan(mine, Simulator(Machine::cpu_dev_box()), {.device = plan->device_bytes / 2},
                        {.policy = Policy::Planned, .optimizer_on_host = 1, .device_optimizer_bytes = 0,
-                        .alignment = 64});
+                        .speculate = 1, .alignment = 64});
       if (!plan.ok()) return failed(plan.status());
       for (size_t i = 0; i < mine.ops.size(); ++i)
         if (mine.ops[i].kind == OpKind::AdamW && plan->op_place[i] != Place::Host)

@@ -66,9 +66,10 @@ TEST(CostModel, AutoRanksByTheGivenCostModel) {
   auto resident = make_plan(program, Simulator(m), {}, {.policy = Policy::Resident, .alignment = 64});
   ASSERT_TRUE(resident.ok()) << resident.status().to_string();
   const Budgets b{.device = resident->device_bytes / 2};
-  // The optimizer share is fixed: the share search inside a candidate follows the cost
-  // model too, which would give the two models different candidates.
-  const PlannerOptions base{.policy = Policy::Auto, .optimizer_share_search = 0, .alignment = 64};
+  // The optimizer share and speculation are fixed: the share search and the choice of
+  // speculative updates inside a candidate follow the cost model too, which would give
+  // the two models different candidates.
+  const PlannerOptions base{.policy = Policy::Auto, .optimizer_share_search = 0, .speculate = 1, .alignment = 64};
   int candidates = 0;
   for (;; ++candidates) {
     PlannerOptions o = base;

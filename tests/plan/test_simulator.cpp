@@ -534,6 +534,43 @@ TEST(Simulator, CopiesSlowWhileAHostOpRuns) {
   EXPECT_NEAR(fetch_end(0.25), 2.5 * kMs, kTol);
 }
 
+// Device compute beside a host op (on the CPU backend both run on the host's
+// cores). A 2 ms host op, then a 2 ms device op on device tensors. Both at half speed
+// side by side: each has done 1 ms of work at 2 ms and the rest at 4 ms. With only
+// compute slowed (to a quarter): the host op ends at 2 ms, the device op has done
+// 0.5 ms of its work by then and ends at 3.5 ms. Machines without the shares (1):
+// both end at 2 ms.
+TEST(Simulator, ComputeAndHostOpsSlowEachOtherSideBySide) {
+  for (bool runs_ahead : {true, false}) {
+    SCOPED_TRACE(runs_ahead ? "host runs ahead" : "host runs the device ops");
+    HostOpAndFetch f;
+    Program& p = f.p;
+    const TensorId x = add(p, "x", Role::Param), y = add(p, "y", Role::Activation);  // x: home on device
+    gelu(p, "device op", y, x);
+    Plan plan = make_plan_of(p, {run(0), alloc(y, 4096), run(1), release(y)}, f.homes);
+    Machine m = test_machine(p, runs_ahead);
+    auto ends = [&](double compute_share, double host_share) {
+      m.compute_share_while_host_computes = compute_share;
+      m.host_share_while_computing = host_share;
+      SimResult r = simulate_checked(p, plan, m);
+      const SimEvent* host = find_event(r, SimResource::Host, "host op");
+      const SimEvent* device = find_event(r, SimResource::Compute, "device op");
+      EXPECT_NE(host, nullptr);
+      EXPECT_NE(device, nullptr);
+      return std::pair{host ? host->end_s : -1.0, device ? device->end_s : -1.0};
+    };
+    auto [host, device] = ends(1.0, 1.0);
+    EXPECT_NEAR(host, 2 * kMs, kTol);
+    EXPECT_NEAR(device, 2 * kMs, kTol);
+    std::tie(host, device) = ends(0.5, 0.5);
+    EXPECT_NEAR(host, 4 * kMs, kTol);
+    EXPECT_NEAR(device, 4 * kMs, kTol);
+    std::tie(host, device) = ends(0.25, 1.0);
+    EXPECT_NEAR(host, 2 * kMs, kTol);
+    EXPECT_NEAR(device, 3.5 * kMs, kTol);
+  }
+}
+
 TEST(Simulator, RecomputeRunsAreCounted) {
   FetchCase f;
   Plan plan = f.plan(true);
@@ -632,8 +669,13 @@ TEST(Profiler, MeasuresTheCpuBackend) {
   EXPECT_GT(m->device_bytes_per_s, 1e8);
   EXPECT_GT(m->host_adam_params_per_s, 1e6);
   EXPECT_FALSE(m->host_runs_ahead);
+  for (double share : {m->compute_share_while_host_computes, m->host_share_while_computing}) {
+    EXPECT_GT(share, 0);
+    EXPECT_LE(share, 1);
+  }
   std::printf("cpu backend: h2d %.2f GB/s, d2h %.2f GB/s, duplex %.2f, matmul %.1f GFLOP/s, memory %.2f GB/s, "
-              "launch %.2f us, host AdamW %.2f Gparams/s\n",
+              "launch %.2f us, host AdamW %.2f Gparams/s; side by side: compute %.3f, host AdamW %.3f of alone\n",
               m->h2d_bytes_per_s / 1e9, m->d2h_bytes_per_s / 1e9, m->duplex_factor, m->matmul_flops_per_s / 1e9,
-              m->device_bytes_per_s / 1e9, m->op_launch_s * 1e6, m->host_adam_params_per_s / 1e9);
+              m->device_bytes_per_s / 1e9, m->op_launch_s * 1e6, m->host_adam_params_per_s / 1e9,
+              m->compute_share_while_host_computes, m->host_share_while_computing);
 }

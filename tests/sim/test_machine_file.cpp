@@ -27,6 +27,8 @@ Machine every_field_set() {
   m.compute_share_while_copying = 0.66;
   m.copy_share_while_computing = 0.875;
   m.copy_share_while_host_computes = 0.625;
+  m.compute_share_while_host_computes = 0.375;
+  m.host_share_while_computing = 0.4375;
   m.storage_read_bytes_per_s = 3.3e9;
   m.storage_write_bytes_per_s = 2.9e9;
   m.storage_latency_s = 8.5e-5;
@@ -74,7 +76,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 25);  // format, version, name, measured_on and the 21 other fields
+  EXPECT_EQ(keys, 27);  // format, version, name, measured_on and the 23 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -114,8 +116,10 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 1, "versions 2, 3, 4 and 5"},
-                                         {"version", 6, "the file is version 6"},
+                                         {"version", 1, "versions 2 to 6"},
+                                         {"version", 7, "the file is version 7"},
+                                         {"compute_share_while_host_computes", 1.5, "at most 1"},
+                                         {"host_share_while_computing", 0, "above 0"},
                                          {"copy_share_while_computing", 1.5, "at most 1"},
                                          {"copy_share_while_computing", 0, "above 0"},
                                          {"op_fits", 2.0, "expected an object"},
@@ -169,12 +173,16 @@ TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   j.erase("op_fits");
   j.erase("copy_share_while_computing");
   j.erase("copy_share_while_host_computes");
+  j.erase("compute_share_while_host_computes");
+  j.erase("host_share_while_computing");
   auto m = Machine::from_json(j.dump(), "old.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.op_fits = {};
   want.copy_share_while_computing = 1.0;  // copies at full speed while compute runs, as before
   want.copy_share_while_host_computes = 1.0;
+  want.compute_share_while_host_computes = 1.0;
+  want.host_share_while_computing = 1.0;
   EXPECT_EQ(*m, want);
   for (const OpFit& f : m->op_fits) EXPECT_FALSE(f.measured());
   j["op_rates"] = nlohmann::json::object();
@@ -194,6 +202,8 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   j.erase("op_fits");
   j.erase("copy_share_while_computing");
   j.erase("copy_share_while_host_computes");
+  j.erase("compute_share_while_host_computes");
+  j.erase("host_share_while_computing");
   j["op_rates"] = {{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}};
   auto m = Machine::from_json(j.dump(), "v3.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
@@ -203,6 +213,8 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   want.op_fits[static_cast<size_t>(OpKind::GeluForward)] = {.rate = 7.25e9};
   want.copy_share_while_computing = 1.0;
   want.copy_share_while_host_computes = 1.0;
+  want.compute_share_while_host_computes = 1.0;
+  want.host_share_while_computing = 1.0;
   EXPECT_EQ(*m, want);
   j["op_rates"] = {{"GeluForward", 0}};
   std::string e = error_of(j);
@@ -224,10 +236,14 @@ TEST(MachineFile, Version4FilesKeepCopiesAtFullSpeedBesideHostOps) {
   nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
   j["version"] = 4;
   j.erase("copy_share_while_host_computes");
+  j.erase("compute_share_while_host_computes");
+  j.erase("host_share_while_computing");
   auto m = Machine::from_json(j.dump(), "v4.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.copy_share_while_host_computes = 1.0;
+  want.compute_share_while_host_computes = 1.0;
+  want.host_share_while_computing = 1.0;
   EXPECT_EQ(*m, want);
   j["copy_share_while_host_computes"] = 0.5;
   const std::string e = error_of(j);
@@ -241,10 +257,36 @@ TEST(MachineFile, Version4FilesKeepCopiesAtFullSpeedBesideHostOps) {
   EXPECT_NE(error_of(j).find("copy_share_while_host_computes"), std::string::npos);
 }
 
+// Version 5 files ran device compute and host ops side by side at full speed.
+TEST(MachineFile, Version5FilesKeepComputeAndHostOpsAtFullSpeedSideBySide) {
+  nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  j["version"] = 5;
+  j.erase("compute_share_while_host_computes");
+  j.erase("host_share_while_computing");
+  auto m = Machine::from_json(j.dump(), "v5.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Machine want = every_field_set();
+  want.compute_share_while_host_computes = 1.0;
+  want.host_share_while_computing = 1.0;
+  EXPECT_EQ(*m, want);
+  j["host_share_while_computing"] = 0.5;
+  EXPECT_NE(error_of(j).find("host_share_while_computing: unknown key"), std::string::npos) << error_of(j);
+  // In a version 6 file both are required, above 0 and at most 1.
+  j["version"] = 6;
+  j["compute_share_while_host_computes"] = 0.5;
+  ASSERT_TRUE(Machine::from_json(j.dump(), "v6.json").ok());
+  j["compute_share_while_host_computes"] = 1.5;
+  EXPECT_NE(error_of(j).find("compute_share_while_host_computes"), std::string::npos);
+  j["compute_share_while_host_computes"] = 0;
+  EXPECT_NE(error_of(j).find("compute_share_while_host_computes"), std::string::npos);
+  j.erase("compute_share_while_host_computes");
+  EXPECT_NE(error_of(j).find("compute_share_while_host_computes"), std::string::npos);
+}
+
 // The op kinds are written by name, only the measured ones, each with its three terms.
 TEST(MachineFile, OpFitsAreWrittenByKindName) {
   const nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
-  EXPECT_EQ(j["version"], 5);
+  EXPECT_EQ(j["version"], 6);
   EXPECT_EQ(j["op_fits"], (nlohmann::json{{"Zero", {{"fixed_s", 2e-6}, {"rate", 0.0}, {"bytes_per_s", 0.0}}},
                                           {"MatmulBackward", {{"fixed_s", 1.5e-5}, {"rate", 1.5e11}, {"bytes_per_s", 1.25e10}}},
                                           {"GeluForward", {{"fixed_s", 0.0}, {"rate", 7.25e9}, {"bytes_per_s", 0.0}}}}));

@@ -390,6 +390,7 @@ TEST(Checkpoint, SpeculativeUpdatesKeepCheckpointsExact) {
   o.planner.policy = Policy::Planned;
   o.planner.optimizer_on_host = 1;
   o.planner.device_optimizer_bytes = 0;
+  o.planner.speculate = 1;  // what is under test, whichever the cost model prefers
   o.budgets.device = full / 2;
   StateRun straight, first, more, resumed;
   {

@@ -133,6 +133,7 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
         TrainerOptions b = base;
         b.planner.policy = Policy::Planned;
         b.planner.optimizer_on_host = 1;  // the host engine is what is under test
+        b.planner.speculate = 1;          // and its speculative updates, whichever the cost model prefers
         b.planner.device_optimizer_bytes = device_optimizer;
         b.budgets.device = peak / divisor;
         const std::string tag = std::string(clip.name) + ", budget 1/" + std::to_string(divisor) +
