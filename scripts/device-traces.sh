@@ -5,7 +5,9 @@
 # --trace-predicted); a full `spillway profile`; then exactness of EXACT (default
 # gpt2-1.5b:1 gpt2-1.5b:4) at 24 GiB against resident with clipping in the first steps
 # only (EXACT_FLAGS, default --grad-clip 50); with BENCH_MEASURED=1 last a bench of the
-# first traced model planned on the measured machine.
+# first traced model planned on the measured machine. THREADS_AB=1 (default): the
+# first traced model's bench with the default host threads, --threads 16, and
+# --speculate off and on.
 # Results: $OUT/summary.txt, $OUT/traces.tar.gz, $OUT/h200-measured.json.
 # Usage (device tool, carry .deps): scripts/device-traces.sh
 set -uo pipefail
@@ -22,9 +24,21 @@ for m in ${TRACE_MODELS:-gpt-2.7b gpt-4b}; do
   grep -E "plan:|predicted step|step [0-9]+ |error" /tmp/traces/train_$m.log | head -8 | tee -a "$out/summary.txt"
   pack
 done
+# The issuing thread against the host optimizer's threads: the default pool leaves it
+# a core (15 of 16), --threads 16 does not; and speculation on against off.
+if [ "${THREADS_AB:-1}" = 1 ]; then
+  m=${TRACE_MODELS:-gpt-2.7b gpt-4b}; m=${m%% *}
+  for flags in "" "--threads 16" "--speculate off" "--speculate on"; do
+    echo "== bench $m accum 1, 24 GiB, --grad-clip 0 $flags" | tee -a "$out/summary.txt"
+    # shellcheck disable=SC2086
+    timeout 150 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --grad-clip 0 --device-budget 24GiB \
+      --policy planned --machine ${MACHINE:-h200} $flags 2>&1 | grep -E "tokens/s|predicted|own steps|^  [0-9]+ step" |
+      tee -a "$out/summary.txt"
+  done
+fi
 echo "== profile --backend cuda" | tee -a "$out/summary.txt"
 timeout 200 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-measured.json" > /tmp/traces/profile.txt 2>&1
-grep -E "synchronization|kept|sample step|gpt2-|written|error" /tmp/traces/profile.txt | tee -a "$out/summary.txt"
+grep -E "synchronization|kept|sample step|gpt2-|written|error|host AdamW runs" /tmp/traces/profile.txt | tee -a "$out/summary.txt"
 pack
 MACHINE=${MACHINE:-h200} OUT=/tmp/traces/exact PART=exact EXACT="${EXACT:-gpt2-1.5b:1 gpt2-1.5b:4}" \
   EXACT_FLAGS="${EXACT_FLAGS:---grad-clip 50}" scripts/device-pipeline.sh > /tmp/traces/pipeline.log 2>&1
