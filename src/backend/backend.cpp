@@ -42,6 +42,14 @@ bool cuda_available() {
 #endif
 }
 
+int cuda_gpu_count() {
+#ifdef SPILLWAY_HAVE_CUDA
+  return cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, const BackendOptions& options) {
   if (name == "cpu") return make_cpu_backend(options);
   if (name == "cuda") {

@@ -270,5 +270,7 @@ class Backend : public BackendSizes {
 // A build without CUDA, or a machine without a GPU, gets a clear error for "cuda".
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, const BackendOptions& options = {});
 bool cuda_available();
+// The GPUs this build's CUDA runtime finds (0 without CUDA, or without a GPU).
+int cuda_gpu_count();
 
 }  // namespace spillway

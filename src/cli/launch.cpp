@@ -8,12 +8,14 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "cli/command.h"
 #include "dist/launch.h"
 #ifdef SPILLWAY_HAVE_NCCL
@@ -75,6 +77,15 @@ Result<int> run_launch(const LaunchFlags& f, std::vector<std::string> rest) {
   sigaddset(&watched, SIGTERM);
   sigaddset(&watched, SIGCHLD);
   if (int rc = ::pthread_sigmask(SIG_BLOCK, &watched, nullptr); rc != 0) return errno_status("pthread_sigmask", rc);
+  // One rank a GPU: more ranks than GPUs would share devices (and a typo such as
+  // --gpus 80 would start 80 processes).
+  if (const int gpus = cuda_gpu_count(); f.gpus > gpus)
+    return Status::invalid_argument("--gpus " + std::to_string(f.gpus) + ": this machine has " + std::to_string(gpus) +
+                                    " GPU" + (gpus == 1 ? "" : "s") + " that CUDA sees (CUDA_VISIBLE_DEVICES " +
+                                    (std::getenv("CUDA_VISIBLE_DEVICES") ? std::string("is '") +
+                                                                               std::getenv("CUDA_VISIBLE_DEVICES") + "'"
+                                                                         : std::string("unset")) +
+                                    "), one for each rank; no rank was started");
   // The job's id: the launcher holds NCCL's bootstrap root, and lives as long as the ranks.
   auto id = nccl_unique_id();
   if (!id.ok()) return id.status().with_context("spillway launch: making the job's NCCL id (no rank was started)");

@@ -1010,15 +1010,17 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-bool cuda_device_present() {
+int cuda_device_count() {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear the runtime's last-error slot
-    return false;
+    return 0;
   }
-  return count > 0;
+  return count;
 }
+
+bool cuda_device_present() { return cuda_device_count() > 0; }
 
 Result<CudaOptimizerLaunches> cuda_optimizer_launches(Backend& backend) {
   auto* cuda = dynamic_cast<CudaBackend*>(&backend);

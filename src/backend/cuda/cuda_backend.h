@@ -19,6 +19,8 @@ namespace spillway {
 Result<std::unique_ptr<Backend>> make_cuda_backend(const BackendOptions& options);
 // True when the CUDA runtime finds at least one GPU (never throws, never aborts).
 bool cuda_device_present();
+// The GPUs the CUDA runtime finds (CUDA_VISIBLE_DEVICES applied); 0 on any error.
+int cuda_device_count();
 
 // The optimizer's launches: squared_norm and adamw calls are held back and a run of
 // consecutive ones of a kind goes out as a few multi-tensor launches, bit-identical to
