@@ -63,6 +63,7 @@ struct Stream {
 
 struct Rank {
   pid_t pid = -1;
+  bool started = false;
   bool running = false;
   int status = 0;  // waitpid's, once ended
 };
@@ -137,6 +138,7 @@ Result<LaunchOutcome> launch_ranks(const LaunchOptions& o) {
   std::vector<Rank> ranks(static_cast<size_t>(o.world));
   std::vector<Stream> streams;
   const pid_t launcher = ::getpid();
+  int stop_signal = 0;  // a SIGINT or SIGTERM that came while the ranks were starting
 
   // Stops every rank started so far (a set-up step failed): SIGKILL to its group, reaped.
   auto abandon = [&]() {
@@ -231,10 +233,40 @@ Result<LaunchOutcome> launch_ranks(const LaunchOptions& o) {
       cleanup.fds.push_back(out_pipe[0]);
       cleanup.fds.push_back(err_pipe[0]);
     }
+    rank.started = true;
+    // Between starts: a SIGINT or SIGTERM for the launcher, or a rank that has already
+    // failed, ends the starting; the loop below forwards the signal or stops the
+    // ranks started so far, and the rest are never started.
+    if (r + 1 < o.world) {
+      signalfd_siginfo info;
+      ssize_t n;
+      while ((n = ::read(sfd, &info, sizeof info)) == static_cast<ssize_t>(sizeof info)) {
+        const int sig = static_cast<int>(info.ssi_signo);
+        if ((sig == SIGINT || sig == SIGTERM) && stop_signal == 0) stop_signal = sig;
+      }
+      if (n < 0 && errno != EAGAIN && errno != EINTR) {
+        const int err = errno;
+        abandon();
+        return errno_status("launch: reading the signalfd", err);
+      }
+      bool failed = false;
+      for (const Rank& started : ranks) {
+        if (!started.running) continue;
+        siginfo_t info_child{};
+        // WNOWAIT: looked at, not reaped (the loop below reaps it and reports it).
+        if (::waitid(P_PID, static_cast<id_t>(started.pid), &info_child, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+            info_child.si_pid == started.pid &&
+            !(info_child.si_code == CLD_EXITED && info_child.si_status == 0))
+          failed = true;
+      }
+      if (stop_signal != 0 || failed) break;
+    }
   }
 
   LaunchOutcome out;
   out.status.assign(static_cast<size_t>(o.world), 0);
+  for (size_t i = 0; i < ranks.size(); ++i)
+    if (!ranks[i].started) out.status[i] = -1;
   std::optional<Clock::time_point> kill_at;  // after a failure: when the survivors get SIGKILL
   bool killed = false;
   bool output_failed = false;
@@ -256,6 +288,10 @@ Result<LaunchOutcome> launch_ranks(const LaunchOptions& o) {
     if (!text.empty() && !output_failed && !write_all(s.to, text.data(), text.size())) output_failed = true;
   };
   std::optional<Clock::time_point> all_ended_at;
+  if (stop_signal != 0) {
+    out.forwarded_signal = stop_signal;
+    signal_all(stop_signal);
+  }
   for (;;) {
     // Reap.
     for (int i = 0; i < o.world; ++i) {
@@ -350,13 +386,19 @@ Result<LaunchOutcome> launch_ranks(const LaunchOptions& o) {
     out.exit_code = 128 + out.forwarded_signal;
     std::string ends;
     for (int i = 0; i < o.world; ++i)
-      ends += (i ? ", " : "") + std::to_string(i) + ": " + describe_wait_status(ranks[static_cast<size_t>(i)].status);
+      ends += (i ? ", " : "") + std::to_string(i) + ": " +
+              (ranks[static_cast<size_t>(i)].started ? describe_wait_status(ranks[static_cast<size_t>(i)].status)
+                                                     : std::string("not started"));
     out.message = signal_text(out.forwarded_signal) + " forwarded to the ranks; they ended (" + ends + ")";
   } else if (out.failed_rank >= 0) {
     out.message += killed ? "; the other ranks were sent SIGTERM, and SIGKILL " +
                                 std::to_string(o.grace.count()) + " ms later"
                           : "; the other ranks were sent SIGTERM";
   }
+  const auto unstarted = std::count_if(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.started; });
+  if (unstarted > 0)
+    out.message += "; " + std::to_string(unstarted) + " of the " + std::to_string(o.world) +
+                   " ranks were never started";
   return out;
 }
 

@@ -56,7 +56,8 @@ struct LaunchOutcome {
   std::string message;     // empty when every rank exited with 0; else what happened, naming the rank
   int failed_rank = -1;    // the rank whose end failed the job, -1 if none
   int forwarded_signal = 0;  // the first SIGINT or SIGTERM forwarded, 0 if none
-  std::vector<int> status;   // [world] each rank's exit code, or 128 + the signal that ended it
+  std::vector<int> status;   // [world] each rank's exit code, or 128 + the signal that ended it;
+                             // -1: never started (a signal or a failed rank came first)
 };
 
 Result<LaunchOutcome> launch_ranks(const LaunchOptions& options);

@@ -198,6 +198,42 @@ TEST(Launch, SignalsAreForwardedToEveryRank) {
   }
 }
 
+// A SIGTERM that comes while the ranks are starting ends the starting: the ranks
+// started so far get it, the rest never start. Here it is pending before the launch
+// (blocked in the launcher's process, which runs in a child): rank 0 starts, the
+// signal is read, and 49 ranks are never started.
+TEST(Launch, ASignalWhileStartingStopsTheStarting) {
+  const std::string dir = temp_dir("signal_starting");
+  const pid_t launcher = ::fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    sigset_t term;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    if (::sigprocmask(SIG_BLOCK, &term, nullptr) != 0 || ::kill(::getpid(), SIGTERM) != 0) ::_exit(101);
+    const int out = ::open((dir + "/out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    LaunchOptions o = shell("touch " + dir + "/started.$RANK; sleep 60", 50);
+    o.out_fd = o.err_fd = out;
+    auto r = launch_ranks(o);
+    if (!r.ok()) ::_exit(100);
+    int never = 0;
+    for (int s : r->status) never += s == -1;
+    std::ofstream(dir + "/outcome") << r->exit_code << " " << r->forwarded_signal << " " << never << "\n"
+                                    << r->message << "\n";
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(launcher, &status, 0), launcher);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  ASSERT_EQ(WEXITSTATUS(status), 0);
+  const std::string outcome = read(dir + "/outcome");
+  EXPECT_EQ(outcome.substr(0, outcome.find('\n')), std::to_string(128 + SIGTERM) + " " + std::to_string(SIGTERM) + " 49")
+      << outcome;
+  EXPECT_NE(outcome.find("1: not started"), std::string::npos) << outcome;
+  EXPECT_NE(outcome.find("49 of the 50 ranks were never started"), std::string::npos) << outcome;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/started.1"));
+}
+
 TEST(Launch, DescribesWaitStatuses) {
   int status = 0;
   const pid_t child = ::fork();
