@@ -132,11 +132,13 @@ TEST(PoliciesSimulated, PlannedStallsLessThanPagingInTheSimulator) {
       EXPECT_LT(sq.stall_s, sp.stall_s) << model << " on " << machine.name;
       // On the CPU machine copies and compute slow each other down (a copy runs at
       // 0.165 of its speed beside compute, compute at 0.356 beside a copy: measured
-      // and calibrated on the dev box), so hiding copies behind compute buys almost
-      // nothing there and the planned step may come out a hair above paging's
-      // on-demand fetches (gpt2-124m: 4.402 s against 4.395 s); on the H200 planned
-      // is at most paging's.
-      const double slack = machine.host_runs_ahead ? 1.0 : 1.01;
+      // and calibrated on the dev box), and so do the host AdamW and compute on the
+      // two shared cores (0.479 and 0.592, machine format 6), so hiding copies and the
+      // optimizer behind compute buys almost nothing there and the planned step may
+      // come out a little above paging's on-demand fetches (gpt2-124m: 4.402 s
+      // against 4.395 s; tiny, with the optimizer on host: 25.80 ms against 25.43);
+      // on the H200 planned is at most paging's.
+      const double slack = machine.host_runs_ahead ? 1.0 : 1.02;
       EXPECT_LE(sq.step_s, sp.step_s * slack) << model << " on " << machine.name;
     }
   }
