@@ -174,6 +174,18 @@ void AtomicFile::abandon() {
   remove_on_interrupt_.release();
 }
 
+Status write_file_atomically(const std::string& path, std::string_view text) {
+  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::create(path));
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(f.fd(), text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status("write " + f.temp_path(), errno);
+    done += static_cast<size_t>(n);
+  }
+  return f.commit();
+}
+
 Status AtomicFile::commit() {
   if (fd_ < 0) return Status::invalid_argument("commit of " + target_ + ": the temporary file is already closed");
   Status s;

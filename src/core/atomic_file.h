@@ -54,6 +54,10 @@ class AtomicFile {
 // fsync of a folder, so that a rename or a new file in it survives a crash.
 Status fsync_directory(const std::string& dir);
 
+// Writes `text` to `path` whole or not at all (an AtomicFile written, then committed);
+// errors name the temporary file or the target.
+Status write_file_atomically(const std::string& path, std::string_view text);
+
 // The folder part of a path: "a/b/c" → "a/b", "c" → ".", "/c" → "/".
 std::string parent_directory(const std::string& path);
 

@@ -106,18 +106,6 @@ Status agree(HostGather& gather, int rank, const Status& mine, const std::string
   return Status::ok();
 }
 
-// Writes `text` into `path` whole or not at all.
-Status write_text_atomically(const std::string& path, const std::string& text) {
-  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::create(path));
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(f.fd(), text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno_status("write " + f.temp_path(), errno);
-    done += static_cast<size_t>(n);
-  }
-  return f.commit();
-}
 
 struct Folder {
   std::string name;
@@ -445,7 +433,7 @@ Status Run::checkpoint(int64_t step) {
     const nlohmann::json manifest = {{"format", kManifestFormat}, {"version", kManifestVersion},
                                      {"step", step},              {"world", world_},
                                      {"data_batch", data_batch_}, {"config", o_.config}};
-    s = write_text_atomically((std::filesystem::path(partial) / "manifest.json").string(), manifest.dump(2) + "\n");
+    s = write_file_atomically((std::filesystem::path(partial) / "manifest.json").string(), manifest.dump(2) + "\n");
     std::error_code ec;
     if (s.is_ok()) std::filesystem::remove_all(final_path, ec);  // the same step written before (another run)
     if (s.is_ok() && !ec) std::filesystem::rename(partial, final_path, ec);

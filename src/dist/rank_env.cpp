@@ -120,15 +120,7 @@ Status publish_rendezvous(const std::string& path, const std::string& text) {
   const std::optional<uint64_t> start = process_start_ticks(::getpid());
   const std::string line = std::string(kRendezvousTag) + " " + std::to_string(::getpid()) + " " +
                            std::to_string(start ? *start : 0) + " " + text + "\n";
-  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::create(path));
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t n = ::write(f.fd(), line.data() + done, line.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno_status("rendezvous: write " + f.temp_path(), errno);
-    done += static_cast<size_t>(n);
-  }
-  return f.commit().with_context("rendezvous " + path);
+  return write_file_atomically(path, line).with_context("rendezvous " + path);
 }
 
 Result<std::string> await_rendezvous(const std::string& path, std::chrono::milliseconds timeout) {

@@ -1071,19 +1071,6 @@ Result<std::string> make_temp_directory(const std::string& dir) {
   return Status::io_error("create a temporary folder for " + dir + ": 16 names taken");
 }
 
-Status write_text_atomically(const std::string& path, const std::string& text) {
-  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::create(path));
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t n = ::write(f.fd(), text.data() + done, text.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_status("write " + f.temp_path(), errno);
-    }
-    done += static_cast<size_t>(n);
-  }
-  return f.commit();
-}
 
 // Whether `dir` exists (a folder a save may replace); an error when it may not be replaced.
 Result<bool> replaceable_directory(const std::string& dir) {
@@ -1173,9 +1160,9 @@ Status export_directory(const std::string& given, const ModelConfig& cfg,
       nlohmann::ordered_json index;
       index["metadata"] = {{"total_size", total}, {"total_parameters", cfg.num_parameters()}};
       index["weight_map"] = weight_map;
-      SPILLWAY_RETURN_IF_ERROR(write_text_atomically(join(tmp, kIndexFile), index.dump(2) + "\n"));
+      SPILLWAY_RETURN_IF_ERROR(write_file_atomically(join(tmp, kIndexFile), index.dump(2) + "\n"));
     }
-    SPILLWAY_RETURN_IF_ERROR(write_text_atomically(join(tmp, kConfigFile), model_config_json(cfg)));
+    SPILLWAY_RETURN_IF_ERROR(write_file_atomically(join(tmp, kConfigFile), model_config_json(cfg)));
     SPILLWAY_RETURN_IF_ERROR(fsync_directory(tmp));
     return install_directory(tmp, dir);
   };

@@ -568,18 +568,7 @@ Result<Machine> load_machine(const std::string& file_or_preset) {
 }
 
 Status save_machine(const Machine& m, const std::string& path) {
-  SPILLWAY_ASSIGN_OR_RETURN(AtomicFile f, AtomicFile::create(path));
-  const std::string text = m.to_json();
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(f.fd(), text.data() + done, text.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno_status("write " + f.temp_path(), errno);
-    }
-    done += static_cast<size_t>(n);
-  }
-  return f.commit();
+  return write_file_atomically(path, m.to_json());
 }
 
 std::string nvidia_driver_version_from(const std::string& first_line) {
