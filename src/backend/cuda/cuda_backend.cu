@@ -255,6 +255,22 @@ Result<bool> multi_tensor_from_environment() {
                                   "per tensor)");
 }
 
+// SPILLWAY_CUDA_SCHEDULE: how a host thread waits for the GPU (cudaSetDeviceFlags),
+// set before the context exists: unset or "auto", CUDA's default (spin while there are
+// fewer active contexts than cores); "spin"; "yield" (spin, yielding the core);
+// "blocking" (sleep on a synchronization primitive: a waiting thread leaves its core
+// to the host optimizer's threads, at the cost of a wake-up per wait).
+Result<unsigned> schedule_flags_from_environment() {
+  const char* v = std::getenv("SPILLWAY_CUDA_SCHEDULE");
+  const std::string s = v == nullptr ? "auto" : v;
+  if (s == "auto") return unsigned{cudaDeviceScheduleAuto};
+  if (s == "spin") return unsigned{cudaDeviceScheduleSpin};
+  if (s == "yield") return unsigned{cudaDeviceScheduleYield};
+  if (s == "blocking") return unsigned{cudaDeviceScheduleBlockingSync};
+  return Status::invalid_argument("SPILLWAY_CUDA_SCHEDULE is '" + s +
+                                  "'; expected auto (CUDA's default), spin, yield or blocking");
+}
+
 // ---------------------------------------------------------------- copy engine
 
 class CudaCopyEngine final : public CopyEngine {
@@ -471,6 +487,14 @@ class CudaBackend final : public Backend {
       return Status::invalid_argument("CUDA device " + std::to_string(device_) + " does not exist (" +
                                       std::to_string(count) + " found)");
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    SPILLWAY_ASSIGN_OR_RETURN(schedule_flags_, schedule_flags_from_environment());
+    if (schedule_flags_ != cudaDeviceScheduleAuto) {
+      // Fails where this process's context on the device already runs with other flags.
+      cudaError_t e = cudaSetDeviceFlags(schedule_flags_);
+      if (e != cudaSuccess)
+        return cuda_status("cudaSetDeviceFlags (SPILLWAY_CUDA_SCHEDULE)", e)
+            .with_context("the device's context was created before with another schedule");
+    }
     // The context exists after this (cudaFree(nullptr) creates it); the used bytes now
     // are the baseline of device_used_bytes(): the context and other processes.
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaFree (context creation)", cudaFree(nullptr)));
@@ -511,6 +535,9 @@ class CudaBackend final : public Backend {
            "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace; " +
            (queue_.multi_tensor() ? "multi-tensor optimizer launches"
                                   : "one optimizer launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0)") +
+           (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
+                                                      : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
+                                                            std::getenv("SPILLWAY_CUDA_SCHEDULE")) +
            ")";
   }
   DType activation_dtype() const override { return sizes().activation_dtype(); }
@@ -992,6 +1019,7 @@ class CudaBackend final : public Backend {
   }
 
   int device_ = 0;
+  unsigned schedule_flags_ = cudaDeviceScheduleAuto;  // SPILLWAY_CUDA_SCHEDULE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back
