@@ -6,8 +6,8 @@
 # gpt2-1.5b:1 gpt2-1.5b:4) at 24 GiB against resident with clipping in the first steps
 # only (EXACT_FLAGS, default --grad-clip 50); with BENCH_MEASURED=1 last a bench of the
 # first traced model planned on the measured machine. THREADS_AB=1 (default): the
-# first traced model's bench with the default host threads, --threads 16, and
-# --speculate off and on.
+# first traced model's bench with the default host threads, --threads 16,
+# --speculate off and on, and SPILLWAY_CUDA_SCHEDULE=blocking (waits sleep).
 # Results: $OUT/summary.txt, $OUT/traces.tar.gz, $OUT/h200-measured.json.
 # Usage (device tool, carry .deps): scripts/device-traces.sh
 set -uo pipefail
@@ -28,10 +28,11 @@ done
 # a core (15 of 16), --threads 16 does not; and speculation on against off.
 if [ "${THREADS_AB:-1}" = 1 ]; then
   m=${TRACE_MODELS:-gpt-2.7b gpt-4b}; m=${m%% *}
-  for flags in "" "--threads 16" "--speculate off" "--speculate on"; do
-    echo "== bench $m accum 1, 24 GiB, --grad-clip 0 $flags" | tee -a "$out/summary.txt"
+  for flags in "" "--threads 16" "--speculate off" "--speculate on" "SCHED=blocking" "SCHED=blocking --speculate off"; do
+    sched=auto; case "$flags" in SCHED=*) sched=${flags#SCHED=}; sched=${sched%% *}; flags=${flags#SCHED=$sched} ;; esac
+    echo "== bench $m accum 1, 24 GiB, --grad-clip 0 $flags (SPILLWAY_CUDA_SCHEDULE=$sched)" | tee -a "$out/summary.txt"
     # shellcheck disable=SC2086
-    timeout 150 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --grad-clip 0 --device-budget 24GiB \
+    SPILLWAY_CUDA_SCHEDULE=$sched timeout 150 $bin bench train --backend cuda --model $m --batch 8 --steps 4 --grad-clip 0 --device-budget 24GiB \
       --policy planned --machine ${MACHINE:-h200} $flags 2>&1 | grep -E "tokens/s|predicted|own steps|^  [0-9]+ step" |
       tee -a "$out/summary.txt"
   done
