@@ -8,6 +8,8 @@
 //   // Gradient of one tensor: each rank holds its micro-batch's contributions (parts of
 //   // n floats, in program order); the owner gets their sum in rank order.
 //   SPILLWAY_RETURN_IF_ERROR(comm.reduce_in_rank_order({part0, part1}, sum_ptr, n, owner));
+//   // bf16 gradients (the CUDA backend's): the same order, rounded to bf16 at each add.
+//   SPILLWAY_RETURN_IF_ERROR(comm.reduce_bf16_in_rank_order({part0, part1}, sum_ptr, n, owner));
 //   SPILLWAY_RETURN_IF_ERROR(comm.all_gather(my_norms, all_norms, P * sizeof(float)));
 //   SPILLWAY_RETURN_IF_ERROR(comm.broadcast(param_ptr, bytes, owner));
 //
@@ -39,6 +41,16 @@ class Communicator {
   // for bit. `out` (n floats) is written on root only; others pass nullptr. On root,
   // out may be parts[0]: each element is read on every rank before it is written.
   virtual Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) = 0;
+  // The same over bf16 parts (each n bf16, stored as uint16 bits), in bf16: on root,
+  //   acc = parts_0[0][i]; for every later part x, in the order above:
+  //     acc = bf16(float(acc) + float(x[i]))      (fp32 addition, rounded to nearest even)
+  //   out[i] = acc
+  // which is what one bf16 rank computes: its first contribution formed in place, each
+  // later one in a part of its own and added by AccumulateGradient (the residual
+  // kernel: fp32 add, __float2bfloat16_rn). The first part is copied, not added to
+  // +0, so a -0 stays -0 as it does on one rank. out may be parts[0] on root.
+  virtual Status reduce_bf16_in_rank_order(const std::vector<const void*>& parts, void* out, size_t n,
+                                           int root) = 0;
   // On every rank: out = in_0 | in_1 | ... | in_{world-1}, `bytes` from each rank.
   virtual Status all_gather(const void* in, void* out, size_t bytes) = 0;
   // buf (bytes) of root is copied into every other rank's buf.

@@ -10,6 +10,7 @@
 
 #include "core/checksum.h"
 #include "model/safetensors.h"
+#include "optim/adamw.h"
 #include "program/op_registry.h"
 
 namespace spillway {
@@ -81,17 +82,70 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
   }
 
   // The forward and backward, shared by every rank: each gradient's second and later
-  // contributions retargeted to a zeroed part of their own.
+  // contributions retargeted to a zeroed part of their own. F32 programs add every
+  // contribution into the gradient; bf16 programs already form the later ones in a
+  // zeroed scratch and add it with AccumulateGradient (model.h, "Gradient
+  // accumulation"): that scratch becomes a part of its own, and the addition is left
+  // to the owner's reduction.
   std::vector<TensorInfo> infos(T.infos().begin(), T.infos().end());
   std::vector<Op> body;
   std::map<TensorId, std::vector<TensorId>> parts;  // grad -> its parts (the grad itself first)
-  for (const Op& src : training.ops) {
+  // bf16: for each op that zeroes a scratch which an AccumulateGradient adds into a
+  // gradient, that gradient (found scanning backwards: the next such addition).
+  std::map<size_t, TensorId> zero_of_part;
+  {
+    std::map<TensorId, TensorId> next_grad;  // scratch -> the gradient of its next AccumulateGradient
+    for (size_t i = training.ops.size(); i-- > 0;) {
+      const Op& op = training.ops[i];
+      if (op.kind == OpKind::AccumulateGradient) {
+        if (T.info(op.operands[0].tensor).role != Role::Grad)
+          return fail("AccumulateGradient op '" + op.name + "' adds into '" + T.info(op.operands[0].tensor).name +
+                      "', which is not a gradient");
+        next_grad[op.operands[1].tensor] = op.operands[0].tensor;
+      } else if (op.kind == OpKind::Zero) {
+        auto it = next_grad.find(op.operands[0].tensor);
+        if (it != next_grad.end()) {
+          zero_of_part[i] = it->second;
+          next_grad.erase(it);
+        }
+      }
+    }
+  }
+  std::map<TensorId, TensorId> current_part;  // bf16 scratch -> the part it stands for since its last Zero
+  for (size_t index = 0; index < training.ops.size(); ++index) {
+    const Op& src = training.ops[index];
     if (src.phase == Phase::Optimizer) continue;
+    if (src.kind == OpKind::AccumulateGradient) {
+      if (current_part.erase(src.operands[1].tensor) == 0)
+        return fail("AccumulateGradient op '" + src.name + "' reads '" + T.info(src.operands[1].tensor).name +
+                    "', which no earlier op zeroed");
+      continue;  // the owner adds the part (ReduceGradient)
+    }
     Op op = src;
+    if (auto z = zero_of_part.find(index); z != zero_of_part.end()) {
+      std::vector<TensorId>& list = parts[z->second];
+      if (list.empty())
+        return fail("op '" + src.name + "' starts a later contribution to '" + T.info(z->second).name +
+                    "' before its first");
+      TensorInfo part = T.info(z->second);
+      const std::string base = part.name.rfind("grad.", 0) == 0 ? part.name.substr(5) : part.name;
+      part.name = "grad.part" + std::to_string(list.size()) + "." + base;
+      infos.push_back(part);
+      const TensorId id = static_cast<TensorId>(infos.size() - 1);
+      list.push_back(id);
+      current_part[src.operands[0].tensor] = id;
+      op.operands[0].tensor = id;
+      body.push_back(std::move(op));
+      continue;
+    }
     if (op.kind == OpKind::CrossEntropyBackward)
       op.attrs.scale = static_cast<float>(1.0 / (static_cast<double>(op.attrs.N) * loss_scale_micro_batches));
     if (op.kind != OpKind::Zero) {
       for (Operand& o : op.operands) {
+        if (auto c = current_part.find(o.tensor); c != current_part.end()) {
+          o.tensor = c->second;  // a bf16 later contribution, into its own part
+          continue;
+        }
         if (o.access == Access::Read || T.info(o.tensor).role != Role::Grad) continue;
         std::vector<TensorId>& list = parts[o.tensor];
         if (list.empty()) {
@@ -130,16 +184,17 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
                   " contributions a step (micro-batches a rank × contributions each); the reduction takes at most " +
                   std::to_string(most) + ": fewer micro-batches a rank");
     L.params.push_back(d);
-    // What the owner holds besides the parameter: master, moments and the reduced
-    // gradient, F32.
-    bytes.push_back(static_cast<uint64_t>(d.n) * 4 * sizeof(float));
+    // What the owner holds besides the parameter: master and moments (F32) and the
+    // reduced gradient (the gradient's dtype).
+    bytes.push_back(static_cast<uint64_t>(d.n) * (3 * sizeof(float) + dtype_size(T.info(p.grad).dtype)));
   }
+  if (!current_part.empty()) return fail("a bf16 part is zeroed and never added into its gradient");
   SPILLWAY_ASSIGN_OR_RETURN(L.partition, partition_by_bytes(bytes, world));
   // The owners' reduced gradients.
   std::vector<TensorId> gradsum(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string base = T.info(params[i].param).name;
-    infos.push_back({"gradsum." + base, DType::F32, T.info(params[i].param).shape, Role::Grad});
+    infos.push_back({"gradsum." + base, T.info(params[i].grad).dtype, T.info(params[i].param).shape, Role::Grad});
     gradsum[i] = static_cast<TensorId>(infos.size() - 1);
   }
 
@@ -241,6 +296,34 @@ Result<TensorId> DataParallelRank::find(const std::string& name) const {
   return t;
 }
 
+Status DataParallelRank::write_floats(TensorId t, const std::vector<float>& values) {
+  const TensorInfo& info = program().tensors.info(t);
+  if (values.size() != static_cast<size_t>(info.shape.numel()))
+    return fail("tensor '" + info.name + "' has " + std::to_string(info.shape.numel()) + " elements; given " +
+                std::to_string(values.size()));
+  if (info.dtype == DType::F32) return executor_->write_tensor(t, values.data(), values.size() * sizeof(float));
+  if (info.dtype != DType::BF16)
+    return fail("tensor '" + info.name + "' is " + dtype_name(info.dtype) + "; expected f32 or bf16");
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i) bits[i] = float_to_bf16(values[i]);
+  return executor_->write_tensor(t, bits.data(), bits.size() * sizeof(uint16_t));
+}
+
+Result<std::vector<float>> DataParallelRank::read_floats(TensorId t) {
+  const TensorInfo& info = program().tensors.info(t);
+  std::vector<float> v(static_cast<size_t>(info.shape.numel()));
+  if (info.dtype == DType::F32) {
+    SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(t, v.data(), v.size() * sizeof(float)));
+    return v;
+  }
+  if (info.dtype != DType::BF16)
+    return fail("tensor '" + info.name + "' is " + dtype_name(info.dtype) + "; expected f32 or bf16");
+  std::vector<uint16_t> bits(v.size());
+  SPILLWAY_RETURN_IF_ERROR(executor_->read_tensor(t, bits.data(), bits.size() * sizeof(uint16_t)));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_float(bits[i]);
+  return v;
+}
+
 Status DataParallelRank::write_parameter(const std::string& name, const std::vector<float>& values) {
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const DataParallelParam& p = layout_.params[i];
@@ -250,7 +333,8 @@ Status DataParallelRank::write_parameter(const std::string& name, const std::vec
                   std::to_string(values.size()));
     const size_t bytes = values.size() * sizeof(float);
     SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
-    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(param, values.data(), bytes));
+    // In the program's dtype (bf16: rounded to nearest even, as Trainer writes it).
+    SPILLWAY_RETURN_IF_ERROR(write_floats(param, values));
     if (layout_.partition.owner[i] != rank_) return Status::ok();
     SPILLWAY_ASSIGN_OR_RETURN(TensorId master, find("master." + name));
     return executor_->write_tensor(master, values.data(), bytes);
@@ -291,9 +375,8 @@ Result<std::vector<float>> DataParallelRank::master(size_t i) {
 
 Result<std::vector<float>> DataParallelRank::parameter(size_t i) {
   if (i >= layout_.params.size()) return fail("no parameter " + std::to_string(i));
-  std::vector<float> v(static_cast<size_t>(layout_.params[i].n));
-  SPILLWAY_RETURN_IF_ERROR(read_output(layout_.params[i].name, v.data(), v.size() * sizeof(float)));
-  return v;
+  SPILLWAY_ASSIGN_OR_RETURN(TensorId t, find(layout_.params[i].name));
+  return read_floats(t);
 }
 
 }  // namespace spillway
@@ -441,7 +524,7 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
     const size_t n = static_cast<size_t>(layout_.params[i].n);
     SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> p, read(name, n));
     SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
-    SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(param, p.data(), n * sizeof(float)));
+    SPILLWAY_RETURN_IF_ERROR(write_floats(param, p));  // a bf16 parameter's values round-trip exactly
     if (layout_.partition.owner[i] != rank_) continue;
     for (const char* prefix : {"master.", "adam_m.", "adam_v."}) {
       SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, read(prefix + name, n));

@@ -18,16 +18,29 @@
 //   (*rank)->read_output("mb0.losses", losses.data(), bytes);
 //
 // How the bits of one rank are kept:
-// - Gradients. One rank zeroes each gradient and lets every micro-batch's backward add
-//   its contributions into it, in micro-batch order; the CPU kernels form each
-//   contribution from zero and add it once (backend/cpu/cpu_kernels.h), so the
-//   gradient is ((0 + c[0][0]) + c[0][1]) + c[1][0] ... with c[k][j] the j-th op of
-//   micro-batch k that adds into it (tied embeddings have two: the LM head and the
-//   embedding). The rank program gives each such op after the first its own zeroed
-//   gradient "grad.part<j>.<p>", so every contribution arrives separately, and the
-//   owner's ReduceGradient sums them into "gradsum.<p>": ranks in order, parts in
-//   program order, fp32. The 1/(B·T·accum) scale sits in the loss's backward as on
-//   one rank.
+// - Gradients, f32 (the CPU backend). One rank zeroes each gradient and lets every
+//   micro-batch's backward add its contributions into it, in micro-batch order; the
+//   CPU kernels form each contribution from zero and add it once
+//   (backend/cpu/cpu_kernels.h), so the gradient is ((0 + c[0][0]) + c[0][1]) +
+//   c[1][0] ... with c[k][j] the j-th op of micro-batch k that adds into it (tied
+//   embeddings have two: the LM head and the embedding). The rank program gives each
+//   such op after the first its own zeroed gradient "grad.part<j>.<p>", so every
+//   contribution arrives separately, and the owner's ReduceGradient sums them into
+//   "gradsum.<p>": ranks in order, parts in program order, fp32. The 1/(B·T·accum)
+//   scale sits in the loss's backward as on one rank.
+// - Gradients, bf16 (the CUDA backend). Its weight-gradient product adds into the
+//   bf16 gradient with beta = 1: bf16(fp32(product + old value)), the product's fp32
+//   sum never leaving cuBLASLt, so no rank can reproduce that addition from a product
+//   formed elsewhere. One bf16 rank therefore forms only the step's first
+//   contribution in place and every later one alone, in a zeroed bf16 part, adding
+//   it with AccumulateGradient: g = bf16(float(g) + float(part)) (model.h, "Gradient
+//   accumulation"). The rank program keeps the first contribution in the gradient and
+//   gives each later one a part "grad.part<j>.<p>" of its own (the AccumulateGradient
+//   ops are dropped), so each rank's parts are exactly the bf16 values one rank adds,
+//   and the owner's ReduceGradient (Communicator::reduce_bf16_in_rank_order) starts
+//   from rank 0's first part and adds every other in rank order, part order, with the
+//   same fp32 addition rounded to bf16, into the bf16 "gradsum.<p>". SquaredNorm and
+//   AdamW then read the bits one rank's gradient holds.
 // - Global norm. Each tensor's owner runs the training program's SquaredNorm op(s) on
 //   its reduced gradient into the packed squared norms (zero elsewhere);
 //   AllReduceInRankOrder gives every rank every element (one non-zero term each, so
@@ -80,9 +93,9 @@ struct DataParallelLayout {
 // in it. One rank with accumulation N scales the loss gradient by 1/(B·T·N); each
 // rank's CrossEntropyBackward scale is set to exactly that value with N =
 // `loss_scale_micro_batches` (world · A), computed as the builder does.
-// Errors: no AdamW or ClipScale op, world < 1. A bf16 program gives a layout (for
-// predictions) whose collectives refuse to run: bf16 gradients would need their
-// parts in fp32 to be reduced exactly (not done yet).
+// Errors: no AdamW or ClipScale op, world < 1, an AccumulateGradient without its
+// zeroed part. F32 and bf16 programs both (the gradient sums and parameter broadcasts
+// in the program's dtype; the squared norms f32).
 // only_rank >= 0 builds that rank's program alone (the others are left empty), for
 // predictions at sizes where a program per rank would not fit in memory.
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,
@@ -99,8 +112,8 @@ class DataParallelRank {
   ~DataParallelRank();
 
   // Sets parameter `name` (a name of layout.params) to `values` (F32, n elements): the
-  // parameter on this rank and, on its owner, the master weights. Every rank must be
-  // given the same values.
+  // parameter on this rank (a bf16 one rounded to nearest even, as Trainer does) and,
+  // on its owner, the master weights. Every rank must be given the same values.
   Status write_parameter(const std::string& name, const std::vector<float>& values);
   // Inputs and outputs of the rank program (mb0.tokens, mb0.targets; mb0.losses).
   Status write_input(const std::string& name, const void* data, size_t bytes);
@@ -112,7 +125,7 @@ class DataParallelRank {
   Result<std::array<float, 2>> scale_norm();
   // The master weights of layout.params[i] when this rank owns it (F32, n elements).
   Result<std::vector<float>> master(size_t i);
-  // The parameter layout.params[i] as this rank holds it.
+  // The parameter layout.params[i] as this rank holds it (bf16 widened to F32).
   Result<std::vector<float>> parameter(size_t i);
 
   // Sharded checkpoints. Every rank calls save_shard after the same step: it writes
@@ -136,6 +149,9 @@ class DataParallelRank {
   DataParallelRank(Backend& backend, const DataParallelLayout& layout, int rank)
       : backend_(backend), layout_(layout), rank_(rank) {}
   Result<TensorId> find(const std::string& name) const;
+  // Tensor t as F32 values, converted from or to its dtype (F32 or BF16).
+  Status write_floats(TensorId t, const std::vector<float>& values);
+  Result<std::vector<float>> read_floats(TensorId t);
 
   Backend& backend_;
   DataParallelLayout layout_;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <memory>
 
 #include "core/atomic_file.h"
@@ -463,17 +464,62 @@ Status Run::checkpoint(int64_t step) {
   return Status::ok();
 }
 
+// Every rank: the master weights it owns go to rank 0, which writes them as
+// Trainer::save does (the master weights, not the parameters: a bf16 parameter is
+// the master rounded). First each rank reads what it owns (agreed on, so that no rank
+// waits in a broadcast that another will not join), then each owner broadcasts its
+// tensors in layout order, in chunks of kSaveChunk floats through a device buffer.
+constexpr size_t kSaveChunk = size_t{1} << 24;
+
 Status Run::save() {
-  SPILLWAY_RETURN_IF_ERROR(rank_->executor().drain());
+  const DataParallelLayout& L = rank_->layout();
+  std::vector<std::vector<float>> masters(L.params.size());  // rank 0: all; others: their own
+  Status s = rank_->executor().drain();
+  for (size_t i = 0; i < L.params.size() && s.is_ok(); ++i) {
+    if (L.partition.owner[i] != rank_id_) continue;
+    auto v = rank_->master(i);
+    if (v.ok())
+      masters[i] = std::move(*v);
+    else
+      s = v.status();
+  }
+  SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "--save: reading the master weights"));
+  size_t largest = 0;
+  for (const DataParallelParam& p : L.params) largest = std::max(largest, static_cast<size_t>(p.n));
+  const size_t chunk = std::min(largest, kSaveChunk);
+  void* buffer = nullptr;
+  if (chunk > 0) {
+    auto b = backend_.device_alloc(chunk * sizeof(float));
+    s = b.ok() ? Status::ok() : b.status();
+    if (b.ok()) buffer = *b;
+  }
+  s = agree(gather_, rank_id_, s, "--save: a device buffer for the master weights");
+  for (size_t i = 0; i < L.params.size() && s.is_ok(); ++i) {
+    const int owner = L.partition.owner[i];
+    if (owner == 0) continue;
+    const size_t n = static_cast<size_t>(L.params[i].n);
+    if (rank_id_ == 0) masters[i].resize(n);
+    for (size_t at = 0; at < n && s.is_ok(); at += chunk) {
+      const size_t k = std::min(chunk, n - at), bytes = k * sizeof(float);
+      if (rank_id_ == owner) s = backend_.upload(buffer, masters[i].data() + at, bytes);
+      if (s.is_ok()) s = comm_.broadcast(buffer, bytes, owner);
+      if (s.is_ok() && rank_id_ == 0) s = backend_.download(masters[i].data() + at, buffer, bytes);
+    }
+    if (!s.is_ok()) s = s.with_context("--save: rank " + std::to_string(owner) + "'s master weights of " + L.params[i].name);
+  }
+  if (buffer != nullptr) backend_.device_free(buffer);
+  SPILLWAY_RETURN_IF_ERROR(s);
+  if (rank_id_ != 0) return Status::ok();
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < L.params.size(); ++i) index[L.params[i].name] = i;
   const Program& mine = rank_->program();
   return export_model(o_.save, cfg_, [&](const ParamSpec& p) -> Result<std::vector<float>> {
     std::vector<float> v;
     for (TensorId t : mine.pieces(p.name)) {
-      const TensorInfo& info = mine.tensors.info(t);
-      const size_t n = static_cast<size_t>(info.shape.numel());
-      const size_t at = v.size();
-      v.resize(at + n);
-      SPILLWAY_RETURN_IF_ERROR(rank_->read_output(info.name, v.data() + at, n * sizeof(float)));
+      auto it = index.find(mine.tensors.info(t).name);
+      if (it == index.end())
+        return Status::internal("--save: parameter piece " + mine.tensors.info(t).name + " is not in the layout");
+      v.insert(v.end(), masters[it->second].begin(), masters[it->second].end());
     }
     for (size_t i = 0; i < v.size(); ++i)
       if (!std::isfinite(v[i]))
@@ -486,14 +532,7 @@ Status Run::save() {
 
 Result<DataParallelTrainingResult> Run::run() {
   result_.tokens_per_step = int64_t{o_.trainer.shape.B} * o_.trainer.shape.T * o_.trainer.shape.accum * world_;
-  // Refused before anything is built, and still agreed on: every rank says why.
-  Status s = backend_.activation_dtype() == DType::F32
-                 ? Status::ok()
-                 : Status::unsupported("data-parallel training on the " + backend_.name() + " backend: it trains in " +
-                                       dtype_name(backend_.activation_dtype()) +
-                                       ", and the collectives reduce f32 gradients only (bf16 gradients: not yet; "
-                                       "README, \"Data parallelism\")");
-  if (s.is_ok()) s = setup();
+  Status s = setup();
   if (s.is_ok()) s = init_or_load();
   SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "setting up data-parallel training"));
   const int final_step = o_.stop_after > 0 ? std::min(o_.steps, o_.stop_after) : o_.steps;
@@ -536,7 +575,14 @@ Result<DataParallelTrainingResult> Run::run() {
   }
   s = rank_->executor().drain();
   if (s.is_ok() && !o_.checkpoint_dir.empty() && steps_done_ > 0) s = checkpoint(steps_done_);
-  if (s.is_ok() && rank_id_ == 0 && !o_.save.empty()) s = save().with_context("--save");
+  SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "finishing data-parallel training"));
+  // Every rank takes part (the master weights come from their owners) when rank 0
+  // saves (its `save` is the one that counts; the others' may be empty).
+  const int32_t saves = rank_id_ == 0 && !o_.save.empty() ? 1 : 0;
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<uint8_t> flags, gather_.all_gather(&saves, sizeof saves));
+  int32_t rank0_saves = 0;
+  std::memcpy(&rank0_saves, flags.data(), sizeof rank0_saves);
+  if (rank0_saves != 0) s = save().with_context("--save");
   SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "finishing data-parallel training"));
   result_.steps_done = steps_done_;
   return result_;

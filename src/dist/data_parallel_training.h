@@ -18,8 +18,10 @@
 // weights of one process with accumulation N·A. The step's loss is that process's
 // too: every rank gathers every micro-batch's per-token losses and sums them in
 // micro-batch order in double (train/trainer.h), so every rank reports the same loss.
-// The weights that rank 0 saves (every parameter is on every rank after the step's
-// broadcasts) are written as Trainer::save writes them: the same bytes.
+// The weights that rank 0 saves are the master weights, as Trainer::save writes them
+// (every rank sends rank 0 those it owns): the same bytes. On the CUDA backend (bf16
+// activations and gradients) too: the layout reduces bf16 gradients in the order and
+// arithmetic of one bf16 process's accumulation (dist/data_parallel.h).
 //
 // Set-up (planning, loading) and saving end with an agreement among the ranks: when
 // one rank fails, every rank returns an error naming it (its message travels with
@@ -28,9 +30,8 @@
 // the same step, write a checkpoint when there is a checkpoint folder, and return
 // with `stopped` set.
 //
-// Not supported (the caller refuses the flags): bf16 activations (the CUDA backend's:
-// the collectives reduce fp32 gradients only; refused here before anything is built),
-// the gradients' save (they live reduced on their owners), timing auto's candidates.
+// Not supported (the caller refuses the flags): the gradients' save (they live reduced
+// on their owners), timing auto's candidates.
 //
 // Checkpoints: DIR/dp-ckpt-<step, 8 digits>/ holds each rank's shard
 // (DataParallelRank::save_shard) and manifest.json, written by rank 0 once every shard

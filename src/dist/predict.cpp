@@ -10,7 +10,11 @@ namespace spillway {
 double collective_seconds(const Program& rank_program, size_t op_index, int world, const NetworkLink& link) {
   if (world <= 1 || op_index >= rank_program.ops.size() || link.bytes_per_s <= 0) return 0;
   const Op& op = rank_program.ops[op_index];
-  const double bytes = static_cast<double>(op.attrs.n) * sizeof(float), others = world - 1;
+  // Elements of the operands' dtype (bf16 gradients and parameters on CUDA).
+  const double elem = op.operands.empty()
+                          ? sizeof(float)
+                          : static_cast<double>(dtype_size(rank_program.tensors.info(op.operands.back().tensor).dtype));
+  const double bytes = static_cast<double>(op.attrs.n) * elem, others = world - 1;
   switch (op.kind) {
     case OpKind::ReduceGradient:  // the parts after `sum`
       return others * static_cast<double>(op.operands.size() - 1) * bytes / link.bytes_per_s + link.latency_s;

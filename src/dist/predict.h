@@ -13,7 +13,8 @@
 //
 // The collectives are costed as the NCCL communicator runs them (dist/nccl): a
 // gradient's reduce gathers every rank's parts on its owner, so the owner's link
-// carries (world−1)·parts·n·4 bytes; a broadcast moves n·4 bytes into every rank
+// carries (world−1)·parts·n·e bytes (e = 4 for f32, 2 for bf16 gradients and
+// parameters); a broadcast moves n·e bytes into every rank
 // (NCCL pipelines it); the squared norms' all-reduce is a gather to rank 0 and a
 // broadcast. Each collective also costs the link's latency once. The gather makes the
 // gradient traffic grow with the world size: a reduce chained through the ranks in

@@ -168,6 +168,14 @@ Status run_residual_forward(Backend& b, const Program&, const Op& op, const std:
   return Status::ok();
 }
 
+// grad = grad + part: the residual kernel in place (elementwise on both backends: each
+// element of `a` is read before the same element of `out` is written).
+Status run_accumulate_gradient(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                               const OptimizerStep&) {
+  b.residual_forward(x[0], x[0], x[1], static_cast<size_t>(op.attrs.n));
+  return Status::ok();
+}
+
 // Rows of the logits: ld apart (0: V).
 int logits_ld(const OpAttrs& a) { return static_cast<int>(a.ld == 0 ? a.V : a.ld); }
 
@@ -238,12 +246,16 @@ Result<Communicator*> communicator_for(Backend& b, const Program& program, const
   if (c == nullptr)
     return Status::invalid_argument("op " + op.name + " (" + op_kind_name(op.kind) +
                                     "): a collective op needs the backend's communicator (Backend::set_communicator)");
-  for (const Operand& o : op.operands)
-    if (program.tensors.info(o.tensor).dtype != DType::F32)
+  // Sums are f32 or bf16 (the gradient's dtype, every operand the same: the registry's
+  // check); the squared norms are f32.
+  for (const Operand& o : op.operands) {
+    const DType d = program.tensors.info(o.tensor).dtype;
+    if (d != DType::F32 && !(d == DType::BF16 && op.kind != OpKind::AllReduceInRankOrder))
       return Status::unsupported("op " + op.name + " (" + op_kind_name(op.kind) + "): tensor '" +
-                                 program.tensors.info(o.tensor).name + "' is " +
-                                 dtype_name(program.tensors.info(o.tensor).dtype) +
-                                 "; collectives reduce f32 only (bf16 gradients: not yet)");
+                                 program.tensors.info(o.tensor).name + "' is " + dtype_name(d) +
+                                 (op.kind == OpKind::AllReduceInRankOrder ? "; it sums f32 only"
+                                                                          : "; collectives take f32 or bf16"));
+  }
   if (op.attrs.root >= c->world_size())
     return Status::invalid_argument("op " + op.name + ": root " + std::to_string(op.attrs.root) + " is not a rank of " +
                                     std::to_string(c->world_size()));
@@ -259,10 +271,15 @@ Status run_reduce_gradient(Backend& b, const Program& program, const Op& op, con
     return Status::invalid_argument("op " + op.name + " (" + op_kind_name(op.kind) + ") with root " +
                                     std::to_string(op.attrs.root) + " runs on rank " + std::to_string(c->rank()) +
                                     (owner ? "; only the root reduces" : "; the root reduces, it does not send"));
+  const size_t n = static_cast<size_t>(op.attrs.n);
+  const int root = static_cast<int>(op.attrs.root);
+  if (program.tensors.info(op.operands[0].tensor).dtype == DType::BF16) {
+    std::vector<const void*> parts(x.begin() + (owner ? 1 : 0), x.end());
+    return c->reduce_bf16_in_rank_order(parts, owner ? x[0] : nullptr, n, root);
+  }
   std::vector<const float*> parts;
   for (size_t i = owner ? 1 : 0; i < x.size(); ++i) parts.push_back(f32(x[i]));
-  return c->reduce_in_rank_order(parts, owner ? f32w(x[0]) : nullptr, static_cast<size_t>(op.attrs.n),
-                                 static_cast<int>(op.attrs.root));
+  return c->reduce_in_rank_order(parts, owner ? f32w(x[0]) : nullptr, n, root);
 }
 
 Status run_all_reduce_in_rank_order(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
@@ -276,7 +293,8 @@ Status run_all_reduce_in_rank_order(Backend& b, const Program& program, const Op
 Status run_broadcast_param(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
                            const OptimizerStep&) {
   SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
-  return c->broadcast(x[0], static_cast<size_t>(op.attrs.n) * sizeof(float), static_cast<int>(op.attrs.root));
+  const size_t bytes = static_cast<size_t>(op.attrs.n) * dtype_size(program.tensors.info(op.operands[0].tensor).dtype);
+  return c->broadcast(x[0], bytes, static_cast<int>(op.attrs.root));
 }
 
 Status run_adamw(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep& step) {
@@ -324,6 +342,7 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::RopeBackward, run_rope_backward},
     {OpKind::SwiGluForward, run_swiglu_forward},
     {OpKind::SwiGluBackward, run_swiglu_backward},
+    {OpKind::AccumulateGradient, run_accumulate_gradient},
     {OpKind::SquaredNorm, run_squared_norm, squared_norm_workspace},
     {OpKind::ClipScale, run_clip_scale},
     {OpKind::ReduceGradient, run_reduce_gradient},
@@ -396,6 +415,11 @@ Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit)
   const size_t align = backend.alignment();
   for (const Op& op : program.ops) {
     if (op.place != Place::Device) continue;
+    // Collectives run the communicator's kernels, not the backend's (and need the
+    // other ranks).
+    if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient ||
+        op.kind == OpKind::AllReduceInRankOrder || op.kind == OpKind::BroadcastParam)
+      continue;
     // One of each kind and operand shapes (and attributes that pick a kernel).
     std::string key = std::to_string(static_cast<int>(op.kind));
     uint64_t bytes = 0;

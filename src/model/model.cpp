@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "core/random.h"
@@ -808,8 +809,34 @@ class Builder {
   TensorId add(std::string name, DType dt, Shape shape, Role role) {
     return p_.tensors.add({std::move(name), dt, std::move(shape), role});
   }
+  // Adds the op. In a bf16 training program, a gradient operand that is not the
+  // step's first contribution to that gradient is retargeted to a zeroed part, which
+  // AccumulateGradient then adds into the gradient (model.h, "Gradient accumulation").
   void op(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs attrs, Phase phase, int layer,
           int micro_batch) {
+    std::vector<std::pair<TensorId, TensorId>> adds;  // (gradient, its part)
+    if (act_ == DType::BF16 && kind != OpKind::Zero) {
+      int j = 0;
+      for (Operand& o : operands) {
+        if (o.access == Access::Read || p_.tensors.info(o.tensor).role != Role::Grad) continue;
+        if (contributed_.insert(o.tensor).second) continue;  // the first: in place
+        const TensorId part = grad_part(p_.tensors.info(o.tensor).shape, j++);
+        emit(OpKind::Zero, name + ".part" + std::to_string(adds.size()) + ".zero", {w(part)}, {}, phase, layer,
+             micro_batch);
+        adds.emplace_back(o.tensor, part);
+        o.tensor = part;
+      }
+    }
+    const std::string base = name;
+    emit(kind, std::move(name), std::move(operands), attrs, phase, layer, micro_batch);
+    for (size_t i = 0; i < adds.size(); ++i) {
+      const auto [grad, part] = adds[i];
+      emit(OpKind::AccumulateGradient, base + ".part" + std::to_string(i) + ".accumulate", {u(grad), r(part)},
+           {.n = p_.tensors.info(grad).shape.numel()}, phase, layer, micro_batch);
+    }
+  }
+  void emit(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs attrs, Phase phase, int layer,
+            int micro_batch) {
     Op o;
     o.kind = kind;
     o.name = std::move(name);
@@ -819,6 +846,16 @@ class Builder {
     o.layer = layer;
     o.micro_batch = micro_batch;
     p_.add_op(std::move(o));
+  }
+  // The bf16 part of shape `shape` for an op's j-th later contribution: one scratch
+  // tensor per (shape, j), shared by every op (each zeroes it, adds into it, and its
+  // AccumulateGradient reads it before the next op zeroes it).
+  TensorId grad_part(const Shape& shape, int j) {
+    std::string name = "grad_part" + std::to_string(j) + ".";
+    for (size_t d = 0; d < shape.dims.size(); ++d) name += (d ? "x" : "") + std::to_string(shape.dims[d]);
+    const TensorId found = p_.tensors.find(name);
+    if (found != kNoTensor) return found;
+    return add(name, act_, shape, Role::Scratch);
   }
   static Operand r(TensorId t) { return {t, Access::Read}; }
   static Operand u(TensorId t) { return {t, Access::Update}; }
@@ -881,6 +918,7 @@ class Builder {
   std::vector<std::vector<ParamTensors>> params_;  // by ParamSpec index: its pieces in row order
   std::vector<LayerScratch> scratch_;  // by layer
   TensorId d_lnf_out_ = kNoTensor;     // [B,T,C] scratch
+  std::set<TensorId> contributed_;     // bf16: gradients with a contribution so far this step
 };
 
 }  // namespace

@@ -57,7 +57,8 @@
 //               gradients d_lnf_out [B,T,C], h{i}.{d_fch_gelu, d_fch [B,T,4C], d_ln2_out,
 //               d_atty [B,T,C], d_qkv [B,T,3C], d_ln1_out [B,T,C]} — shared by micro-batches,
 //               each written before it is read; grad_sqnorms [P] F32 (one element per
-//               parameter, wte one per kVocabBlock rows: Σ grad² of each)
+//               parameter, wte one per kVocabBlock rows: Σ grad² of each); bf16 only:
+//               grad_part<j>.<shape> (a later contribution to a gradient, see below)
 //   vocab tiles (StepShape::tile_vocab, V > kVocabBlock): wte and its grad/master/adam_m/
 //               adam_v are "<name>#j" [≤kVocabBlock, C] for rows from j·kVocabBlock, and
 //               the embedding, LM-head, SquaredNorm and AdamW ops of wte are one per tile
@@ -71,6 +72,20 @@
 // embedding); then Zero grad_sqnorms, SquaredNorm per grad (Update of element p,
 // attrs.index = p), ClipScale (scale_norm W, grad_sqnorms R), AdamW per param
 // (all Phase Optimizer).
+//
+// Gradient accumulation. Every op that contributes to a gradient adds into it (Update).
+// F32 programs: each contribution adds straight into grad.<p> (the CPU kernels form a
+// contribution from zero and add it once: ((0 + c0) + c1) + ...). BF16 programs: the
+// step's first contribution to grad.<p> adds into it in place (it was zeroed); each
+// later one (micro-batches 1.. of accumulation; the tied embedding's second op in a
+// micro-batch) goes into a zeroed scratch "grad_part<j>.<d0>x<d1>..." (act dtype, one
+// per shape and per gradient operand j of the op, shared by every op) and is added by
+// AccumulateGradient (grad.<p> U, part R): grad = bf16(float(grad) + float(part)).
+// The CUDA weight-gradient product adds into its output with beta = 1 (fp32 sum of
+// the product and the old bf16 value, rounded once), which no one can reproduce from
+// a product formed elsewhere; with a contribution formed alone and added by an
+// elementwise op, a data-parallel owner that adds its ranks' parts in the same order
+// gets the same bits (dist/data_parallel.h).
 #pragma once
 
 #include <cstdint>

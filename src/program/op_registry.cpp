@@ -371,6 +371,30 @@ Status check_squared_norm(const OpCheck& c) {
   return c.numel_is(1, a.n, "n");
 }
 
+// ---- AccumulateGradient: (grad U, part R)  attrs n ----------------------------------
+// grad = grad + part, elementwise, rounded to the activation dtype (the residual
+// kernel, in place): bf16 training programs form each contribution to a gradient
+// after the step's first in a zeroed part of its own and add it here, so that a
+// data-parallel owner adding the ranks' parts in order gets the same bits (model.h,
+// "Gradient accumulation"; dist/data_parallel.h).
+
+constexpr OpSlot kAccumulateGradientSlots[] = {{"grad", A::Update, D::Act}, {"part", A::Read, D::Act}};
+
+Status check_same_dtype(const OpCheck& c) {
+  const DType first = c.program().tensors.info(c.op().operands[0].tensor).dtype;
+  for (size_t i = 1; i < c.operands(); ++i)
+    if (c.program().tensors.info(c.op().operands[i].tensor).dtype != first)
+      return c.fail_operand(i, std::string("has dtype ") +
+                                   dtype_name(c.program().tensors.info(c.op().operands[i].tensor).dtype) +
+                                   "; operand 0 has " + dtype_name(first) + " (all must match)");
+  return Status::ok();
+}
+
+Status check_accumulate_gradient(const OpCheck& c) {
+  SPILLWAY_RETURN_IF_ERROR(check_elementwise(c));
+  return check_same_dtype(c);
+}
+
 // ---- ClipScale: (scale_norm W, squared_norms[P] R)  attrs P, scale = max norm ----
 
 constexpr OpSlot kClipScaleSlots[] = {{"scale_norm", A::Write, D::F32}, {"squared_norms", A::Read, D::F32}};
@@ -386,17 +410,21 @@ Status check_clip_scale(const OpCheck& c) {
 // SendGradient         (part0 R [, part1 R ... part7 R])         attrs n, root = the owner
 // AllReduceInRankOrder (buf U)                         attrs n
 // BroadcastParam       (param U)                       attrs n, root = the owner
-// Every operand has n elements. The owner's sum is, per element, +0 plus every rank's
-// parts in rank order and, within a rank, part order (Communicator::
-// reduce_in_rank_order): one rank's accumulation of its micro-batches. A gradient
-// with two contributions per micro-batch (tied embeddings) has two parts; a rank of A
-// micro-batches has A times as many (at most 8 in all).
+// Every operand has n elements, and the parts and the sum one dtype: the program's
+// activation dtype (a bf16 parameter is broadcast as bf16). F32: the owner's sum is,
+// per element, +0 plus every rank's parts in rank order and, within a rank, part order
+// (Communicator::reduce_in_rank_order): one rank's accumulation of its micro-batches.
+// BF16: rank 0's first part, then every other part added in that order, each addition
+// in fp32 rounded to bf16 (Communicator::reduce_bf16_in_rank_order): one bf16 rank's
+// AccumulateGradient ops. A gradient with two contributions per micro-batch (tied
+// embeddings) has two parts; a rank of A micro-batches has A times as many (at most 8
+// in all).
 // AllReduceInRankOrder leaves that sum over ranks on every rank (exact for the packed
 // squared norms, whose elements are non-zero on their owner only). Every rank runs
 // the matching op at the same point of its program.
 
 constexpr OpSlot kReduceGradientSlots[] = {
-    {"sum", A::Write, D::F32},           {"part0", A::Read, D::Act},       {"part1", A::Read, D::Act, true},
+    {"sum", A::Write, D::Act},           {"part0", A::Read, D::Act},       {"part1", A::Read, D::Act, true},
     {"part2", A::Read, D::Act, true},    {"part3", A::Read, D::Act, true}, {"part4", A::Read, D::Act, true},
     {"part5", A::Read, D::Act, true},    {"part6", A::Read, D::Act, true}, {"part7", A::Read, D::Act, true}};
 constexpr OpSlot kSendGradientSlots[] = {
@@ -410,7 +438,7 @@ Status check_collective(const OpCheck& c) {
   SPILLWAY_RETURN_IF_ERROR(c.positive({{"n", c.attrs().n}}));
   if (c.attrs().root < 0) return c.fail("attrs.root is " + std::to_string(c.attrs().root) + "; must be a rank (>= 0)");
   for (size_t i = 0; i < c.operands(); ++i) SPILLWAY_RETURN_IF_ERROR(c.numel_is(i, c.attrs().n, "n"));
-  return Status::ok();
+  return check_same_dtype(c);
 }
 
 // ---- AdamW: (param W, master U, m U, v U, grad R, scale_norm R) ------------------
@@ -470,6 +498,8 @@ constexpr OpKindInfo kOpKinds[] = {
     {.kind = OpKind::SwiGluForward, .name = "SwiGluForward", .slots = kSwiGluForwardSlots, .check = check_swiglu},
     {.kind = OpKind::SwiGluBackward, .name = "SwiGluBackward", .slots = kSwiGluBackwardSlots,
      .check = check_swiglu},
+    {.kind = OpKind::AccumulateGradient, .name = "AccumulateGradient", .slots = kAccumulateGradientSlots,
+     .check = check_accumulate_gradient},
     {.kind = OpKind::SquaredNorm, .name = "SquaredNorm", .slots = kSquaredNormSlots, .check = check_squared_norm},
     {.kind = OpKind::ClipScale, .name = "ClipScale", .slots = kClipScaleSlots, .check = check_clip_scale},
     {.kind = OpKind::ReduceGradient, .name = "ReduceGradient", .slots = kReduceGradientSlots,

@@ -104,6 +104,7 @@ class OpCheck {
  public:
   OpCheck(const Program& program, size_t index) : p_(program), op_(program.ops[index]), index_(index) {}
 
+  const Program& program() const { return p_; }
   const Op& op() const { return op_; }
   const OpAttrs& attrs() const { return op_.attrs; }
   size_t operands() const { return op_.operands.size(); }

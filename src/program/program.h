@@ -50,6 +50,7 @@ enum class OpKind : uint8_t {
   RopeBackward,
   SwiGluForward,
   SwiGluBackward,
+  AccumulateGradient,  // grad += part, elementwise in the activation dtype (bf16 programs' later contributions)
   SquaredNorm,
   ClipScale,
   // Collectives of data-parallel ranks (src/dist), through the backend's Communicator:

@@ -56,6 +56,38 @@ TEST(NcclCommunicator, OneRankCollectives) {
   ASSERT_TRUE(b.download(got.data(), *out, 16).is_ok());
   EXPECT_EQ(std::memcmp(got.data(), parts.data(), 16), 0);
   EXPECT_TRUE((*comm)->barrier().is_ok());
+  // bf16: three parts, the first kept as it is (-0 stays -0), each later one added in
+  // fp32 and rounded to bf16: ((a + b) rounded) + c, rounded.
+  std::vector<uint16_t> h(3 * n), hwant(n);
+  auto to_f = [](uint16_t v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  auto to_h = [](float f) {  // nearest even (no NaN here)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  };
+  for (size_t i = 0; i < n; ++i) {
+    h[i] = to_h(std::ldexp(1.0f, static_cast<int>(i % 20)) + 0.37f * static_cast<float>(i));
+    h[n + i] = to_h(1.0f / (1.0f + static_cast<float>(i)));
+    h[2 * n + i] = to_h(-0.5f * static_cast<float>(i % 7));
+  }
+  h[0] = h[n] = h[2 * n] = 0x8000;
+  for (size_t i = 0; i < n; ++i) hwant[i] = to_h(to_f(to_h(to_f(h[i]) + to_f(h[n + i]))) + to_f(h[2 * n + i]));
+  auto hin = b.device_alloc(3 * n * 2), hout = b.device_alloc(n * 2);
+  ASSERT_TRUE(hin.ok() && hout.ok());
+  ASSERT_TRUE(b.upload(*hin, h.data(), 3 * n * 2).is_ok());
+  const char* base = static_cast<const char*>(*hin);
+  ASSERT_TRUE((*comm)->reduce_bf16_in_rank_order({base, base + n * 2, base + 2 * n * 2}, *hout, n, 0).is_ok());
+  std::vector<uint16_t> hgot(n);
+  ASSERT_TRUE(b.download(hgot.data(), *hout, n * 2).is_ok());
+  EXPECT_EQ(hgot, hwant);
+  EXPECT_EQ(hgot[0], 0x8000);
+  b.device_free(*hin);
+  b.device_free(*hout);
   b.device_free(*in);
   b.device_free(*out);
 }

@@ -71,9 +71,30 @@ TEST(DataParallelPrediction, OneRankLayoutsBuildOnlyThatRank) {
   EXPECT_FALSE(make_data_parallel_layout(*training, 4, 4, 4).ok());
 }
 
-// A bf16 program (the GPU's) can be predicted; its collectives are costed in fp32
-// parts, the form an exact reduction of bf16 gradients would need.
+// A bf16 program (the GPU's) can be predicted; its gradient reductions and parameter
+// broadcasts are costed in bf16 (half the f32 program's bytes), the squared norms'
+// all-reduce in f32.
 TEST(DataParallelPrediction, Bf16ProgramsArePredicted) {
+  {
+    auto f32 = build_training_program(kModel, {2, 16, 1}, DType::F32);
+    auto bf16 = build_training_program(kModel, {2, 16, 1}, DType::BF16);
+    ASSERT_TRUE(f32.ok() && bf16.ok());
+    auto lf = make_data_parallel_layout(*f32, 4, 4, 1);
+    auto lb = make_data_parallel_layout(*bf16, 4, 4, 1);
+    ASSERT_TRUE(lf.ok() && lb.ok());
+    const Program& F = lf->rank_programs[1];
+    const Program& B = lb->rank_programs[1];
+    ASSERT_EQ(F.ops.size(), B.ops.size());
+    const NetworkLink link{.bytes_per_s = 1e9, .latency_s = 0};
+    int collectives = 0;
+    for (size_t i = 0; i < F.ops.size(); ++i) {
+      const double f = collective_seconds(F, i, 4, link), b = collective_seconds(B, i, 4, link);
+      if (f == 0) continue;
+      ++collectives;
+      EXPECT_DOUBLE_EQ(b, F.ops[i].kind == OpKind::AllReduceInRankOrder ? f : f / 2) << F.ops[i].name;
+    }
+    EXPECT_GT(collectives, 0);
+  }
   auto training = build_training_program(kModel, {2, 16, 1}, DType::BF16);
   ASSERT_TRUE(training.ok());
   Simulator sim(Machine::h200());

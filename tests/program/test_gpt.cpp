@@ -220,11 +220,54 @@ TEST(GPTInit, DeterministicPortableAndGPT2Distributed) {
 
 namespace {
 
+// A bf16 program with each later contribution folded back into its gradient: the
+// part's Zero and its AccumulateGradient dropped and the contribution's operand made
+// the gradient again (model.h, "Gradient accumulation"), which gives the f32 program's
+// op order. `additions` counts the AccumulateGradient ops.
+Program fold_bf16_parts(const Program& p, int* additions) {
+  std::set<size_t> drop;
+  *additions = 0;
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    if (p.ops[i].kind != OpKind::AccumulateGradient) continue;
+    ++*additions;
+    drop.insert(i);
+    size_t at = i;
+    while (p.ops[at].kind == OpKind::AccumulateGradient) --at;  // the contribution
+    for (size_t k = at; k-- > 0;)
+      if (p.ops[k].kind == OpKind::Zero && p.ops[k].operands[0].tensor == p.ops[i].operands[1].tensor) {
+        drop.insert(k);
+        break;
+      }
+  }
+  Program out = p;
+  out.ops.clear();
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    if (drop.count(i)) continue;
+    Op op = p.ops[i];
+    // A contribution into a part: the AccumulateGradient ops right after name its gradient.
+    for (size_t j = i + 1; j < p.ops.size() && p.ops[j].kind == OpKind::AccumulateGradient; ++j)
+      for (Operand& o : op.operands)
+        if (o.tensor == p.ops[j].operands[1].tensor) o.tensor = p.ops[j].operands[0].tensor;
+    out.ops.push_back(std::move(op));
+  }
+  return out;
+}
+
 void check_training_program(const ModelConfig& c, StepShape s, DType act) {
   auto r = build_training_program(c, s, act);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
-  const Program& p = *r;
-  ASSERT_TRUE(p.validate().is_ok());
+  ASSERT_TRUE(r->validate().is_ok());
+  int additions = 0;
+  const Program folded = fold_bf16_parts(*r, &additions);
+  const Program& p = act == DType::BF16 ? folded : *r;
+  {
+    // BF16: every contribution after a gradient's first is added (the tied wte has two
+    // a micro-batch); F32: none.
+    const int P_ = static_cast<int>(parameter_specs(c).size());
+    EXPECT_EQ(additions, act == DType::BF16 ? s.accum * (P_ + 1) - P_ : 0);
+    std::set<std::string> all_names;
+    for (const Op& op : r->ops) EXPECT_TRUE(all_names.insert(op.name).second) << "duplicate op name " << op.name;
+  }
   const int64_t B = s.B, T = s.T, C = c.width, V = c.vocab, L = c.layers;
   const size_t P = parameter_specs(c).size();
 

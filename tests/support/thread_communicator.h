@@ -7,7 +7,10 @@
 //   for (int r = 0; r < 4; ++r)
 //     ranks.emplace_back([&, r] { ThreadCommunicator comm(group, r); /* ... comm.barrier() ... */ });
 //
-// Pointers are host memory (the CPU backend's device memory). Each collective posts
+// Pointers are host memory (the CPU backend's device memory), or, given a Copy that
+// reaches it, any memory: the CUDA test passes one over cudaMemcpy (cudaMemcpyDefault),
+// so ranks of one process on one GPU share it. Reductions stage every part in host
+// memory through the Copy and add there. Each collective posts
 // the caller's pointers and sizes, meets the others at a barrier, works on the posted
 // buffers, and meets them again before anyone returns (so the buffers stay valid).
 // Sizes or roots that differ between ranks are an error on every rank. A rank that
@@ -16,6 +19,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -71,45 +75,98 @@ class ThreadGroup {
   std::vector<Post> posts_;
 };
 
+// Copies `bytes` from src to dst, either of which may be the ranks' memory; the
+// default is memcpy (host memory).
+using ThreadCopy = Status (*)(void* dst, const void* src, size_t bytes);
+inline Status host_copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return Status::ok();
+}
+
+// bf16 bits <-> float, rounding to nearest even (NaN kept quiet), as
+// __float2bfloat16_rn and the host optimizer's float_to_bf16 do.
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 class ThreadCommunicator : public Communicator {
  public:
-  ThreadCommunicator(ThreadGroup& group, int rank) : g_(group), rank_(rank) {}
+  ThreadCommunicator(ThreadGroup& group, int rank, ThreadCopy copy = host_copy) : g_(group), rank_(rank), copy_(copy) {}
   int rank() const override { return rank_; }
   int world_size() const override { return g_.world(); }
   void abort(const std::string& why) { g_.abort("rank " + std::to_string(rank_) + ": " + why); }
 
   Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) override {
-    return collective({&parts, out, n, static_cast<int>(parts.size()), root, 1}, [&]() -> Status {
+    const std::vector<const void*> mine(parts.begin(), parts.end());
+    return collective({&mine, out, n, static_cast<int>(parts.size()), root, 1}, [&]() -> Status {
       if (rank_ != root) return Status::ok();
       if (out == nullptr) return Status::invalid_argument("reduce: the root's output is null");
+      SPILLWAY_ASSIGN_OR_RETURN(std::vector<std::vector<float>> all, staged<float>(n));
+      std::vector<float> sum(n);
       for (size_t i = 0; i < n; ++i) {
         float acc = 0.0f;
-        for (int r = 0; r < g_.world(); ++r)
-          for (const float* x : *static_cast<const std::vector<const float*>*>(g_.post(r).in)) acc += x[i];
-        out[i] = acc;
+        for (const std::vector<float>& x : all) acc += x[i];
+        sum[i] = acc;
       }
-      return Status::ok();
+      return copy_(out, sum.data(), n * sizeof(float));
+    });
+  }
+  Status reduce_bf16_in_rank_order(const std::vector<const void*>& parts, void* out, size_t n, int root) override {
+    return collective({&parts, out, n, static_cast<int>(parts.size()), root, 4}, [&]() -> Status {
+      if (rank_ != root) return Status::ok();
+      if (out == nullptr) return Status::invalid_argument("bf16 reduce: the root's output is null");
+      SPILLWAY_ASSIGN_OR_RETURN(std::vector<std::vector<uint16_t>> all, staged<uint16_t>(n));
+      std::vector<uint16_t> sum(n);
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t acc = all[0][i];
+        for (size_t k = 1; k < all.size(); ++k)
+          acc = float_to_bf16_bits(bf16_bits_to_float(acc) + bf16_bits_to_float(all[k][i]));
+        sum[i] = acc;
+      }
+      return copy_(out, sum.data(), n * sizeof(uint16_t));
     });
   }
   Status all_gather(const void* in, void* out, size_t bytes) override {
     return collective({in, out, bytes, 1, 0, 2}, [&]() -> Status {
       for (int r = 0; r < g_.world(); ++r)
-        std::memcpy(static_cast<char*>(out) + static_cast<size_t>(r) * bytes, g_.post(r).in, bytes);
+        SPILLWAY_RETURN_IF_ERROR(copy_(static_cast<char*>(out) + static_cast<size_t>(r) * bytes, g_.post(r).in, bytes));
       return Status::ok();
     });
   }
   Status broadcast(void* buf, size_t bytes, int root) override {
     return collective({buf, buf, bytes, 1, root, 3}, [&]() -> Status {
-      if (rank_ != root) std::memcpy(buf, g_.post(root).in, bytes);
+      if (rank_ != root) return copy_(buf, g_.post(root).in, bytes);
       return Status::ok();
     });
   }
   Status barrier() override { return g_.arrive(); }
 
  private:
+  // Every rank's posted parts (n elements of T each), rank order, parts within a rank,
+  // copied into host memory.
+  template <class T>
+  Result<std::vector<std::vector<T>>> staged(size_t n) {
+    std::vector<std::vector<T>> all;
+    for (int r = 0; r < g_.world(); ++r)
+      for (const void* x : *static_cast<const std::vector<const void*>*>(g_.post(r).in)) {
+        all.emplace_back(n);
+        SPILLWAY_RETURN_IF_ERROR(copy_(all.back().data(), x, n * sizeof(T)));
+      }
+    return all;
+  }
+
   template <class F>
   Status collective(ThreadGroup::Post mine, F work) {
-    const char* names[] = {"", "reduce", "all_gather", "broadcast"};
+    const char* names[] = {"", "reduce", "all_gather", "broadcast", "bf16 reduce"};
     if (mine.root < 0 || mine.root >= g_.world()) {
       abort(std::string(names[mine.kind]) + " root " + std::to_string(mine.root) + " is not a rank");
       return Status::invalid_argument(std::string(names[mine.kind]) + ": root " + std::to_string(mine.root) +
@@ -136,6 +193,7 @@ class ThreadCommunicator : public Communicator {
 
   ThreadGroup& g_;
   int rank_;
+  ThreadCopy copy_;
 };
 
 }  // namespace spillway::testing_support

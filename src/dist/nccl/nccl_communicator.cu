@@ -1,5 +1,6 @@
 #include "dist/nccl/nccl_communicator.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -33,13 +34,27 @@ __global__ void sum_in_order(float* out, const float* staging, size_t n, int cou
   }
 }
 
+// out[i] = x[0][i], then out[i] = bf16(float(out[i]) + float(x[k][i])) for k = 1 ..
+// count-1, over the `count` arrays of n bf16 in `staging` (the order above): an fp32
+// addition rounded to nearest even, as the residual kernel that a bf16 rank's
+// AccumulateGradient runs (backend/cuda/kernels.cu).
+__global__ void sum_bf16_in_order(__nv_bfloat16* out, const __nv_bfloat16* staging, size_t n, int count) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    __nv_bfloat16 acc = staging[i];
+    for (int k = 1; k < count; ++k)
+      acc = __float2bfloat16_rn(__fadd_rn(__bfloat162float(acc), __bfloat162float(staging[static_cast<size_t>(k) * n + i])));
+    out[i] = acc;
+  }
+}
+
 }  // namespace
 
 struct NcclCommunicator::State {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
-  float* staging = nullptr;  // [world · parts · n] on the root of a reduce
-  size_t staging_floats = 0;
+  void* staging = nullptr;   // [world · parts · n] elements on the root of a reduce
+  size_t staging_bytes = 0;
   int* token = nullptr;      // [1] for the barrier
 };
 
@@ -114,57 +129,89 @@ NcclCommunicator::~NcclCommunicator() {
   if (s_->stream != nullptr) cudaStreamDestroy(s_->stream);
 }
 
-Status NcclCommunicator::reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n,
-                                              int root) {
+// Every rank's parts (each n elements of elem_bytes) into the root's staging buffer,
+// rank-major and parts within a rank (the root's own copied, so its output may be
+// one of them); the other ranks send theirs and return. Leaves the root's work
+// enqueued on the communicator's stream; *gathered is true on the root.
+Status NcclCommunicator::gather_parts(const std::vector<const void*>& parts, size_t elem_bytes, size_t n, int root,
+                                      const char* what, bool* gathered) {
+  *gathered = false;
   if (root < 0 || root >= world_ || parts.empty())
-    return Status::invalid_argument("NCCL reduce: root " + std::to_string(root) + ", " +
+    return Status::invalid_argument(std::string("NCCL ") + what + ": root " + std::to_string(root) + ", " +
                                     std::to_string(parts.size()) + " parts (world " + std::to_string(world_) + ")");
   SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
-  const size_t count = parts.size(), mine = count * n;
+  const size_t count = parts.size(), part_bytes = n * elem_bytes, mine = count * part_bytes;
   if (rank_ != root) {
     SPILLWAY_RETURN_IF_ERROR(nccl_status(ncclGroupStart(), "ncclGroupStart"));
     ncclResult_t sent = ncclSuccess;
     for (size_t j = 0; j < count && sent == ncclSuccess; ++j)
-      sent = ncclSend(parts[j], n, ncclFloat32, root, s_->comm, s_->stream);
+      sent = ncclSend(parts[j], part_bytes, ncclChar, root, s_->comm, s_->stream);
     SPILLWAY_RETURN_IF_ERROR(nccl_status(ncclGroupEnd(), "ncclGroupEnd"));
     SPILLWAY_RETURN_IF_ERROR(nccl_status(sent, "ncclSend to rank " + std::to_string(root)));
-    return cuda_status(cudaStreamSynchronize(s_->stream), "reduce (send to rank " + std::to_string(root) + ")");
+    return cuda_status(cudaStreamSynchronize(s_->stream),
+                       std::string(what) + " (send to rank " + std::to_string(root) + ")");
   }
-  if (out == nullptr) return Status::invalid_argument("NCCL reduce: the root's output is null");
   const size_t need = static_cast<size_t>(world_) * mine;
-  if (need > s_->staging_floats) {
+  if (need > s_->staging_bytes) {
     if (s_->staging != nullptr) SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaFree(s_->staging), "freeing the staging buffer"));
     s_->staging = nullptr;
-    s_->staging_floats = 0;
-    SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaMalloc(&s_->staging, need * sizeof(float)),
-                                         "allocating " + std::to_string(need * sizeof(float)) +
-                                             " bytes of reduce staging"));
-    s_->staging_floats = need;
+    s_->staging_bytes = 0;
+    SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaMalloc(&s_->staging, need),
+                                         "allocating " + std::to_string(need) + " bytes of reduce staging"));
+    s_->staging_bytes = need;
   }
-  // Staging: rank-major, parts within a rank; the root's own parts copied (so out may
-  // be one of them).
+  char* staging = static_cast<char*>(s_->staging);
   for (size_t j = 0; j < count; ++j)
-    SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(s_->staging + static_cast<size_t>(rank_) * mine + j * n,
-                                                         parts[j], n * sizeof(float), cudaMemcpyDeviceToDevice,
-                                                         s_->stream),
+    SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaMemcpyAsync(staging + static_cast<size_t>(rank_) * mine + j * part_bytes,
+                                                         parts[j], part_bytes, cudaMemcpyDeviceToDevice, s_->stream),
                                          "copying the root's own parts"));
   SPILLWAY_RETURN_IF_ERROR(nccl_status(ncclGroupStart(), "ncclGroupStart"));
   ncclResult_t posted = ncclSuccess;
   int failed_rank = -1;
   for (int r = 0; r < world_ && posted == ncclSuccess; ++r)
     for (size_t j = 0; j < count && r != rank_ && posted == ncclSuccess; ++j) {
-      posted = ncclRecv(s_->staging + static_cast<size_t>(r) * mine + j * n, n, ncclFloat32, r, s_->comm, s_->stream);
+      posted = ncclRecv(staging + static_cast<size_t>(r) * mine + j * part_bytes, part_bytes, ncclChar, r, s_->comm,
+                        s_->stream);
       failed_rank = r;
     }
   SPILLWAY_RETURN_IF_ERROR(nccl_status(ncclGroupEnd(), "ncclGroupEnd"));
   SPILLWAY_RETURN_IF_ERROR(nccl_status(posted, "ncclRecv from rank " + std::to_string(failed_rank)));
+  *gathered = true;
+  return Status::ok();
+}
+
+Status NcclCommunicator::reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n,
+                                              int root) {
+  bool gathered = false;
+  SPILLWAY_RETURN_IF_ERROR(gather_parts(std::vector<const void*>(parts.begin(), parts.end()), sizeof(float), n, root,
+                                        "reduce", &gathered));
+  if (!gathered) return Status::ok();
+  if (out == nullptr) return Status::invalid_argument("NCCL reduce: the root's output is null");
   if (n > 0) {
     const int threads = 256;
     const int blocks = static_cast<int>(std::min<size_t>((n + threads - 1) / threads, 65535));
-    sum_in_order<<<blocks, threads, 0, s_->stream>>>(out, s_->staging, n, static_cast<int>(world_ * count));
+    sum_in_order<<<blocks, threads, 0, s_->stream>>>(out, static_cast<const float*>(s_->staging), n,
+                                                     static_cast<int>(world_ * parts.size()));
     SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "launching the in-order sum"));
   }
   return cuda_status(cudaStreamSynchronize(s_->stream), "reduce (in-order sum)");
+}
+
+Status NcclCommunicator::reduce_bf16_in_rank_order(const std::vector<const void*>& parts, void* out, size_t n,
+                                                   int root) {
+  bool gathered = false;
+  SPILLWAY_RETURN_IF_ERROR(gather_parts(parts, sizeof(__nv_bfloat16), n, root, "bf16 reduce", &gathered));
+  if (!gathered) return Status::ok();
+  if (out == nullptr) return Status::invalid_argument("NCCL bf16 reduce: the root's output is null");
+  if (n > 0) {
+    const int threads = 256;
+    const int blocks = static_cast<int>(std::min<size_t>((n + threads - 1) / threads, 65535));
+    sum_bf16_in_order<<<blocks, threads, 0, s_->stream>>>(static_cast<__nv_bfloat16*>(out),
+                                                          static_cast<const __nv_bfloat16*>(s_->staging), n,
+                                                          static_cast<int>(world_ * parts.size()));
+    SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "launching the in-order bf16 sum"));
+  }
+  return cuda_status(cudaStreamSynchronize(s_->stream), "bf16 reduce (in-order sum)");
 }
 
 Status NcclCommunicator::all_gather(const void* in, void* out, size_t bytes) {

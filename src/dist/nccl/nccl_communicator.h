@@ -22,6 +22,9 @@
 // contraction). It moves world·parts·n floats into the root, the same bytes as a
 // reduce to one rank; the staging buffer is allocated at the first call and grown
 // when a larger one comes (outside the executor's device budget).
+// reduce_bf16_in_rank_order gathers the same way (world·parts·n bf16) and one kernel
+// adds them in that order, each addition in fp32 rounded to bf16 (__fadd_rn,
+// __float2bfloat16_rn), starting from rank 0's first part.
 #pragma once
 
 #include <array>
@@ -51,12 +54,15 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) override;
+  Status reduce_bf16_in_rank_order(const std::vector<const void*>& parts, void* out, size_t n, int root) override;
   Status all_gather(const void* in, void* out, size_t bytes) override;
   Status broadcast(void* buf, size_t bytes, int root) override;
   Status barrier() override;
 
  private:
   NcclCommunicator() = default;
+  Status gather_parts(const std::vector<const void*>& parts, size_t elem_bytes, size_t n, int root, const char* what,
+                      bool* gathered);
   struct State;
   std::unique_ptr<State> s_;
   int rank_ = 0, world_ = 1, device_ = 0;

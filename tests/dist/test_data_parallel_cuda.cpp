@@ -1,0 +1,259 @@
+// Data parallelism on the CUDA backend (bf16 activations and gradients), on ONE GPU:
+// N ranks in threads of this process, each with its own CUDA backend (stream,
+// cuBLASLt handle, executor) on device 0, joined by the in-process communicator over
+// cudaMemcpy, against one process's Trainer with the matching accumulation on the same
+// GPU: every step's loss and gradient norm, the validation loss and the saved file's
+// bytes equal. Also the two bf16 additions this rests on (AccumulateGradient's kernel
+// and the reduction's) agree bit for bit. Skips without a GPU, as in CI:
+//   build/test_dist --gtest_filter='CudaDataParallel.*'
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "backend/backend.h"
+#include "dist/data_parallel_training.h"
+#include "exec/dispatch.h"
+#include "model/model.h"
+#include "support/gpu_support.h"
+#include "support/thread_communicator.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+#ifdef SPILLWAY_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+using namespace spillway;
+using testing_support::bf16_bits_to_float;
+using testing_support::float_to_bf16_bits;
+using testing_support::gpu_present;
+using testing_support::ThreadCommunicator;
+using testing_support::ThreadGroup;
+
+namespace {
+
+#ifdef SPILLWAY_HAVE_CUDA
+// The ranks' memory is device memory of one GPU (host memory for the staging): one
+// copy on the legacy default stream, waited for, so that no rank's stream (each
+// backend's is non-blocking) reads before it has landed.
+Status cuda_copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::ok();
+  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cudaStreamLegacy);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+  if (e != cudaSuccess)
+    return Status::internal(std::string("in-process communicator: cudaMemcpyAsync of ") + std::to_string(bytes) +
+                            " bytes: " + cudaGetErrorString(e));
+  return Status::ok();
+}
+#else
+Status cuda_copy(void*, const void*, size_t) { return Status::unsupported("built without CUDA"); }
+#endif
+
+constexpr int kSteps = 4;
+
+const Dataset& corpus() {
+  static const Dataset d = [] {
+    auto loaded = load_dataset(std::string(SPILLWAY_SOURCE_DIR) + "/data/tinyshakespeare.txt", 256);
+    EXPECT_TRUE(loaded.ok()) << loaded.status().to_string();
+    return loaded.ok() ? std::move(*loaded) : Dataset{};
+  }();
+  return d;
+}
+
+// tiny (4 layers, width 128, vocab 256: GPT-2 with the tied embedding), a learning
+// rate at which clipping acts in some steps.
+TrainerOptions options(const Backend& b, int accum) {
+  TrainerOptions o;
+  o.model = *model_preset("tiny");
+  o.shape = {.B = 4, .T = 64, .accum = accum};
+  o.schedule = {.peak = 3e-2f, .warmup_steps = 1, .total_steps = kSteps};
+  o.max_grad_norm = 1.0f;
+  o.seed = 2468;
+  o.planner = {.policy = Policy::Resident};
+  o.machine = machine_for(b);
+  o.auto_confirm = 0;
+  return o;
+}
+
+struct Losses {
+  std::vector<float> train, norm, val;
+};
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::string temp(const std::string& name) {
+  const std::string path = testing::TempDir() + "/dp_cuda_" + name;
+  std::filesystem::remove_all(path);
+  return path;
+}
+
+// One process: the train loader's batches, `accum` a step, one evaluation at the end.
+Losses single_process(int accum, const std::string& save) {
+  Losses out;
+  auto backend = make_backend("cuda");
+  EXPECT_TRUE(backend.ok()) << backend.status().to_string();
+  if (!backend.ok()) return out;
+  const TrainerOptions o = options(**backend, accum);
+  auto trainer = Trainer::create(**backend, o);
+  EXPECT_TRUE(trainer.ok()) << trainer.status().to_string();
+  if (!trainer.ok()) return out;
+  EXPECT_TRUE((*trainer)->init_parameters().is_ok());
+  auto train = DataLoader::create(corpus().train, o.shape.B, o.shape.T, LoaderMode::Random, o.seed);
+  auto val = DataLoader::create(corpus().val, o.shape.B, o.shape.T, LoaderMode::Sequential);
+  EXPECT_TRUE(train.ok() && val.ok());
+  for (int s = 1; s <= kSteps; ++s) {
+    auto r = (*trainer)->step(*train);
+    EXPECT_TRUE(r.ok()) << r.status().to_string();
+    if (!r.ok()) return out;
+    out.train.push_back(r->loss);
+    out.norm.push_back(r->grad_norm);
+  }
+  val->seek(0);
+  auto v = (*trainer)->evaluate(*val, 2);
+  EXPECT_TRUE(v.ok()) << v.status().to_string();
+  out.val.push_back(v.ok() ? *v : -1.0f);
+  EXPECT_TRUE((*trainer)->drain().is_ok());
+  Status saved = (*trainer)->save(save);
+  EXPECT_TRUE(saved.is_ok()) << saved.to_string();
+  return out;
+}
+
+struct RankRun {
+  Status status;
+  Losses losses;
+};
+
+// `world` ranks of `accum` micro-batches in threads, each with its own CUDA backend on
+// device 0; rank 0 evaluates after the last step and saves to `save`.
+std::vector<RankRun> data_parallel(int world, int accum, const std::string& save) {
+  ThreadGroup group(world);
+  std::vector<RankRun> runs(static_cast<size_t>(world));
+  std::atomic<int> finished{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      RankRun& run = runs[static_cast<size_t>(r)];
+      ThreadCommunicator comm(group, r, cuda_copy);
+      auto backend = make_backend("cuda");
+      if (!backend.ok()) {
+        run.status = backend.status();
+        ++finished;
+        comm.abort(run.status.message());
+        return;
+      }
+      DataParallelTrainingOptions o;
+      o.trainer = options(**backend, accum);
+      o.data = &corpus();
+      o.steps = kSteps;
+      o.eval_every = kSteps;
+      o.eval_batches = 2;
+      if (r == 0) o.save = save;
+      o.on_step = [&](const StepResult& s) {
+        run.losses.train.push_back(s.loss);
+        run.losses.norm.push_back(s.grad_norm);
+        if (s.val_loss) run.losses.val.push_back(*s.val_loss);
+      };
+      auto result = train_data_parallel(comm, **backend, o);
+      ++finished;
+      if (!result.ok()) {
+        run.status = result.status();
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+        while (finished < world && std::chrono::steady_clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        if (finished < world) comm.abort(run.status.message());
+      }
+    });
+  for (auto& t : threads) t.join();
+  return runs;
+}
+
+}  // namespace
+
+// 2 ranks of 1 micro-batch against one process with --accum 2, and 2 ranks of 2
+// against --accum 4 (each rank's own two micro-batches travel as parts of their own).
+TEST(CudaDataParallel, TwoRanksOnOneGpuEqualOneRankWithTheirMicroBatchesBitForBit) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  ASSERT_GT(corpus().train.size(), 0u);
+  for (int accum : {1, 2}) {
+    const int world = 2;
+    SCOPED_TRACE(std::to_string(world) + " ranks of " + std::to_string(accum) + " micro-batches on one GPU");
+    const std::string one = temp("one.safetensors"), many = temp("many.safetensors");
+    const Losses ref = single_process(world * accum, one);
+    ASSERT_EQ(ref.train.size(), static_cast<size_t>(kSteps));
+    int clipped = 0;
+    for (float n : ref.norm) clipped += n > 1.0f;
+    EXPECT_GT(clipped, 0) << "no step clipped: the global norm's reduction is not tested";
+    const auto runs = data_parallel(world, accum, many);
+    for (int r = 0; r < world; ++r) {
+      const RankRun& run = runs[static_cast<size_t>(r)];
+      ASSERT_TRUE(run.status.is_ok()) << "rank " << r << ": " << run.status.to_string();
+      EXPECT_TRUE(same_bits(run.losses.train, ref.train)) << "rank " << r << "'s step losses";
+      EXPECT_TRUE(same_bits(run.losses.norm, ref.norm)) << "rank " << r << "'s gradient norms";
+      for (size_t s = 0; s < std::min(run.losses.train.size(), ref.train.size()); ++s)
+        EXPECT_EQ(run.losses.train[s], ref.train[s]) << "rank " << r << ", step " << s + 1;
+    }
+    EXPECT_TRUE(same_bits(runs[0].losses.val, ref.val)) << "rank 0's validation loss";
+    EXPECT_EQ(file_bytes(many), file_bytes(one)) << "the saved weights";
+  }
+}
+
+// The two bf16 additions the exactness rests on, on the GPU: AccumulateGradient (the
+// residual kernel, in place) and the in-process reduction's (on the host) give the
+// same bits for the same operands: g + part, rounded to bf16 once per addition.
+TEST(CudaDataParallel, AccumulateGradientAddsAsTheBf16ReductionDoes) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  auto backend = make_backend("cuda");
+  ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+  Backend& b = **backend;
+  const size_t n = 1 << 16;  // a multiple of 8: the kernel's vector path; n - 3 below: its scalar one
+  std::mt19937 rng(11);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<uint16_t> g(n), part(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] = float_to_bf16_bits(d(rng) * std::ldexp(1.0f, static_cast<int>(i % 11)));
+    part[i] = float_to_bf16_bits(d(rng));
+  }
+  g[0] = part[0] = 0x8000;  // -0 + -0 = -0
+  for (size_t count : {n, n - 3}) {
+    SCOPED_TRACE(std::to_string(count) + " elements");
+    Program p;
+    const TensorId tg = p.tensors.add({"grad.w", DType::BF16, {static_cast<int64_t>(count)}, Role::Grad});
+    const TensorId tp = p.tensors.add({"grad.part1.w", DType::BF16, {static_cast<int64_t>(count)}, Role::Grad});
+    p.add_op({.kind = OpKind::AccumulateGradient, .name = "add",
+              .operands = {{tg, Access::Update}, {tp, Access::Read}}, .attrs = {.n = static_cast<int64_t>(count)}});
+    ASSERT_TRUE(p.validate().is_ok()) << p.validate().to_string();
+    auto dg = b.device_alloc(count * 2), dp = b.device_alloc(count * 2);
+    ASSERT_TRUE(dg.ok() && dp.ok());
+    ASSERT_TRUE(b.upload(*dg, g.data(), count * 2).is_ok());
+    ASSERT_TRUE(b.upload(*dp, part.data(), count * 2).is_ok());
+    ASSERT_TRUE(run_device_op(b, p, p.ops[0], {*dg, *dp}, {}).is_ok());
+    ASSERT_TRUE(b.synchronize().is_ok());
+    std::vector<uint16_t> got(count);
+    ASSERT_TRUE(b.download(got.data(), *dg, count * 2).is_ok());
+    // The reduction of one rank's two parts [g, part] on the host.
+    ThreadGroup group(1);
+    ThreadCommunicator comm(group, 0);
+    std::vector<uint16_t> reduced(count);
+    ASSERT_TRUE(comm.reduce_bf16_in_rank_order({g.data(), part.data()}, reduced.data(), count, 0).is_ok());
+    size_t differ = 0;
+    for (size_t i = 0; i < count; ++i) differ += got[i] != reduced[i];
+    EXPECT_EQ(differ, 0u);
+    EXPECT_EQ(got[0], 0x8000);
+    b.device_free(*dg);
+    b.device_free(*dp);
+  }
+}
