@@ -527,8 +527,11 @@ Result<Machine> measure_machine(Backend& backend, const ProfileSettings& setting
     auto share = measure_copy_share_beside_host_adam(backend, n, dtype, pieces.back(),
                                                      std::max(copy_total, pieces.back()));
     if (!share) return share.status().with_context("profile: copies while the host AdamW runs");
-    m.copy_share_while_host_computes = *share;
-    std::fprintf(out, "copies both ways while the host AdamW runs: %.3f of their speed alone (kept)\n", *share);
+    m.copy_share_while_host_computes = share->both;
+    std::fprintf(out,
+                 "copies while the host AdamW runs, over their speed alone: both ways at once %.3f (kept); "
+                 "host→device alone %.3f, device→host alone %.3f\n",
+                 share->both, share->h2d, share->d2h);
   }
 
   // ---- device compute ----

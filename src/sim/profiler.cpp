@@ -330,8 +330,8 @@ Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copy
   return static_cast<double>(n) / best;
 }
 
-Result<double> measure_copy_share_beside_host_adam(Backend& backend, size_t n, DType dtype, uint64_t piece,
-                                                   uint64_t total) {
+Result<CopyShares> measure_copy_share_beside_host_adam(Backend& backend, size_t n, DType dtype, uint64_t piece,
+                                                       uint64_t total) {
   if (n == 0) return Status::invalid_argument("measure copies beside host AdamW: no params");
   SPILLWAY_ASSIGN_OR_RETURN(HostAdamState state, HostAdamState::make(n, dtype));
   state.step(1);  // warm-up
@@ -350,7 +350,9 @@ Result<double> measure_copy_share_beside_host_adam(Backend& backend, size_t n, D
   stop.store(true, std::memory_order_relaxed);  // the step under way still runs to its end
   optimizer.join();
   if (!busy) return busy.status().with_context("copies beside host AdamW");
-  return std::clamp(busy->both / alone.both, 0.05, 1.0);
+  return CopyShares{.h2d = std::clamp(busy->h2d / alone.h2d, 0.05, 1.0),
+                    .d2h = std::clamp(busy->d2h / alone.d2h, 0.05, 1.0),
+                    .both = std::clamp(busy->both / alone.both, 0.05, 1.0)};
 }
 
 Result<double> measure_matmul(Backend& backend, int N, int C, int OC, int repeats) {

@@ -89,11 +89,16 @@ class HostAdamState {
 // memory bandwidth with the optimizer, as in a pipelined step).
 Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying);
 // Copies beside the host optimizer (Machine::copy_share_while_host_computes): the
-// rate of host→device and device→host copies at once (measure_copies' `both`, pieces
-// of `piece` bytes, `total` per direction) while host AdamW steps of n params run
-// back to back on the global thread pool, over the same rate alone, in (0, 1].
-Result<double> measure_copy_share_beside_host_adam(Backend& backend, size_t n, DType dtype, uint64_t piece,
-                                                   uint64_t total);
+// rates of measure_copies (pieces of `piece` bytes, `total` per direction) while host
+// AdamW steps of n params run back to back on the global thread pool, over the same
+// rates alone, each in (0, 1]: host→device alone, device→host alone, and both at once
+// (the share the machine keeps). The directions differ where the optimizer's reads and
+// writes of host memory meet the device's reads (h2d) and writes (d2h) unevenly.
+struct CopyShares {
+  double h2d = 1, d2h = 1, both = 1;
+};
+Result<CopyShares> measure_copy_share_beside_host_adam(Backend& backend, size_t n, DType dtype, uint64_t piece,
+                                                       uint64_t total);
 
 // A matrix product out[N,OC] = inp[N,C]·weight[OC,C]ᵀ (activation dtype): flop/s,
 // the mean of `repeats` after a warm-up.
