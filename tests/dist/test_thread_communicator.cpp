@@ -2,6 +2,7 @@
 // give fixed-order results, bit for bit, whatever the threads' timing.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -104,4 +105,75 @@ TEST(ThreadCommunicator, MismatchedSizesAndAbortsAreErrorsOnEveryRank) {
     EXPECT_FALSE(s.is_ok());
     EXPECT_NE(s.message().find("rank 1: its step failed"), std::string::npos) << s.to_string();
   });
+}
+
+namespace {
+
+// "Device" memory the host must not touch: a buffer's address with bit 52 set (not a
+// valid address: dereferencing it faults), reached only through `fake_copy`, as the
+// CUDA test's ranks reach device memory only through cudaMemcpy.
+constexpr uintptr_t kFakeBit = uintptr_t{1} << 52;
+void* fake(void* p) { return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) | kFakeBit); }
+const void* fake(const void* p) { return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) | kFakeBit); }
+std::atomic<int> fake_copies{0};
+Status fake_copy(void* dst, const void* src, size_t bytes) {
+  auto real = [](const void* p) { return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~kFakeBit); };
+  ++fake_copies;
+  std::memcpy(real(dst), real(src), bytes);
+  return Status::ok();
+}
+
+}  // namespace
+
+// With a copy function, every collective reaches the ranks' buffers through it alone
+// (the reductions stage the parts in host memory and add there): the results are the
+// host ones.
+TEST(ThreadCommunicator, EveryCollectiveGoesThroughTheCopyFunction) {
+  const int world = 3;
+  const size_t n = 257;
+  ThreadGroup group(world);
+  std::vector<std::vector<float>> f(world), fsum(world, std::vector<float>(n, -1.0f));
+  std::vector<std::vector<uint16_t>> h(world), hsum(world, std::vector<uint16_t>(n, 0));
+  std::vector<std::vector<char>> gathered(world, std::vector<char>(world * 8)), bcast(world, std::vector<char>(8));
+  for (int r = 0; r < world; ++r) {
+    f[r] = values(r, n, 2);
+    h[r].resize(2 * n);
+    for (size_t i = 0; i < 2 * n; ++i) h[r][i] = testing_support::float_to_bf16_bits(f[r][i]);
+    for (int k = 0; k < 8; ++k) bcast[r][k] = static_cast<char>(10 * r + k);
+  }
+  std::vector<Status> status(world);
+  fake_copies = 0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      ThreadCommunicator comm(group, r, fake_copy);
+      const float* fp = static_cast<const float*>(fake(static_cast<const void*>(f[r].data())));
+      Status s = comm.reduce_in_rank_order({fp, fp + n}, r == 2 ? static_cast<float*>(fake(static_cast<void*>(fsum[r].data()))) : nullptr, n, 2);
+      const char* hp = static_cast<const char*>(fake(static_cast<const void*>(h[r].data())));
+      if (s.is_ok()) s = comm.reduce_bf16_in_rank_order({hp, hp + 2 * n}, r == 1 ? fake(static_cast<void*>(hsum[r].data())) : nullptr, n, 1);
+      if (s.is_ok()) s = comm.all_gather(fake(static_cast<const void*>(bcast[r].data())), fake(static_cast<void*>(gathered[r].data())), 8);
+      if (s.is_ok()) s = comm.broadcast(fake(static_cast<void*>(bcast[r].data())), 8, 0);
+      status[r] = s;
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ASSERT_TRUE(status[r].is_ok()) << status[r].to_string();
+  EXPECT_GT(fake_copies.load(), 0);
+  for (size_t i = 0; i < n; ++i) {
+    float want = 0.0f;
+    uint16_t hwant = h[0][i];
+    for (int r = 0; r < world; ++r)
+      for (int j = 0; j < 2; ++j) {
+        want += f[r][j * n + i];
+        if (r > 0 || j > 0)
+          hwant = testing_support::float_to_bf16_bits(testing_support::bf16_bits_to_float(hwant) +
+                                                      testing_support::bf16_bits_to_float(h[r][j * n + i]));
+      }
+    ASSERT_EQ(std::memcmp(&fsum[2][i], &want, 4), 0) << i;
+    ASSERT_EQ(hsum[1][i], hwant) << i;
+  }
+  for (int r = 0; r < world; ++r) {
+    for (int q = 0; q < world; ++q)
+      for (int k = 0; k < 8; ++k) EXPECT_EQ(gathered[r][q * 8 + k], static_cast<char>(10 * q + k));
+    for (int k = 0; k < 8; ++k) EXPECT_EQ(bcast[r][k], static_cast<char>(k)) << "rank " << r;
+  }
 }
