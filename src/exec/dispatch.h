@@ -10,7 +10,9 @@
 // The collective ops of data-parallel ranks (ReduceGradient, SendGradient,
 // AllReduceInRankOrder, BroadcastParam) call the backend's Communicator
 // (Backend::set_communicator) after synchronizing the backend; without one they are
-// an error naming the op.
+// an error naming the op. Gradient sums and broadcasts go in the operands' dtype (f32:
+// reduce_in_rank_order; bf16: reduce_bf16_in_rank_order), the squared norms in f32.
+// AccumulateGradient is the backend's residual_forward with out = a (in place).
 //
 //   std::vector<void*> ptrs = {out_ptr, inp_ptr};           // GeluForward: (out, inp)
 //   SPILLWAY_RETURN_IF_ERROR(run_device_op(backend, program, op, ptrs, step));
