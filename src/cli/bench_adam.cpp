@@ -2,6 +2,7 @@
 // not fit in cache.
 //
 //   spillway bench adam --params 1e9 --threads 16 --dtype bf16
+//   spillway bench adam --params 1e9 --into     (out of place, as speculative updates)
 //
 // Allocates master, m, v (F32) and param, grad (--dtype), touches every page first
 // from the threads that will update it (untimed), then times --iters steps per
@@ -29,6 +30,7 @@ struct Options {
   std::string dtype = "bf16";
   int iters = 5;
   std::string simd = "all";
+  bool into = false;
 };
 
 int run(const Options& o) {
@@ -57,14 +59,15 @@ int run(const Options& o) {
   ThreadPool& pool = global_thread_pool();
 
   auto t0 = std::chrono::steady_clock::now();
-  auto state = HostAdamState::make(n, dtype);  // sim/profiler.h: allocated and first touched by the pool
+  auto state = HostAdamState::make(n, dtype, o.into);  // sim/profiler.h: allocated and first touched by the pool
   if (!state) return fail(state.status());
   double touch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   // Bytes moved per param: read and write master, m, v; read grad; write param.
   const double bytes_per_param = 24.0 + 2.0 * static_cast<double>(pbytes);
-  std::printf("bench adam: %zu params, dtype %s, %d threads, state %s (%.0f B/param moved), touched in %.1f s\n", n,
-              dtype_name(dtype), pool.size(), format_size((12 + 2 * pbytes) * n).c_str(), bytes_per_param, touch_s);
+  std::printf("bench adam: %zu params, dtype %s, %d threads, state %s (%.0f B/param moved), %s, touched in %.1f s\n",
+              n, dtype_name(dtype), pool.size(), format_size((12 + 2 * pbytes + (o.into ? 12 : 0)) * n).c_str(),
+              bytes_per_param, o.into ? "out of place (the speculative update)" : "in place", touch_s);
   std::printf("%-8s %8s %14s %14s %12s\n", "simd", "threads", "Gparams/s", "Gparams/s", "GB/s");
   std::printf("%-8s %8s %14s %14s %12s\n", "", "", "(best)", "(mean)", "(best)");
 
@@ -97,6 +100,8 @@ CommandRegistration reg("bench adam", "host AdamW throughput (G params/s) per SI
   app.add_option("--dtype", o->dtype, "param and grad dtype: bf16 or f32")->capture_default_str();
   app.add_option("--iters", o->iters, "timed steps per SIMD level")->capture_default_str();
   app.add_option("--simd", o->simd, "all, avx512, avx2 or scalar")->capture_default_str();
+  app.add_flag("--into", o->into,
+               "out of place: read one master, m and v and write a second (as speculative updates do)");
   return [o]() -> int { return run(*o); };
 });
 

@@ -37,9 +37,9 @@ constexpr size_t kTile = size_t{1} << 14;
 constexpr size_t kParallelMin = size_t{1} << 18;
 // At or above this many elements the state cannot stay in cache, so param, which
 // is only written, goes out with non-temporal stores: same bits, no read for
-// ownership. (Master, m and v were just read, so their lines are in cache already;
-// streaming them measured slower. adamw_host_into's separate outputs use ordinary
-// stores too.)
+// ownership. In place, master, m and v were just read, so their lines are in cache
+// already (streaming them measured slower); out of place (adamw_host_into's separate
+// outputs, the speculative update) their lines are not, and they are streamed too.
 constexpr size_t kStreamMin = size_t{1} << 22;
 
 bool cpu_has(SimdLevel s) {
@@ -137,11 +137,13 @@ void adamw_host_into(DType param_dtype, void* param, const float* master_in, con
                      float* master_out, float* m_out, float* v_out, const void* grad, const float* scale_norm,
                      size_t n, const AdamWHyper& hyper) {
   if (n == 0) return;
-  const AdamWRange r{param, master_in, m_in, v_in, master_out, m_out, v_out, grad, scale_norm[0], hyper};
+  AdamWRange r{param, master_in, m_in, v_in, master_out, m_out, v_out, grad, scale_norm[0], hyper};
   // A skipped step (non-finite norm): param = rounded master, the rest untouched.
   const RangeKernel kernel =
       adamw_step_skipped(scale_norm) ? optim_detail::adamw_range_skip : kernel_for(adamw_simd_level());
   const bool stream = n >= kStreamMin && aligned64(param);
+  r.stream_state = stream && master_out != master_in && m_out != m_in && v_out != v_in && aligned64(master_out) &&
+                   aligned64(m_out) && aligned64(v_out);
   if (n < kParallelMin) {
     kernel(param_dtype, r, 0, n, stream);
     return;

@@ -9,7 +9,7 @@ namespace {
 
 #define SPILLWAY_AVX2 __attribute__((target("avx2,fma")))
 
-template <bool kBf16, bool kStream>
+template <bool kBf16, bool kStream, bool kStreamState = false>
 SPILLWAY_AVX2 void run(const AdamWRange& r, size_t i, size_t end) {
   const AdamWHyper& h = r.h;
   const __m256 scale = _mm256_set1_ps(r.scale);
@@ -45,9 +45,15 @@ SPILLWAY_AVX2 void run(const AdamWRange& r, size_t i, size_t end) {
     __m256 upd = _mm256_div_ps(mhat, _mm256_add_ps(_mm256_sqrt_ps(vhat), eps));
     __m256 w0 = _mm256_loadu_ps(r.master_in + i);
     __m256 w = _mm256_fmadd_ps(neg_lr, _mm256_fmadd_ps(wd, w0, upd), w0);
-    _mm256_storeu_ps(r.m_out + i, m);
-    _mm256_storeu_ps(r.v_out + i, v);
-    _mm256_storeu_ps(r.master_out + i, w);
+    if constexpr (kStreamState) {
+      _mm256_stream_ps(r.m_out + i, m);
+      _mm256_stream_ps(r.v_out + i, v);
+      _mm256_stream_ps(r.master_out + i, w);
+    } else {
+      _mm256_storeu_ps(r.m_out + i, m);
+      _mm256_storeu_ps(r.v_out + i, v);
+      _mm256_storeu_ps(r.master_out + i, w);
+    }
     if constexpr (kBf16) {
       // Round to nearest even: bits + 0x7fff + lsb, keep the top half; NaN: quieted top half.
       __m256i bits = _mm256_castps_si256(w);
@@ -81,12 +87,16 @@ SPILLWAY_AVX2 void run(const AdamWRange& r, size_t i, size_t end) {
 
 SPILLWAY_AVX2 void adamw_range_avx2(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream) {
   if (dtype == DType::BF16) {
-    if (stream)
+    if (stream && r.stream_state)
+      run<true, true, true>(r, begin, end);
+    else if (stream)
       run<true, true>(r, begin, end);
     else
       run<true, false>(r, begin, end);
   } else {
-    if (stream)
+    if (stream && r.stream_state)
+      run<false, true, true>(r, begin, end);
+    else if (stream)
       run<false, true>(r, begin, end);
     else
       run<false, false>(r, begin, end);

@@ -12,7 +12,7 @@ namespace {
 
 #define SPILLWAY_AVX512 __attribute__((target("avx512f,avx512bw")))
 
-template <bool kBf16, bool kStream>
+template <bool kBf16, bool kStream, bool kStreamState = false>
 SPILLWAY_AVX512 void run(const AdamWRange& r, size_t i, size_t end) {
   const AdamWHyper& h = r.h;
   const __m512 scale = _mm512_set1_ps(r.scale);
@@ -48,9 +48,15 @@ SPILLWAY_AVX512 void run(const AdamWRange& r, size_t i, size_t end) {
     __m512 upd = _mm512_div_ps(mhat, _mm512_add_ps(_mm512_sqrt_ps(vhat), eps));
     __m512 w0 = _mm512_loadu_ps(r.master_in + i);
     __m512 w = _mm512_fmadd_ps(neg_lr, _mm512_fmadd_ps(wd, w0, upd), w0);
-    _mm512_storeu_ps(r.m_out + i, m);
-    _mm512_storeu_ps(r.v_out + i, v);
-    _mm512_storeu_ps(r.master_out + i, w);
+    if constexpr (kStreamState) {
+      _mm512_stream_ps(r.m_out + i, m);
+      _mm512_stream_ps(r.v_out + i, v);
+      _mm512_stream_ps(r.master_out + i, w);
+    } else {
+      _mm512_storeu_ps(r.m_out + i, m);
+      _mm512_storeu_ps(r.v_out + i, v);
+      _mm512_storeu_ps(r.master_out + i, w);
+    }
     if constexpr (kBf16) {
       // Round to nearest even: bits + 0x7fff + lsb, keep the top half; NaN: quieted top half.
       __m512i bits = _mm512_castps_si512(w);
@@ -81,12 +87,16 @@ SPILLWAY_AVX512 void run(const AdamWRange& r, size_t i, size_t end) {
 
 SPILLWAY_AVX512 void adamw_range_avx512(DType dtype, const AdamWRange& r, size_t begin, size_t end, bool stream) {
   if (dtype == DType::BF16) {
-    if (stream)
+    if (stream && r.stream_state)
+      run<true, true, true>(r, begin, end);
+    else if (stream)
       run<true, true>(r, begin, end);
     else
       run<true, false>(r, begin, end);
   } else {
-    if (stream)
+    if (stream && r.stream_state)
+      run<false, true, true>(r, begin, end);
+    else if (stream)
       run<false, true>(r, begin, end);
     else
       run<false, false>(r, begin, end);

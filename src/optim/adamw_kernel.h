@@ -12,7 +12,10 @@
 // before its outputs are stored), otherwise the two must not overlap. `stream`
 // asks for non-temporal stores of param, the one output that is always written
 // without being read (no read for ownership); the caller passes it only when
-// param is aligned to 64 bytes at `begin` (see adamw.cpp).
+// param is aligned to 64 bytes at `begin` (see adamw.cpp). With `stream` and
+// r.stream_state (out of place only, all three _out arrays aligned to 64 bytes at
+// `begin`), master, m and v go out the same way: out of place their lines are not
+// in cache, and an ordinary store would first read each line it overwrites.
 #pragma once
 
 #include <cmath>
@@ -35,6 +38,7 @@ struct AdamWRange {
   const void* grad;        // [n] param dtype
   float scale;         // scale_norm[0]
   AdamWHyper h;
+  bool stream_state = false;  // out of place: master, m and v stored non-temporally too (with `stream`)
 };
 
 inline uint32_t float_bits(float f) {

@@ -225,7 +225,7 @@ float unit_hash(uint64_t i, uint64_t k) {
 }
 }  // namespace
 
-Result<HostAdamState> HostAdamState::make(size_t n, DType dtype) {
+Result<HostAdamState> HostAdamState::make(size_t n, DType dtype, bool out_of_place) {
   if (dtype != DType::F32 && dtype != DType::BF16)
     return Status::invalid_argument(std::string("host AdamW: param dtype must be f32 or bf16, got ") +
                                     dtype_name(dtype));
@@ -245,8 +245,15 @@ Result<HostAdamState> HostAdamState::make(size_t n, DType dtype) {
   st.v_ = allocate(n * 4);
   st.param_ = allocate(n * pbytes);
   st.grad_ = allocate(n * pbytes);
-  if (!st.master_ || !st.m_ || !st.v_ || !st.param_ || !st.grad_)
-    return Status::out_of_memory("host AdamW: cannot allocate " + format_size((12 + 2 * pbytes) * n) +
+  if (out_of_place) {
+    st.master2_ = allocate(n * 4);
+    st.m2_ = allocate(n * 4);
+    st.v2_ = allocate(n * 4);
+  }
+  if (!st.master_ || !st.m_ || !st.v_ || !st.param_ || !st.grad_ ||
+      (out_of_place && (!st.master2_ || !st.m2_ || !st.v2_)))
+    return Status::out_of_memory("host AdamW: cannot allocate " +
+                                 format_size((12 + 2 * pbytes + (out_of_place ? 12 : 0)) * n) +
                                  " of optimizer state for " + std::to_string(n) + " params");
   auto* fm = static_cast<float*>(st.master_.get());
   auto* fmm = static_cast<float*>(st.m_.get());
@@ -255,7 +262,11 @@ Result<HostAdamState> HostAdamState::make(size_t n, DType dtype) {
   void* param = st.param_.get();
   // First touch from the same contiguous split the update uses, so pages sit on
   // the memory node of the thread that streams them.
+  float* out[3] = {static_cast<float*>(st.master2_.get()), static_cast<float*>(st.m2_.get()),
+                   static_cast<float*>(st.v2_.get())};
   global_thread_pool().parallel_for(static_cast<int64_t>(n), [&](int64_t b, int64_t e) {
+    for (auto* o : out)
+      if (o) std::fill(o + b, o + e, 0.0f);
     for (int64_t i = b; i < e; ++i) {
       auto u = static_cast<uint64_t>(i);
       fm[i] = 0.04f * (unit_hash(u, 1) - 0.5f);
@@ -276,8 +287,19 @@ Result<HostAdamState> HostAdamState::make(size_t n, DType dtype) {
 
 void HostAdamState::step(int64_t step_number) {
   const float scale_norm[2] = {1.0f, 0.0f};
-  adamw_host(dtype_, param_.get(), static_cast<float*>(master_.get()), static_cast<float*>(m_.get()),
-             static_cast<float*>(v_.get()), grad_.get(), scale_norm, n_, adamw_hyper(6e-4f, step_number, 0.1f));
+  const AdamWHyper hyper = adamw_hyper(6e-4f, step_number, 0.1f);
+  auto* master = static_cast<float*>(master_.get());
+  auto* m = static_cast<float*>(m_.get());
+  auto* v = static_cast<float*>(v_.get());
+  if (!master2_) {
+    adamw_host(dtype_, param_.get(), master, m, v, grad_.get(), scale_norm, n_, hyper);
+    return;
+  }
+  adamw_host_into(dtype_, param_.get(), master, m, v, static_cast<float*>(master2_.get()),
+                  static_cast<float*>(m2_.get()), static_cast<float*>(v2_.get()), grad_.get(), scale_norm, n_, hyper);
+  std::swap(master_, master2_);  // the next step reads what this one wrote
+  std::swap(m_, m2_);
+  std::swap(v_, v2_);
 }
 
 Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying) {

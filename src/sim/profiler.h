@@ -67,8 +67,10 @@ Result<double> measure_storage_latency(const std::string& kind, const std::strin
 // global thread pool's thread that updates it, with fixed pseudo-random values.
 class HostAdamState {
  public:
-  static Result<HostAdamState> make(size_t n, DType dtype);
-  // One AdamW step (adamw_host) over all n params.
+  // out_of_place: a second master, m and v, and each step reads one set and writes
+  // the other (adamw_host_into, as the executor's speculative updates run).
+  static Result<HostAdamState> make(size_t n, DType dtype, bool out_of_place = false);
+  // One AdamW step over all n params: in place (adamw_host), or out of place.
   void step(int64_t step_number);
   size_t size() const { return n_; }
   DType dtype() const { return dtype_; }
@@ -80,7 +82,8 @@ class HostAdamState {
   using Buffer = std::unique_ptr<void, Free>;
   size_t n_ = 0;
   DType dtype_ = DType::F32;
-  Buffer master_, m_, v_, param_, grad_;
+  Buffer master_, m_, v_, param_, grad_;  // [n] f32 ×3, [n] dtype ×2
+  Buffer master2_, m2_, v2_;               // [n] f32 ×3: out of place only
 };
 
 // Host AdamW params/s over the global thread pool: the best of `iters` steps of n

@@ -424,6 +424,27 @@ TEST_F(AdamWHost, IntoMatchesInPlaceBitForBitAtEveryLevel) {
   }
 }
 
+// At the streaming size (adamw.cpp's kStreamMin = 1 << 22), with 64-byte aligned
+// arrays, the out-of-place update stores master, m and v non-temporally too: the
+// same bits as in place, the inputs untouched, at every SIMD level.
+TEST_F(AdamWHost, IntoAtTheStreamingSizeMatchesInPlace) {
+  const AdamWHyper h = adamw_hyper(6e-4f, 5, 0.1f);
+  const size_t n = (size_t{1} << 22) + 17;
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    const State pristine = make_state(n, 91u + static_cast<uint32_t>(dtype == DType::BF16));
+    State want = pristine;
+    host_step(dtype, want, 0.61f, h);
+    for (SimdLevel s : available_levels()) {
+      ASSERT_TRUE(adamw_force_simd_level(s));
+      const std::string what = std::string(simd_level_name(s)) + " " + dtype_name(dtype) + " n=" + std::to_string(n);
+      State in = pristine, out = pristine;
+      poison_outputs(out);
+      host_step_into(dtype, in, out, 0.61f, h);
+      expect_into(dtype, in, out, want, pristine, what);
+    }
+  }
+}
+
 // A skipped step out of place: param = master_in rounded (as adamw_host writes it),
 // the inputs copied to the outputs bit for bit, the inputs untouched.
 TEST_F(AdamWHost, IntoSkippedStepCopiesInputsAtEveryLevel) {
