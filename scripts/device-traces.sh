@@ -37,6 +37,8 @@ if [ "${THREADS_AB:-1}" = 1 ]; then
       tee -a "$out/summary.txt"
   done
 fi
+echo "== host AdamW in place against out of place (the speculative update)" | tee -a "$out/summary.txt"
+for into in "" "--into"; do $bin bench adam --params 5e8 --simd avx512 --iters 5 $into 2>&1 | tail -1 | sed "s/^/${into:-in-place} /" | tee -a "$out/summary.txt"; done
 echo "== profile --backend cuda" | tee -a "$out/summary.txt"
 timeout 200 $bin profile --backend cuda --spill-dir /tmp/spill --out "$out/h200-measured.json" > /tmp/traces/profile.txt 2>&1
 grep -E "synchronization|kept|sample step|gpt2-|written|error|host AdamW runs" /tmp/traces/profile.txt | tee -a "$out/summary.txt"
