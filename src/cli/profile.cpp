@@ -522,6 +522,12 @@ Result<Machine> measure_machine(Backend& backend, const ProfileSettings& setting
                  dtype_name(dtype), global_thread_pool().size(), n, *alone / 1e9, *busy / 1e9);
     m.host_adam_params_per_s_alone = *alone;
     m.host_adam_params_per_s = *busy;
+    // Out of place (speculative updates), alone, against in place alone.
+    auto into = measure_host_adam(n, dtype, iters, nullptr, /*out_of_place=*/true);
+    if (!into) return into.status().with_context("profile: host AdamW out of place");
+    m.host_adam_out_of_place_share = std::clamp(*into / *alone, 0.05, 1.0);
+    std::fprintf(out, "host AdamW out of place (speculative updates): %.2f G params/s alone, %.3f of in place (kept)\n",
+                 *into / 1e9, m.host_adam_out_of_place_share);
     // And the other way: the copies' speed while the optimizer runs, at the piece
     // size whose rates were kept above.
     auto share = measure_copy_share_beside_host_adam(backend, n, dtype, pieces.back(),

@@ -96,6 +96,10 @@ struct Machine {
   uint64_t storage_bytes = 0;
   double storage_latency_s = 0;
   double host_adam_params_per_s_alone = 0;
+  // The host AdamW out of place (reading one master, m and v and writing a second,
+  // as speculative updates do) over in place, alone: the outputs' lines are not in
+  // cache, so it moves more memory. The simulator slows speculative host ops by it.
+  double host_adam_out_of_place_share = 1.0;
   MeasuredOn measured_on;
 
   bool operator==(const Machine&) const = default;
@@ -119,11 +123,13 @@ struct Machine {
 
 // 2: attention_flops_per_s; 3: op_rates (one rate per kind); 4: op_fits (fixed cost,
 // rate and bytes rate per kind) and copy_share_while_computing; 5: copy_share_while_host_computes;
-// 6: compute_share_while_host_computes and host_share_while_computing.
+// 6: compute_share_while_host_computes and host_share_while_computing; 7:
+// host_adam_out_of_place_share.
 // from_json also reads versions 2 (no fitted kinds: every kind from the class rates),
-// 3 (each rate as a fit with that rate alone), 4 and 5; a field a version lacks keeps
-// what that version modelled (full speed side by side).
-inline constexpr int kMachineFormatVersion = 6;
+// 3 (each rate as a fit with that rate alone), 4, 5 and 6; a field a version lacks
+// keeps what that version modelled (full speed side by side, speculative updates at
+// the in-place rate).
+inline constexpr int kMachineFormatVersion = 7;
 
 // The work an op's kind is measured in (OpFit::rate): op_cost_flops when the
 // kind has flops, else op_bytes_moved.

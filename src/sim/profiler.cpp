@@ -69,6 +69,9 @@ Result<Machine> measure_machine(Backend& backend, Machine m) {
     const size_t n = gpu ? (size_t{32} << 20) : (size_t{4} << 20);
     SPILLWAY_ASSIGN_OR_RETURN(m.host_adam_params_per_s,
                               measure_host_adam(n, backend.activation_dtype(), kRepeats, nullptr));
+    SPILLWAY_ASSIGN_OR_RETURN(const double into, measure_host_adam(n, backend.activation_dtype(), kRepeats, nullptr,
+                                                                   /*out_of_place=*/true));
+    m.host_adam_out_of_place_share = std::clamp(into / m.host_adam_params_per_s, 0.05, 1.0);
     SPILLWAY_ASSIGN_OR_RETURN(HostComputeShares side, measure_compute_beside_host_adam(backend, n, backend.activation_dtype(),
                                                                                      gpu ? 8192 : 512, kRepeats));
     m.compute_share_while_host_computes = side.compute_while_host;
@@ -302,10 +305,10 @@ void HostAdamState::step(int64_t step_number) {
   std::swap(v_, v2_);
 }
 
-Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying) {
+Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying, bool out_of_place) {
   if (n == 0) return Status::invalid_argument("measure host AdamW: no params");
   iters = std::max(1, iters);
-  SPILLWAY_ASSIGN_OR_RETURN(HostAdamState state, HostAdamState::make(n, dtype));
+  SPILLWAY_ASSIGN_OR_RETURN(HostAdamState state, HostAdamState::make(n, dtype, out_of_place));
   int64_t step = 1;
   state.step(step++);  // warm-up
   double alone_s = 1e30;

@@ -89,8 +89,9 @@ class HostAdamState {
 // Host AdamW params/s over the global thread pool: the best of `iters` steps of n
 // params after one warm-up. With `copying`, its copy engine moves 64 MiB pieces of
 // pinned memory host→device and device→host the whole time (they share the host's
-// memory bandwidth with the optimizer, as in a pipelined step).
-Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying);
+// memory bandwidth with the optimizer, as in a pipelined step). out_of_place: the
+// update reads one master, m and v and writes a second (the speculative update).
+Result<double> measure_host_adam(size_t n, DType dtype, int iters, Backend* copying, bool out_of_place = false);
 // Copies beside the host optimizer (Machine::copy_share_while_host_computes): the
 // rates of measure_copies (pieces of `piece` bytes, `total` per direction) while host
 // AdamW steps of n params run back to back on the global thread pool, over the same

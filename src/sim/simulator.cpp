@@ -395,7 +395,9 @@ class Sim {
     const TensorId grad = op.operands[static_cast<size_t>(grad_slot)].tensor;
     if (!valid_tensor(param) || !valid_tensor(grad)) return;
     Task t;
-    t.work = machine_.op_seconds(program_, static_cast<size_t>(sp.op)) * host_share_while_copying();
+    // Out of place: slower than the in-place update op_seconds times.
+    t.work = machine_.op_seconds(program_, static_cast<size_t>(sp.op)) * host_share_while_copying() /
+             machine_.host_adam_out_of_place_share;
     t.rate = 1;
     t.name = "speculate " + op.name;
     t.op = sp.op;

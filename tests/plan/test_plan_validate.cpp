@@ -233,6 +233,20 @@ TEST(PlanValidate, SpeculativeUpdatesStartInTheBackwardAndAreChecked) {
   SimResult plain = simulate(placed, without, machine);
   EXPECT_EQ(plain.speculated_ops, 0);
   EXPECT_LT(with.step_s, plain.step_s);
+  // Speculative updates run out of place, at host_adam_out_of_place_share of the
+  // in-place speed: host work N + S/share (S: theirs at full speed, N: the rest's).
+  auto host_work = [&](double share) {
+    Machine m = machine;
+    m.host_adam_out_of_place_share = share;
+    SimResult r = simulate(placed, *plan, m);
+    EXPECT_TRUE(r.plan_error.empty()) << r.plan_error;
+    EXPECT_GE(r.step_s, with.step_s - 1e-12) << "share " << share;
+    return r.host_compute_s;
+  };
+  const double h1 = host_work(1.0), h_half = host_work(0.5), h_quarter = host_work(0.25);
+  EXPECT_NEAR(h1, with.host_compute_s, 1e-12);
+  EXPECT_GT(h_half, h1);
+  EXPECT_NEAR(h_quarter - h_half, 2 * (h_half - h1), 1e-9 * h_quarter);
 
   // Off: no speculation.
   o.speculate = 0;

@@ -41,6 +41,7 @@ Machine every_field_set() {
   m.op_fits[static_cast<size_t>(OpKind::Zero)] = {.fixed_s = 2e-6};
   m.host_adam_params_per_s = 2.1e9;
   m.host_adam_params_per_s_alone = 2.6e9;
+  m.host_adam_out_of_place_share = 0.8125;
   m.host_runs_ahead = false;
   m.measured_op_seconds = {1e-3, 0, 2.5e-4};
   m.measured_on = {.date = "2026-12-04T10:00:00Z", .host = "box", .cpu = "Some CPU, 8 cores",
@@ -76,7 +77,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 27);  // format, version, name, measured_on and the 23 other fields
+  EXPECT_EQ(keys, 28);  // format, version, name, measured_on and the 24 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -116,8 +117,10 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 1, "versions 2 to 6"},
-                                         {"version", 7, "the file is version 7"},
+                                         {"version", 1, "versions 2 to 7"},
+                                         {"version", 8, "the file is version 8"},
+                                         {"host_adam_out_of_place_share", 0, "above 0"},
+                                         {"host_adam_out_of_place_share", 1.5, "at most 1"},
                                          {"compute_share_while_host_computes", 1.5, "at most 1"},
                                          {"host_share_while_computing", 0, "above 0"},
                                          {"copy_share_while_computing", 1.5, "at most 1"},
@@ -175,6 +178,7 @@ TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   j.erase("copy_share_while_host_computes");
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
+  j.erase("host_adam_out_of_place_share");
   auto m = Machine::from_json(j.dump(), "old.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
@@ -183,6 +187,7 @@ TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   want.copy_share_while_host_computes = 1.0;
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
+  want.host_adam_out_of_place_share = 1.0;
   EXPECT_EQ(*m, want);
   for (const OpFit& f : m->op_fits) EXPECT_FALSE(f.measured());
   j["op_rates"] = nlohmann::json::object();
@@ -204,6 +209,7 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   j.erase("copy_share_while_host_computes");
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
+  j.erase("host_adam_out_of_place_share");
   j["op_rates"] = {{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}};
   auto m = Machine::from_json(j.dump(), "v3.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
@@ -215,6 +221,7 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   want.copy_share_while_host_computes = 1.0;
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
+  want.host_adam_out_of_place_share = 1.0;
   EXPECT_EQ(*m, want);
   j["op_rates"] = {{"GeluForward", 0}};
   std::string e = error_of(j);
@@ -238,12 +245,14 @@ TEST(MachineFile, Version4FilesKeepCopiesAtFullSpeedBesideHostOps) {
   j.erase("copy_share_while_host_computes");
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
+  j.erase("host_adam_out_of_place_share");
   auto m = Machine::from_json(j.dump(), "v4.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.copy_share_while_host_computes = 1.0;
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
+  want.host_adam_out_of_place_share = 1.0;
   EXPECT_EQ(*m, want);
   j["copy_share_while_host_computes"] = 0.5;
   const std::string e = error_of(j);
@@ -263,11 +272,13 @@ TEST(MachineFile, Version5FilesKeepComputeAndHostOpsAtFullSpeedSideBySide) {
   j["version"] = 5;
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
+  j.erase("host_adam_out_of_place_share");
   auto m = Machine::from_json(j.dump(), "v5.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
+  want.host_adam_out_of_place_share = 1.0;
   EXPECT_EQ(*m, want);
   j["host_share_while_computing"] = 0.5;
   EXPECT_NE(error_of(j).find("host_share_while_computing: unknown key"), std::string::npos) << error_of(j);
@@ -283,10 +294,29 @@ TEST(MachineFile, Version5FilesKeepComputeAndHostOpsAtFullSpeedSideBySide) {
   EXPECT_NE(error_of(j).find("compute_share_while_host_computes"), std::string::npos);
 }
 
+// Version 6 files ran speculative (out-of-place) host updates at the in-place rate.
+TEST(MachineFile, Version6FilesRunSpeculativeUpdatesAtTheInPlaceRate) {
+  nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  j["version"] = 6;
+  j.erase("host_adam_out_of_place_share");
+  auto m = Machine::from_json(j.dump(), "v6.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Machine want = every_field_set();
+  want.host_adam_out_of_place_share = 1.0;
+  EXPECT_EQ(*m, want);
+  j["host_adam_out_of_place_share"] = 0.5;
+  EXPECT_NE(error_of(j).find("host_adam_out_of_place_share: unknown key"), std::string::npos) << error_of(j);
+  // Required in a version 7 file.
+  j["version"] = 7;
+  ASSERT_TRUE(Machine::from_json(j.dump(), "v7.json").ok());
+  j.erase("host_adam_out_of_place_share");
+  EXPECT_NE(error_of(j).find("host_adam_out_of_place_share"), std::string::npos) << error_of(j);
+}
+
 // The op kinds are written by name, only the measured ones, each with its three terms.
 TEST(MachineFile, OpFitsAreWrittenByKindName) {
   const nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
-  EXPECT_EQ(j["version"], 6);
+  EXPECT_EQ(j["version"], 7);
   EXPECT_EQ(j["op_fits"], (nlohmann::json{{"Zero", {{"fixed_s", 2e-6}, {"rate", 0.0}, {"bytes_per_s", 0.0}}},
                                           {"MatmulBackward", {{"fixed_s", 1.5e-5}, {"rate", 1.5e11}, {"bytes_per_s", 1.25e10}}},
                                           {"GeluForward", {{"fixed_s", 0.0}, {"rate", 7.25e9}, {"bytes_per_s", 0.0}}}}));
