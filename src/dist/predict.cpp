@@ -7,6 +7,12 @@
 
 namespace spillway {
 
+double chained_reduce_seconds(double bytes, int world, const NetworkLink& link) {
+  if (world <= 1 || link.bytes_per_s <= 0) return 0;
+  const double chunk = std::min(bytes, kChainChunkBytes);
+  return bytes / link.bytes_per_s + link.latency_s + (world - 1) * (chunk / link.bytes_per_s + link.latency_s);
+}
+
 double collective_seconds(const Program& rank_program, size_t op_index, int world, const NetworkLink& link) {
   if (world <= 1 || op_index >= rank_program.ops.size() || link.bytes_per_s <= 0) return 0;
   const Op& op = rank_program.ops[op_index];
@@ -16,10 +22,9 @@ double collective_seconds(const Program& rank_program, size_t op_index, int worl
                           : static_cast<double>(dtype_size(rank_program.tensors.info(op.operands.back().tensor).dtype));
   const double bytes = static_cast<double>(op.attrs.n) * elem, others = world - 1;
   switch (op.kind) {
-    case OpKind::ReduceGradient:  // the parts after `sum`
-      return others * static_cast<double>(op.operands.size() - 1) * bytes / link.bytes_per_s + link.latency_s;
-    case OpKind::SendGradient:  // every rank waits for the owner's gather
-      return others * static_cast<double>(op.operands.size()) * bytes / link.bytes_per_s + link.latency_s;
+    case OpKind::ReduceGradient:  // the running sum (n elements, the parts added on each rank)
+    case OpKind::SendGradient:    // every rank of the chain waits for it to pass
+      return chained_reduce_seconds(bytes, world, link);
     case OpKind::AllReduceInRankOrder:  // a gather to rank 0, then a broadcast
       return (others + 1) * bytes / link.bytes_per_s + 2 * link.latency_s;
     case OpKind::BroadcastParam:

@@ -11,15 +11,21 @@
 //                                  sim, plan_rank, {.bytes_per_s = 450e9, .latency_s = 10e-6});  // NVLink
 //   p->tokens_per_s_per_gpu;   // against the one-GPU figure: the scaling efficiency
 //
-// The collectives are costed as the NCCL communicator runs them (dist/nccl): a
-// gradient's reduce gathers every rank's parts on its owner, so the owner's link
-// carries (world−1)·parts·n·e bytes (e = 4 for f32, 2 for bf16 gradients and
-// parameters); a broadcast moves n·e bytes into every rank
-// (NCCL pipelines it); the squared norms' all-reduce is a gather to rank 0 and a
-// broadcast. Each collective also costs the link's latency once. The gather makes the
-// gradient traffic grow with the world size: a reduce chained through the ranks in
-// rank order (pipelined in chunks, each link carrying the gradient once) keeps the
-// order and would not; it is not written yet.
+// The collectives are costed as the NCCL communicator runs them (dist/nccl). A
+// gradient's reduce is a chain in rank order, pipelined in chunks (kChainChunkBytes,
+// as the NCCL communicator's kNcclChainChunkBytes): each rank adds its parts to the
+// running sum (n elements) and sends it on, the last rank to the owner. Every link
+// carries n·e bytes once (e = 4 for f32, 2 for bf16 gradients and parameters), and
+// the chunks of a hop overlap the next hop's, so a reduce costs
+//   n·e/bandwidth + latency + (world−1)·(min(n·e, chunk)/bandwidth + latency)
+// the gradient streaming over one link, then the pipeline's fill: its last chunk
+// crosses world hops (0 → 1 → ... → world−1 → owner). Every rank's share of it
+// (ReduceGradient on the owner, SendGradient elsewhere) costs the whole chain: each
+// waits for its neighbours. The latency is counted per hop, not per chunk (the NCCL
+// communicator launches one group and one add per chunk and hop, an overhead this
+// leaves out; nothing here is measured on several GPUs yet). A
+// broadcast moves n·e bytes into every rank (NCCL pipelines it); the squared norms'
+// all-reduce is a gather to rank 0 and a broadcast, each with the link's latency.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +52,13 @@ struct DataParallelPrediction {
   double tokens_per_s = 0;    // all ranks together
   double tokens_per_s_per_gpu = 0;
 };
+
+// One message of the chained reduce, as the NCCL communicator sends it.
+inline constexpr double kChainChunkBytes = 4.0 * 1024 * 1024;
+
+// Seconds the chained reduce of `bytes` (one gradient, n·e) takes over `link` with
+// `world` ranks (the formula above; 0 when world is 1).
+double chained_reduce_seconds(double bytes, int world, const NetworkLink& link);
 
 // Seconds collective op `op_index` of a rank program takes over `link` with `world`
 // ranks (0 for other ops, and for every op when world is 1).

@@ -29,14 +29,17 @@ TEST(DataParallelPrediction, CollectivesCostTheirBytesOverTheLink) {
   EXPECT_EQ(one->collective_s, 0.0);
   EXPECT_GT(one->compute_s, 0.0);
   EXPECT_DOUBLE_EQ(one->tokens_per_s, 32 / one->step_s);
-  // Three ranks, by hand: per parameter a gather of (world-1)·parts·n·4 bytes and a
-  // broadcast of n·4, each with the latency; the norms' gather and broadcast.
+  // Three ranks, by hand: per parameter a chained reduce (n·4 bytes over a link, one
+  // latency, then two more hops of a chunk, here the whole gradient, each with the
+  // latency) and a broadcast of n·4 with the latency; the norms' gather and broadcast.
   const int world = 3;
   auto layout = make_data_parallel_layout(*training, world, world);
   ASSERT_TRUE(layout.ok());
   double want = 0;
-  for (const DataParallelParam& p : layout->params)
-    want += (2.0 * p.parts * p.n * 4) / 1e9 + 1e-5 + (p.n * 4.0) / 1e9 + 1e-5;
+  for (const DataParallelParam& p : layout->params) {
+    ASSERT_LT(p.n * 4.0, kChainChunkBytes) << "one chunk per gradient in this model";
+    want += (p.n * 4.0) / 1e9 + 1e-5 + 2 * ((p.n * 4.0) / 1e9 + 1e-5) + (p.n * 4.0) / 1e9 + 1e-5;
+  }
   const double P = static_cast<double>(training->tensors.info(training->tensors.find("grad_sqnorms")).shape.numel());
   want += 3.0 * P * 4 / 1e9 + 2e-5;
   auto three = predict_data_parallel(*training, world, world, 32, sim, plan_rank, link);
@@ -103,4 +106,48 @@ TEST(DataParallelPrediction, Bf16ProgramsArePredicted) {
   ASSERT_TRUE(p.ok()) << p.status().to_string();
   EXPECT_GT(p->collective_s, 0.0);
   EXPECT_GT(p->compute_s, 0.0);
+}
+
+// The chained reduce: each link carries the gradient once, so at large n its cost
+// barely grows with the world size (a gather on the owner grew as world-1). By hand,
+// a 512 MiB gradient (bf16, 2^28 elements) over 450 GB/s with 10 us per hop, 4 MiB
+// chunks: 2^29/450e9 + 1e-5 + (world-1)·(2^22/450e9 + 1e-5).
+TEST(DataParallelPrediction, ChainedReduceCostDoesNotGrowWithTheWorldAtLargeSizes) {
+  const NetworkLink link{.bytes_per_s = 450e9, .latency_s = 1e-5};
+  const double bytes = 536870912.0, stream = bytes / 450e9, hop = 4194304.0 / 450e9 + 1e-5;
+  for (int world : {2, 4, 8, 64})
+    EXPECT_NEAR(chained_reduce_seconds(bytes, world, link), stream + 1e-5 + (world - 1) * hop, 1e-15) << world;
+  EXPECT_EQ(chained_reduce_seconds(bytes, 1, link), 0.0);
+  const double two = chained_reduce_seconds(bytes, 2, link), eight = chained_reduce_seconds(bytes, 8, link);
+  EXPECT_LT(eight, 1.1 * two) << "8 ranks cost about what 2 do";
+  EXPECT_LT(eight, 2 * stream) << "the gather's (8-1)·bytes/bandwidth would be 7 times the stream";
+  // A small gradient (under a chunk) crosses world hops whole.
+  EXPECT_NEAR(chained_reduce_seconds(1000, 4, link), 4 * (1000 / 450e9 + 1e-5), 1e-18);
+
+  // The program's gradient ops cost the chain of their n·e bytes: the largest gradient
+  // of a model with a 51.5 M-element embedding (f32: 206 MB), on rank 0 of 2 and 8.
+  const ModelConfig big{2, 1024, 16, 1024, 50304};
+  auto training = build_training_program(big, {1, 16, 1}, DType::F32);
+  ASSERT_TRUE(training.ok()) << training.status().to_string();
+  double at[9] = {}, stream_big = 0;
+  for (int world : {2, 8}) {
+    auto layout = make_data_parallel_layout(*training, world, world, 0);
+    ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+    const Program& p = layout->rank_programs[0];
+    size_t largest = p.ops.size();
+    for (size_t i = 0; i < p.ops.size(); ++i)
+      if ((p.ops[i].kind == OpKind::ReduceGradient || p.ops[i].kind == OpKind::SendGradient) &&
+          (largest == p.ops.size() || p.ops[i].attrs.n > p.ops[largest].attrs.n))
+        largest = i;
+    ASSERT_LT(largest, p.ops.size());
+    const double n = static_cast<double>(p.ops[largest].attrs.n);
+    ASSERT_EQ(n, 50304.0 * 1024) << p.ops[largest].name;
+    at[world] = collective_seconds(p, largest, world, link);
+    stream_big = n * 4 / 450e9;
+    EXPECT_NEAR(at[world], n * 4 / 450e9 + 1e-5 + (world - 1) * hop, 1e-15) << world;
+  }
+  // The pipeline's fill (6 more hops of a 4 MiB chunk) is a quarter of the stream
+  // here; the gather's 8-rank cost was 7 streams.
+  EXPECT_LT(at[8], 1.3 * at[2]);
+  EXPECT_LT(at[8], 2 * stream_big);
 }

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -176,4 +177,97 @@ TEST(ThreadCommunicator, EveryCollectiveGoesThroughTheCopyFunction) {
       for (int k = 0; k < 8; ++k) EXPECT_EQ(gathered[r][q * 8 + k], static_cast<char>(10 * q + k));
     for (int k = 0; k < 8; ++k) EXPECT_EQ(bcast[r][k], static_cast<char>(k)) << "rank " << r;
   }
+}
+
+// The chained reduce at 2, 3 and 4 ranks, every root, chunks that do not divide n (one
+// chunk, a few, many, one element each): f32 and bf16 sums equal the sequential ones
+// bit for bit, the root's output may be its first part, and the links carried what a
+// chain carries: n elements from each rank to the next and from the last to the root
+// (none when the root is last), nothing else, so no link carries more as ranks are
+// added. The data mixes magnitudes and signed zeros, so any other order shows.
+TEST(ThreadCommunicator, ChainedReduceMatchesTheSequentialSumAtEveryChunking) {
+  const size_t n = 103;
+  const int parts = 3;
+  for (int world : {2, 3, 4}) {
+    // Every rank's parts, f32 and their bf16 roundings; element 5 is -0 in every part.
+    std::vector<std::vector<float>> f(world);
+    std::vector<std::vector<uint16_t>> h(world);
+    for (int r = 0; r < world; ++r) {
+      f[r] = values(r, n, parts);
+      h[r].resize(f[r].size());
+      for (size_t i = 0; i < f[r].size(); ++i) h[r][i] = testing_support::float_to_bf16_bits(f[r][i]);
+    }
+    for (int r = 0; r < world; ++r)
+      for (int j = 0; j < parts; ++j) {
+        f[r][j * n + 5] = -0.0f;
+        h[r][j * n + 5] = 0x8000;
+      }
+    // The sequential sums, as one rank accumulates: ranks in order, parts in order.
+    std::vector<float> want(n, 0.0f);
+    std::vector<uint16_t> hwant(h[0].begin(), h[0].begin() + static_cast<long>(n));
+    for (int r = 0; r < world; ++r)
+      for (int j = 0; j < parts; ++j)
+        for (size_t i = 0; i < n; ++i) {
+          want[i] += f[r][j * n + i];
+          if (r > 0 || j > 0)
+            hwant[i] = testing_support::float_to_bf16_bits(testing_support::bf16_bits_to_float(hwant[i]) +
+                                                           testing_support::bf16_bits_to_float(h[r][j * n + i]));
+        }
+    EXPECT_EQ(std::signbit(want[5]), false) << "f32 starts from +0";
+    EXPECT_EQ(hwant[5], 0x8000) << "bf16 starts from the first part: -0 + -0 + ... stays -0";
+    for (size_t chunk : {size_t{1}, size_t{7}, size_t{50}, size_t{1000}}) {
+      for (int root = 0; root < world; ++root) {
+        ThreadGroup group(world, chunk);
+        std::vector<std::vector<float>> fout(world, std::vector<float>(n, -1.0f));
+        std::vector<std::vector<uint16_t>> hin = h;  // the root's copy is overwritten (out = parts[0])
+        std::vector<Status> status(world);
+        std::vector<std::thread> threads;
+        for (int r = 0; r < world; ++r)
+          threads.emplace_back([&, r] {
+            ThreadCommunicator comm(group, r);
+            std::this_thread::sleep_for(std::chrono::microseconds((world - r) * 300));
+            const float* fp = f[r].data();
+            Status s = comm.reduce_in_rank_order({fp, fp + n, fp + 2 * n}, r == root ? fout[r].data() : nullptr, n, root);
+            const uint16_t* hp = hin[r].data();
+            if (s.is_ok())
+              s = comm.reduce_bf16_in_rank_order({hp, hp + n, hp + 2 * n}, r == root ? hin[r].data() : nullptr, n, root);
+            status[r] = s;
+          });
+        for (auto& t : threads) t.join();
+        const std::string where = "world " + std::to_string(world) + " chunk " + std::to_string(chunk) + " root " +
+                                  std::to_string(root);
+        for (int r = 0; r < world; ++r) ASSERT_TRUE(status[r].is_ok()) << where << ": " << status[r].to_string();
+        EXPECT_EQ(std::memcmp(fout[root].data(), want.data(), n * 4), 0) << where;
+        EXPECT_EQ(std::memcmp(hin[root].data(), hwant.data(), n * 2), 0) << where;
+        for (int r = 0; r < world; ++r) {
+          if (r != root) {
+            EXPECT_EQ(fout[r][0], -1.0f) << where << ": only the root's output is written";
+          }
+          for (int q = 0; q < world; ++q) {
+            const bool chained = q == r + 1 || (r == world - 1 && q == root && root != world - 1);
+            EXPECT_EQ(group.bytes_sent(r, q), chained ? n * (4 + 2) : 0) << where << ": link " << r << " -> " << q;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A rank that fails inside a chained reduce (here the root, without an output) aborts
+// the group: the ranks waiting for its chunks get an error instead of waiting forever.
+TEST(ThreadCommunicator, AFailureInsideTheChainReachesEveryRank) {
+  ThreadGroup group(3, 4);
+  std::vector<Status> status(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      ThreadCommunicator comm(group, r);
+      std::vector<float> in(10, 1.0f);
+      status[r] = comm.reduce_in_rank_order({in.data()}, nullptr, 10, 1);
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_FALSE(status[r].is_ok()) << r;
+  EXPECT_NE(status[1].message().find("the root's output is null"), std::string::npos) << status[1].to_string();
+  EXPECT_NE(status[2].message().find("rank 1: reduce: the root's output is null"), std::string::npos)
+      << status[2].to_string();
 }

@@ -2,25 +2,32 @@
 // data-parallel logic without GPUs. Production uses NCCL (src/dist/nccl_communicator.h);
 // this is not a transport.
 //
-//   ThreadGroup group(4);
+//   ThreadGroup group(4);                       // or ThreadGroup(4, /*chunk_elements=*/7)
 //   std::vector<std::thread> ranks;
 //   for (int r = 0; r < 4; ++r)
 //     ranks.emplace_back([&, r] { ThreadCommunicator comm(group, r); /* ... comm.barrier() ... */ });
 //
 // Pointers are host memory (the CPU backend's device memory), or, given a Copy that
 // reaches it, any memory: the CUDA test passes one over cudaMemcpy (cudaMemcpyDefault),
-// so ranks of one process on one GPU share it. Reductions stage every part in host
-// memory through the Copy and add there. Each collective posts
+// so ranks of one process on one GPU share it. The reductions are chained in rank
+// order, as the NCCL communicator's are: rank 0 sums its parts, chunk by chunk
+// (chunk_elements each), and sends each chunk's running sum to rank 1, which adds its
+// parts and sends it on, ..., and the last rank sends the finished chunk to the root
+// (or writes it, being the root). Messages go through per-link mailboxes of the group,
+// which count the bytes each link carried (bytes_sent). Parts are read and the output
+// written through the Copy only; the additions are on the host. Each collective posts
 // the caller's pointers and sizes, meets the others at a barrier, works on the posted
 // buffers, and meets them again before anyone returns (so the buffers stay valid).
 // Sizes or roots that differ between ranks are an error on every rank. A rank that
 // fails calls abort(): every rank waiting, or arriving later, gets the error instead
-// of waiting forever.
+// of waiting forever (a rank failing inside a chained reduce aborts the group).
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -31,8 +38,15 @@ namespace spillway::testing_support {
 
 class ThreadGroup {
  public:
-  explicit ThreadGroup(int world) : world_(world), posts_(static_cast<size_t>(world)) {}
+  // chunk_elements: the elements of one message of a chained reduce (at least 1).
+  explicit ThreadGroup(int world, size_t chunk_elements = size_t{1} << 18)
+      : world_(world),
+        chunk_(chunk_elements == 0 ? 1 : chunk_elements),
+        posts_(static_cast<size_t>(world)),
+        boxes_(static_cast<size_t>(world) * static_cast<size_t>(world)),
+        sent_(static_cast<size_t>(world) * static_cast<size_t>(world), 0) {}
   int world() const { return world_; }
+  size_t chunk_elements() const { return chunk_; }
 
   struct Post {
     const void* in = nullptr;
@@ -64,7 +78,32 @@ class ThreadGroup {
   }
   Post& post(int rank) { return posts_[static_cast<size_t>(rank)]; }
 
+  // One message from `from` to `to`, queued (never blocks).
+  void send(int from, int to, std::vector<char> message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sent_[link(from, to)] += message.size();
+    boxes_[link(from, to)].push_back(std::move(message));
+    cv_.notify_all();
+  }
+  // The oldest message from `from` to `to`; waits for one; an error once any rank aborted.
+  Result<std::vector<char>> receive(int to, int from) {
+    std::unique_lock<std::mutex> lock(mu_);
+    std::deque<std::vector<char>>& box = boxes_[link(from, to)];
+    cv_.wait(lock, [&] { return !box.empty() || aborted_; });
+    if (aborted_) return Status::interrupted("in-process group: " + why_);
+    std::vector<char> message = std::move(box.front());
+    box.pop_front();
+    return message;
+  }
+  // Bytes sent from `from` to `to` since the group was made.
+  size_t bytes_sent(int from, int to) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sent_[link(from, to)];
+  }
+
  private:
+  size_t link(int from, int to) const { return static_cast<size_t>(to) * static_cast<size_t>(world_) + static_cast<size_t>(from); }
+
   int world_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -72,7 +111,10 @@ class ThreadGroup {
   uint64_t generation_ = 0;
   bool aborted_ = false;
   std::string why_;
-  std::vector<Post> posts_;
+  size_t chunk_;                                   // elements per chained-reduce message
+  std::vector<Post> posts_;                        // [world]
+  std::vector<std::deque<std::vector<char>>> boxes_;  // [world (to) · world (from)] queued messages
+  std::vector<size_t> sent_;                       // [world (to) · world (from)] bytes sent
 };
 
 // Copies `bytes` from src to dst, either of which may be the ranks' memory; the
@@ -108,31 +150,26 @@ class ThreadCommunicator : public Communicator {
   Status reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n, int root) override {
     const std::vector<const void*> mine(parts.begin(), parts.end());
     return collective({&mine, out, n, static_cast<int>(parts.size()), root, 1}, [&]() -> Status {
-      if (rank_ != root) return Status::ok();
-      if (out == nullptr) return Status::invalid_argument("reduce: the root's output is null");
-      SPILLWAY_ASSIGN_OR_RETURN(std::vector<std::vector<float>> all, staged<float>(n));
-      std::vector<float> sum(n);
-      for (size_t i = 0; i < n; ++i) {
-        float acc = 0.0f;
-        for (const std::vector<float>& x : all) acc += x[i];
-        sum[i] = acc;
-      }
-      return copy_(out, sum.data(), n * sizeof(float));
+      // acc = +0, then every part added (so a -0 first part gives +0, as on one rank).
+      return chain<float>(
+          mine, out, n, root, "reduce", [](float* acc, const float* x, size_t m) {
+            for (size_t i = 0; i < m; ++i) acc[i] = 0.0f + x[i];
+          },
+          [](float* acc, const float* x, size_t m) {
+            for (size_t i = 0; i < m; ++i) acc[i] += x[i];
+          });
     });
   }
   Status reduce_bf16_in_rank_order(const std::vector<const void*>& parts, void* out, size_t n, int root) override {
     return collective({&parts, out, n, static_cast<int>(parts.size()), root, 4}, [&]() -> Status {
-      if (rank_ != root) return Status::ok();
-      if (out == nullptr) return Status::invalid_argument("bf16 reduce: the root's output is null");
-      SPILLWAY_ASSIGN_OR_RETURN(std::vector<std::vector<uint16_t>> all, staged<uint16_t>(n));
-      std::vector<uint16_t> sum(n);
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t acc = all[0][i];
-        for (size_t k = 1; k < all.size(); ++k)
-          acc = float_to_bf16_bits(bf16_bits_to_float(acc) + bf16_bits_to_float(all[k][i]));
-        sum[i] = acc;
-      }
-      return copy_(out, sum.data(), n * sizeof(uint16_t));
+      // acc = the first part as is, then each later one added in fp32 and rounded.
+      return chain<uint16_t>(
+          parts, out, n, root, "bf16 reduce", [](uint16_t* acc, const uint16_t* x, size_t m) {
+            std::memcpy(acc, x, m * sizeof(uint16_t));
+          },
+          [](uint16_t* acc, const uint16_t* x, size_t m) {
+            for (size_t i = 0; i < m; ++i) acc[i] = float_to_bf16_bits(bf16_bits_to_float(acc[i]) + bf16_bits_to_float(x[i]));
+          });
     });
   }
   Status all_gather(const void* in, void* out, size_t bytes) override {
@@ -151,17 +188,70 @@ class ThreadCommunicator : public Communicator {
   Status barrier() override { return g_.arrive(); }
 
  private:
-  // Every rank's posted parts (n elements of T each), rank order, parts within a rank,
-  // copied into host memory.
-  template <class T>
-  Result<std::vector<std::vector<T>>> staged(size_t n) {
-    std::vector<std::vector<T>> all;
-    for (int r = 0; r < g_.world(); ++r)
-      for (const void* x : *static_cast<const std::vector<const void*>*>(g_.post(r).in)) {
-        all.emplace_back(n);
-        SPILLWAY_RETURN_IF_ERROR(copy_(all.back().data(), x, n * sizeof(T)));
+  // The chained reduce of this rank's `parts` (each n elements of T): per chunk, rank 0
+  // starts the running sum (first(acc, part 0), then add(acc, part j) for its later
+  // parts); rank r > 0 receives it from r-1 and adds all its parts; each rank but the
+  // last sends it on to r+1; the last sends it to the root, or writes it to `out`
+  // being the root. The root, if not last, then receives the finished chunks into
+  // `out`. A root's parts are read, chunk by chunk, before that chunk of `out` is
+  // written, so out may be its parts[0]. A failure aborts the group (the others would
+  // otherwise wait for a message that never comes).
+  template <class T, class First, class Add>
+  Status chain(const std::vector<const void*>& parts, void* out, size_t n, int root, const char* what, First first,
+               Add add) {
+    Status s = chain_steps<T>(parts, out, n, root, what, first, add);
+    if (!s.is_ok()) abort(s.message());
+    return s;
+  }
+  template <class T, class First, class Add>
+  Status chain_steps(const std::vector<const void*>& parts, void* out, size_t n, int root, const char* what,
+                     First first, Add add) {
+    const int last = g_.world() - 1;
+    if (parts.empty()) return Status::invalid_argument(std::string(what) + ": no parts (every rank gives at least one)");
+    if (rank_ == root && out == nullptr) return Status::invalid_argument(std::string(what) + ": the root's output is null");
+    const size_t chunk = g_.chunk_elements();
+    std::vector<T> acc, x;  // [chunk] the running sum, [chunk] one part's slice
+    auto expect = [&](const std::vector<char>& message, size_t m, int from, size_t c) -> Status {
+      if (message.size() == m * sizeof(T)) return Status::ok();
+      return Status::internal(std::string(what) + ": chunk " + std::to_string(c) + " from rank " + std::to_string(from) +
+                              " has " + std::to_string(message.size()) + " bytes; expected " +
+                              std::to_string(m * sizeof(T)));
+    };
+    for (size_t off = 0, c = 0; off < n; off += chunk, ++c) {
+      const size_t m = std::min(chunk, n - off);
+      acc.resize(m);
+      x.resize(m);
+      size_t j = 0;
+      if (rank_ == 0) {
+        SPILLWAY_RETURN_IF_ERROR(copy_(x.data(), static_cast<const T*>(parts[0]) + off, m * sizeof(T)));
+        first(acc.data(), x.data(), m);
+        j = 1;
+      } else {
+        SPILLWAY_ASSIGN_OR_RETURN(std::vector<char> message, g_.receive(rank_, rank_ - 1));
+        SPILLWAY_RETURN_IF_ERROR(expect(message, m, rank_ - 1, c));
+        std::memcpy(acc.data(), message.data(), message.size());
       }
-    return all;
+      for (; j < parts.size(); ++j) {
+        SPILLWAY_RETURN_IF_ERROR(copy_(x.data(), static_cast<const T*>(parts[j]) + off, m * sizeof(T)));
+        add(acc.data(), x.data(), m);
+      }
+      if (rank_ == last && rank_ == root) {
+        SPILLWAY_RETURN_IF_ERROR(copy_(static_cast<T*>(out) + off, acc.data(), m * sizeof(T)));
+      } else {
+        std::vector<char> message(m * sizeof(T));
+        std::memcpy(message.data(), acc.data(), message.size());
+        g_.send(rank_, rank_ == last ? root : rank_ + 1, std::move(message));
+      }
+    }
+    if (rank_ == root && rank_ != last) {
+      for (size_t off = 0, c = 0; off < n; off += chunk, ++c) {
+        const size_t m = std::min(chunk, n - off);
+        SPILLWAY_ASSIGN_OR_RETURN(std::vector<char> message, g_.receive(rank_, last));
+        SPILLWAY_RETURN_IF_ERROR(expect(message, m, last, c));
+        SPILLWAY_RETURN_IF_ERROR(copy_(static_cast<T*>(out) + off, message.data(), message.size()));
+      }
+    }
+    return Status::ok();
   }
 
   template <class F>

@@ -16,15 +16,18 @@
 // stream of their own and waited for with events).
 //
 // reduce_in_rank_order does not use ncclReduce, whose summation order depends on the
-// algorithm NCCL picks (ring, tree) and the topology: the root receives every rank's
-// parts (ncclSend/ncclRecv in groups) into a staging buffer and one kernel sums
-// them, rank by rank and part by part, in fp32 (each addition __fadd_rn: no
-// contraction). It moves world·parts·n floats into the root, the same bytes as a
-// reduce to one rank; the staging buffer is allocated at the first call and grown
-// when a larger one comes (outside the executor's device budget).
-// reduce_bf16_in_rank_order gathers the same way (world·parts·n bf16) and one kernel
-// adds them in that order, each addition in fp32 rounded to bf16 (__fadd_rn,
-// __float2bfloat16_rn), starting from rank 0's first part.
+// algorithm NCCL picks (ring, tree) and the topology. It is a chain in rank order,
+// pipelined in chunks (kNcclChainChunkBytes, set_chain_chunk_bytes): rank 0 sums its
+// own parts (from +0, each addition __fadd_rn: no contraction) and sends the running
+// sum to rank 1 (ncclSend/ncclRecv in a group per chunk, on the communicator's
+// stream, with the add kernels); rank r adds its parts, in order, to what it received
+// and sends it on; the last rank sends the finished sum to the root, or writes it,
+// being the root. So the sum is formed in the order the interface promises, and each
+// link carries the gradient (n elements) about once whatever the world size; while a
+// rank adds chunk c, chunk c-1 travels to the next rank. Three chunk buffers are
+// allocated at the first call (outside the executor's device budget).
+// reduce_bf16_in_rank_order chains the same way over bf16, each addition in fp32
+// rounded to bf16 (__fadd_rn, __float2bfloat16_rn), rank 0 starting from its first part.
 #pragma once
 
 #include <array>
@@ -37,6 +40,8 @@ namespace spillway {
 
 inline constexpr size_t kNcclIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES
 using NcclId = std::array<char, kNcclIdBytes>;
+// One message of the chained reduce (dist/predict.h costs the chain with the same size).
+inline constexpr size_t kNcclChainChunkBytes = size_t{4} << 20;
 
 // A new NCCL unique id (rank 0 calls it once per job).
 Result<NcclId> nccl_unique_id();
@@ -58,11 +63,13 @@ class NcclCommunicator : public Communicator {
   Status all_gather(const void* in, void* out, size_t bytes) override;
   Status broadcast(void* buf, size_t bytes, int root) override;
   Status barrier() override;
+  // The chained reduce's message size (every rank must set the same; at least 4 bytes).
+  Status set_chain_chunk_bytes(size_t bytes);
 
  private:
   NcclCommunicator() = default;
-  Status gather_parts(const std::vector<const void*>& parts, size_t elem_bytes, size_t n, int root, const char* what,
-                      bool* gathered);
+  Status chain_reduce(const std::vector<const void*>& parts, void* out, size_t n, int root, bool bf16,
+                      const char* what);
   struct State;
   std::unique_ptr<State> s_;
   int rank_ = 0, world_ = 1, device_ = 0;
