@@ -23,9 +23,13 @@
 // stream, with the add kernels); rank r adds its parts, in order, to what it received
 // and sends it on; the last rank sends the finished sum to the root, or writes it,
 // being the root. So the sum is formed in the order the interface promises, and each
-// link carries the gradient (n elements) about once whatever the world size; while a
-// rank adds chunk c, chunk c-1 travels to the next rank. Three chunk buffers are
-// allocated at the first call (outside the executor's device budget).
+// link carries the gradient (n elements) about once whatever the world size. The
+// hops overlap: in one group a rank receives chunk c from the previous rank while it
+// sends chunk c-1 on, so every link moves a chunk at once; the adds run between the
+// groups on the same stream (not overlapped with this rank's own transfers). A root
+// that passes a null output still takes its place in the chain, then returns the
+// error. Three chunk buffers are allocated at the first call and grown with the chunk
+// (outside the executor's device budget).
 // reduce_bf16_in_rank_order chains the same way over bf16, each addition in fp32
 // rounded to bf16 (__fadd_rn, __float2bfloat16_rn), rank 0 starting from its first part.
 #pragma once
