@@ -74,7 +74,12 @@ TEST(ProfileCli, QuickCpuProfileWritesALoadableMachineWithPositiveFields) {
   EXPECT_LE(m->copy_share_while_computing, 1.0);
   EXPECT_GT(m->copy_share_while_host_computes, 0);
   EXPECT_LE(m->copy_share_while_host_computes, 1.0);
-  EXPECT_NE(r.output.find("copies both ways while the host AdamW runs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("copies while the host AdamW runs, over their speed alone: both ways at once"),
+            std::string::npos)
+      << r.output;
+  EXPECT_GT(m->host_adam_out_of_place_share, 0);
+  EXPECT_LE(m->host_adam_out_of_place_share, 1.0);
+  EXPECT_NE(r.output.find("host AdamW out of place (speculative updates)"), std::string::npos) << r.output;
   // Each kind of the sample steps got a fitted cost; the table gives back each sample.
   for (OpKind k : {OpKind::MatmulForward, OpKind::MatmulBackward, OpKind::AttentionBackward, OpKind::AdamW})
     EXPECT_TRUE(m->op_fit(k).measured()) << op_kind_name(k) << "\n" << r.output;
