@@ -271,6 +271,16 @@ Result<unsigned> schedule_flags_from_environment() {
                                   "'; expected auto (CUDA's default), spin, yield or blocking");
 }
 
+// The SPILLWAY_CUDA_SCHEDULE value of flags schedule_flags_from_environment returned.
+const char* schedule_name(unsigned flags) {
+  switch (flags) {
+    case cudaDeviceScheduleSpin: return "spin";
+    case cudaDeviceScheduleYield: return "yield";
+    case cudaDeviceScheduleBlockingSync: return "blocking";
+    default: return "auto";
+  }
+}
+
 // ---------------------------------------------------------------- copy engine
 
 class CudaCopyEngine final : public CopyEngine {
@@ -537,7 +547,7 @@ class CudaBackend final : public Backend {
                                   : "one optimizer launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0)") +
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
-                                                            std::getenv("SPILLWAY_CUDA_SCHEDULE")) +
+                                                            schedule_name(schedule_flags_)) +
            ")";
   }
   DType activation_dtype() const override { return sizes().activation_dtype(); }
