@@ -454,8 +454,16 @@ Status DataParallelRank::save_shard(const std::string& dir, int64_t step) {
                                                              " writing its checkpoint shard");
 }
 
-Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
-  // The shards present, by rank; all of one world size and one step.
+namespace {
+
+// The shards of a checkpoint folder, opened, with their metadata checked: every one
+// of one format, version, world size and step, named after its rank, none missing.
+struct ShardSet {
+  std::vector<SafetensorsReader> shards;  // by file name
+  int64_t world = 0, step = 0;
+};
+
+Result<ShardSet> open_shard_set(const std::string& dir) {
   std::error_code ec;
   std::vector<std::string> found;
   // Incremented with an error code: a range-for would throw on a failing step.
@@ -466,14 +474,15 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
   if (ec) return Status::io_error("data parallel: cannot read checkpoint folder " + dir + ": " + ec.message());
   if (found.empty()) return Status::not_found("data parallel: no checkpoint shards (shard-R-of-N.safetensors) in " + dir);
   std::sort(found.begin(), found.end());
-  std::vector<SafetensorsReader> shards;
+  ShardSet set;
   int64_t world = -1, step = -1;
   std::vector<bool> seen;
   for (const std::string& path : found) {
     SPILLWAY_ASSIGN_OR_RETURN(SafetensorsReader r, SafetensorsReader::open(path));
     auto format = r.metadata().find("format");
     if (format == r.metadata().end() || format->second != kShardFormat)
-      return fail(path + ": not a data-parallel checkpoint shard (metadata format is not " + kShardFormat + ")");
+      return Status::corrupt(path + ": not a data-parallel checkpoint shard (metadata format is not " +
+                             std::string(kShardFormat) + ")");
     SPILLWAY_ASSIGN_OR_RETURN(int64_t version, meta_int(r, "version"));
     if (version != kShardVersion)
       return fail(path + ": shard version " + std::to_string(version) + "; this build reads version " +
@@ -481,26 +490,73 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
     SPILLWAY_ASSIGN_OR_RETURN(int64_t rank, meta_int(r, "rank"));
     SPILLWAY_ASSIGN_OR_RETURN(int64_t w, meta_int(r, "world"));
     SPILLWAY_ASSIGN_OR_RETURN(int64_t s, meta_int(r, "step"));
-    if (w < 1 || rank < 0 || rank >= w || std::filesystem::path(path).filename().string() !=
-                                              shard_name(static_cast<int>(rank), static_cast<int>(w)))
-      return fail(path + ": its metadata says rank " + std::to_string(rank) + " of " + std::to_string(w) +
-                  ", which does not match its name");
+    if (w < 1 || w > (int64_t{1} << 20) || rank < 0 || rank >= w ||
+        std::filesystem::path(path).filename().string() != shard_name(static_cast<int>(rank), static_cast<int>(w)))
+      return Status::corrupt(path + ": its metadata says rank " + std::to_string(rank) + " of " + std::to_string(w) +
+                             ", which does not match its name");
     if (world < 0) {
       world = w;
       step = s;
       seen.assign(static_cast<size_t>(w), false);
     } else if (w != world || s != step) {
-      return fail(dir + ": shards of different checkpoints (" + found.front() + ": " + std::to_string(world) +
-                  " ranks, step " + std::to_string(step) + "; " + path + ": " + std::to_string(w) + " ranks, step " +
-                  std::to_string(s) + ")");
+      return Status::corrupt("data parallel: " + dir + ": shards of different checkpoints (" + found.front() + ": " +
+                             std::to_string(world) + " ranks, step " + std::to_string(step) + "; " + path + ": " +
+                             std::to_string(w) + " ranks, step " + std::to_string(s) + ")");
     }
     seen[static_cast<size_t>(rank)] = true;
-    shards.push_back(std::move(r));
+    set.shards.push_back(std::move(r));
   }
   for (size_t r = 0; r < seen.size(); ++r)
     if (!seen[r])
-      return fail(dir + ": the checkpoint of " + std::to_string(world) + " ranks lacks " +
-                  shard_name(static_cast<int>(r), static_cast<int>(world)));
+      return Status::corrupt("data parallel: " + dir + ": the checkpoint of " + std::to_string(world) +
+                             " ranks lacks " + shard_name(static_cast<int>(r), static_cast<int>(world)));
+  set.world = world;
+  set.step = step;
+  return set;
+}
+
+// Entry `e` of shard `r`, F32, checked against the checksum its metadata records.
+Result<std::vector<float>> read_verified(const SafetensorsReader& r, const SafetensorsEntry& e) {
+  if (e.dtype != "F32")
+    return Status::corrupt(r.path() + ": " + e.name + " is " + e.dtype + "; a shard holds F32 tensors only");
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, r.read_f32(e));
+  auto sum = r.metadata().find("xxh3." + e.name);
+  if (sum == r.metadata().end()) return Status::corrupt(r.path() + ": no checksum for " + e.name);
+  if (sum->second != hex64(checksum_of(v)))
+    return Status::corrupt(r.path() + ": " + e.name + " does not match its checksum (xxh3 " + hex64(checksum_of(v)) +
+                           ", recorded " + sum->second + "): the shard is corrupt");
+  return v;
+}
+
+}  // namespace
+
+Result<DataParallelShards> verify_data_parallel_shards(const std::string& dir) {
+  SPILLWAY_ASSIGN_OR_RETURN(ShardSet set, open_shard_set(dir));
+  DataParallelShards out;
+  out.world = static_cast<int>(set.world);
+  out.step = set.step;
+  for (const SafetensorsReader& r : set.shards) {
+    std::error_code ec;
+    const uintmax_t size = std::filesystem::file_size(r.path(), ec);
+    if (ec) return Status::io_error("data parallel: stat " + r.path() + ": " + ec.message());
+    out.bytes += static_cast<uint64_t>(size);
+    for (const SafetensorsEntry& e : r.entries()) {
+      SPILLWAY_RETURN_IF_ERROR(read_verified(r, e).status());
+      ++out.tensors;
+    }
+    // A checksum without its tensor: the tensor is missing.
+    for (const auto& [key, value] : r.metadata())
+      if (key.starts_with("xxh3.") && r.find(key.substr(5)) == nullptr)
+        return Status::corrupt(r.path() + ": its metadata records a checksum for " + key.substr(5) +
+                               ", which the shard does not hold");
+  }
+  return out;
+}
+
+Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
+  // The shards present, by rank; all of one world size and one step.
+  SPILLWAY_ASSIGN_OR_RETURN(ShardSet set, open_shard_set(dir));
+  const std::vector<SafetensorsReader>& shards = set.shards;
   // A tensor from whichever shard holds it, checked against its size and checksum.
   auto read = [&](const std::string& name, size_t n) -> Result<std::vector<float>> {
     for (const SafetensorsReader& r : shards) {
@@ -509,13 +565,7 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
       if (e->dtype != "F32" || e->numel() != static_cast<int64_t>(n))
         return fail(r.path() + ": " + name + " is " + e->dtype + " with " + std::to_string(e->numel()) +
                     " elements; this program's has " + std::to_string(n) + " F32");
-      SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, r.read_f32(*e));
-      auto sum = r.metadata().find("xxh3." + name);
-      if (sum == r.metadata().end()) return fail(r.path() + ": no checksum for " + name);
-      if (sum->second != hex64(checksum_of(v)))
-        return fail(r.path() + ": " + name + " does not match its checksum (xxh3 " + hex64(checksum_of(v)) +
-                    ", recorded " + sum->second + "): the shard is corrupt");
-      return v;
+      return read_verified(r, *e);
     }
     return fail(dir + ": no shard holds " + name);
   };
@@ -532,7 +582,7 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
       SPILLWAY_RETURN_IF_ERROR(executor_->write_tensor(t, v.data(), n * sizeof(float)));
     }
   }
-  return step;
+  return set.step;
 }
 
 }  // namespace spillway

@@ -159,4 +159,22 @@ class DataParallelRank {
   std::unique_ptr<Executor> executor_;
 };
 
+// What verify_data_parallel_shards found in a folder of shards.
+struct DataParallelShards {
+  int world = 0;        // the ranks that wrote it (one shard each)
+  int64_t step = 0;     // the step every shard was saved after
+  uint64_t bytes = 0;   // the shards' files together
+  size_t tensors = 0;   // tensors verified, over every shard
+};
+// Verifies a sharded checkpoint folder (DataParallelRank::save_shard's) without a
+// program, with load_shards' own checks: every shard of one format, version, world
+// and step, named after its rank, none missing; then every tensor of every shard read
+// and compared with the xxh3 its metadata records (load_shards reads only those it
+// loads). Errors name the folder or shard, and the tensor: Corrupt for damaged or
+// missing data, NotFound for a folder without shards.
+//
+//   auto v = verify_data_parallel_shards("runs/a/dp-ckpt-00000010");
+//   if (!v.ok()) std::puts(v.status().message().c_str());  // ".../shard-1-of-2.safetensors: adam_v.x does not match ..."
+Result<DataParallelShards> verify_data_parallel_shards(const std::string& dir);
+
 }  // namespace spillway

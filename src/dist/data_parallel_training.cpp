@@ -618,6 +618,50 @@ Result<DataParallelCheckpoint> newest_data_parallel_checkpoint(const std::string
                            dir);
 }
 
+Result<std::vector<DataParallelCheckpointListing>> list_data_parallel_checkpoints(const std::string& dir) {
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<Folder> folders, list_folders(dir));
+  std::vector<DataParallelCheckpointListing> out;
+  for (const Folder& f : folders) {
+    DataParallelCheckpointListing l;
+    l.path = (std::filesystem::path(dir) / f.name).string();
+    l.step = f.step;
+    l.partial = f.partial;
+    std::error_code ec;
+    for (std::filesystem::directory_iterator it(l.path, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code size_ec;
+      const uintmax_t size = it->is_regular_file(size_ec) ? it->file_size(size_ec) : 0;
+      if (!size_ec) l.bytes += static_cast<uint64_t>(size);
+    }
+    if (ec) {
+      l.status = Status::io_error(l.path + ": cannot list it: " + ec.message());
+    } else if (f.partial) {
+      l.status = Status::not_found("the run stopped while writing it (rank 0 renames the folder once every shard "
+                                   "and the manifest are in); not resumable");
+    } else {
+      auto c = read_manifest(l.path);
+      if (!c.ok()) {
+        l.status = c.status();
+      } else {
+        l.world = c->world;
+        if (c->step != f.step) {
+          l.status = Status::corrupt(l.path + ": its manifest says step " + std::to_string(c->step));
+        } else {
+          l.manifest_ok = true;
+          auto shards = verify_data_parallel_shards(l.path);
+          if (!shards.ok())
+            l.status = shards.status();
+          else if (shards->world != c->world || shards->step != c->step)
+            l.status = Status::corrupt(l.path + ": its shards are of " + std::to_string(shards->world) +
+                                       " ranks, step " + std::to_string(shards->step) + "; its manifest says " +
+                                       std::to_string(c->world) + " ranks, step " + std::to_string(c->step));
+        }
+      }
+    }
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
 bool holds_data_parallel_checkpoints(const std::string& dir) {
   auto folders = list_folders(dir);
   return folders.ok() && !folders->empty();

@@ -112,6 +112,25 @@ struct DataParallelCheckpoint {
 // "NAME: why". NotFound naming `dir` when there is none.
 Result<DataParallelCheckpoint> newest_data_parallel_checkpoint(const std::string& dir,
                                                                std::vector<std::string>* skipped = nullptr);
+// One dp-ckpt-* folder as `spillway checkpoint info` lists it.
+struct DataParallelCheckpointListing {
+  std::string path;      // DIR/dp-ckpt-<step>, or DIR/dp-ckpt-<step>.partial
+  int64_t step = 0;      // from the folder's name
+  int world = 0;         // the ranks that wrote it (manifest or shards; 0 when neither tells)
+  uint64_t bytes = 0;    // every file in the folder together
+  bool partial = false;  // a .partial folder: unfinished, never resumed from
+  bool manifest_ok = false;  // its manifest reads and is of its step: all --resume checks before loading
+  Status status;         // ok when it verifies; else why (a partial one: NotFound, saying it is unfinished)
+};
+// The dp-ckpt-* folders under `dir`, newest step first (a .partial after the whole
+// folder of its step), each verified: its manifest read and well-formed, its step
+// the folder's, and its shards as verify_data_parallel_shards checks them (every
+// tensor's checksum), of the manifest's world and step. An empty list when `dir` has
+// none or does not exist; an error only when `dir` cannot be read.
+//
+//   for (const auto& c : *list_data_parallel_checkpoints("runs/a"))
+//     std::printf("%s %s\n", c.path.c_str(), c.status.is_ok() ? "ok" : c.status.message().c_str());
+Result<std::vector<DataParallelCheckpointListing>> list_data_parallel_checkpoints(const std::string& dir);
 // True when `dir` holds a data-parallel checkpoint folder (dp-ckpt-*), whole or not.
 bool holds_data_parallel_checkpoints(const std::string& dir);
 
