@@ -239,7 +239,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   out << line;
   if (f.gpus > 1) {
     // Data parallel (dist/predict.h): the busiest rank's program, planned as this one
-    // was, plus its collectives over the network.
+    // was, plus its collectives over the network that the backward does not hide.
     const NetworkLink link{.bytes_per_s = f.network_gbps * 1e9, .latency_s = f.network_latency_us * 1e-6};
     const Simulator cost(machine);
     PlannerOptions rank_options = *planner;
@@ -255,10 +255,10 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
     if (!dp.ok()) return dp.status().with_context("--gpus " + std::to_string(f.gpus));
     std::snprintf(line, sizeof line,
                   "data parallel, %d GPUs (network %.1f GB/s per GPU each way, %.1f us per collective): step %.3f s "
-                  "(the busiest rank, %d: compute %.3f s + collectives %.3f s), %.0f tokens/s, %.0f per GPU: %.0f%% of "
-                  "one GPU's %.0f\n",
+                  "(the busiest rank, %d: compute %.3f s + exposed collectives %.3f s; hidden behind the backward "
+                  "%.3f s), %.0f tokens/s, %.0f per GPU: %.0f%% of one GPU's %.0f\n",
                   f.gpus, f.network_gbps, f.network_latency_us, dp->step_s, dp->busiest_rank, dp->compute_s,
-                  dp->collective_s, dp->tokens_per_s, dp->tokens_per_s_per_gpu,
+                  dp->exposed_s, dp->hidden_s, dp->tokens_per_s, dp->tokens_per_s_per_gpu,
                   p.tokens_per_s > 0 ? 100.0 * dp->tokens_per_s_per_gpu / p.tokens_per_s : 0.0, p.tokens_per_s);
     out << line;
   }

@@ -198,24 +198,55 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
     gradsum[i] = static_cast<TensorId>(infos.size() - 1);
   }
 
+  // Each gradient's reduction goes right after the op of the backward that writes its
+  // last contribution (the last op that writes any of its parts), so that it can run
+  // while the rest of the backward computes. Parameters whose last contributions come
+  // from the same op follow it in parameter order. Every rank has the same body and
+  // the same positions: the ranks call the collectives in the same order.
+  std::vector<std::vector<size_t>> reduce_after(body.size());  // body op -> the parameters reduced after it
+  {
+    std::map<TensorId, size_t> param_of_part;
+    for (size_t i = 0; i < params.size(); ++i)
+      for (TensorId t : params[i].parts) param_of_part[t] = i;
+    std::vector<size_t> last(params.size(), SIZE_MAX);
+    for (size_t j = 0; j < body.size(); ++j)
+      for (const Operand& o : body[j].operands)
+        if (o.access != Access::Read)
+          if (auto it = param_of_part.find(o.tensor); it != param_of_part.end()) last[it->second] = j;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (last[i] == SIZE_MAX) return fail("no op of the backward writes the gradient of '" + L.params[i].name + "'");
+      reduce_after[last[i]].push_back(i);
+    }
+  }
   for (int r = 0; r < world; ++r) {
     if (only_rank >= 0 && r != only_rank) {
       L.rank_programs.emplace_back();
       continue;
     }
-    std::vector<Op> ops = body;
-    for (size_t i = 0; i < params.size(); ++i) {
-      const int owner = L.partition.owner[i];
-      OpAttrs a;
-      a.n = L.params[i].n;
-      a.root = owner;
-      std::vector<Operand> in;
-      for (TensorId t : params[i].parts) in.push_back({t, Access::Read});
-      if (owner == r) {
-        in.insert(in.begin(), Operand{gradsum[i], Access::Write});
-        ops.push_back(make(OpKind::ReduceGradient, "reduce." + L.params[i].name, std::move(in), a));
-      } else {
-        ops.push_back(make(OpKind::SendGradient, "send." + L.params[i].name, std::move(in), a));
+    std::vector<Op> ops;
+    ops.reserve(body.size() + 2 * params.size() + 8);
+    for (size_t j = 0; j < body.size(); ++j) {
+      ops.push_back(body[j]);
+      for (size_t i : reduce_after[j]) {
+        const int owner = L.partition.owner[i];
+        OpAttrs a;
+        a.n = L.params[i].n;
+        a.root = owner;
+        std::vector<Operand> in;
+        for (TensorId t : params[i].parts) in.push_back({t, Access::Read});
+        Op op;
+        if (owner == r) {
+          in.insert(in.begin(), Operand{gradsum[i], Access::Write});
+          op = make(OpKind::ReduceGradient, "reduce." + L.params[i].name, std::move(in), a);
+        } else {
+          op = make(OpKind::SendGradient, "send." + L.params[i].name, std::move(in), a);
+        }
+        // Part of the backward now (the planner's reorders keep backward ops in
+        // program order, and so these right after the op they follow).
+        op.phase = Phase::Backward;
+        op.micro_batch = body[j].micro_batch;
+        op.layer = body[j].layer;
+        ops.push_back(std::move(op));
       }
     }
     // The packed squared norms: zeroed, the owners' elements, summed over ranks.

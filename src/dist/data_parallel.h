@@ -86,8 +86,12 @@ struct DataParallelLayout {
 // one rank's N·A, and every micro-batch's contributions travel as parts of their own
 // (A gradients' memory): a rank's own accumulation would add them in another order
 // than one rank does. Rank r's program: the forward and backward (a gradient's second and later
-// contributions each in a part of its own), then per parameter ReduceGradient (its
-// owner) or SendGradient (the others), the owned parameters' SquaredNorm ops,
+// contributions each in a part of its own), each parameter's ReduceGradient (its
+// owner) or SendGradient (the others) placed right after the backward op that writes
+// its gradient's last contribution (phase Backward: the reduction can run while the
+// rest of the backward computes; parameters finished by the same op follow it in
+// parameter order, and every rank has them at the same positions), then the owned
+// parameters' SquaredNorm ops,
 // AllReduceInRankOrder of the squared norms, ClipScale, and per parameter the owner's
 // AdamW and BroadcastParam. Only the owned parameters' master weights and moments are
 // in it. One rank with accumulation N scales the loss gradient by 1/(B·T·N); each

@@ -58,8 +58,25 @@ Result<DataParallelPrediction> predict_data_parallel(const Program& training, in
   p.world = world;
   p.busiest_rank = busiest;
   p.compute_s = cost.step_seconds(mine, plan);
-  for (size_t i = 0; i < mine.ops.size(); ++i) p.collective_s += collective_seconds(mine, i, world, link);
-  p.step_s = p.compute_s + p.collective_s;
+  // The reduces on their own stream beside the backward (predict.h, "Overlap").
+  double compute = 0, stream_end = 0, tail = 0;
+  bool optimizer = false;
+  for (size_t i = 0; i < mine.ops.size(); ++i) {
+    const Op& op = mine.ops[i];
+    const double c = collective_seconds(mine, i, world, link);
+    p.collective_s += c;
+    optimizer = optimizer || op.phase == Phase::Optimizer;
+    if (optimizer) {
+      tail += c;  // waited for whole
+    } else if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient) {
+      stream_end = std::max(stream_end, compute) + c;
+    } else {
+      compute += cost.op_seconds(mine, i);
+    }
+  }
+  p.exposed_s = std::max(0.0, stream_end - compute) + tail;
+  p.hidden_s = std::max(0.0, p.collective_s - p.exposed_s);
+  p.step_s = p.compute_s + p.exposed_s;
   if (p.step_s > 0) {
     p.tokens_per_s_per_gpu = static_cast<double>(tokens_per_rank) / p.step_s;
     p.tokens_per_s = p.tokens_per_s_per_gpu * world;

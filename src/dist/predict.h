@@ -1,8 +1,7 @@
 // The predicted step of N data-parallel ranks, for machines that are not here: the
 // busiest rank's program (the most optimizer state; the others wait for it at every
-// collective) planned and timed by a cost model, plus its collectives over the
-// network, which the current Communicator runs synchronously between the compute
-// (so their time adds).
+// collective) planned and timed by a cost model, plus the part of its collectives
+// over the network that the compute does not hide.
 //
 //   auto training = build_training_program(cfg, {.B = 4, .T = 1024, .accum = 1}, DType::BF16);
 //   Simulator sim(Machine::h200());
@@ -10,6 +9,25 @@
 //   auto p = predict_data_parallel(*training, /*world=*/8, /*loss_scale=*/8, /*tokens_per_rank=*/4 * 1024,
 //                                  sim, plan_rank, {.bytes_per_s = 450e9, .latency_s = 10e-6});  // NVLink
 //   p->tokens_per_s_per_gpu;   // against the one-GPU figure: the scaling efficiency
+//
+// Overlap. A gradient's reduce sits in the rank program right after the backward op
+// that writes its last contribution (dist/data_parallel.h), and the collectives run
+// one after another on a stream of their own: reduce k starts when the compute before
+// it is done and the previous collective has finished, so it is hidden behind the
+// backward ops that follow it. The compute waits for the reduces where the optimizer
+// phase begins (its first op reads the reduced gradients or follows them on the
+// collectives' stream); what the reduces' stream has left then is exposed:
+//   ready_k  = Σ op_seconds of the rank program's non-collective ops before reduce k
+//   end_k    = max(ready_k, end_{k-1}) + reduce_seconds(k)        (end_0 = 0 before the first)
+//   exposed  = max(0, end_last − Σ op_seconds of every op before the optimizer phase)
+// The optimizer phase's collectives (the squared norms' all-reduce, the parameters'
+// broadcasts) are exposed whole (the clip scale and the updates wait for them). The
+// backward's time is the cost model's op_seconds summed, without the copies and
+// stalls the planned step also has: a lower bound on the time there is to hide
+// behind, so the hidden part is, if anything, under-counted. step_s = compute_s +
+// exposed_s. (The executor still runs collectives synchronously between the compute
+// ops, exec/dispatch.cpp; the prediction is of the overlapped schedule the program
+// order allows.)
 //
 // The collectives are costed as the NCCL communicator runs them (dist/nccl). A
 // gradient's reduce is a chain in rank order, pipelined in chunks (kChainChunkBytes,
@@ -47,8 +65,10 @@ struct DataParallelPrediction {
   int world = 1;
   int busiest_rank = 0;       // the rank owning the most optimizer state
   double compute_s = 0;       // its program's step as the cost model predicts it
-  double collective_s = 0;    // its collectives over the network
-  double step_s = 0;          // compute_s + collective_s
+  double collective_s = 0;    // its collectives over the network, all of them
+  double hidden_s = 0;        // the part of collective_s that runs behind the backward
+  double exposed_s = 0;       // collective_s − hidden_s: what the step waits for
+  double step_s = 0;          // compute_s + exposed_s
   double tokens_per_s = 0;    // all ranks together
   double tokens_per_s_per_gpu = 0;
 };

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "dist/data_parallel.h"
+#include "plan/cost_model.h"
 #include "dist/predict.h"
 #include "model/model.h"
 #include "plan/planner.h"
@@ -47,7 +48,9 @@ TEST(DataParallelPrediction, CollectivesCostTheirBytesOverTheLink) {
   EXPECT_NEAR(three->collective_s, want, 1e-12);
   const auto& bytes = layout->partition.rank_bytes;
   EXPECT_EQ(bytes[static_cast<size_t>(three->busiest_rank)], *std::max_element(bytes.begin(), bytes.end()));
-  EXPECT_DOUBLE_EQ(three->step_s, three->compute_s + three->collective_s);
+  EXPECT_DOUBLE_EQ(three->step_s, three->compute_s + three->exposed_s);
+  EXPECT_LE(three->exposed_s, three->collective_s);
+  EXPECT_NEAR(three->hidden_s + three->exposed_s, three->collective_s, 1e-15);
   EXPECT_DOUBLE_EQ(three->tokens_per_s, 3 * 32 / three->step_s);
   EXPECT_LT(three->tokens_per_s_per_gpu, one->tokens_per_s_per_gpu);
   // A faster link: less collective time.
@@ -150,4 +153,96 @@ TEST(DataParallelPrediction, ChainedReduceCostDoesNotGrowWithTheWorldAtLargeSize
   // here; the gather's 8-rank cost was 7 streams.
   EXPECT_LT(at[8], 1.3 * at[2]);
   EXPECT_LT(at[8], 2 * stream_big);
+}
+
+namespace {
+
+// Every compute op 1 ms, collectives nothing (the prediction costs those itself), a
+// step the sum of its ops: a cost model to compute the overlap by hand against.
+class MillisecondOps : public CostModel {
+ public:
+  double op_seconds(const Program& p, size_t i) const override {
+    const OpKind k = p.ops[i].kind;
+    const bool collective = k == OpKind::ReduceGradient || k == OpKind::SendGradient ||
+                            k == OpKind::AllReduceInRankOrder || k == OpKind::BroadcastParam;
+    return collective ? 0.0 : 1e-3;
+  }
+  double copy_seconds(uint64_t, bool) const override { return 0; }
+  double duplex_copy_seconds(double) const override { return 0; }
+  double host_adam_seconds(double) const override { return 0; }
+  double step_seconds(const Program& p, const Plan&) const override {
+    double s = 0;
+    for (size_t i = 0; i < p.ops.size(); ++i) s += op_seconds(p, i);
+    return s;
+  }
+};
+
+bool is_reduce(const Op& op) { return op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient; }
+
+}  // namespace
+
+// A reduce is hidden behind the backward compute that follows it. Two ranks, f32
+// (each reduce one chunk: 2·n·4/bandwidth, no latency), every compute op 1 ms, counted
+// on the busiest rank's program:
+// - a slow link (100 B/s: each reduce outlasts the whole backward): the reduces queue
+//   back to back from the first one's start, a ms after the a compute ops before it,
+//   and the b ms of compute before the optimizer phase hide b − a of them:
+//   exposed = a ms + Σ reduces − b ms + the optimizer phase's collectives;
+// - a fast link (1 GB/s: a reduce of at most 4096 elements, 33 us, ends before the
+//   next compute op does): only the reduces after the backward's last compute op are
+//   exposed, with the optimizer phase's collectives.
+TEST(DataParallelPrediction, AReduceIsHiddenBehindTheBackwardComputeAfterIt) {
+  auto training = build_training_program(kModel, {2, 16, 1}, DType::F32);
+  ASSERT_TRUE(training.ok());
+  Simulator sim(Machine::cpu_dev_box());
+  MillisecondOps cost;
+  auto plan_rank = [&](const Program& p) { return make_plan(p, sim, {}, {.policy = Policy::Resident, .alignment = 64}); };
+  auto probe = predict_data_parallel(*training, 2, 2, 32, cost, plan_rank, {.bytes_per_s = 1e9});
+  ASSERT_TRUE(probe.ok()) << probe.status().to_string();
+  auto layout = make_data_parallel_layout(*training, 2, 2, probe->busiest_rank);
+  ASSERT_TRUE(layout.ok());
+  const Program& R = layout->rank_programs[static_cast<size_t>(probe->busiest_rank)];
+  // The program's shape, counted: compute ops before the first reduce (a) and before
+  // the optimizer phase (b), all compute ops, each reduce's n and the tail's sizes.
+  int a = -1, b = 0, all = 0, after_last_compute = 0;
+  double reduce_elems = 0, broadcast_elems = 0, trailing_elems = 0, sq = 0;
+  bool optimizer = false;
+  for (const Op& op : R.ops) {
+    optimizer = optimizer || op.phase == Phase::Optimizer;
+    if (is_reduce(op)) {
+      ASSERT_FALSE(optimizer) << op.name;
+      if (a < 0) a = b;
+      reduce_elems += static_cast<double>(op.attrs.n);
+      trailing_elems += static_cast<double>(op.attrs.n);
+      ++after_last_compute;
+      ASSERT_LE(op.attrs.n * 4, 4096 * 4) << op.name << ": the fast case's bound";
+      continue;
+    }
+    if (op.kind == OpKind::BroadcastParam) broadcast_elems += static_cast<double>(op.attrs.n);
+    if (op.kind == OpKind::AllReduceInRankOrder) sq = static_cast<double>(op.attrs.n);
+    if (op.kind == OpKind::AllReduceInRankOrder || op.kind == OpKind::BroadcastParam) continue;
+    ++all;
+    if (!optimizer) {
+      ++b;
+      trailing_elems = 0;
+      after_last_compute = 0;
+    }
+  }
+  ASSERT_GT(a, 0);
+  ASSERT_GT(b - a, 10) << "reduces with backward compute after them";
+  ASSERT_GT(after_last_compute, 0) << "the embedding's reduce follows the backward's last op";
+  for (double bw : {1e2, 1e9}) {
+    SCOPED_TRACE("link " + std::to_string(bw) + " B/s");
+    auto p = predict_data_parallel(*training, 2, 2, 32, cost, plan_rank, {.bytes_per_s = bw});
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    const double tail = 2 * sq * 4 / bw + broadcast_elems * 4 / bw;  // gather + broadcast of the norms; params
+    const double reduces = 2 * reduce_elems * 4 / bw;
+    EXPECT_NEAR(p->compute_s, all * 1e-3, 1e-12);
+    EXPECT_NEAR(p->collective_s, reduces + tail, 1e-9 * (reduces + tail));
+    const double exposed = bw < 1e6 ? a * 1e-3 + reduces - b * 1e-3 + tail : 2 * trailing_elems * 4 / bw + tail;
+    EXPECT_NEAR(p->exposed_s, exposed, 1e-9 * p->collective_s) << "a " << a << ", b " << b;
+    EXPECT_NEAR(p->hidden_s, p->collective_s - exposed, 1e-9 * p->collective_s);
+    EXPECT_NEAR(p->step_s, all * 1e-3 + exposed, 1e-9 * p->step_s);
+    EXPECT_LT(p->exposed_s, p->collective_s) << "some of the reduces are hidden";
+  }
 }
