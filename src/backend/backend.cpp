@@ -34,6 +34,21 @@ Result<double> Backend::take_stall_seconds() {
   return s;
 }
 
+// The CPU backend's ops complete on the host before they return: a stream that runs
+// after the host waited for them (synchronize) runs after them.
+Status Backend::order_stream_after_compute(void* stream) {
+  (void)stream;
+  return synchronize();
+}
+
+Status Backend::order_after_stream(void* stream, const std::vector<DeviceRange>& ranges) {
+  (void)ranges;
+  if (stream == nullptr) return Status::ok();
+  return Status::unsupported("the " + name() +
+                             " backend has no streams: it cannot order its compute after work on a stream; "
+                             "use a communicator whose calls complete before they return");
+}
+
 bool cuda_available() {
 #ifdef SPILLWAY_HAVE_CUDA
   return cuda_device_present();

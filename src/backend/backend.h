@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/backend_sizes.h"
 #include "core/status.h"
@@ -131,6 +132,41 @@ class Backend : public BackendSizes {
   virtual StallProbe begin_stall_probe();
   virtual void end_stall_probe(StallProbe probe);
   virtual Result<double> take_stall_seconds();
+
+  // ---- collectives on a stream of their own (exec/dispatch.cpp) ----
+  // A Communicator with a stream (NCCL: Communicator::stream()) runs its collectives
+  // there, ordered with the compute queue on the device, as PyTorch's ProcessGroupNCCL
+  // does, so that the host never waits and a reduce overlaps the backward after it:
+  //
+  //   SPILLWAY_RETURN_IF_ERROR(b.order_stream_after_compute(s));  // s waits for the inputs' producers
+  //   ... enqueue the collective on s ...
+  //   SPILLWAY_RETURN_IF_ERROR(b.order_after_stream(s, {{grad, bytes}, {part, bytes}}));
+  //   SPILLWAY_RETURN_IF_ERROR(b.order_compute_for({{grad, bytes}}));  // before an op touching grad
+  //
+  // A byte range of device memory (`bytes` at `p`).
+  struct DeviceRange {
+    const void* p = nullptr;
+    size_t bytes = 0;
+  };
+  // Work enqueued on `stream` (a native stream of this device: a cudaStream_t on CUDA)
+  // after this call runs after all compute submitted before it, held-back launches
+  // included; the host does not wait. Default (CPU): synchronize(), the host waits.
+  virtual Status order_stream_after_compute(void* stream);
+  // The work enqueued on `stream` so far reads or writes `ranges`. Compute submitted
+  // later waits for it on the device only where it touches one of them (which the
+  // caller says with order_compute_for before submitting it); whatever shows device
+  // memory outside the compute queue waits for all of it: synchronize(), upload(),
+  // download(), and the copy engine's copies after compute. Default: a null stream
+  // (work that finished before the call returned) needs nothing; any other is an
+  // Unsupported error (the CPU backend has no streams).
+  virtual Status order_after_stream(void* stream, const std::vector<DeviceRange>& ranges);
+  // Compute submitted after this call that touches `ranges` waits (on the device) for
+  // the stream work of every earlier order_after_stream whose ranges overlap them.
+  // Default: nothing is ever pending.
+  virtual Status order_compute_for(const std::vector<DeviceRange>& ranges) {
+    (void)ranges;
+    return Status::ok();
+  }
 
   // ---- workspace: device memory an op uses besides its operands ----
   // (reduction partials, sort buffers, the cuBLASLt workspace.) The caller allocates

@@ -55,8 +55,21 @@ class Communicator {
   virtual Status all_gather(const void* in, void* out, size_t bytes) = 0;
   // buf (bytes) of root is copied into every other rank's buf.
   virtual Status broadcast(void* buf, size_t bytes, int root) = 0;
-  // Returns when every rank has called it.
+  // Returns when every rank has called it (always synchronous, even enqueue-only).
   virtual Status barrier() = 0;
+
+  // ---- stream order (the Program's collective ops on CUDA: exec/dispatch.cpp) ----
+  // The native stream the collectives run on (NCCL: its cudaStream_t), or nullptr for a
+  // communicator whose calls finish before they return (the in-process one).
+  virtual void* stream() const { return nullptr; }
+  // With a stream: while on, the collectives (not barrier) return once their work is
+  // enqueued on stream(), without the host waiting for it; the caller orders that
+  // work with the device's other work (Backend::order_stream_after_compute before,
+  // Backend::order_after_stream after). Off (the default), every call returns when its
+  // work has finished, which host-side users (gathering host bytes) rely on. A
+  // communicator without a stream ignores it.
+  //   comm.set_enqueue_only(true);  ... comm.reduce_in_rank_order(...) ...;  comm.set_enqueue_only(false);
+  virtual void set_enqueue_only(bool on) { (void)on; }
 };
 
 }  // namespace spillway

@@ -238,8 +238,48 @@ Status run_clip_scale(Backend& b, const Program&, const Op& op, const std::vecto
   return Status::ok();
 }
 
-// ---- Collectives: the backend's Communicator, after the backend's queued work ----
-// (synchronous for now: a stream of their own, ordered by events, is the next step).
+// ---- Collectives: the backend's Communicator ----------------------------------------
+// With a stream (NCCL), a collective runs there, ordered with the compute stream by
+// events as PyTorch's ProcessGroupNCCL does: its stream waits for the compute
+// submitted before it (its inputs' producers), the communicator only enqueues, and the
+// compute stream waits for it only before the first later op that touches one of its
+// operands (run_device_op: Backend::order_compute_for), so the host never waits and a
+// reduce overlaps the backward after it. Without a stream (the in-process
+// communicator), the backend's queued work finishes first and the call is synchronous.
+
+bool is_collective(OpKind k) {
+  return k == OpKind::ReduceGradient || k == OpKind::SendGradient || k == OpKind::AllReduceInRankOrder ||
+         k == OpKind::BroadcastParam;
+}
+
+// The device memory of the op's operands (null pointers left out).
+std::vector<Backend::DeviceRange> operand_ranges(const Program& program, const Op& op, const std::vector<void*>& x) {
+  std::vector<Backend::DeviceRange> r;
+  r.reserve(x.size());
+  for (size_t i = 0; i < x.size() && i < op.operands.size(); ++i)
+    if (x[i] != nullptr) r.push_back({x[i], static_cast<size_t>(program.tensors.info(op.operands[i].tensor).bytes())});
+  return r;
+}
+
+// Runs `call` (the communicator's calls of the op) in the collective's order.
+template <class Call>
+Status ordered_collective(Backend& b, Communicator& c, const Program& program, const Op& op,
+                          const std::vector<void*>& x, Call&& call) {
+  void* stream = c.stream();
+  if (stream == nullptr) {
+    SPILLWAY_RETURN_IF_ERROR(b.synchronize());
+    return call();
+  }
+  const Status after = b.order_stream_after_compute(stream);
+  if (!after.is_ok()) return after.with_context("op " + op.name);
+  c.set_enqueue_only(true);
+  const Status done = call();
+  c.set_enqueue_only(false);
+  // Even a call that failed may have enqueued work: later compute waits for it too.
+  const Status ordered = b.order_after_stream(stream, operand_ranges(program, op, x));
+  SPILLWAY_RETURN_IF_ERROR(done);
+  return ordered.is_ok() ? ordered : ordered.with_context("op " + op.name);
+}
 
 Result<Communicator*> communicator_for(Backend& b, const Program& program, const Op& op) {
   Communicator* c = b.communicator();
@@ -259,7 +299,6 @@ Result<Communicator*> communicator_for(Backend& b, const Program& program, const
   if (op.attrs.root >= c->world_size())
     return Status::invalid_argument("op " + op.name + ": root " + std::to_string(op.attrs.root) + " is not a rank of " +
                                     std::to_string(c->world_size()));
-  SPILLWAY_RETURN_IF_ERROR(b.synchronize());
   return c;
 }
 
@@ -273,28 +312,33 @@ Status run_reduce_gradient(Backend& b, const Program& program, const Op& op, con
                                     (owner ? "; only the root reduces" : "; the root reduces, it does not send"));
   const size_t n = static_cast<size_t>(op.attrs.n);
   const int root = static_cast<int>(op.attrs.root);
-  if (program.tensors.info(op.operands[0].tensor).dtype == DType::BF16) {
-    std::vector<const void*> parts(x.begin() + (owner ? 1 : 0), x.end());
-    return c->reduce_bf16_in_rank_order(parts, owner ? x[0] : nullptr, n, root);
-  }
-  std::vector<const float*> parts;
-  for (size_t i = owner ? 1 : 0; i < x.size(); ++i) parts.push_back(f32(x[i]));
-  return c->reduce_in_rank_order(parts, owner ? f32w(x[0]) : nullptr, n, root);
+  return ordered_collective(b, *c, program, op, x, [&]() -> Status {
+    if (program.tensors.info(op.operands[0].tensor).dtype == DType::BF16) {
+      std::vector<const void*> parts(x.begin() + (owner ? 1 : 0), x.end());
+      return c->reduce_bf16_in_rank_order(parts, owner ? x[0] : nullptr, n, root);
+    }
+    std::vector<const float*> parts;
+    for (size_t i = owner ? 1 : 0; i < x.size(); ++i) parts.push_back(f32(x[i]));
+    return c->reduce_in_rank_order(parts, owner ? f32w(x[0]) : nullptr, n, root);
+  });
 }
 
 Status run_all_reduce_in_rank_order(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
                                     const OptimizerStep&) {
   SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
   const size_t n = static_cast<size_t>(op.attrs.n);
-  SPILLWAY_RETURN_IF_ERROR(c->reduce_in_rank_order({f32(x[0])}, c->rank() == 0 ? f32w(x[0]) : nullptr, n, 0));
-  return c->broadcast(x[0], n * sizeof(float), 0);
+  return ordered_collective(b, *c, program, op, x, [&]() -> Status {
+    SPILLWAY_RETURN_IF_ERROR(c->reduce_in_rank_order({f32(x[0])}, c->rank() == 0 ? f32w(x[0]) : nullptr, n, 0));
+    return c->broadcast(x[0], n * sizeof(float), 0);
+  });
 }
 
 Status run_broadcast_param(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
                            const OptimizerStep&) {
   SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
   const size_t bytes = static_cast<size_t>(op.attrs.n) * dtype_size(program.tensors.info(op.operands[0].tensor).dtype);
-  return c->broadcast(x[0], bytes, static_cast<int>(op.attrs.root));
+  return ordered_collective(b, *c, program, op, x,
+                            [&]() -> Status { return c->broadcast(x[0], bytes, static_cast<int>(op.attrs.root)); });
 }
 
 Status run_adamw(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep& step) {
@@ -385,6 +429,12 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
   const DispatchEntry* e = dispatch_entry(op.kind);
   if (e == nullptr) return Status::internal("op " + op.name + ": unknown kind");
   SPILLWAY_RETURN_IF_ERROR(check_count(op, x));
+  // Compute waits for a collective still on its own stream only where it touches the
+  // collective's tensors (collectives are ordered among themselves on their stream).
+  if (!is_collective(op.kind)) {
+    const Status waited = b.order_compute_for(operand_ranges(program, op, x));
+    if (!waited.is_ok()) return waited.with_context("op " + op.name);
+  }
   return e->device(b, program, op, x, step);
 }
 
@@ -417,9 +467,7 @@ Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit)
     if (op.place != Place::Device) continue;
     // Collectives run the communicator's kernels, not the backend's (and need the
     // other ranks).
-    if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient ||
-        op.kind == OpKind::AllReduceInRankOrder || op.kind == OpKind::BroadcastParam)
-      continue;
+    if (is_collective(op.kind)) continue;
     // One of each kind and operand shapes (and attributes that pick a kernel).
     std::string key = std::to_string(static_cast<int>(op.kind));
     uint64_t bytes = 0;

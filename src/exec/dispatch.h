@@ -9,8 +9,11 @@
 //
 // The collective ops of data-parallel ranks (ReduceGradient, SendGradient,
 // AllReduceInRankOrder, BroadcastParam) call the backend's Communicator
-// (Backend::set_communicator) after synchronizing the backend; without one they are
-// an error naming the op. Gradient sums and broadcasts go in the operands' dtype (f32:
+// (Backend::set_communicator); without one they are an error naming the op. A
+// communicator with a stream (NCCL) only enqueues there, after an event of the compute
+// stream, and later ops wait for it on the device only where they touch its tensors
+// (Backend::order_after_stream, order_compute_for): no host wait. One without
+// (the in-process one) runs after synchronizing the backend. Gradient sums and broadcasts go in the operands' dtype (f32:
 // reduce_in_rank_order; bf16: reduce_bf16_in_rank_order), the squared norms in f32.
 // AccumulateGradient is the backend's residual_forward with out = a (in place).
 //

@@ -74,6 +74,23 @@ TEST(MakeBackend, AutoPicksCudaOnlyWithAGpu) {
   EXPECT_EQ((*b)->name(), cuda_available() ? "cuda" : "cpu");
 }
 
+// Collectives on a stream (backend.h): the CPU backend's ops finish before they
+// return, so ordering after them is a synchronize, work that finished (a null
+// stream) needs nothing, and a real stream is refused, naming the backend.
+TEST(CpuBackend, OrdersWithOtherStreamsOnlyForWorkThatFinished) {
+  auto b = cpu_backend(1);
+  std::vector<float> x = {1.0f, 2.0f};
+  const std::vector<Backend::DeviceRange> ranges = {{x.data(), sizeof(float) * x.size()}};
+  EXPECT_TRUE(b->order_stream_after_compute(nullptr).is_ok());
+  EXPECT_TRUE(b->order_after_stream(nullptr, ranges).is_ok());
+  EXPECT_TRUE(b->order_compute_for(ranges).is_ok());
+  int stands_for_a_stream = 0;
+  const Status s = b->order_after_stream(&stands_for_a_stream, ranges);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.code(), StatusCode::Unsupported);
+  EXPECT_TRUE(contains(s.message(), "the cpu backend has no streams")) << s.to_string();
+}
+
 TEST(CpuBackend, DeviceAndHostMemory) {
   auto b = cpu_backend(2);
   const size_t free0 = b->device_free_bytes();

@@ -1,7 +1,9 @@
 // CudaBackend: the Backend of backend.h on one NVIDIA GPU (see cuda_backend.h).
 //
 // Streams: one compute stream runs every op in submission order; the copy engine
-// owns one stream per direction. Errors: every CUDA and cuBLASLt call is checked;
+// owns one stream per direction; collectives run on their communicator's stream,
+// ordered with the compute stream by events (ComputeQueue: order_stream_after,
+// add_pending, wait_for), never by a host wait. Errors: every CUDA and cuBLASLt call is checked;
 // an op (which returns void) records the first error, and synchronize() reports it.
 #include "backend/cuda/cuda_backend.h"
 
@@ -74,6 +76,9 @@ class RangeSet {
     ranges_.emplace(b, e);
   }
   void clear() { ranges_.clear(); }
+  void add_all(const RangeSet& other) {
+    for (const auto& [b, e] : other.ranges_) add(reinterpret_cast<const void*>(b), e - b);
+  }
 
  private:
   std::map<uintptr_t, uintptr_t> ranges_;  // begin -> end, disjoint, not touching
@@ -118,16 +123,112 @@ class ComputeQueue {
     device_ = device;
     multi_tensor_ = multi_tensor;
     on_error_ = std::move(on_error);
-    return cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    SPILLWAY_RETURN_IF_ERROR(
+        cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)));
+    return cuda_status("cudaEventCreate (compute fence for other streams)",
+                       cudaEventCreateWithFlags(&other_fence_, cudaEventDisableTiming));
   }
-  // Launches what is held back, waits for the stream and destroys it (destruction).
+  // Launches what is held back, waits for the stream (and the other streams' work it
+  // was to wait for) and destroys it (destruction).
   void destroy() {
     std::lock_guard<std::mutex> lock(mu_);
     if (stream_ == nullptr) return;
     flush_locked();
+    (void)join_pending_locked();
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
     stream_ = nullptr;
+    for (cudaEvent_t e : event_pool_) (void)cudaEventDestroy(e);
+    event_pool_.clear();
+    if (other_fence_ != nullptr) (void)cudaEventDestroy(other_fence_);
+    other_fence_ = nullptr;
+  }
+
+  // ---- work on other streams (collectives: Backend::order_*), ordered by events ----
+  // Work enqueued on `other` from now on runs after everything submitted so far
+  // (held-back calls launched first): an event on the compute stream that `other`
+  // waits for. No host wait.
+  Status order_stream_after(cudaStream_t other) {
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_locked();
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    SPILLWAY_RETURN_IF_ERROR(
+        cuda_status("cudaEventRecord (compute, before a collective)", cudaEventRecord(other_fence_, stream_)));
+    return cuda_status("cudaStreamWaitEvent (collective after compute)", cudaStreamWaitEvent(other, other_fence_, 0));
+  }
+  // The work enqueued on `other` so far touches `ranges`: an event recorded on
+  // `other` now, pending until compute waits for it (wait_for, join_pending).
+  Status add_pending(cudaStream_t other, const std::vector<Backend::DeviceRange>& ranges) {
+    std::lock_guard<std::mutex> lock(mu_);
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    cudaEvent_t ev = nullptr;
+    if (!event_pool_.empty()) {
+      ev = event_pool_.back();
+      event_pool_.pop_back();
+    } else {
+      SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaEventCreate (collective done)",
+                                           cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)));
+    }
+    cudaError_t e = cudaEventRecord(ev, other);
+    if (e != cudaSuccess) {
+      event_pool_.push_back(ev);
+      return cuda_status("cudaEventRecord (collective done)", e);
+    }
+    Pending p{other, ev, {}};
+    for (const Backend::DeviceRange& r : ranges) {
+      p.ranges.add(r.p, r.bytes);
+      pending_ranges_.add(r.p, r.bytes);
+    }
+    pending_.push_back(std::move(p));
+    return Status::ok();
+  }
+  // Compute submitted from now on waits for the latest pending work whose ranges
+  // overlap `ranges` (and so for all earlier work of its stream, which runs in order).
+  Status wait_for(const std::vector<Backend::DeviceRange>& ranges) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_.empty()) return Status::ok();
+    // Most ops touch none of it: one look-up per range in the union decides.
+    bool any = false;
+    for (const Backend::DeviceRange& r : ranges) any = any || pending_ranges_.overlaps(r.p, r.bytes);
+    if (!any) return Status::ok();
+    size_t hit = pending_.size();
+    for (size_t i = pending_.size(); i-- > 0 && hit == pending_.size();)
+      for (const Backend::DeviceRange& r : ranges)
+        if (pending_[i].ranges.overlaps(r.p, r.bytes)) {
+          hit = i;
+          break;
+        }
+    if (hit == pending_.size()) return Status::ok();
+    flush_locked();  // held-back calls submitted before go out before the wait
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    const cudaStream_t other = pending_[hit].stream;
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamWaitEvent (compute after a collective)",
+                                         cudaStreamWaitEvent(stream_, pending_[hit].event, 0)));
+    // Waited for: this and every earlier entry of the same stream. (An event can be
+    // recorded again at once: a wait uses the record made before it.)
+    std::deque<Pending> rest;
+    pending_ranges_.clear();
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      if (i <= hit && pending_[i].stream == other) {
+        event_pool_.push_back(pending_[i].event);
+      } else {
+        pending_ranges_.add_all(pending_[i].ranges);
+        rest.push_back(std::move(pending_[i]));
+      }
+    }
+    pending_ = std::move(rest);
+    return Status::ok();
+  }
+  // Compute submitted from now on waits for all pending work on other streams
+  // (before anything that shows device memory outside the compute queue).
+  Status join_pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_locked();
+    return join_pending_locked();
+  }
+  size_t pending_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_.size();
   }
 
   bool multi_tensor() const { return multi_tensor_; }
@@ -201,6 +302,24 @@ class ComputeQueue {
 
  private:
   enum class Kind { None, SquaredNorm, AdamW };
+  // Work enqueued on another stream that compute has not waited for yet.
+  struct Pending {
+    cudaStream_t stream;  // where it runs
+    cudaEvent_t event;    // recorded there after it
+    RangeSet ranges;      // the device memory it reads or writes
+  };
+
+  Status join_pending_locked() {
+    if (pending_.empty()) return Status::ok();
+    cudaError_t e = cudaSetDevice(device_);
+    for (Pending& p : pending_) {
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, p.event, 0);
+      event_pool_.push_back(p.event);
+    }
+    pending_.clear();
+    pending_ranges_.clear();
+    return cuda_status("cudaStreamWaitEvent (compute after every pending collective)", e);
+  }
 
   void report(cudaError_t e, const char* what) {
     if (e != cudaSuccess && on_error_) on_error_(cuda_status(what, e));
@@ -242,6 +361,10 @@ class ComputeQueue {
   RangeSet reads_, writes_;              // memory the held-back calls read, write
   uint64_t traffic_ = 0;                 // bytes they read and write
   Launches launches_;
+  cudaEvent_t other_fence_ = nullptr;    // recorded on the compute stream for order_stream_after
+  std::deque<Pending> pending_;          // other streams' work not yet waited for, in order
+  RangeSet pending_ranges_;              // the union of their ranges
+  std::vector<cudaEvent_t> event_pool_;  // events of retired entries, to record again
 };
 
 // SPILLWAY_CUDA_MULTI_TENSOR: unset or 1, multi-tensor optimizer launches; 0, one
@@ -317,6 +440,8 @@ class CudaCopyEngine final : public CopyEngine {
     // The copy starts after every op submitted so far (a D2H copy reads their output),
     // unless the caller knows no op in flight touches its memory.
     if (after_compute) {
+      // Collectives still pending on their own stream count as compute submitted so far.
+      SPILLWAY_RETURN_IF_ERROR(compute_->join_pending());
       SPILLWAY_RETURN_IF_ERROR(
           cuda_status("cudaEventRecord (compute fence)", cudaEventRecord(compute_fence_, compute_->stream())));
       SPILLWAY_RETURN_IF_ERROR(
@@ -631,12 +756,27 @@ class CudaBackend final : public Backend {
     return s;
   }
 
+  // Collectives on their own stream (backend.h): events between it and the compute
+  // stream, kept by the compute queue; the host never waits here.
+  Status order_stream_after_compute(void* other) override {
+    if (other == nullptr) return synchronize();
+    return queue_.order_stream_after(static_cast<cudaStream_t>(other));
+  }
+  Status order_after_stream(void* other, const std::vector<DeviceRange>& ranges) override {
+    if (other == nullptr) return Status::ok();
+    return queue_.add_pending(static_cast<cudaStream_t>(other), ranges);
+  }
+  Status order_compute_for(const std::vector<DeviceRange>& ranges) override { return queue_.wait_for(ranges); }
+  // Entries of order_after_stream that compute has not waited for yet (tests).
+  size_t pending_collectives() { return queue_.pending_count(); }
+
   Status synchronize() override {
     Status first;
     auto keep = [&](Status s) {
       if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
     };
     keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    keep(queue_.join_pending());  // the collectives still on their own stream too
     keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
     keep(copy_.wait_all());
     {
@@ -653,6 +793,7 @@ class CudaBackend final : public Backend {
 
   Status upload(void* dev, const void* host, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending());  // after the collectives on their own stream
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
         cuda_status("cudaMemcpyAsync (upload)", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)));
@@ -661,6 +802,7 @@ class CudaBackend final : public Backend {
 
   Status download(void* host, const void* dev, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending());  // after the collectives on their own stream
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
         cuda_status("cudaMemcpyAsync (download)", cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s)));
@@ -1066,6 +1208,13 @@ Result<CudaOptimizerLaunches> cuda_optimizer_launches(Backend& backend) {
     return Status::invalid_argument("cuda_optimizer_launches: the " + backend.name() + " backend is not CUDA");
   const ComputeQueue::Launches l = cuda->optimizer_launches();
   return CudaOptimizerLaunches{l.squared_norm, l.adamw};
+}
+
+Result<size_t> cuda_pending_collectives(Backend& backend) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr)
+    return Status::invalid_argument("cuda_pending_collectives: the " + backend.name() + " backend is not CUDA");
+  return cuda->pending_collectives();
 }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(const BackendOptions& options) {

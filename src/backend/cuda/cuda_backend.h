@@ -33,4 +33,10 @@ struct CudaOptimizerLaunches {
 };
 Result<CudaOptimizerLaunches> cuda_optimizer_launches(Backend& backend);
 
+// Collectives on their own stream (Backend::order_after_stream) that the compute
+// stream has not waited for yet: each is waited for before the first op touching its
+// tensors (Backend::order_compute_for), or by synchronize, upload, download and the
+// copy engine's copies after compute. InvalidArgument for a backend that is not CUDA.
+Result<size_t> cuda_pending_collectives(Backend& backend);
+
 }  // namespace spillway

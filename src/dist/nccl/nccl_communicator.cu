@@ -170,6 +170,8 @@ Status NcclCommunicator::chain_reduce(const std::vector<const void*>& parts, voi
   const size_t chunk = std::max<size_t>(1, s_->chunk_bytes / e);  // elements per message
   const size_t need = 3 * chunk * e;
   if (need > s_->staging_bytes) {
+    // (At the first reduce, or after a larger chunk was set: cudaFree and cudaMalloc
+    // wait for the device, so enqueued collectives still using the old buffers finish.)
     if (s_->staging != nullptr)
       SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaFree(s_->staging), "freeing the chained reduce's buffers"));
     s_->staging = nullptr;
@@ -237,9 +239,18 @@ Status NcclCommunicator::chain_reduce(const std::vector<const void*>& parts, voi
       in = dst;  // later parts add to what this launch formed
     }
   }
-  SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(s_->stream), std::string(what) + " (chained)"));
+  SPILLWAY_RETURN_IF_ERROR(finish(std::string(what) + " (chained)"));
   if (no_output) return Status::invalid_argument(std::string("NCCL ") + what + ": the root's output is null");
   return Status::ok();
+}
+
+void* NcclCommunicator::stream() const { return s_ ? static_cast<void*>(s_->stream) : nullptr; }
+
+Status NcclCommunicator::finish(const std::string& what) {
+  // Enqueue-only: every NCCL call and launch was checked as it was made; what fails
+  // on the device later shows at the next synchronization of a stream ordered after it.
+  if (enqueue_only_) return Status::ok();
+  return cuda_status(cudaStreamSynchronize(s_->stream), what);
 }
 
 Status NcclCommunicator::reduce_in_rank_order(const std::vector<const float*>& parts, float* out, size_t n,
@@ -256,14 +267,14 @@ Status NcclCommunicator::all_gather(const void* in, void* out, size_t bytes) {
   SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
   SPILLWAY_RETURN_IF_ERROR(
       nccl_status(ncclAllGather(in, out, bytes, ncclChar, s_->comm, s_->stream), "ncclAllGather"));
-  return cuda_status(cudaStreamSynchronize(s_->stream), "all_gather");
+  return finish("all_gather");
 }
 
 Status NcclCommunicator::broadcast(void* buf, size_t bytes, int root) {
   SPILLWAY_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device_), "cudaSetDevice"));
   SPILLWAY_RETURN_IF_ERROR(
       nccl_status(ncclBroadcast(buf, buf, bytes, ncclChar, root, s_->comm, s_->stream), "ncclBroadcast"));
-  return cuda_status(cudaStreamSynchronize(s_->stream), "broadcast");
+  return finish("broadcast");
 }
 
 Status NcclCommunicator::barrier() {

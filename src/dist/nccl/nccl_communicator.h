@@ -10,10 +10,13 @@
 //   if (!comm.ok()) die(comm.status());
 //   SPILLWAY_RETURN_IF_ERROR((*comm)->reduce_in_rank_order({part0, part1}, sum, n, owner));
 //
-// Pointers are device memory of `device`. Every call is synchronous: it returns when
-// its work on the communicator's stream has finished (the data-parallel step calls it
-// between the executor's steps; as Program ops the calls would be enqueued on a
-// stream of their own and waited for with events).
+// Pointers are device memory of `device`. By default every call is synchronous: it
+// returns when its work on the communicator's stream has finished (host users: the
+// data-parallel trainer's gathers). The Program's collective ops (exec/dispatch.cpp)
+// turn on set_enqueue_only: the calls then return once their NCCL calls and add
+// kernels are enqueued on stream(), which waits for the compute stream's producers
+// with an event, and the compute stream waits for it with an event only before an op
+// that touches its tensors (Backend::order_after_stream); the host never waits.
 //
 // reduce_in_rank_order does not use ncclReduce, whose summation order depends on the
 // algorithm NCCL picks (ring, tree) and the topology. It is a chain in rank order,
@@ -67,6 +70,8 @@ class NcclCommunicator : public Communicator {
   Status all_gather(const void* in, void* out, size_t bytes) override;
   Status broadcast(void* buf, size_t bytes, int root) override;
   Status barrier() override;
+  void* stream() const override;
+  void set_enqueue_only(bool on) override { enqueue_only_ = on; }
   // The chained reduce's message size (every rank must set the same; at least 4 bytes).
   Status set_chain_chunk_bytes(size_t bytes);
 
@@ -74,9 +79,12 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator() = default;
   Status chain_reduce(const std::vector<const void*>& parts, void* out, size_t n, int root, bool bf16,
                       const char* what);
+  // The end of a collective: waits for the stream unless enqueue-only.
+  Status finish(const std::string& what);
   struct State;
   std::unique_ptr<State> s_;
   int rank_ = 0, world_ = 1, device_ = 0;
+  bool enqueue_only_ = false;  // set_enqueue_only
 };
 
 }  // namespace spillway
