@@ -4,7 +4,8 @@
 // cudaMemcpy, against one process's Trainer with the matching accumulation on the same
 // GPU: every step's loss and gradient norm, the validation loss and the saved file's
 // bytes equal. Also the two bf16 additions this rests on (AccumulateGradient's kernel
-// and the reduction's) agree bit for bit. Skips without a GPU, as in CI:
+// and the reduction's) agree bit for bit, and one rank over NCCL (collectives on the
+// NCCL stream, ordered by events) equals one process. Skips without a GPU, as in CI:
 //   build/test_dist --gtest_filter='CudaDataParallel.*'
 #include <gtest/gtest.h>
 
@@ -27,6 +28,9 @@
 
 #ifdef SPILLWAY_HAVE_CUDA
 #include <cuda_runtime.h>
+#endif
+#ifdef SPILLWAY_HAVE_NCCL
+#include "dist/nccl/nccl_communicator.h"
 #endif
 
 using namespace spillway;
@@ -69,7 +73,9 @@ const Dataset& corpus() {
 
 // tiny (4 layers, width 128, vocab 256: GPT-2 with the tied embedding), a learning
 // rate and a clip low enough that clipping acts (the global norm's reduction counts).
-TrainerOptions options(const Backend& b, int accum) {
+// host_optimizer: the optimizer state on host and AdamW there (gradients copied out
+// after their reduction), instead of all resident.
+TrainerOptions options(const Backend& b, int accum, bool host_optimizer = false) {
   TrainerOptions o;
   o.model = *model_preset("tiny");
   o.shape = {.B = 4, .T = 64, .accum = accum};
@@ -77,6 +83,9 @@ TrainerOptions options(const Backend& b, int accum) {
   o.max_grad_norm = kMaxNorm;
   o.seed = 2468;
   o.planner = {.policy = Policy::Resident};
+  if (host_optimizer)
+    o.planner = {.policy = Policy::Planned, .optimizer_on_host = 1, .device_optimizer_bytes = 0,
+                 .stream_optimizer = 0, .speculate = 0, .carry_updates = 0};
   o.machine = machine_for(b);
   o.auto_confirm = 0;
   return o;
@@ -103,12 +112,12 @@ std::string temp(const std::string& name) {
 }
 
 // One process: the train loader's batches, `accum` a step, one evaluation at the end.
-Losses single_process(int accum, const std::string& save) {
+Losses single_process(int accum, const std::string& save, bool host_optimizer = false) {
   Losses out;
   auto backend = make_backend("cuda");
   EXPECT_TRUE(backend.ok()) << backend.status().to_string();
   if (!backend.ok()) return out;
-  const TrainerOptions o = options(**backend, accum);
+  const TrainerOptions o = options(**backend, accum, host_optimizer);
   auto trainer = Trainer::create(**backend, o);
   EXPECT_TRUE(trainer.ok()) << trainer.status().to_string();
   if (!trainer.ok()) return out;
@@ -211,6 +220,51 @@ TEST(CudaDataParallel, TwoRanksOnOneGpuEqualOneRankWithTheirMicroBatchesBitForBi
     EXPECT_EQ(file_bytes(many), file_bytes(one)) << "the saved weights";
   }
 }
+
+#ifdef SPILLWAY_HAVE_NCCL
+// One rank over NCCL (a world of 1, on the real path): its collectives run on the
+// NCCL stream, ordered with the compute stream by events (each ReduceGradient in the
+// backward, waited for only by the first later op touching its tensors; the norms'
+// all-reduce, the broadcasts; the trainer's host gathers stay synchronous), against
+// one process with the same accumulation: the same bits; resident, and with AdamW on
+// host (each reduced gradient copied out by the copy engine, after the collective).
+TEST(CudaDataParallel, OneRankOverNcclOnItsOwnStreamEqualsOneProcess) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  ASSERT_GT(corpus().train.size(), 0u);
+  for (auto [accum, host] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    SCOPED_TRACE("one NCCL rank of " + std::to_string(accum) + " micro-batches" +
+                 (host ? ", the optimizer on host" : ""));
+    const std::string one = temp("nccl_one.safetensors"), rank = temp("nccl_rank.safetensors");
+    const Losses ref = single_process(accum, one, host);
+    ASSERT_EQ(ref.train.size(), static_cast<size_t>(kSteps));
+    auto id = nccl_unique_id();
+    ASSERT_TRUE(id.ok()) << id.status().to_string();
+    auto comm = NcclCommunicator::create(0, 1, *id, 0);
+    ASSERT_TRUE(comm.ok()) << comm.status().to_string();
+    auto backend = make_backend("cuda");
+    ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+    Losses got;
+    DataParallelTrainingOptions o;
+    o.trainer = options(**backend, accum, host);
+    o.data = &corpus();
+    o.steps = kSteps;
+    o.eval_every = kSteps;
+    o.eval_batches = 2;
+    o.save = rank;
+    o.on_step = [&](const StepResult& s) {
+      got.train.push_back(s.loss);
+      got.norm.push_back(s.grad_norm);
+      if (s.val_loss) got.val.push_back(*s.val_loss);
+    };
+    auto result = train_data_parallel(**comm, **backend, o);
+    ASSERT_TRUE(result.ok()) << result.status().to_string();
+    EXPECT_TRUE(same_bits(got.train, ref.train)) << "step losses";
+    EXPECT_TRUE(same_bits(got.norm, ref.norm)) << "gradient norms";
+    EXPECT_TRUE(same_bits(got.val, ref.val)) << "validation loss";
+    EXPECT_EQ(file_bytes(rank), file_bytes(one)) << "the saved weights";
+  }
+}
+#endif  // SPILLWAY_HAVE_NCCL
 
 // The two bf16 additions the exactness rests on, on the GPU: AccumulateGradient (the
 // residual kernel, in place) and the in-process reduction's (on the host) give the
