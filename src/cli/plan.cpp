@@ -53,6 +53,7 @@ struct PlanFlags {
   std::string device_optimizer = "auto";  // as train's --device-optimizer
   std::string stream_optimizer = "on";    // as train's --stream-optimizer
   std::string speculate = "auto";         // as train's --speculate
+  std::string carry_updates = "auto";     // as train's --carry-updates
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;  // 0: the machine's
   int nvme_count = 0;                      // 0: the machine's storage as it is
@@ -166,6 +167,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   else if (f.stream_optimizer != "on")
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
   SPILLWAY_ASSIGN_OR_RETURN(planner->speculate, parse_speculate(f.speculate));
+  SPILLWAY_ASSIGN_OR_RETURN(planner->carry_updates, parse_carry_updates(f.carry_updates));
   auto workspace = program_workspace(backend, *program);
   if (!workspace.ok()) return workspace.status();
   // The GPU's mapping of the pinned host arena, reserved as train reserves it.
@@ -560,6 +562,9 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--speculate", f->speculate,
                  "planned: auto, on or off, host AdamW started as its gradient arrives, kept when clipping is "
                  "inactive (as train's)");
+  app.add_option("--carry-updates", f->carry_updates,
+                 "planned: auto, on or off, streamed updates run in the next step before their layer's forward "
+                 "(as train's)");
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
   app.add_option("--gpus", f->gpus,
                  "what if: N data-parallel GPUs (1 to 1000), each with this machine's memory and links, reading "

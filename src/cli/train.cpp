@@ -550,6 +550,9 @@ Status run_train(const TrainFlags& given_flags) {
                                " chose the " + backend->name() + " backend; data-parallel training across processes "
                                "runs on CUDA devices over NCCL (--backend cuda)");
   SPILLWAY_ASSIGN_OR_RETURN(ResolvedMemory mem, resolve_memory(f.memory, *backend));
+  // --save-grads reads the last step's gradients after it: a step whose updates are
+  // carried into the next leaves them to the loop's epilogue, which does not keep them.
+  if (!f.save_grads.empty()) mem.planner.carry_updates = 0;
   // --save's folder is checked now: the weights are written only at the end.
   std::string save_path = f.save;  // "out/llama/" is the folder llama in out
   while (save_path.size() > 1 && save_path.back() == '/') save_path.pop_back();
@@ -782,9 +785,9 @@ Status run_train(const TrainFlags& given_flags) {
     // Drained, so that the tally has the last step's updates.
     SPILLWAY_RETURN_IF_ERROR(trainer->drain());
     const SpeculationTally tally = trainer->executor().speculation_tally();
-    std::printf("speculative updates: %llu committed, %llu redone (clipping was active; after such a step the next "
-                "does not speculate)\n",
-                static_cast<unsigned long long>(tally.committed), static_cast<unsigned long long>(tally.redone));
+    std::printf("speculative updates: %llu committed, %llu redone%s\n", static_cast<unsigned long long>(tally.committed),
+                static_cast<unsigned long long>(tally.redone),
+                tally.redone > 0 ? " (clipping was active; after such a step the next does not speculate)" : "");
   }
   if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());
   if (!checkpoint_written.empty()) {

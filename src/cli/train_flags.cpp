@@ -277,6 +277,11 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
                  "(host memory), kept when the clip scale is 1 and redone otherwise (the same bits either way); off; "
                  "auto = where the machine model predicts the step faster with them")
       ->capture_default_str();
+  app.add_option("--carry-updates", f.carry_updates,
+                 "planned/auto, with AdamW streamed through the device: on = stream the last parameters' state "
+                 "and run their updates in the next step, each just before its layer's forward (the step as a "
+                 "loop; the same bits); off; auto = where the machine model predicts the step faster")
+      ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
                  "first parameters (their AdamW runs there), e.g. 4GiB; auto = the fastest the simulator predicts "
@@ -303,6 +308,13 @@ Result<uint64_t> available_host_memory() {
 Result<uint64_t> default_host_budget() {
   SPILLWAY_ASSIGN_OR_RETURN(uint64_t available, available_host_memory());
   return available / 10 * 8;
+}
+
+Result<int> parse_carry_updates(const std::string& value) {
+  if (value == "auto") return -1;
+  if (value == "on") return 1;
+  if (value == "off") return 0;
+  return Status::invalid_argument("--carry-updates: expected auto, on or off, got '" + value + "'");
 }
 
 Result<int> parse_speculate(const std::string& value) {
@@ -334,6 +346,7 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   else if (f.stream_optimizer != "on")
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
   SPILLWAY_ASSIGN_OR_RETURN(r.planner.speculate, parse_speculate(f.speculate));
+  SPILLWAY_ASSIGN_OR_RETURN(r.planner.carry_updates, parse_carry_updates(f.carry_updates));
   if (f.auto_confirm < 0 || f.auto_confirm > 8)
     return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
                                     std::to_string(f.auto_confirm));

@@ -74,6 +74,7 @@ struct MemoryFlags {
   std::string order = "auto";  // planned/auto: micro-batch, layer, or auto (planned: micro-batch)
   std::string device_optimizer = "auto";
   std::string speculate = "auto";         // --speculate auto|on|off
+  std::string carry_updates = "auto";     // --carry-updates auto|on|off
   std::string stream_optimizer = "on";    // --stream-optimizer on|off  // --device-optimizer: optimizer state kept on device when offloading
   int auto_confirm = 2;                   // --auto-confirm N: auto times its best N candidates (TrainerOptions)
 };
@@ -89,6 +90,8 @@ struct ResolvedMemory {
 // --speculate: auto (-1: where the cost model predicts it faster), on (1), off (0)
 // as PlannerOptions::speculate.
 Result<int> parse_speculate(const std::string& value);
+// --carry-updates: auto (-1), on (1), off (0) as PlannerOptions::carry_updates.
+Result<int> parse_carry_updates(const std::string& value);
 Result<PlannerOptions> resolve_planner_options(const std::string& policy, const std::string& prefetch,
                                                const std::string& order);
 

@@ -271,7 +271,11 @@ Status Run::setup() {
                             make_data_parallel_layout(training, world_, world_ * A_, rank_id_));
   layout_ = std::make_unique<DataParallelLayout>(std::move(layout));
   const Program& mine = layout_->rank_programs[static_cast<size_t>(rank_id_)];
-  auto plan = plan_for_backend(mine, backend_, t.machine, t.budgets, t.planner);
+  // A rank's updates end its step (their parameters are broadcast after them): none
+  // is carried into the next step.
+  PlannerOptions planner = t.planner;
+  planner.carry_updates = 0;
+  auto plan = plan_for_backend(mine, backend_, t.machine, t.budgets, planner);
   if (!plan.ok()) return plan.status().with_context("planning rank " + std::to_string(rank_id_) + "'s step");
   plan_ = std::move(*plan);
   ExecutorOptions eo;

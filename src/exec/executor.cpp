@@ -150,6 +150,12 @@ class PlanExecutor final : public Executor {
     for (size_t i = 0; i < plan_.host_mirror.size() && i < slots_.size(); ++i)
       if (plan_.host_mirror[i]) SPILLWAY_RETURN_IF_ERROR(place_host(static_cast<TensorId>(i), plan_.home_host_offset[i]));
     SPILLWAY_RETURN_IF_ERROR(init_speculation(host_bytes));
+    carried_.assign(p_.ops.size(), false);
+    for (int32_t op : plan_.carried) {
+      if (op < 0 || static_cast<size_t>(op) >= p_.ops.size() || p_.ops[static_cast<size_t>(op)].kind != OpKind::AdamW)
+        return Status::internal("executor: carried update of op " + std::to_string(op) + ", not an AdamW of the program");
+      carried_[static_cast<size_t>(op)] = true;
+    }
     // The residency machine starts where the memory now is: state valid at home.
     SPILLWAY_RETURN_IF_ERROR(residency_.start());
     // Every extent a step will store into is reserved now (the store fallocates it), so
@@ -259,6 +265,12 @@ class PlanExecutor final : public Executor {
     Status st = run_instructions();
     metrics_.issue_s = seconds_since(step_start_);
     if (st.is_ok()) st = finish();
+    // The carried updates in this step's Runs were the last step's; this step's own
+    // are owed now, to the next step or to drain().
+    if (st.is_ok()) {
+      carried_step_ = step_;
+      carried_owed_ = !plan_.carried.empty();
+    }
     if (!st.is_ok()) {
       failure_ = st;
       // Let in-flight work drain so that no copy writes into freed memory.
@@ -304,6 +316,7 @@ class PlanExecutor final : public Executor {
 
   Status drain() override {
     if (!failure_.is_ok()) return failure_;
+    if (carried_owed_) SPILLWAY_RETURN_IF_ERROR(run_epilogue());
     Status s = host_.wait_all();
     if (s.is_ok()) s = resolve_all_deferred();
     if (s.is_ok()) s = b_.copy_engine().wait_all();
@@ -519,6 +532,13 @@ class PlanExecutor final : public Executor {
   // Reading waits for what writes t; writing also for what reads it (host ops that
   // read t may still run: the step's scale is read by every host AdamW).
   Status settle(TensorId t, bool for_write = true) {
+    // Training state read or written between steps is the state after the last step:
+    // the updates it still owes run first (inputs and outputs need not wait).
+    if (carried_owed_ && p_.tensors.info(t).role != Role::Input &&
+        std::find(p_.outputs.begin(), p_.outputs.end(), t) == p_.outputs.end()) {
+      SPILLWAY_RETURN_IF_ERROR(host_.wait_all());
+      SPILLWAY_RETURN_IF_ERROR(run_epilogue());
+    }
     SPILLWAY_RETURN_IF_ERROR(resolve_deferred(t));
     Slot& s = slots_[t];
     if (s.to_device) {
@@ -689,6 +709,16 @@ class PlanExecutor final : public Executor {
     }
     switch (in.kind) {
       case InstrKind::Run:
+        if (carried_[static_cast<size_t>(in.op)]) {
+          // A carried update (Plan::carried): the last step's, with its learning rate
+          // and count; none is owed in a step that no step precedes.
+          if (!carried_owed_) return Status::ok();
+          std::swap(step_, carried_step_);
+          Status s = run_op(in.op, in.recompute);
+          std::swap(step_, carried_step_);
+          return s;
+        }
+        if (epilogue_) return Status::ok();
         return run_op(in.op, in.recompute);
       case InstrKind::Allocate:
         return place(t, in.offset);
@@ -1026,6 +1056,35 @@ class PlanExecutor final : public Executor {
   // still queued (the optimizer's tail) and the fetches deferred behind them carry
   // over into the next step, whose forward overlaps them; drain() ends them where the
   // whole state must be settled.
+  // The loop's epilogue: the carried updates still owed, run where the step runs
+  // them, by a pass over the step's instructions that runs no other op (the memory
+  // instructions move the tensors as in a step, so every tensor ends at home; the
+  // values of activations and of gradients written in the step are not used). The
+  // last step's metrics stay those of its step.
+  Status run_epilogue() {
+    const StepMetrics kept = metrics_;
+    epilogue_ = true;
+    b_.set_workspace(workspace_, workspace_ ? plan_.workspace_bytes : 0);
+    residency_.begin_step();
+    next_spec_ = spec_.size();  // no speculation: no host op runs
+    Status st = run_instructions();
+    if (st.is_ok()) st = finish();
+    if (st.is_ok()) st = b_.take_stall_seconds().status();
+    epilogue_ = false;
+    metrics_ = kept;
+    carried_owed_ = false;
+    if (!st.is_ok()) {
+      failure_ = st.with_context("the updates carried from the last step (drain)");
+      (void)host_.wait_all();
+      (void)resolve_all_deferred();
+      (void)b_.synchronize();
+      (void)b_.copy_engine().wait_all();
+      if (spill_) (void)spill_->wait_all();
+      return failure_;
+    }
+    return Status::ok();
+  }
+
   Status finish() {
     SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
     std::fill(used_since_sync_.begin(), used_since_sync_.end(), uint8_t{0});
@@ -1111,6 +1170,12 @@ class PlanExecutor final : public Executor {
   std::vector<OpenSlice> open_slices_;
   StepMetrics metrics_;
   OptimizerStep step_;
+  // Carried updates (Plan::carried): [ops] whether an op is one; the step they are
+  // owed for (its learning rate and count); whether a step ran since the last drain.
+  std::vector<bool> carried_;
+  OptimizerStep carried_step_;
+  bool carried_owed_ = false;
+  bool epilogue_ = false;  // run_epilogue: only carried Runs run
   Clock::time_point step_start_;
   Trace* trace_ = nullptr;
   StepProfile* profile_ = nullptr;

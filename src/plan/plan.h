@@ -116,6 +116,13 @@ struct Plan {
   // them beside the host arena: host_bytes + speculation_bytes ≤ the host budget).
   std::vector<Speculation> speculation;
   uint64_t speculation_bytes = 0;
+  // Carried updates (DESIGN.md, "The step is a loop"): AdamW ops whose Run sits in
+  // the forward, before the first op that reads their parameter, and that update
+  // with what the previous step left: its gradient, its clip scale, and its learning
+  // rate and step count. The executor skips their Runs in a step that no step
+  // precedes (the first, and the first after drain), and drain() runs the ones still
+  // owed: the loop's prologue and epilogue. [k] op indices, in instruction order.
+  std::vector<int32_t> carried;
   size_t alignment = 64;                    // device offsets are multiples of this
   // Checks the plan against the program: every op runs once per step (plus
   // recomputes), operands resident where the op runs, each recompute reproduces the

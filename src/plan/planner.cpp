@@ -70,6 +70,9 @@ struct Config {
   int device_optimizer_ops = 0, host_optimizer_ops = 0;  // AdamW ops on each side
   int streamed_optimizer_ops = 0;    // AdamW on device with its state streamed from host
   std::vector<bool> streamed;        // [ops] AdamW ops streamed so (make_config)
+  // The streamed AdamW ops run in the next step, each just before the first op that
+  // reads its parameter (Plan::carried; DESIGN.md, "The step is a loop").
+  bool carried = false;
   bool is_streamed(size_t op) const { return op < streamed.size() && streamed[op]; }
   std::vector<Tier> home;            // [tensors]
   std::vector<uint64_t> home_offset; // [tensors]
@@ -890,7 +893,7 @@ void assign_device_offsets(const Program& program, Config& c, size_t alignment) 
 // device: the host updates only the rest, and the next step's forward starts on the
 // layers updated on device while the host works on the later ones.
 Config make_config(const Program& program, const Budgets& budgets, int offload, size_t alignment,
-                   uint64_t device_optimizer = 0, int64_t streamed_params = 0) {
+                   uint64_t device_optimizer = 0, int64_t streamed_params = 0, bool carried = false) {
   (void)budgets;
   Config c;
   const size_t n = program.tensors.size();
@@ -925,10 +928,14 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
     // Streamed: the next parameters after the prefix keep master and moments on host
     // but run AdamW on device; the planner fetches the state, and writes it back after
     // the update, over a link with time to spare, while the host updates the rest. The
-    // gradient stays on device (no round trip).
+    // gradient stays on device (no round trip). Carried (Config::carried): the last
+    // parameters instead, whose updates then run in the next step just before their
+    // forward, their state moving while the layers before them compute.
     c.streamed.assign(program.ops.size(), false);
     int64_t left = streamed_params;
-    for (size_t i = 0; i < program.ops.size() && left > 0; ++i) {
+    const size_t n_ops = program.ops.size();
+    for (size_t k = 0; k < n_ops && left > 0; ++k) {
+      const size_t i = carried ? n_ops - 1 - k : k;
       const Op& op = program.ops[i];
       const TensorId home = home_tensor(op), param = slot_tensor(op, "param"), grad = slot_tensor(op, "grad");
       if (!is_host_op(op) || home == kNoTensor || param == kNoTensor || grad == kNoTensor ||
@@ -950,6 +957,7 @@ Config make_config(const Program& program, const Budgets& budgets, int offload, 
     else c.host_optimizer_ops++;
   }
   c.optimizer_on_host = c.host_optimizer_ops > 0;
+  c.carried = carried && c.streamed_optimizer_ops > 0;
   assign_device_offsets(program, c, alignment);
   return c;
 }
@@ -1168,6 +1176,85 @@ std::vector<int> norms_early(const Program& p, std::vector<int> order) {
   return order;
 }
 
+// `order` (position → op index; empty = program order) with each streamed AdamW of
+// `c` moved to just before the first op that reads its parameter: the loop body of
+// DESIGN.md's "The step is a loop". Such an update then reads the gradient and the
+// clip scale the previous step left (both persistent: the gradient rests on device,
+// the scale is a program output) and writes the parameter before this step's first
+// use of it — the update of step k at the place step k+1 needs it. The executor runs
+// it with step k's learning rate and count, skips it in a step no step precedes, and
+// runs the ones still owed when it drains (Plan::carried). Returns `order` unchanged
+// when c carries nothing; *carried gets the ops moved, in their new order.
+std::vector<int> carried_order(const Program& p, const Config& c, std::vector<int> order, std::vector<int32_t>* carried) {
+  carried->clear();
+  if (!c.carried) return order;
+  if (order.empty()) {
+    order.resize(p.ops.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  }
+  std::vector<int> moved, rest;
+  for (int i : order)
+    (c.is_streamed(static_cast<size_t>(i)) ? moved : rest).push_back(i);
+  // A moved op's gradient may be zeroed at the step's start, before its backward adds
+  // into it: such a Zero moves down to just before the next op that touches the
+  // gradient, so that the update (which reads it) need not go before it.
+  std::vector<bool> moved_grad(p.tensors.size(), false);
+  for (int m : moved) {
+    const TensorId g = slot_tensor(p.ops[static_cast<size_t>(m)], "grad");
+    if (g != kNoTensor) moved_grad[static_cast<size_t>(g)] = true;
+  }
+  {
+    std::vector<std::vector<int>> pending(p.tensors.size());  // [tensors] zeros held back
+    std::vector<int> out;
+    out.reserve(rest.size());
+    for (int i : rest) {
+      const Op& op = p.ops[static_cast<size_t>(i)];
+      if (op.kind == OpKind::Zero && op.operands.size() == 1 && moved_grad[static_cast<size_t>(op.operands[0].tensor)]) {
+        pending[static_cast<size_t>(op.operands[0].tensor)].push_back(i);
+        continue;
+      }
+      for (const Operand& o : op.operands) {
+        auto& held = pending[static_cast<size_t>(o.tensor)];
+        out.insert(out.end(), held.begin(), held.end());
+        held.clear();
+      }
+      out.push_back(i);
+    }
+    for (const auto& held : pending)
+      if (!held.empty()) {  // zeroed and never touched again in the step: not carried
+        carried->clear();
+        return order;
+      }
+    rest = std::move(out);
+  }
+
+  // Each moved op goes before the first op of the step that must see its effect or
+  // must not yet have changed what it reads: the first that conflicts with it (reads
+  // its parameter, or writes its gradient). Every parameter is read in the forward.
+  std::vector<std::vector<int>> before(rest.size());
+  for (int m : moved) {
+    const Op& op = p.ops[static_cast<size_t>(m)];
+    size_t at = rest.size();
+    for (size_t j = 0; j < rest.size() && at == rest.size(); ++j)
+      if (ops_conflict(op, p.ops[static_cast<size_t>(rest[j])])) at = j;
+    if (at == rest.size()) {  // nothing in the step touches it: it stays where it was
+      carried->clear();
+      return order;
+    }
+    before[at].push_back(m);
+  }
+  std::vector<int> out;
+  out.reserve(order.size());
+  for (size_t j = 0; j < rest.size(); ++j) {
+    for (int m : before[j]) {
+      out.push_back(m);
+      carried->push_back(m);
+    }
+    out.push_back(rest[j]);
+  }
+  return out;
+}
+
 // Schedules `program` in the given op order (position → op index; empty = program
 // order); the plan's Run instructions and op_place refer to the program's own
 // op indices. Sets *host_short / *storage_short when it fails for want of host or
@@ -1198,7 +1285,8 @@ Result<Plan> schedule_once(const Program& program, const CostModel& cost, const 
   if (c.device_optimizer_ops + c.streamed_optimizer_ops > 0 && c.host_optimizer_ops > 0)
     d << "device for " << c.device_optimizer_ops << " of "
       << c.device_optimizer_ops + c.streamed_optimizer_ops + c.host_optimizer_ops << " parameter tensors, streamed through the device for "
-      << c.streamed_optimizer_ops << ", host for the rest";
+      << c.streamed_optimizer_ops << (c.carried ? " (their updates carried into the next step)" : "")
+      << ", host for the rest";
   else
     d << (c.optimizer_on_host ? "host" : "device");
   d << ", recompute " << (c.recompute ? "on" : "off")
@@ -1276,6 +1364,7 @@ int micro_batches(const Program& program) {
 Config offload_config(const Program& program, const CostModel& cost, const Budgets& budgets,
                       const PlannerOptions& options, int level, size_t alignment, uint64_t share) {
   Config c = make_config(program, budgets, level, alignment, share);
+  const bool carry = options.carry_updates > 0;
   if (level >= 1 && share > 0 && options.stream_optimizer != 0 && c.host_optimizer_ops > 0) {
     // Split what the prefix leaves between the host and the link so that both take
     // about as long: a streamed parameter moves master and moments both ways (12
@@ -1300,7 +1389,7 @@ Config offload_config(const Program& program, const CostModel& cost, const Budge
       streamed = grad_bytes_per_param > 0 ? static_cast<int64_t>(static_cast<double>(share) / grad_bytes_per_param) : 0;
       grads = share;
     }
-    c = make_config(program, budgets, level, alignment, share - grads, streamed);
+    c = make_config(program, budgets, level, alignment, share - grads, streamed, carry);
   }
   return c;
 }
@@ -1383,20 +1472,27 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
   }
   if (c.host_optimizer_ops > 0 && c.device_optimizer_ops + c.streamed_optimizer_ops > 0)
     order = host_optimizer_first(candidate, std::move(order));
+  std::vector<int32_t> carried;
+  order = carried_order(candidate, c, std::move(order), &carried);
+  if (c.carried && carried.empty()) return Status::out_of_memory("no streamed update can be carried");
+  auto with_carried = [&carried](Result<Plan> plan) {
+    if (plan.ok()) plan->carried = carried;
+    return plan;
+  };
   if (c.host_optimizer_ops > 0 && options.speculate != 0) {
     // Norms in the backward and gradients home early, so that updates can start
     // there; should that order not fit (host memory fragments differently), the usual
     // one is planned.
     Config early = c;
     early.evict_host_bound = true;
-    auto plan = schedule(candidate, cost, budgets, early, alignment, norms_early(candidate, order));
+    auto plan = with_carried(schedule(candidate, cost, budgets, early, alignment, norms_early(candidate, order)));
     if (plan.ok()) {
       add_speculation(candidate, *plan, budgets.host);
       if (options.speculate > 0) return plan;
       // Chosen by the cost model: the updates overlap the backward, but they run beside
       // it (on the CPU backend, on the same cores) and need the gradients home early;
       // the usual order without them may be faster.
-      auto usual = schedule(candidate, cost, budgets, c, alignment, order);
+      auto usual = with_carried(schedule(candidate, cost, budgets, c, alignment, order));
       if (!usual.ok()) {
         if (usual.status().code() == StatusCode::Internal) return usual.status();
         return plan;
@@ -1406,7 +1502,7 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
     }
     if (plan.status().code() != StatusCode::OutOfMemory) return plan;
   }
-  auto plan = schedule(candidate, cost, budgets, c, alignment, order);
+  auto plan = with_carried(schedule(candidate, cost, budgets, c, alignment, order));
   if (plan.ok() && options.speculate != 0) add_speculation(candidate, *plan, budgets.host);
   return plan;
 }
@@ -1436,6 +1532,23 @@ Result<Plan> plan_offload_level_best_share(const Program& program, const CostMod
       variants.back().stream_fraction = fraction;
       if (fraction == 0.0) variants.back().stream_optimizer = 0;
     }
+  // Streamed updates carried into the next step (carry_updates -1: both ways, the
+  // cost model choosing; 1: carried only; 0: never).
+  if (options.stream_optimizer != 0 && options.carry_updates != 0) {
+    // Forced on: the plans that stream nothing (and so carry nothing) are left out.
+    if (options.carry_updates > 0 && variants.size() > 1)
+      std::erase_if(variants, [](const PlannerOptions& v) { return v.stream_optimizer == 0; });
+    const size_t n = variants.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (variants[i].stream_optimizer == 0) continue;
+      if (options.carry_updates > 0) {
+        variants[i].carry_updates = 1;
+      } else {
+        variants.push_back(variants[i]);
+        variants.back().carry_updates = 1;
+      }
+    }
+  }
   std::vector<std::future<Result<Plan>>> planned;
   for (const PlannerOptions& o : variants)
     for (uint64_t share : shares)

@@ -55,6 +55,13 @@ struct PlannerOptions {
   // predicts the step faster with them than without (each level is planned both
   // ways), 1 = wherever host AdamW ops are, 0 = off.
   int speculate = -1;
+  // planned and auto, with streamed updates: carry them into the next step, each
+  // running just before the first op that reads its parameter, the state of the last
+  // parameters streaming while the first layers compute (Plan::carried). -1 = where
+  // the cost model predicts the step faster (both are planned), 1 = always, 0 = off
+  // (the trainer turns it off where a step's state must be whole at its end: data
+  // parallelism, --save-grads).
+  int carry_updates = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)

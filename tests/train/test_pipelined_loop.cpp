@@ -223,6 +223,7 @@ TEST(PipelinedLoop, StreamedOptimizerFollowsThePrefixAndPrecedesTheHost) {
   ASSERT_TRUE(whole.ok());
   PlannerOptions o{.policy = Policy::Planned, .optimizer_on_host = 1};
   o.device_optimizer_bytes = 600'000;
+  o.carry_updates = 0;  // carried updates stream the last parameters instead (the next test)
   auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), {.device = whole->device_bytes}, o);
   ASSERT_TRUE(plan.ok()) << plan.status().to_string();
   int phase = 0;  // 0: resident on device, 1: streamed, 2: host
@@ -244,6 +245,71 @@ TEST(PipelinedLoop, StreamedOptimizerFollowsThePrefixAndPrecedesTheHost) {
   EXPECT_GT(counts[1], 0) << "nothing streamed";
   EXPECT_GT(counts[2], 0);
   EXPECT_NE(plan->description.find("streamed through the device"), std::string::npos) << plan->description;
+}
+
+// Carried updates (DESIGN.md, "The step is a loop"; Plan::carried): the streamed
+// AdamW ops of step k run in step k+1, each just before the first op that reads its
+// parameter, with step k's gradient, clip scale, learning rate and count; the first
+// step skips them and drain() (evaluation, saving, the end) runs those owed. Same
+// bits as the resident run: losses, gradient norms, evaluation, and the weights saved
+// mid-run and at the end, with the learning rate changing every step (a carried
+// update run with the wrong step's rate or count would differ), clipping active and
+// not, with accumulation.
+TEST(PipelinedLoop, CarriedUpdatesMatchResidentBitForBit) {
+  auto backend = make_backend("cpu", {.threads = 2});
+  ASSERT_TRUE(backend.ok());
+  TrainerOptions o;
+  o.model = {.layers = 4, .width = 32, .heads = 2, .context = 16, .vocab = 64};
+  o.shape = {.B = 2, .T = 16, .accum = 2};
+  o.seed = 11;
+  o.machine = Machine::cpu_dev_box();
+  auto program = build_training_program(o.model, o.shape, DType::F32);
+  ASSERT_TRUE(program.ok());
+  int carrying = 0;
+  for (float max_norm : {0.05f, 1e6f}) {
+    TrainerOptions base = o;
+    base.schedule = {.peak = 3e-2f, .warmup_steps = 2, .total_steps = 6};
+    base.max_grad_norm = max_norm;
+    PipelinedRun ref = train(**backend, base, "resident");
+    ASSERT_EQ(ref.losses.size(), 6u);
+    for (int divisor : {2, 3, 4}) {
+      TrainerOptions b = base;
+      b.planner.policy = Policy::Planned;
+      b.planner.optimizer_on_host = 1;
+      b.planner.carry_updates = 1;
+      b.budgets.device = ref.plan.device_bytes / static_cast<uint64_t>(divisor);
+      const std::string tag = "max norm " + std::to_string(max_norm) + ", budget 1/" + std::to_string(divisor);
+      PipelinedRun r = train(**backend, b, tag);
+      expect_same(r, ref, tag);
+      if (r.plan.carried.empty()) continue;
+      ++carrying;
+      EXPECT_NE(r.plan.description.find("carried into the next step"), std::string::npos) << tag;
+      // Each carried update runs on device before any op that reads its parameter or
+      // writes its gradient in the step, and nothing before it writes what it reads.
+      std::vector<int> run_at(program->ops.size(), -1);
+      for (size_t i = 0; i < r.plan.instructions.size(); ++i)
+        if (r.plan.instructions[i].kind == InstrKind::Run && run_at[r.plan.instructions[i].op] < 0)
+          run_at[r.plan.instructions[i].op] = static_cast<int>(i);
+      for (int32_t c : r.plan.carried) {
+        const Op& adamw = program->ops[static_cast<size_t>(c)];
+        ASSERT_EQ(adamw.kind, OpKind::AdamW) << tag;
+        EXPECT_EQ(r.plan.op_place[static_cast<size_t>(c)], Place::Device) << tag << ": " << adamw.name;
+        const TensorId param = adamw.operands[0].tensor, grad = adamw.operands[4].tensor;
+        for (size_t i = 0; i < program->ops.size(); ++i) {
+          if (static_cast<int32_t>(i) == c) continue;
+          for (const Operand& operand : program->ops[i].operands) {
+            const bool reads_param = operand.tensor == param;
+            const bool writes_grad = operand.tensor == grad && operand.access != Access::Read;
+            if (reads_param || writes_grad) {
+              EXPECT_LT(run_at[static_cast<size_t>(c)], run_at[i])
+                  << tag << ": " << adamw.name << " runs after " << program->ops[i].name;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(carrying, 0) << "no budget carried an update into the next step";
 }
 
 }  // namespace
