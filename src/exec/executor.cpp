@@ -273,12 +273,7 @@ class PlanExecutor final : public Executor {
     }
     if (!st.is_ok()) {
       failure_ = st;
-      // Let in-flight work drain so that no copy writes into freed memory.
-      (void)host_.wait_all();
-      (void)resolve_all_deferred();
-      (void)b_.synchronize();
-      (void)b_.copy_engine().wait_all();
-      if (spill_) (void)spill_->wait_all();
+      quiesce_after_failure();
       return st;
     }
     metrics_.step_s = seconds_since(step_start_);
@@ -1075,14 +1070,20 @@ class PlanExecutor final : public Executor {
     carried_owed_ = false;
     if (!st.is_ok()) {
       failure_ = st.with_context("the updates carried from the last step (drain)");
-      (void)host_.wait_all();
-      (void)resolve_all_deferred();
-      (void)b_.synchronize();
-      (void)b_.copy_engine().wait_all();
-      if (spill_) (void)spill_->wait_all();
+      quiesce_after_failure();
       return failure_;
     }
     return Status::ok();
+  }
+
+  // After a failed pass: lets in-flight work drain so that no copy writes into freed
+  // memory (their own errors are the failure's consequences, not reported again).
+  void quiesce_after_failure() {
+    (void)host_.wait_all();
+    (void)resolve_all_deferred();
+    (void)b_.synchronize();
+    (void)b_.copy_engine().wait_all();
+    if (spill_) (void)spill_->wait_all();
   }
 
   Status finish() {
