@@ -431,7 +431,9 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
   SPILLWAY_RETURN_IF_ERROR(check_count(op, x));
   // Compute waits for a collective still on its own stream only where it touches the
   // collective's tensors (collectives are ordered among themselves on their stream).
-  if (!is_collective(op.kind)) {
+  // Without a communicator no collective ran: the ranges are not built (every op of
+  // every single-process step passes here).
+  if (b.communicator() != nullptr && !is_collective(op.kind)) {
     const Status waited = b.order_compute_for(operand_ranges(program, op, x));
     if (!waited.is_ok()) return waited.with_context("op " + op.name);
   }
