@@ -676,9 +676,10 @@ TEST_F(CudaOps, Attention) {
   struct Shape {
     int B, T, C, NH;
   };
-  // Head dims 32 (tiny), 64, 80, 128 on tensor cores; 40 and 24 on the simple kernels.
+  // Head dims 32 (tiny), 64, 80, 128 on tensor cores (64: the Hopper forward on
+  // compute capability 9.0, T = 200 ending inside a tile); 40 and 24 on the simple kernels.
   for (Shape s : {Shape{2, 100, 128, 4}, Shape{1, 256, 256, 4}, Shape{1, 130, 160, 2}, Shape{2, 70, 256, 2},
-                  Shape{2, 33, 120, 3}, Shape{1, 65, 48, 2}, Shape{1, 1024, 768, 12}}) {
+                  Shape{2, 33, 120, 3}, Shape{1, 65, 48, 2}, Shape{1, 1024, 768, 12}, Shape{2, 200, 512, 8}}) {
     SCOPED_TRACE("B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
                  " NH=" + std::to_string(s.NH));
     const size_t N = size_t(s.B) * s.T;
@@ -1308,6 +1309,82 @@ TEST_F(CudaOps, MultiTensorSwitchIsChecked) {
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
   EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_MULTI_TENSOR"), std::string::npos) << b.status().to_string();
+}
+
+// The Hopper attention forward (wgmma, head dim 64, attention_sm90a.cu) against the
+// mma.sync kernel (SPILLWAY_CUDA_ATTENTION=mma) on the same inputs, element by
+// element: T not a multiple of the 64- or 128-row tiles, T = 1, grouped heads. The
+// two differ only in rounding (bf16 P, the exponent instruction). Elsewhere than on
+// compute capability 9.0 both sides run the mma.sync kernel, and the test says so.
+TEST_F(CudaOps, HopperAttentionForwardAgreesWithMmaKernel) {
+  ScopedEnv env("SPILLWAY_CUDA_ATTENTION", "mma");
+  auto made = make_backend("cuda");
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  std::unique_ptr<Backend> mma = std::move(*made);
+  ASSERT_TRUE(mma->use_own_workspace(kTestWorkspace).ok());
+  EXPECT_NE(mma->description().find("SPILLWAY_CUDA_ATTENTION=mma"), std::string::npos) << mma->description();
+  if (gpu_->description().find("wgmma") == std::string::npos)
+    std::printf("[ note     ] not a compute capability 9.0 device: both sides run the mma.sync kernel\n");
+  struct Shape {
+    int B, T, C, NH, KVH;
+  };
+  std::vector<void*> owned;
+  for (Shape s : {Shape{2, 200, 512, 8, 8}, Shape{3, 1, 128, 2, 2}, Shape{1, 1024, 768, 12, 12},
+                  Shape{2, 129, 256, 4, 4}, Shape{1, 257, 1024, 16, 4}, Shape{2, 64, 256, 4, 1}}) {
+    SCOPED_TRACE("B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
+                 " NH=" + std::to_string(s.NH) + " KVH=" + std::to_string(s.KVH));
+    const size_t N = size_t(s.B) * s.T, W = size_t(s.NH + 2 * s.KVH) * (s.C / s.NH);
+    const size_t n_lse = size_t(s.B) * s.NH * s.T;
+    const std::vector<float> qkv_v = normal(N * W, 2.0f);  // wide scores: the running max moves
+    Pair qkv = act(qkv_v), out = act_poison(N * s.C), lse = f32_poison(n_lse);
+    gpu_->attention_forward(out.g, (float*)lse.g, qkv.g, s.B, s.T, s.C, s.NH, s.KVH);
+    std::vector<uint16_t> h(qkv_v.size());
+    for (size_t i = 0; i < h.size(); ++i) h[i] = float_to_bf16(qkv_v[i]);
+    auto alloc = [&](size_t bytes) {
+      auto r = mma->device_alloc(bytes);
+      EXPECT_TRUE(r.ok()) << r.status().to_string();
+      owned.push_back(r.ok() ? *r : nullptr);
+      return r.ok() ? *r : nullptr;
+    };
+    void *m_qkv = alloc(h.size() * 2), *m_out = alloc(N * s.C * 2), *m_lse = alloc(n_lse * 4);
+    ASSERT_TRUE(m_qkv && m_out && m_lse);
+    ASSERT_TRUE(mma->upload(m_qkv, h.data(), h.size() * 2).is_ok());
+    mma->attention_forward(m_out, (float*)m_lse, m_qkv, s.B, s.T, s.C, s.NH, s.KVH);
+    ASSERT_TRUE(mma->synchronize().is_ok());
+    std::vector<uint16_t> mo(N * s.C);
+    std::vector<float> ml(n_lse);
+    ASSERT_TRUE(mma->download(mo.data(), m_out, mo.size() * 2).is_ok());
+    ASSERT_TRUE(mma->download(ml.data(), m_lse, ml.size() * 4).is_ok());
+    const std::vector<float> go = gpu_values(out), gl = gpu_values(lse);
+    double worst_o = 0, worst_l = 0;
+    size_t at_o = 0, at_l = 0;
+    for (size_t i = 0; i < go.size(); ++i) {
+      const double d = std::isfinite(go[i]) ? std::fabs(go[i] - bf16_to_float(mo[i])) : INFINITY;
+      if (!(d <= worst_o)) worst_o = d, at_o = i;
+    }
+    for (size_t i = 0; i < gl.size(); ++i) {
+      const double d = std::isfinite(gl[i]) ? std::fabs(gl[i] - ml[i]) : INFINITY;
+      if (!(d <= worst_l)) worst_l = d, at_l = i;
+    }
+    EXPECT_LE(worst_o, 0.03) << "out[" << at_o << "]: " << go[at_o] << " vs " << bf16_to_float(mo[at_o]);
+    EXPECT_LE(worst_l, 2e-3) << "lse[" << at_l << "]: " << gl[at_l] << " vs " << ml[at_l];
+    expect_deterministic({out, lse}, [] {},
+                         [&] { gpu_->attention_forward(out.g, (float*)lse.g, qkv.g, s.B, s.T, s.C, s.NH, s.KVH); },
+                         "attention forward");
+  }
+  ASSERT_TRUE(mma->synchronize().is_ok());
+  for (void* p : owned)
+    if (p) mma->device_free(p);
+  EXPECT_TRUE(mma->synchronize().is_ok());
+}
+
+// A value other than auto or mma is an error naming the variable.
+TEST_F(CudaOps, AttentionKernelSwitchIsChecked) {
+  ScopedEnv env("SPILLWAY_CUDA_ATTENTION", "wgmma");
+  auto b = make_backend("cuda");
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
+  EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_ATTENTION"), std::string::npos) << b.status().to_string();
 }
 
 }  // namespace

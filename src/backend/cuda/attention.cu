@@ -867,9 +867,12 @@ bool attention_uses_tensor_cores(int hd, const void* qkv) {
 }
 
 cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
-                                     int KVH, cudaStream_t stream) {
+                                     int KVH, cudaStream_t stream, bool sm90, AttentionKernel kernel) {
   if (B == 0 || T == 0 || C == 0) return cudaSuccess;
   const int HD = C / NH;
+  if (kernel == AttentionKernel::kAuto && sm90 && HD == 64 && attention_wgmma_built() && aligned16(qkv) &&
+      aligned16(out))
+    return launch_attention_forward_wgmma64(out, lse, qkv, B, T, C, NH, KVH, stream);
   if (attention_uses_tensor_cores(HD, qkv) && aligned16(out)) {
     switch (HD) {
       case 32: return forward_tc<32>(out, lse, qkv, B, T, C, NH, KVH, stream);

@@ -378,6 +378,19 @@ Result<bool> multi_tensor_from_environment() {
                                   "per tensor)");
 }
 
+// SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention forward
+// where it applies (head dim 64, compute capability 9.0); "mma", the mma.sync kernels
+// everywhere, for comparing the two.
+Result<AttentionKernel> attention_kernel_from_environment() {
+  const char* v = std::getenv("SPILLWAY_CUDA_ATTENTION");
+  const std::string s = v == nullptr ? "auto" : v;
+  if (s == "auto") return AttentionKernel::kAuto;
+  if (s == "mma") return AttentionKernel::kMma;
+  return Status::invalid_argument("SPILLWAY_CUDA_ATTENTION is '" + s +
+                                  "'; expected auto (the Hopper wgmma forward where it applies, the default) or mma "
+                                  "(the mma.sync kernels everywhere)");
+}
+
 // SPILLWAY_CUDA_SCHEDULE: how a host thread waits for the GPU (cudaSetDeviceFlags),
 // set before the context exists: unset or "auto", CUDA's default (spin while there are
 // fewer active contexts than cores); "spin"; "yield" (spin, yielding the core);
@@ -647,6 +660,8 @@ class CudaBackend final : public Backend {
     size_t free_b = 0;
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaMemGetInfo", cudaMemGetInfo(&free_b, &capacity_)));
     gpu_name_ = prop.name;
+    sm90_ = prop.major == 9 && prop.minor == 0;
+    SPILLWAY_ASSIGN_OR_RETURN(attention_kernel_, attention_kernel_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
     SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, [this](Status s) { record(std::move(s), nullptr); }));
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, &queue_));
@@ -673,6 +688,9 @@ class CudaBackend final : public Backend {
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
+           (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
+            : sm90_ && attention_wgmma_built()         ? "; attention forward: wgmma at head dim 64"
+                                                       : "") +
            ")";
   }
   DType activation_dtype() const override { return sizes().activation_dtype(); }
@@ -976,7 +994,8 @@ class CudaBackend final : public Backend {
   using Backend::attention_forward;
   void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH, int KVH) override {
     if (!enter() || !attention_shape_ok(C, NH, KVH, "attention_forward")) return;
-    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, KVH, stream()), "attention_forward");
+    check(launch_attention_forward(mb(out), lse, cb(qkv), B, T, C, NH, KVH, stream(), sm90_, attention_kernel_),
+          "attention_forward");
   }
 
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
@@ -1172,6 +1191,8 @@ class CudaBackend final : public Backend {
 
   int device_ = 0;
   unsigned schedule_flags_ = cudaDeviceScheduleAuto;  // SPILLWAY_CUDA_SCHEDULE, set at init
+  bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
+  AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back
