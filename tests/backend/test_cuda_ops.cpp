@@ -1311,7 +1311,7 @@ TEST_F(CudaOps, MultiTensorSwitchIsChecked) {
   EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_MULTI_TENSOR"), std::string::npos) << b.status().to_string();
 }
 
-// The Hopper attention forward (wgmma, head dim 64, attention_sm90a.cu) against the
+// The Hopper attention forward (wgmma, head dims 64, 80, 128; attention_sm90a.cu) against the
 // mma.sync kernel (SPILLWAY_CUDA_ATTENTION=mma) on the same inputs, element by
 // element: T not a multiple of the 64- or 128-row tiles, T = 1, grouped heads. The
 // two differ only in rounding (bf16 P, the exponent instruction). Elsewhere than on
@@ -1330,7 +1330,9 @@ TEST_F(CudaOps, HopperAttentionForwardAgreesWithMmaKernel) {
   };
   std::vector<void*> owned;
   for (Shape s : {Shape{2, 200, 512, 8, 8}, Shape{3, 1, 128, 2, 2}, Shape{1, 1024, 768, 12, 12},
-                  Shape{2, 129, 256, 4, 4}, Shape{1, 257, 1024, 16, 4}, Shape{2, 64, 256, 4, 1}}) {
+                  Shape{2, 129, 256, 4, 4}, Shape{1, 257, 1024, 16, 4}, Shape{2, 64, 256, 4, 1},
+                  Shape{2, 200, 640, 8, 8}, Shape{1, 129, 160, 2, 2}, Shape{1, 130, 320, 4, 1},
+                  Shape{2, 200, 1024, 8, 8}, Shape{1, 257, 2048, 16, 4}, Shape{1, 1024, 2560, 32, 32}}) {
     SCOPED_TRACE("B=" + std::to_string(s.B) + " T=" + std::to_string(s.T) + " C=" + std::to_string(s.C) +
                  " NH=" + std::to_string(s.NH) + " KVH=" + std::to_string(s.KVH));
     const size_t N = size_t(s.B) * s.T, W = size_t(s.NH + 2 * s.KVH) * (s.C / s.NH);

@@ -870,9 +870,9 @@ cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int
                                      int KVH, cudaStream_t stream, bool sm90, AttentionKernel kernel) {
   if (B == 0 || T == 0 || C == 0) return cudaSuccess;
   const int HD = C / NH;
-  if (kernel == AttentionKernel::kAuto && sm90 && HD == 64 && attention_wgmma_built() && aligned16(qkv) &&
-      aligned16(out))
-    return launch_attention_forward_wgmma64(out, lse, qkv, B, T, C, NH, KVH, stream);
+  if (kernel == AttentionKernel::kAuto && sm90 && attention_wgmma_takes(HD) && attention_wgmma_built() &&
+      aligned16(qkv) && aligned16(out))
+    return launch_attention_forward_wgmma(out, lse, qkv, B, T, C, NH, KVH, stream);
   if (attention_uses_tensor_cores(HD, qkv) && aligned16(out)) {
     switch (HD) {
       case 32: return forward_tc<32>(out, lse, qkv, B, T, C, NH, KVH, stream);

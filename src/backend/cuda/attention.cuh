@@ -6,7 +6,7 @@
 //   e = launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, KVH, scratch, stream);
 //
 // Head dims that are multiples of 16 up to 128 run on tensor cores (mma.sync bf16,
-// fp32 accumulation; the forward of head dim 64 on Hopper with wgmma); other head dims up to 256 run on a simple warp-per-row
+// fp32 accumulation; the forward of head dims 64, 80 and 128 on Hopper with wgmma); other head dims up to 256 run on a simple warp-per-row
 // kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
 // one kernel is parallel over key blocks (dK, dV), a second over query blocks (dQ).
 // Grouped-query attention (KVH < NH key/value heads): the dK/dV kernel's block for a
@@ -26,7 +26,7 @@ constexpr int kMaxHeadDim = 256;
 bool attention_uses_tensor_cores(int hd, const void* qkv);
 
 // Which forward kernel runs where both could: kAuto takes the Hopper (wgmma) kernel
-// for head dim 64 on a compute capability 9.0 device, kMma the mma.sync kernels
+// for head dims 64, 80 and 128 on a compute capability 9.0 device, kMma the mma.sync kernels
 // everywhere (SPILLWAY_CUDA_ATTENTION=mma, for comparing the two).
 enum class AttentionKernel { kAuto, kMma };
 
@@ -37,12 +37,14 @@ cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int
                                      int KVH, cudaStream_t stream, bool sm90 = false,
                                      AttentionKernel kernel = AttentionKernel::kAuto);
 
-// The Hopper forward (attention_sm90a.cu), head dim 64 only, 16-byte aligned qkv
-// and out; same arguments as launch_attention_forward. attention_wgmma_built() is
-// false where that file was not built for sm_90a.
+// The Hopper forward (attention_sm90a.cu): head dims 64, 80 and 128
+// (attention_wgmma_takes), 16-byte aligned qkv and out; same arguments as
+// launch_attention_forward. attention_wgmma_built() is false where that file was not
+// built for sm_90a.
 bool attention_wgmma_built();
-cudaError_t launch_attention_forward_wgmma64(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
-                                             int KVH, cudaStream_t stream);
+bool attention_wgmma_takes(int hd);
+cudaError_t launch_attention_forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
+                                           int KVH, cudaStream_t stream);
 
 // scratch: cuda_workspace::attention_backward_scratch_bytes(B, T, NH) (D, [B,NH,T] F32).
 // dqkv[B,T,(NH+2·KVH)·D] (overwritten) from dout[B,T,C], qkv, out[B,T,C], lse[B,NH,T].

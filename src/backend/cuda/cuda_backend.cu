@@ -379,7 +379,7 @@ Result<bool> multi_tensor_from_environment() {
 }
 
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention forward
-// where it applies (head dim 64, compute capability 9.0); "mma", the mma.sync kernels
+// where it applies (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync kernels
 // everywhere, for comparing the two.
 Result<AttentionKernel> attention_kernel_from_environment() {
   const char* v = std::getenv("SPILLWAY_CUDA_ATTENTION");
@@ -689,7 +689,7 @@ class CudaBackend final : public Backend {
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
-            : sm90_ && attention_wgmma_built()         ? "; attention forward: wgmma at head dim 64"
+            : sm90_ && attention_wgmma_built()         ? "; attention forward: wgmma at head dims 64, 80, 128"
                                                        : "") +
            ")";
   }
