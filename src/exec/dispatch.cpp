@@ -247,10 +247,7 @@ Status run_clip_scale(Backend& b, const Program&, const Op& op, const std::vecto
 // reduce overlaps the backward after it. Without a stream (the in-process
 // communicator), the backend's queued work finishes first and the call is synchronous.
 
-bool is_collective(OpKind k) {
-  return k == OpKind::ReduceGradient || k == OpKind::SendGradient || k == OpKind::AllReduceInRankOrder ||
-         k == OpKind::BroadcastParam;
-}
+bool is_collective(OpKind k) { return op_info(k).op_class == OpClass::Collective; }
 
 // The device memory of the op's operands (null pointers left out).
 std::vector<Backend::DeviceRange> operand_ranges(const Program& program, const Op& op, const std::vector<void*>& x) {

@@ -53,7 +53,10 @@ struct OpSlot {
 };
 
 // How profiles group an op's time (bench_train's split).
-enum class OpClass : uint8_t { Matmul, Attention, Other };
+// What an op is, for the cost model and the executor: matrix products and attention
+// (each timed at its own rate), collectives (run by the backend's Communicator, on its
+// own stream where it has one, not by the backend's kernels), everything else.
+enum class OpClass : uint8_t { Matmul, Attention, Collective, Other };
 
 class OpCheck;
 

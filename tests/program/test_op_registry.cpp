@@ -143,8 +143,8 @@ TEST(OpRegistry, ComputeOpsCountPositiveFlops) {
     const Op op = make_op(kind_at(i), attrs);
     const OpKindInfo& info = op_info(op.kind);
     SCOPED_TRACE(info.name);
-    if (info.op_class == OpClass::Other) {
-      EXPECT_EQ(op_flops(op), 0.0);  // memory-bound: the MFU convention leaves it out
+    if (info.op_class == OpClass::Other || info.op_class == OpClass::Collective) {
+      EXPECT_EQ(op_flops(op), 0.0);  // memory- or link-bound: the MFU convention leaves it out
       EXPECT_EQ(op_cost_flops(op), 0.0);
       continue;
     }
