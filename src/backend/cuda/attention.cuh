@@ -6,8 +6,8 @@
 //   e = launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, KVH, scratch, stream);
 //
 // Head dims that are multiples of 16 up to 128 run on tensor cores (mma.sync bf16,
-// fp32 accumulation; the forward of head dims 64, 80 and 128 on Hopper with wgmma); other head dims up to 256 run on a simple warp-per-row
-// kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
+// fp32 accumulation; the forward of head dims 64, 80 and 128 on Hopper with wgmma,
+// attention_sm90a.cu); other head dims up to 256 run on a simple warp-per-row kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
 // one kernel is parallel over key blocks (dK, dV), a second over query blocks (dQ).
 // Grouped-query attention (KVH < NH key/value heads): the dK/dV kernel's block for a
 // key/value head runs its NH/KVH query heads one after the other, summing in
@@ -26,8 +26,8 @@ constexpr int kMaxHeadDim = 256;
 bool attention_uses_tensor_cores(int hd, const void* qkv);
 
 // Which forward kernel runs where both could: kAuto takes the Hopper (wgmma) kernel
-// for head dims 64, 80 and 128 on a compute capability 9.0 device, kMma the mma.sync kernels
-// everywhere (SPILLWAY_CUDA_ATTENTION=mma, for comparing the two).
+// for head dims 64, 80 and 128 on a compute capability 9.0 device, kMma the mma.sync
+// kernels everywhere (SPILLWAY_CUDA_ATTENTION=mma, for comparing the two).
 enum class AttentionKernel { kAuto, kMma };
 
 // out[B,T,C], lse[B,NH,T] (F32, natural log), qkv[B,T,(NH+2·KVH)·D], D = C/NH (NH

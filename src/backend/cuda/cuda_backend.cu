@@ -378,9 +378,9 @@ Result<bool> multi_tensor_from_environment() {
                                   "per tensor)");
 }
 
-// SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention forward
-// where it applies (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync kernels
-// everywhere, for comparing the two.
+// SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention forward where
+// it applies (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
+// kernels everywhere, for comparing the two.
 Result<AttentionKernel> attention_kernel_from_environment() {
   const char* v = std::getenv("SPILLWAY_CUDA_ATTENTION");
   const std::string s = v == nullptr ? "auto" : v;
