@@ -7,7 +7,8 @@
 //
 // Head dims that are multiples of 16 up to 128 run on tensor cores (mma.sync bf16,
 // fp32 accumulation; the forward of head dims 64, 80 and 128 on Hopper with wgmma,
-// attention_sm90a.cu); other head dims up to 256 run on a simple warp-per-row kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
+// attention_sm90a.cu); other head dims up to 256 run on a simple warp-per-row
+// kernel. The backward pass recomputes P from q, k and lse, with D = rowsum(dO∘O);
 // one kernel is parallel over key blocks (dK, dV), a second over query blocks (dQ).
 // Grouped-query attention (KVH < NH key/value heads): the dK/dV kernel's block for a
 // key/value head runs its NH/KVH query heads one after the other, summing in
