@@ -58,6 +58,7 @@ struct TrainFlags {
   double grad_clip = 1.0;  // --grad-clip: max global gradient norm (0: no clipping)
   uint64_t seed = 1337;
   int eval_every = 100, eval_batches = 20;
+  int zero_stage = 2;  // --zero-stage: data parallel, 2 (parameters on every rank) or 3 (on their owners)
   std::string save, save_grads, load, metrics, trace;
   std::string trace_predicted;  // --trace-predicted: the simulator's step of the plan this run executes
   bool allow_nonfinite_weights = false;  // --load: accept NaN and Inf in the weights
@@ -263,6 +264,10 @@ Status check_data_parallel_flags(const TrainFlags& f, const RankEnv& env) {
   if (!f.save_grads.empty())
     return Status::unsupported(job + ": --save-grads is not supported: the gradients live reduced on the rank that "
                                "owns each parameter");
+  if (f.zero_stage == 3 && f.eval_every > 0)
+    return Status::unsupported(job + ": --zero-stage 3 with --eval-every " + std::to_string(f.eval_every) +
+                               ": rank 0 holds only its shard of the parameters and cannot evaluate; give "
+                               "--eval-every 0 or --zero-stage 2");
   if (!f.trace_predicted.empty())
     return Status::unsupported(job + ": --trace-predicted is not supported (the simulator draws one process's step; "
                                "`spillway simulate --gpus N` predicts a data-parallel one)");
@@ -358,6 +363,7 @@ Status run_data_parallel(const TrainFlags& f, const RankEnv& env, const TrainerO
   d.stop_after = f.stop_after;
   d.eval_every = f.eval_every;
   d.eval_batches = f.eval_batches;
+  d.zero_stage = f.zero_stage;
   d.load = f.load;
   d.allow_nonfinite = f.allow_nonfinite_weights;
   if (lead) d.save = f.save;
@@ -462,6 +468,9 @@ Status run_train(const TrainFlags& given_flags) {
   // data-parallel (run_data_parallel); unset or 1 is one process, as always.
   SPILLWAY_ASSIGN_OR_RETURN(const RankEnv env, rank_env());
   if (env.distributed()) SPILLWAY_RETURN_IF_ERROR(check_data_parallel_flags(f, env));
+  if (!env.distributed() && f.zero_stage == 3)
+    return Status::invalid_argument("--zero-stage 3 partitions the parameters over data-parallel ranks; this is one "
+                                    "process (run it under `spillway launch --gpus N` or with WORLD_SIZE > 1)");
   std::optional<Checkpoint> resume;
   std::string dp_resume;  // data parallel: the checkpoint folder to go on from
   if (!f.resume.empty()) {
@@ -502,6 +511,10 @@ Status run_train(const TrainFlags& given_flags) {
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.warmup, "--warmup", 0));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.eval_every, "--eval-every", 0));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.eval_batches, "--eval-batches"));
+  if (f.zero_stage != 2 && f.zero_stage != 3)
+    return Status::invalid_argument("--zero-stage: expected 2 (optimizer state and gradients partitioned over the "
+                                    "data-parallel ranks) or 3 (the parameters too), got " +
+                                    std::to_string(f.zero_stage));
   if (!(f.grad_clip >= 0) || !std::isfinite(f.grad_clip))
     return Status::invalid_argument("--grad-clip: expected a finite number >= 0 (0 = no clipping), got " +
                                     std::to_string(f.grad_clip));
@@ -826,6 +839,10 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
   app.add_option("--seed", f->seed, "parameter initialization and batch order")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "evaluate every N steps and after the last (0 = never)")->capture_default_str();
   app.add_option("--eval-batches", f->eval_batches, "validation batches per evaluation")->capture_default_str();
+  app.add_option("--zero-stage", f->zero_stage,
+                 "data-parallel ranks: 2, optimizer state and gradients partitioned, every rank holds the parameters; "
+                 "3, the parameters partitioned too, each gathered from its owner right before every use")
+      ->capture_default_str();
   app.add_option("--save", f->save,
                  "write the trained weights with Hugging Face names: FILE.safetensors (one file), or any other path "
                  "a model directory as save_pretrained writes it (config.json, model.safetensors or 5 GB shards "

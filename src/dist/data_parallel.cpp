@@ -41,8 +41,12 @@ Op make(OpKind kind, std::string name, std::vector<Operand> operands, OpAttrs at
 }  // namespace
 
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,
-                                                     int loss_scale_micro_batches, int only_rank) {
+                                                     int loss_scale_micro_batches, int only_rank, int zero_stage) {
   if (world < 1) return fail("world size is " + std::to_string(world) + "; need at least 1 rank");
+  if (zero_stage != 2 && zero_stage != 3)
+    return fail("ZeRO stage " + std::to_string(zero_stage) +
+                "; expected 2 (optimizer state and gradients partitioned, every rank holds the parameters) or 3 "
+                "(the parameters partitioned too, gathered ahead of each use)");
   if (only_rank >= world)
     return fail("rank " + std::to_string(only_rank) + " is not one of " + std::to_string(world));
   if (loss_scale_micro_batches < 1)
@@ -169,6 +173,7 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
     body.push_back(std::move(op));
   }
   DataParallelLayout L;
+  L.zero_stage = zero_stage;
   std::vector<uint64_t> bytes;
   for (ParamOps& p : params) {
     auto it = parts.find(p.grad);
@@ -218,6 +223,32 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
       reduce_after[last[i]].push_back(i);
     }
   }
+  // ZeRO stage 3: every op of the forward and backward that reads a parameter reads
+  // a copy of it instead, which a GatherParam right before it fills from the owner
+  // (the same copy and place on every rank: the ranks call the gathers in one order).
+  // Only the owner keeps the parameter; the copies live from the gather to their one
+  // use, so the planner frees them after it.
+  std::vector<std::vector<std::pair<size_t, TensorId>>> gather_before(body.size());  // body op -> (param, copy)
+  if (zero_stage == 3) {
+    std::map<TensorId, size_t> param_index;
+    for (size_t i = 0; i < params.size(); ++i) param_index[params[i].param] = i;
+    size_t copies = 0;
+    for (size_t j = 0; j < body.size(); ++j)
+      for (Operand& o : body[j].operands) {
+        auto it = param_index.find(o.tensor);
+        if (it == param_index.end()) continue;
+        if (o.access != Access::Read)
+          return fail("op '" + body[j].name + "' writes the parameter '" + T.info(o.tensor).name +
+                      "'; with ZeRO stage 3 only its AdamW may");
+        TensorInfo copy = T.info(o.tensor);
+        copy.name = "gathered" + std::to_string(copies++) + "." + copy.name;
+        copy.role = Role::Activation;
+        infos.push_back(copy);
+        const TensorId id = static_cast<TensorId>(infos.size() - 1);
+        gather_before[j].push_back({it->second, id});
+        o.tensor = id;
+      }
+  }
   for (int r = 0; r < world; ++r) {
     if (only_rank >= 0 && r != only_rank) {
       L.rank_programs.emplace_back();
@@ -226,6 +257,19 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
     std::vector<Op> ops;
     ops.reserve(body.size() + 2 * params.size() + 8);
     for (size_t j = 0; j < body.size(); ++j) {
+      for (const auto& [i, copy] : gather_before[j]) {
+        const int owner = L.partition.owner[i];
+        OpAttrs a;
+        a.n = L.params[i].n;
+        a.root = owner;
+        std::vector<Operand> in = {{copy, Access::Write}};
+        if (owner == r) in.push_back({params[i].param, Access::Read});
+        Op op = make(OpKind::GatherParam, "gather." + infos[static_cast<size_t>(copy)].name, std::move(in), a,
+                     body[j].micro_batch);
+        op.phase = body[j].phase;
+        op.layer = body[j].layer;
+        ops.push_back(std::move(op));
+      }
       ops.push_back(body[j]);
       for (size_t i : reduce_after[j]) {
         const int owner = L.partition.owner[i];
@@ -274,6 +318,7 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
         op.operands[4].tensor = gradsum[i];
         ops.push_back(std::move(op));
       }
+      if (zero_stage == 3) continue;  // only the owner holds the parameter; it is gathered where used
       OpAttrs a;
       a.n = L.params[i].n;
       a.root = owner;
@@ -363,10 +408,12 @@ Status DataParallelRank::write_parameter(const std::string& name, const std::vec
       return fail("parameter '" + name + "' has " + std::to_string(p.n) + " elements; given " +
                   std::to_string(values.size()));
     const size_t bytes = values.size() * sizeof(float);
+    const bool owner = layout_.partition.owner[i] == rank_;
+    if (!owner && layout_.zero_stage == 3) return Status::ok();  // held by its owner alone
     SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
     // In the program's dtype (bf16: rounded to nearest even, as Trainer writes it).
     SPILLWAY_RETURN_IF_ERROR(write_floats(param, values));
-    if (layout_.partition.owner[i] != rank_) return Status::ok();
+    if (!owner) return Status::ok();
     SPILLWAY_ASSIGN_OR_RETURN(TensorId master, find("master." + name));
     return executor_->write_tensor(master, values.data(), bytes);
   }
@@ -406,6 +453,9 @@ Result<std::vector<float>> DataParallelRank::master(size_t i) {
 
 Result<std::vector<float>> DataParallelRank::parameter(size_t i) {
   if (i >= layout_.params.size()) return fail("no parameter " + std::to_string(i));
+  if (layout_.zero_stage == 3 && layout_.partition.owner[i] != rank_)
+    return fail("rank " + std::to_string(rank_) + " does not hold parameter '" + layout_.params[i].name +
+                "' (ZeRO stage 3: only its owner, rank " + std::to_string(layout_.partition.owner[i]) + ", does)");
   SPILLWAY_ASSIGN_OR_RETURN(TensorId t, find(layout_.params[i].name));
   return read_floats(t);
 }
@@ -469,7 +519,9 @@ Status DataParallelRank::save_shard(const std::string& dir, int64_t step) {
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const std::string& name = layout_.params[i].name;
     const size_t n = static_cast<size_t>(layout_.params[i].n);
-    if (rank_ == 0) {
+    // The parameters: rank 0 writes them all, or with ZeRO stage 3 each owner its own
+    // (load_shards takes a tensor from whichever shard holds it).
+    if (layout_.zero_stage == 3 ? layout_.partition.owner[i] == rank_ : rank_ == 0) {
       SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> p, parameter(i));
       add(name, std::move(p));
     }
@@ -603,10 +655,12 @@ Result<int64_t> DataParallelRank::load_shards(const std::string& dir) {
   for (size_t i = 0; i < layout_.params.size(); ++i) {
     const std::string& name = layout_.params[i].name;
     const size_t n = static_cast<size_t>(layout_.params[i].n);
+    const bool owner = layout_.partition.owner[i] == rank_;
+    if (!owner && layout_.zero_stage == 3) continue;  // held by its owner alone
     SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> p, read(name, n));
     SPILLWAY_ASSIGN_OR_RETURN(TensorId param, find(name));
     SPILLWAY_RETURN_IF_ERROR(write_floats(param, p));  // a bf16 parameter's values round-trip exactly
-    if (layout_.partition.owner[i] != rank_) continue;
+    if (!owner) continue;
     for (const char* prefix : {"master.", "adam_m.", "adam_v."}) {
       SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> v, read(prefix + name, n));
       SPILLWAY_ASSIGN_OR_RETURN(TensorId t, find(prefix + name));

@@ -75,6 +75,7 @@ struct DataParallelParam {
 };
 
 struct DataParallelLayout {
+  int zero_stage = 2;                     // 2: parameters on every rank; 3: on their owner only
   std::vector<DataParallelParam> params;  // in AdamW order (ParamSpec order)
   Partition partition;                    // owner of each entry of `params`
   std::vector<Program> rank_programs;     // [world] what each rank's executor runs
@@ -102,8 +103,14 @@ struct DataParallelLayout {
 // in the program's dtype; the squared norms f32).
 // only_rank >= 0 builds that rank's program alone (the others are left empty), for
 // predictions at sizes where a program per rank would not fit in memory.
+// zero_stage 2 (the default): every rank holds every parameter, the owner broadcasts
+// it after its update. 3: the parameters are partitioned too: only the owner holds
+// one, and every op of the forward and backward that reads it reads a copy that a
+// GatherParam right before it fills from the owner (rank programs hold no parameter
+// they do not own; a rank's device and host hold its shard and the copies in use).
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,
-                                                     int loss_scale_micro_batches, int only_rank = -1);
+                                                     int loss_scale_micro_batches, int only_rank = -1,
+                                                     int zero_stage = 2);
 
 // One rank: its executor over its program, with the communicator set on the backend.
 class DataParallelRank {
@@ -116,8 +123,9 @@ class DataParallelRank {
   ~DataParallelRank();
 
   // Sets parameter `name` (a name of layout.params) to `values` (F32, n elements): the
-  // parameter on this rank (a bf16 one rounded to nearest even, as Trainer does) and,
-  // on its owner, the master weights. Every rank must be given the same values.
+  // parameter on this rank (a bf16 one rounded to nearest even, as Trainer does; with
+  // ZeRO stage 3 on its owner only) and, on its owner, the master weights. Every rank
+  // must be given the same values.
   Status write_parameter(const std::string& name, const std::vector<float>& values);
   // Inputs and outputs of the rank program (mb0.tokens, mb0.targets; mb0.losses).
   Status write_input(const std::string& name, const void* data, size_t bytes);
@@ -129,13 +137,14 @@ class DataParallelRank {
   Result<std::array<float, 2>> scale_norm();
   // The master weights of layout.params[i] when this rank owns it (F32, n elements).
   Result<std::vector<float>> master(size_t i);
-  // The parameter layout.params[i] as this rank holds it (bf16 widened to F32).
+  // The parameter layout.params[i] as this rank holds it (bf16 widened to F32); with
+  // ZeRO stage 3 only its owner holds it (an error elsewhere).
   Result<std::vector<float>> parameter(size_t i);
 
   // Sharded checkpoints. Every rank calls save_shard after the same step: it writes
   // DIR/shard-<rank>-of-<world>.safetensors (made atomically, DIR made if missing)
   // with the master weights and both moments of the parameters it owns, and rank 0
-  // also every parameter. Metadata: format "spillway-dp-shard", version, rank, world,
+  // also every parameter (with ZeRO stage 3, each rank the parameters it owns). Metadata: format "spillway-dp-shard", version, rank, world,
   // step, and an xxh3 of each tensor's bytes. load_shards reads a checkpoint written
   // by any number of ranks into this one (the parameters everywhere, the optimizer
   // state of what this rank owns under its own partition) and returns the step it

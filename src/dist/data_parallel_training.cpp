@@ -172,13 +172,29 @@ Result<DataParallelCheckpoint> read_manifest(const std::string& folder) {
   }
 }
 
+// The entries of layout.params that hold parameter `name`: the whole tensor, or its
+// vocab tiles name#0, name#1, ... in order (every rank's layout has them all, whether
+// or not its program holds them: ZeRO stage 3).
+std::vector<size_t> layout_pieces(const DataParallelLayout& layout, const std::string& name) {
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < layout.params.size(); ++i) index[layout.params[i].name] = i;
+  if (auto it = index.find(name); it != index.end()) return {it->second};
+  std::vector<size_t> out;
+  for (int j = 0;; ++j) {
+    auto it = index.find(name + "#" + std::to_string(j));
+    if (it == index.end()) break;
+    out.push_back(it->second);
+  }
+  return out;
+}
+
 // A parameter's values (ParamSpec order, all its pieces) into the rank, piece by piece.
 Status write_param(DataParallelRank& rank, const ParamSpec& p, const std::vector<float>& values) {
-  const Program& program = rank.program();
+  const DataParallelLayout& layout = rank.layout();
   size_t offset = 0;
-  for (TensorId t : program.pieces(p.name)) {
-    const TensorInfo& info = program.tensors.info(t);
-    const size_t n = static_cast<size_t>(info.shape.numel());
+  for (size_t i : layout_pieces(layout, p.name)) {
+    const DataParallelParam& info = layout.params[i];
+    const size_t n = static_cast<size_t>(info.n);
     if (offset + n > values.size())
       return Status::internal("parameter " + p.name + ": its pieces hold more than its " + std::to_string(values.size()) +
                               " values");
@@ -242,6 +258,9 @@ Status Run::setup() {
     return Status::invalid_argument("context " + std::to_string(t.shape.T) + " is longer than the model's context " +
                                     std::to_string(cfg_.context));
   if (o_.data == nullptr) return Status::invalid_argument("data parallel training: no data");
+  if (o_.zero_stage == 3 && o_.eval_every > 0)
+    return Status::unsupported("data parallel training: evaluation with ZeRO stage 3 (rank 0 holds only its shard of "
+                               "the parameters); give --eval-every 0 or --zero-stage 2");
   if (o_.steps < 1 || o_.stop_after < 0 || o_.eval_every < 0 || (o_.eval_every > 0 && o_.eval_batches < 1) ||
       o_.checkpoint_every < 0 || o_.keep < 1)
     return Status::invalid_argument("data parallel training: steps " + std::to_string(o_.steps) + ", stop after " +
@@ -268,7 +287,7 @@ Status Run::setup() {
                                 },
                                 backend_, allocatable_budgets(t.budgets, backend_).device, &tiled_));
   SPILLWAY_ASSIGN_OR_RETURN(DataParallelLayout layout,
-                            make_data_parallel_layout(training, world_, world_ * A_, rank_id_));
+                            make_data_parallel_layout(training, world_, world_ * A_, rank_id_, o_.zero_stage));
   layout_ = std::make_unique<DataParallelLayout>(std::move(layout));
   const Program& mine = layout_->rank_programs[static_cast<size_t>(rank_id_)];
   // A rank's updates end its step (their parameters are broadcast after them): none
@@ -514,17 +533,11 @@ Status Run::save() {
   if (buffer != nullptr) backend_.device_free(buffer);
   SPILLWAY_RETURN_IF_ERROR(s);
   if (rank_id_ != 0) return Status::ok();
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < L.params.size(); ++i) index[L.params[i].name] = i;
-  const Program& mine = rank_->program();
   return export_model(o_.save, cfg_, [&](const ParamSpec& p) -> Result<std::vector<float>> {
     std::vector<float> v;
-    for (TensorId t : mine.pieces(p.name)) {
-      auto it = index.find(mine.tensors.info(t).name);
-      if (it == index.end())
-        return Status::internal("--save: parameter piece " + mine.tensors.info(t).name + " is not in the layout");
-      v.insert(v.end(), masters[it->second].begin(), masters[it->second].end());
-    }
+    const std::vector<size_t> pieces = layout_pieces(L, p.name);
+    if (pieces.empty()) return Status::internal("--save: parameter " + p.name + " is not in the layout");
+    for (size_t i : pieces) v.insert(v.end(), masters[i].begin(), masters[i].end());
     for (size_t i = 0; i < v.size(); ++i)
       if (!std::isfinite(v[i]))
         return Status::invalid_argument("not saving " + o_.save + ": parameter " + p.name + " holds " +

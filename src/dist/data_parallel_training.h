@@ -65,6 +65,7 @@ struct DataParallelTrainingOptions {
   // spill folder. auto_confirm and storage_engine_maker are not used.
   TrainerOptions trainer;
   const Dataset* data = nullptr;  // train and validation splits (every rank's the same)
+  int zero_stage = 2;             // 2: every rank holds the parameters; 3: their owners only (make_data_parallel_layout)
   int steps = 1;                  // the run's last step (the schedule's total)
   int stop_after = 0;             // > 0: end after this step (checkpoint, as if interrupted)
   int eval_every = 0;             // rank 0 evaluates every N steps and after step `steps` (0 = never)

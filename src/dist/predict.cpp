@@ -28,6 +28,7 @@ double collective_seconds(const Program& rank_program, size_t op_index, int worl
     case OpKind::AllReduceInRankOrder:  // a gather to rank 0, then a broadcast
       return (others + 1) * bytes / link.bytes_per_s + 2 * link.latency_s;
     case OpKind::BroadcastParam:
+    case OpKind::GatherParam:
       return bytes / link.bytes_per_s + link.latency_s;
     default:
       return 0;
@@ -59,7 +60,7 @@ Result<DataParallelPrediction> predict_data_parallel(const Program& training, in
   p.busiest_rank = busiest;
   p.compute_s = cost.step_seconds(mine, plan);
   // The reduces on their own stream beside the backward (predict.h, "Overlap").
-  double compute = 0, stream_end = 0, tail = 0;
+  double compute = 0, stream_end = 0, tail = 0, waited = 0;
   bool optimizer = false;
   for (size_t i = 0; i < mine.ops.size(); ++i) {
     const Op& op = mine.ops[i];
@@ -70,11 +71,16 @@ Result<DataParallelPrediction> predict_data_parallel(const Program& training, in
       tail += c;  // waited for whole
     } else if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient) {
       stream_end = std::max(stream_end, compute) + c;
+    } else if (op.kind == OpKind::GatherParam) {
+      // Issued where it sits, right before the op that reads its copy, which waits for it.
+      stream_end = std::max(stream_end, compute) + c;
+      waited += stream_end - compute;
+      compute = stream_end;
     } else {
       compute += cost.op_seconds(mine, i);
     }
   }
-  p.exposed_s = std::max(0.0, stream_end - compute) + tail;
+  p.exposed_s = std::max(0.0, stream_end - compute) + tail + waited;
   p.hidden_s = std::max(0.0, p.collective_s - p.exposed_s);
   p.step_s = p.compute_s + p.exposed_s;
   if (p.step_s > 0) {

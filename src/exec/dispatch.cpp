@@ -338,6 +338,22 @@ Status run_broadcast_param(Backend& b, const Program& program, const Op& op, con
                             [&]() -> Status { return c->broadcast(x[0], bytes, static_cast<int>(op.attrs.root)); });
 }
 
+// ZeRO stage 3: the owner copies its parameter into `out`, then every rank's `out`
+// receives the owner's (a broadcast on the collective's stream, after the copy).
+Status run_gather_param(Backend& b, const Program& program, const Op& op, const std::vector<void*>& x,
+                        const OptimizerStep&) {
+  SPILLWAY_ASSIGN_OR_RETURN(Communicator * c, communicator_for(b, program, op));
+  const bool owner = x.size() > 1 && x[1] != nullptr;
+  if (owner != (op.attrs.root == c->rank()))
+    return Status::invalid_argument("op " + op.name + " (GatherParam) with root " + std::to_string(op.attrs.root) +
+                                    " runs on rank " + std::to_string(c->rank()) +
+                                    (owner ? " with the parameter; only the root has it" : " without the parameter"));
+  const size_t bytes = static_cast<size_t>(op.attrs.n) * dtype_size(program.tensors.info(op.operands[0].tensor).dtype);
+  if (owner) b.copy_device(x[0], x[1], bytes);  // on the compute stream, before the collective's
+  return ordered_collective(b, *c, program, op, x,
+                            [&]() -> Status { return c->broadcast(x[0], bytes, static_cast<int>(op.attrs.root)); });
+}
+
 Status run_adamw(Backend& b, const Program&, const Op& op, const std::vector<void*>& x, const OptimizerStep& step) {
   AdamWHyper h = adamw_hyper(step.lr, step.step, op.attrs.scale);
   b.adamw(x[0], f32w(x[1]), f32w(x[2]), f32w(x[3]), x[4], f32(x[5]), static_cast<size_t>(op.attrs.n), h);
@@ -390,6 +406,7 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::SendGradient, run_reduce_gradient},
     {OpKind::AllReduceInRankOrder, run_all_reduce_in_rank_order},
     {OpKind::BroadcastParam, run_broadcast_param},
+    {OpKind::GatherParam, run_gather_param},
     {OpKind::AdamW, run_adamw, nullptr, run_adamw_host},
 };
 

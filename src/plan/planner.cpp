@@ -437,6 +437,8 @@ class Scheduler {
     if (prod < 0) return -1;
     const Op& op = p_.ops[prod];
     if (op.phase != Phase::Forward) return -1;
+    // A collective re-run on one rank alone would wait for ranks that never call it.
+    if (op_info(op.kind).op_class == OpClass::Collective) return -1;
     for (const Operand& o : op.operands) {
       if (o.access == Access::Update) return -1;  // a re-run would apply the update twice
       if (o.tensor == t && o.access != Access::Write) return -1;

@@ -410,6 +410,8 @@ Status check_clip_scale(const OpCheck& c) {
 // SendGradient         (part0 R [, part1 R ... part7 R])         attrs n, root = the owner
 // AllReduceInRankOrder (buf U)                         attrs n
 // BroadcastParam       (param U)                       attrs n, root = the owner
+// GatherParam          (out W [, param R])             attrs n, root = the owner; the
+//                      owner gives its parameter, every rank's `out` receives a copy
 // Every operand has n elements, and the parts and the sum one dtype: the program's
 // activation dtype (a bf16 parameter is broadcast as bf16). F32: the owner's sum is,
 // per element, +0 plus every rank's parts in rank order and, within a rank, part order
@@ -433,6 +435,7 @@ constexpr OpSlot kSendGradientSlots[] = {
     {"part6", A::Read, D::Act, true}, {"part7", A::Read, D::Act, true}};
 constexpr OpSlot kAllReduceSlots[] = {{"buf", A::Update, D::F32}};
 constexpr OpSlot kBroadcastParamSlots[] = {{"param", A::Update, D::Act}};
+constexpr OpSlot kGatherParamSlots[] = {{"out", A::Write, D::Act}, {"param", A::Read, D::Act, true}};
 
 Status check_collective(const OpCheck& c) {
   SPILLWAY_RETURN_IF_ERROR(c.positive({{"n", c.attrs().n}}));
@@ -510,6 +513,8 @@ constexpr OpKindInfo kOpKinds[] = {
      .check = check_collective, .op_class = OpClass::Collective},
     {.kind = OpKind::BroadcastParam, .name = "BroadcastParam", .slots = kBroadcastParamSlots,
      .check = check_collective, .op_class = OpClass::Collective},
+    {.kind = OpKind::GatherParam, .name = "GatherParam", .slots = kGatherParamSlots, .check = check_collective,
+     .op_class = OpClass::Collective},
     {.kind = OpKind::AdamW, .name = "AdamW", .slots = kAdamWSlots, .check = check_adamw, .host = true,
      .home = "master"},
 };

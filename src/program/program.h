@@ -58,6 +58,7 @@ enum class OpKind : uint8_t {
   SendGradient,          // on the other ranks: their parts to the owner
   AllReduceInRankOrder,  // every rank: the sum over ranks in rank order (the squared norms)
   BroadcastParam,        // the owner's parameter to every rank
+  GatherParam,           // ZeRO stage 3: the owner's parameter into a copy on every rank, ahead of its use
   AdamW,  // keep it last, or change kOpKindCount
 };
 // The number of kinds. The registry and the dispatch table static_assert one entry

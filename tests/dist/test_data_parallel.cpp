@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <random>
 #include <thread>
 
@@ -135,11 +136,11 @@ struct Resume {
 // is `world` for the exact run (tests pass another value to see the check fail).
 // Steps resume.first_step ... resume.first_step + steps - 1.
 RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micro_batches, bool offload = false,
-                        int accum = 1, const Resume& resume = {}) {
+                        int accum = 1, const Resume& resume = {}, int zero_stage = 2) {
   RunResult run;
   auto program = build_training_program(c.cfg, {c.B, c.T, accum, c.tile_vocab}, DType::F32);
   if (!program.ok()) return failed(program.status());
-  auto layout = make_data_parallel_layout(*program, world, loss_scale_micro_batches);
+  auto layout = make_data_parallel_layout(*program, world, loss_scale_micro_batches, -1, zero_stage);
   if (!layout.ok()) return failed(layout.status());
   std::vector<Plan> plans;
   for (const Program& mine : layout->rank_programs) {
@@ -210,10 +211,16 @@ RunResult data_parallel(const Case& c, int world, int steps, int loss_scale_micr
         if (Status e = dp.save_shard(resume.save_dir, resume.first_step + steps - 1); !e.is_ok()) return fail(e);
       const auto& params = dp.layout().params;
       for (size_t i = 0; i < params.size(); ++i) {
+        const bool owner = layout->partition.owner[i] == r;
+        if (zero_stage == 3 && !owner) {  // only the owner holds it
+          if (dp.parameter(i).ok()) return fail(Status::internal("rank " + std::to_string(r) + " reads " +
+                                                                 params[i].name + ", which it does not own"));
+          continue;
+        }
         auto p = dp.parameter(i);
         if (!p.ok()) return fail(p.status());
         std::lock_guard<std::mutex> lock(mu);
-        if (r == world - 1) run.params[params[i].name] = *p;
+        if (zero_stage == 3 ? owner : r == world - 1) run.params[params[i].name] = *p;
         run.rank_params[static_cast<size_t>(r)][params[i].name] = *p;
         if (layout->partition.owner[i] == r) {
           auto m = dp.master(i);
@@ -322,6 +329,87 @@ TEST(DataParallel, RanksWithOffloadedShardsEqualOneRank) {
   ASSERT_TRUE(dp.status.is_ok()) << dp.status.to_string();
   EXPECT_EQ(differences(dp, ref), 0u);
   EXPECT_EQ(dp.masters.size(), ref.masters.size());
+}
+
+// ZeRO stage 3: the parameters partitioned too, each gathered from its owner right
+// before every op that reads it. The bits stay those of one rank: losses, clip
+// scales, masters and parameters (each from its owner), at 2 and 4 ranks, both
+// models, with accumulation and with offloaded shards; no rank program holds a
+// parameter it does not own, and a sharded checkpoint of stage 3 loads onto stage 2.
+TEST(DataParallel, ZeroStage3EqualsOneRankBitForBit) {
+  for (const Case& c : cases()) {
+    for (int world : {2, 4}) {
+      const std::string what = c.what + ", " + std::to_string(world) + " ranks, ZeRO stage 3";
+      RunResult ref = single_rank(c, world, kSteps);
+      ASSERT_TRUE(ref.status.is_ok()) << what << ": " << ref.status.to_string();
+      RunResult dp = data_parallel(c, world, kSteps, world, false, 1, {}, /*zero_stage=*/3);
+      ASSERT_TRUE(dp.status.is_ok()) << what << ": " << dp.status.to_string();
+      EXPECT_EQ(differences(dp, ref), 0u) << what;
+      EXPECT_EQ(dp.params.size(), ref.params.size()) << what;
+    }
+  }
+  const Case c = cases()[0];
+  RunResult ref = single_rank(c, 4, kSteps);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  RunResult accum = data_parallel(c, 2, kSteps, 4, false, /*accum=*/2, {}, 3);
+  ASSERT_TRUE(accum.status.is_ok()) << accum.status.to_string();
+  EXPECT_EQ(differences(accum, ref), 0u) << "2 ranks of 2 micro-batches";
+  RunResult ref2 = single_rank(c, 2, kSteps);
+  ASSERT_TRUE(ref2.status.is_ok()) << ref2.status.to_string();
+  RunResult offloaded = data_parallel(c, 2, kSteps, 2, /*offload=*/true, 1, {}, 3);
+  ASSERT_TRUE(offloaded.status.is_ok()) << offloaded.status.to_string();
+  EXPECT_EQ(differences(offloaded, ref2), 0u) << "offloaded shards";
+
+  // Stage 3 saves after step 3; 2 ranks of stage 2 go on from it.
+  const std::string root = testing::TempDir() + "/dp_shards_zero3";
+  std::filesystem::remove_all(root);
+  const RunResult first = data_parallel(c, 2, 3, 4, false, 2, {.save_dir = root}, 3);
+  ASSERT_TRUE(first.status.is_ok()) << first.status.to_string();
+  RunResult tail = accum;  // the uninterrupted run's steps 4-6
+  tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 3);
+  tail.clip.erase(tail.clip.begin(), tail.clip.begin() + 6);
+  const RunResult rest = data_parallel(c, 2, kSteps - 3, 4, false, 2, {.first_step = 4, .load_dir = root});
+  ASSERT_TRUE(rest.status.is_ok()) << rest.status.to_string();
+  EXPECT_EQ(differences(rest, tail), 0u) << "stage 3 checkpoint loaded by stage 2";
+}
+
+// Stage 3's rank programs: each holds only the parameters it owns, and one gather
+// per op of the forward and backward that reads a parameter, the same ones in the
+// same order on every rank (the owner with its parameter as the source).
+TEST(DataParallel, ZeroStage3RankProgramsHoldOnlyTheirShard) {
+  const Case c = cases()[0];
+  auto program = build_training_program(c.cfg, {c.B, c.T, 1, false}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  size_t reads = 0;  // ops of the forward and backward reading a parameter, counted per operand
+  std::set<TensorId> param_ids;
+  for (const Op& op : program->ops)
+    if (op.kind == OpKind::AdamW) param_ids.insert(op.operands[0].tensor);
+  for (const Op& op : program->ops)
+    if (op.phase != Phase::Optimizer)
+      for (const Operand& o : op.operands) reads += param_ids.count(o.tensor);
+  ASSERT_GT(reads, 0u);
+  auto layout = make_data_parallel_layout(*program, 3, 3, -1, 3);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  EXPECT_EQ(layout->zero_stage, 3);
+  std::vector<std::string> order0;
+  for (int r = 0; r < 3; ++r) {
+    const Program& mine = layout->rank_programs[static_cast<size_t>(r)];
+    std::vector<std::string> order;
+    for (const Op& op : mine.ops) {
+      EXPECT_NE(op.kind, OpKind::BroadcastParam) << "rank " << r << ": " << op.name;
+      if (op.kind != OpKind::GatherParam) continue;
+      order.push_back(op.name);
+      EXPECT_EQ(op.operands.size() == 2, op.attrs.root == r) << "rank " << r << ": " << op.name;
+    }
+    EXPECT_EQ(order.size(), reads) << "rank " << r;
+    if (r == 0) order0 = order;
+    EXPECT_EQ(order, order0) << "rank " << r << " gathers in another order";
+    for (size_t i = 0; i < layout->params.size(); ++i) {
+      const bool holds = mine.tensors.find(layout->params[i].name) != kNoTensor;
+      EXPECT_EQ(holds, layout->partition.owner[i] == r) << "rank " << r << ": " << layout->params[i].name;
+    }
+  }
+  EXPECT_FALSE(make_data_parallel_layout(*program, 2, 2, -1, 1).ok()) << "ZeRO stage 1 is not a layout of its own";
 }
 
 // The check above can fail: a wrong loss scale (each rank scaling by 1/(B·T) as a
