@@ -120,6 +120,12 @@ TEST(TrainCli, UnknownPolicy) {
   expect_rejected("train --steps 1 --policy magic " + kSmall, {"--policy", "magic"});
 }
 
+// --zero-stage takes 2 or 3, and 3 only for data-parallel ranks.
+TEST(TrainCli, ZeroStage) {
+  expect_rejected("train --steps 1 --zero-stage 4 " + kSmall, {"--zero-stage", "expected 2", "got 4"});
+  expect_rejected("train --steps 1 --zero-stage 3 " + kSmall, {"--zero-stage 3", "data-parallel", "one process"});
+}
+
 TEST(TrainCli, UnknownModel) {
   expect_rejected("train --steps 1 --model gpt-5", {"--model", "gpt-5", "tiny"});
 }
