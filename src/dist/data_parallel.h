@@ -1,4 +1,5 @@
-// Data parallelism with partitioned optimizer state (ZeRO stages 1-2 by whole tensors),
+// Data parallelism with partitioned optimizer state (ZeRO stages 1-2 by whole tensors;
+// stage 3, the parameters partitioned too, with zero_stage = 3 below),
 // exact: N ranks with micro-batch B give, bit for bit, the losses and weights of one
 // rank with accumulation N and micro-batch B, where rank r reads micro-batch r of each
 // step's batch. The collectives are ops of each rank's Program (ReduceGradient,
