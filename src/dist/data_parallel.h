@@ -145,8 +145,9 @@ class DataParallelRank {
   // Sharded checkpoints. Every rank calls save_shard after the same step: it writes
   // DIR/shard-<rank>-of-<world>.safetensors (made atomically, DIR made if missing)
   // with the master weights and both moments of the parameters it owns, and rank 0
-  // also every parameter (with ZeRO stage 3, each rank the parameters it owns). Metadata: format "spillway-dp-shard", version, rank, world,
-  // step, and an xxh3 of each tensor's bytes. load_shards reads a checkpoint written
+  // also every parameter (with ZeRO stage 3, each rank the parameters it owns).
+  // Metadata: format "spillway-dp-shard", version, rank, world, step, and an xxh3 of
+  // each tensor's bytes. load_shards reads a checkpoint written
   // by any number of ranks into this one (the parameters everywhere, the optimizer
   // state of what this rank owns under its own partition) and returns the step it
   // was saved after. Errors name the folder, shard and tensor: a missing or extra

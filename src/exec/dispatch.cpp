@@ -247,8 +247,6 @@ Status run_clip_scale(Backend& b, const Program&, const Op& op, const std::vecto
 // reduce overlaps the backward after it. Without a stream (the in-process
 // communicator), the backend's queued work finishes first and the call is synchronous.
 
-bool is_collective(OpKind k) { return op_info(k).op_class == OpClass::Collective; }
-
 // The device memory of the op's operands (null pointers left out).
 std::vector<Backend::DeviceRange> operand_ranges(const Program& program, const Op& op, const std::vector<void*>& x) {
   std::vector<Backend::DeviceRange> r;
@@ -447,7 +445,7 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
   // collective's tensors (collectives are ordered among themselves on their stream).
   // Without a communicator no collective ran: the ranges are not built (every op of
   // every single-process step passes here).
-  if (b.communicator() != nullptr && !is_collective(op.kind)) {
+  if (b.communicator() != nullptr && !op_is_collective(op.kind)) {
     const Status waited = b.order_compute_for(operand_ranges(program, op, x));
     if (!waited.is_ok()) return waited.with_context("op " + op.name);
   }
@@ -483,7 +481,7 @@ Status warm_up_kernels(Backend& backend, const Program& program, uint64_t limit)
     if (op.place != Place::Device) continue;
     // Collectives run the communicator's kernels, not the backend's (and need the
     // other ranks).
-    if (is_collective(op.kind)) continue;
+    if (op_is_collective(op.kind)) continue;
     // One of each kind and operand shapes (and attributes that pick a kernel).
     std::string key = std::to_string(static_cast<int>(op.kind));
     uint64_t bytes = 0;

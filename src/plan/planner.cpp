@@ -438,7 +438,7 @@ class Scheduler {
     const Op& op = p_.ops[prod];
     if (op.phase != Phase::Forward) return -1;
     // A collective re-run on one rank alone would wait for ranks that never call it.
-    if (op_info(op.kind).op_class == OpClass::Collective) return -1;
+    if (op_is_collective(op.kind)) return -1;
     for (const Operand& o : op.operands) {
       if (o.access == Access::Update) return -1;  // a re-run would apply the update twice
       if (o.tensor == t && o.access != Access::Write) return -1;

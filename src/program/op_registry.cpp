@@ -576,6 +576,8 @@ const char* access_name(Access a) {
   return "?";
 }
 
+bool op_is_collective(OpKind k) { return op_info(k).op_class == OpClass::Collective; }
+
 double op_flops(const Op& op) {
   const OpKindInfo& info = op_info(op.kind);
   return info.flops ? info.flops(op.attrs) : 0;

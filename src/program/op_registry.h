@@ -91,6 +91,10 @@ size_t op_required_operands(OpKind k);
 int op_slot(OpKind k, std::string_view name);
 const char* access_name(Access a);
 
+// A collective (OpClass::Collective): run by the backend's Communicator, called by
+// every rank at the same point of its program.
+bool op_is_collective(OpKind k);
+
 // The registry's formulas for one op (0 for an out-of-range kind).
 double op_flops(const Op& op);
 double op_cost_flops(const Op& op);

@@ -136,6 +136,15 @@ TEST(OpRegistry, WrongAccessOrDtypeNamesOpKindAndSlot) {
   }
 }
 
+// The collectives, one predicate for the executor and the planner.
+TEST(OpRegistry, CollectivesAreTheCommunicatorsOps) {
+  for (OpKind k : {OpKind::ReduceGradient, OpKind::SendGradient, OpKind::AllReduceInRankOrder, OpKind::BroadcastParam,
+                   OpKind::GatherParam})
+    EXPECT_TRUE(op_is_collective(k)) << op_kind_name(k);
+  for (OpKind k : {OpKind::MatmulForward, OpKind::AttentionBackward, OpKind::SquaredNorm, OpKind::AdamW})
+    EXPECT_FALSE(op_is_collective(k)) << op_kind_name(k);
+}
+
 TEST(OpRegistry, ComputeOpsCountPositiveFlops) {
   const OpAttrs attrs{.B = 2, .T = 8, .C = 16, .OC = 5, .NH = 4, .N = 6, .V = 7, .P = 3, .n = 11};
   int compute = 0;
