@@ -1311,12 +1311,12 @@ TEST_F(CudaOps, MultiTensorSwitchIsChecked) {
   EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_MULTI_TENSOR"), std::string::npos) << b.status().to_string();
 }
 
-// The Hopper attention forward (wgmma, head dims 64, 80, 128; attention_sm90a.cu) against the
-// mma.sync kernel (SPILLWAY_CUDA_ATTENTION=mma) on the same inputs, element by
-// element: T not a multiple of the 64- or 128-row tiles, T = 1, grouped heads. The
+// The Hopper attention kernels (wgmma, head dims 64, 80, 128; attention_sm90a.cu),
+// forward and backward, against the mma.sync kernels (SPILLWAY_CUDA_ATTENTION=mma) on
+// the same inputs, element by element: T not a multiple of the 64- or 128-row tiles, T = 1, grouped heads. The
 // two differ only in rounding (bf16 P, the exponent instruction). Elsewhere than on
 // compute capability 9.0 both sides run the mma.sync kernel, and the test says so.
-TEST_F(CudaOps, HopperAttentionForwardAgreesWithMmaKernel) {
+TEST_F(CudaOps, HopperAttentionAgreesWithMmaKernels) {
   ScopedEnv env("SPILLWAY_CUDA_ATTENTION", "mma");
   auto made = make_backend("cuda");
   ASSERT_TRUE(made.ok()) << made.status().to_string();
@@ -1373,6 +1373,54 @@ TEST_F(CudaOps, HopperAttentionForwardAgreesWithMmaKernel) {
     expect_deterministic({out, lse}, [] {},
                          [&] { gpu_->attention_forward(out.g, (float*)lse.g, qkv.g, s.B, s.T, s.C, s.NH, s.KVH); },
                          "attention forward");
+
+    // The backward from the same out and lse (the mma.sync forward's) on both sides.
+    ASSERT_TRUE(gpu_->upload(out.g, mo.data(), mo.size() * 2).is_ok());
+    ASSERT_TRUE(gpu_->upload(lse.g, ml.data(), ml.size() * 4).is_ok());
+    const std::vector<float> dout_v = normal(N * s.C);
+    std::vector<uint16_t> dh(dout_v.size());
+    for (size_t i = 0; i < dh.size(); ++i) dh[i] = float_to_bf16(dout_v[i]);
+    Pair dout = act(dout_v), dqkv = act_poison(N * W);
+    void *m_dout = alloc(dh.size() * 2), *m_dqkv = alloc(N * W * 2);
+    ASSERT_TRUE(m_dout && m_dqkv);
+    ASSERT_TRUE(mma->upload(m_dout, dh.data(), dh.size() * 2).is_ok());
+    gpu_->attention_backward(dqkv.g, dout.g, qkv.g, out.g, (float*)lse.g, s.B, s.T, s.C, s.NH, s.KVH);
+    mma->attention_backward(m_dqkv, m_dout, m_qkv, m_out, (float*)m_lse, s.B, s.T, s.C, s.NH, s.KVH);
+    ASSERT_TRUE(mma->synchronize().is_ok());
+    std::vector<uint16_t> md(N * W);
+    ASSERT_TRUE(mma->download(md.data(), m_dqkv, md.size() * 2).is_ok());
+    const std::vector<float> gd = gpu_values(dqkv);
+    // Each of dq, dk, dv: every element within 3% of the mma.sync kernel's value plus
+    // 3% of that part's rms (both round P and dS to bf16, with different exponents).
+    const int HD = s.C / s.NH;
+    const size_t part_begin[4] = {0, size_t(s.NH) * HD, size_t(s.NH + s.KVH) * HD, W};
+    for (int part = 0; part < 3; ++part) {
+      double sq = 0;
+      size_t count = 0;
+      for (size_t n = 0; n < N; ++n)
+        for (size_t c = part_begin[part]; c < part_begin[part + 1]; ++c, ++count) {
+          const double v = bf16_to_float(md[n * W + c]);
+          sq += v * v;
+        }
+      const double rms = std::sqrt(sq / std::max<size_t>(count, 1));
+      double worst = 0;
+      size_t at = 0;
+      for (size_t n = 0; n < N; ++n)
+        for (size_t c = part_begin[part]; c < part_begin[part + 1]; ++c) {
+          const double want = bf16_to_float(md[n * W + c]), got = gd[n * W + c];
+          const double excess = std::isfinite(got) ? std::fabs(got - want) - 0.03 * std::fabs(want) - 0.03 * rms
+                                                   : INFINITY;
+          if (!(excess <= worst)) worst = excess, at = n * W + c;
+        }
+      EXPECT_LE(worst, 0.0) << "d" << "qkv"[part] << "[" << at << "]: " << gd[at] << " vs "
+                            << bf16_to_float(md[at]) << " (rms " << rms << ")";
+    }
+    expect_deterministic({dqkv}, [] {},
+                         [&] {
+                           gpu_->attention_backward(dqkv.g, dout.g, qkv.g, out.g, (float*)lse.g, s.B, s.T, s.C,
+                                                    s.NH, s.KVH);
+                         },
+                         "attention backward");
   }
   ASSERT_TRUE(mma->synchronize().is_ok());
   for (void* p : owned)

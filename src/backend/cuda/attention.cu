@@ -891,7 +891,7 @@ cudaError_t launch_attention_forward(bf16* out, float* lse, const bf16* qkv, int
 
 cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out,
                                       const float* lse, int B, int T, int C, int NH, int KVH, void* scratch,
-                                      cudaStream_t stream) {
+                                      cudaStream_t stream, bool sm90, AttentionKernel kernel) {
   if (B == 0 || T == 0 || C == 0) return cudaSuccess;
   const int HD = C / NH;
   float* D = static_cast<float*>(scratch);
@@ -899,6 +899,9 @@ cudaError_t launch_attention_backward(bf16* dqkv, const bf16* dout, const bf16* 
   attention_bwd_dot_kernel<<<ceil_div(rows, 8), 256, 0, stream>>>(D, dout, out, B, T, C, NH);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
+  if (kernel == AttentionKernel::kAuto && sm90 && attention_wgmma_takes(HD) && attention_wgmma_built() &&
+      aligned16(qkv) && aligned16(dqkv) && aligned16(dout))
+    return launch_attention_backward_wgmma(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
   if (attention_uses_tensor_cores(HD, qkv) && aligned16(dqkv) && aligned16(dout)) {
     switch (HD) {
       case 32: return backward_tc<32>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);

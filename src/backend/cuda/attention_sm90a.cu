@@ -157,6 +157,97 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// d = A·Bᵀ over the head dim (m64n64): A is rows a_row0 .. a_row0+63 of a tile of
+// a_rows rows, B the whole of a tile of 64 rows, both [rows][HD] in column blocks
+// (K-major): 32 bytes along a 128-byte row per step of 16, then the tail block's
+// 32-byte rows. Issued, committed and waited for.
+template <int HD>
+__device__ __forceinline__ void product_abt(float (&d)[32], uint32_t a_tile, int a_rows, int a_row0,
+                                            uint32_t b_tile) {
+  using L = Cols<HD>;
+  wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < L::main; ++c)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss(d, descriptor(a_tile + c * a_rows * 128 + a_row0 * 128 + 32 * kk, 0, 1024, kSwizzle128),
+               descriptor(b_tile + c * 64 * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
+  if constexpr (L::tail != 0)
+    wgmma_ss(d, descriptor(a_tile + L::main * a_rows * 128 + a_row0 * 32, 0, 256, kSwizzle32),
+             descriptor(b_tile + L::main * 64 * 128, 0, 256, kSwizzle32), 1);
+  wgmma_commit();
+  wgmma_wait_all();
+  pin(d);
+}
+
+// o += P·B (m64 × HD): P the 64×64 A operand in registers (pa[ks]: columns 16ks ..
+// 16ks+15), B rows b_row0 .. b_row0+63 of a tile of b_rows rows, [rows][HD] in column
+// blocks, read N-major (transposed): 16 rows of a block per step. Issued, committed
+// and waited for.
+template <int HD>
+__device__ __forceinline__ void product_pb(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1],
+                                           const uint32_t (&pa)[4][4], uint32_t b_tile, int b_rows, int b_row0) {
+  using L = Cols<HD>;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int c = 0; c < L::main; ++c)
+      wgmma_rs_tb(o[c], pa[ks],
+                  descriptor(b_tile + c * b_rows * 128 + (b_row0 + 16 * ks) * 128, 1024, 1024, kSwizzle128));
+    if constexpr (L::tail != 0)
+      wgmma_rs_tb16(o_tail, pa[ks],
+                    descriptor(b_tile + L::main * b_rows * 128 + (b_row0 + 16 * ks) * 32, 256, 256, kSwizzle32));
+  }
+  wgmma_commit();
+  wgmma_wait_all();
+#pragma unroll
+  for (int c = 0; c < L::main; ++c) pin(o[c]);
+  pin(o_tail);
+}
+
+// The A operand of a product over 64 columns from a 64×64 accumulator.
+__device__ __forceinline__ void to_a(uint32_t (&pa)[4][4], const float (&s)[32]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    pa[ks][0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
+    pa[ks][1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
+    pa[ks][2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
+    pa[ks][3] = pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
+  }
+}
+
+// Stores row `row` (this thread's half of it: columns 8j + 2t, +1 of every block) of
+// a m64 × HD accumulator, times `mul`, as bf16 at dst[0 .. HD-1]; r picks the thread's
+// first (0) or second (1) row.
+template <int HD>
+__device__ __forceinline__ void store_row(bf16* dst, const float (&o)[Cols<HD>::main][32],
+                                          const float (&o_tail)[Cols<HD>::tail ? 8 : 1], int r, int t4, float mul) {
+  using L = Cols<HD>;
+#pragma unroll
+  for (int c = 0; c < L::main; ++c)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 64 * c + 8 * j + 2 * t4) =
+          __floats2bfloat162_rn(o[c][4 * j + 2 * r] * mul, o[c][4 * j + 2 * r + 1] * mul);
+  if constexpr (L::tail != 0) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 64 * L::main + 8 * j + 2 * t4) =
+          __floats2bfloat162_rn(o_tail[4 * j + 2 * r] * mul, o_tail[4 * j + 2 * r + 1] * mul);
+  }
+}
+
+template <int HD>
+__device__ __forceinline__ void zero(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1]) {
+#pragma unroll
+  for (int c = 0; c < Cols<HD>::main; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[c][i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < (Cols<HD>::tail ? 8 : 1); ++i) o_tail[i] = 0.0f;
+}
+
 #endif  // SPILLWAY_WGMMA_BODY
 
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
@@ -192,15 +283,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
   load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
   asm volatile("cp.async.commit_group;\n" ::);
 
-  // This warpgroup's 64 query rows in each column block of the Q tile.
-  const uint32_t q_main = q_tile + wg * kWgRows * 128, q_tail = q_tile + kMain * kBM * 128 + wg * kWgRows * 32;
   float o[kMain][32], o_tail[kTail ? 8 : 1], s[32];
-#pragma unroll
-  for (int c = 0; c < kMain; ++c)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[c][i] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < (kTail ? 8 : 1); ++i) o_tail[i] = 0.0f;
+  zero<HD>(o, o_tail);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
 
@@ -221,22 +305,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
-      // S = Q·Kᵀ over the head dim in steps of 16: 32 bytes along a 128-byte row, then
-      // the tail block's whole 32-byte row.
-      wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < kMain; ++c)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_ss(s, descriptor(q_main + c * kBM * 128 + 32 * kk, 0, 1024, kSwizzle128),
-                   descriptor(kt + c * kBN * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
-      if constexpr (kTail != 0)
-        wgmma_ss(s, descriptor(q_tail, 0, 256, kSwizzle32), descriptor(kt + kMain * kBN * 128, 0, 256, kSwizzle32),
-                 1);
-      wgmma_commit();
-      wgmma_wait_all();
-      pin(s);
-
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
       // Mask keys past a row (only the diagonal block) or past T.
       if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
 #pragma unroll
@@ -275,30 +344,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 #pragma unroll
         for (int i = 0; i < 8; ++i) o_tail[i] *= alpha[(i >> 1) & 1];
       }
-      // O += P·V over the 64 keys in 4 steps of 16: 16 rows of a block (2048 bytes of
-      // a 128-byte-row block, 512 of the tail block).
       uint32_t pa[4][4];
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        pa[ks][0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
-        pa[ks][1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
-        pa[ks][2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
-        pa[ks][3] = pack_bf16(s[8 * ks + 6], s[8 * ks + 7]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-        for (int c = 0; c < kMain; ++c)
-          wgmma_rs_tb(o[c], pa[ks], descriptor(vt + c * kBN * 128 + ks * 2048, 1024, 1024, kSwizzle128));
-        if constexpr (kTail != 0)
-          wgmma_rs_tb16(o_tail, pa[ks], descriptor(vt + kMain * kBN * 128 + ks * 512, 256, 256, kSwizzle32));
-      }
-      wgmma_commit();
-      wgmma_wait_all();
-#pragma unroll
-      for (int c = 0; c < kMain; ++c) pin(o[c]);
-      pin(o_tail);
+      to_a(pa, s);
+      product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V
     }
     __syncthreads();  // this buffer is refilled in the next iteration
   }
@@ -312,21 +360,239 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
     if (q >= T) continue;
     const float inv = 1.0f / l;
     if (t4 == 0) lse[static_cast<size_t>(bh) * T + q] = row_max[r] * kLn2 + logf(l);
-    bf16* dst = out + (static_cast<size_t>(b) * T + q) * C + h * HD;
-#pragma unroll
-    for (int c = 0; c < kMain; ++c)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 64 * c + 8 * j + 2 * t4) =
-            __floats2bfloat162_rn(o[c][4 * j + 2 * r] * inv, o[c][4 * j + 2 * r + 1] * inv);
-    if constexpr (kTail != 0) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 64 * kMain + 8 * j + 2 * t4) =
-            __floats2bfloat162_rn(o_tail[4 * j + 2 * r] * inv, o_tail[4 * j + 2 * r + 1] * inv);
-    }
+    store_row<HD>(out + (static_cast<size_t>(b) * T + q) * C + h * HD, o, o_tail, r, t4, inv);
   }
 #endif  // SPILLWAY_WGMMA_BODY
+}
+
+// dK, dV of 128 keys per block (64 per warpgroup) of key/value head kvh:
+// dqkv[B,T,(NH+2·KVH)·HD] (its k and v parts), from dout[B,T,C], qkv, lse[B,NH,T]
+// and D[B,NH,T] = rowsum(dout ∘ out). grid (ceil(T/128), B·KVH), 256 threads. The
+// query blocks (64 queries) of the group's query heads stream through shared memory,
+// head after head, double-buffered; per block each warpgroup computes Sᵀ = K·Qᵀ and
+// dPᵀ = V·dOᵀ, Pᵀ = 2^(Sᵀ·scale·log2e − lse·log2e), dSᵀ = Pᵀ ∘ (dPᵀ − D), then
+// dV += Pᵀ·dO and dK += dSᵀ·Q in fp32 registers: a fixed order, no atomics.
+template <int HD, bool kGrouped>
+__global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* dqkv, const bf16* dout,
+                                                                       const bf16* qkv, const float* lse,
+                                                                       const float* Dg, int T, int C, int NH,
+                                                                       int KVH, float scale, float scale_log2) {
+#ifdef SPILLWAY_WGMMA_BODY
+  using L = Cols<HD>;
+  constexpr int kKeys = kBM, kQ = kBN;
+  constexpr int kKBytes = L::bytes(kKeys), kQBytes = L::bytes(kQ);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
+  const uint32_t k_tile = base, v_tile = base + kKBytes, q_tile = v_tile + kKBytes, do_tile = q_tile + 2 * kQBytes;
+  float* Ls = reinterpret_cast<float*>(smem_raw + (do_tile + 2 * kQBytes - raw));  // [2][kQ] lse, log2 units
+  float* Ds = Ls + 2 * kQ;                                                          // [2][kQ]
+
+  const int n0 = blockIdx.x * kKeys;
+  const int bg = blockIdx.y, b = bg / KVH, kvh = bg % KVH;
+  const int group = kGrouped ? NH / KVH : 1, h0 = kvh * group;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
+  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h0 * HD;  // query head h0
+  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + kvh) * HD : qg + C;
+  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
+  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h0 * HD;
+  const float* lse_bh = lse + (static_cast<size_t>(b) * NH + h0) * T;
+  const float* D_bh = Dg + (static_cast<size_t>(b) * NH + h0) * T;
+  const int wg_key0 = n0 + wg * kWgRows;  // this warpgroup's first key
+
+  // Iteration it covers query block mb_first + it % n_mb of query head h0 + it / n_mb.
+  const int mb_first = n0 / kQ, n_mb = (T + kQ - 1) / kQ - mb_first;
+  auto load_q_block = [&](int it, int buf) {
+    const int hh = kGrouped ? it / n_mb : 0, mb = mb_first + (kGrouped ? it % n_mb : it);
+    load_swizzled<HD>(q_tile + buf * kQBytes, qg + hh * HD, mb * kQ, kQ, T, ld);
+    load_swizzled<HD>(do_tile + buf * kQBytes, dog + hh * HD, mb * kQ, kQ, T, C);
+    const float* lse_h = lse_bh + static_cast<size_t>(hh) * T;
+    const float* D_h = D_bh + static_cast<size_t>(hh) * T;
+    for (int i = threadIdx.x; i < kQ; i += kThreads) {
+      const int q = mb * kQ + i;
+      Ls[buf * kQ + i] = q < T ? lse_h[q] * kLog2e : INFINITY;
+      Ds[buf * kQ + i] = q < T ? D_h[q] : 0.0f;
+    }
+  };
+  load_swizzled<HD>(k_tile, kg, n0, kKeys, T, ld);
+  load_swizzled<HD>(v_tile, vg, n0, kKeys, T, ld);
+  load_q_block(0, 0);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  float dk[L::main][32], dk_tail[L::tail ? 8 : 1], dv[L::main][32], dv_tail[L::tail ? 8 : 1];
+  zero<HD>(dk, dk_tail);
+  zero<HD>(dv, dv_tail);
+  const int key_a = wg_key0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
+
+  const int n_it = group * n_mb;
+  for (int it = 0; it < n_it; ++it) {
+    const int mb = mb_first + (kGrouped ? it % n_mb : it), cur = it & 1;
+    if (it + 1 < n_it) {
+      load_q_block(it + 1, cur ^ 1);
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+
+    if (mb * kQ + kQ - 1 >= wg_key0) {  // some query of the block sees a key of this warpgroup
+      const uint32_t qt = q_tile + cur * kQBytes, dot = do_tile + cur * kQBytes;
+      float st[32], dpt[32];
+      product_abt<HD>(st, k_tile, kKeys, wg * kWgRows, qt);    // Sᵀ = K·Qᵀ
+      product_abt<HD>(dpt, v_tile, kKeys, wg * kWgRows, dot);  // dPᵀ = V·dOᵀ
+      const float* Lc = Ls + cur * kQ;
+      const float* Dc = Ds + cur * kQ;
+      const bool need_mask = wg_key0 + kWgRows - 1 > mb * kQ;  // a key can pass a query
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e, qi = 8 * j + 2 * t4 + (e & 1);
+          float p = fast_exp2(fmaf(st[i], scale_log2, -Lc[qi]));
+          if (need_mask && key_a + (e >> 1) * 8 > mb * kQ + qi) p = 0.0f;
+          st[i] = p;
+          dpt[i] = p * (dpt[i] - Dc[qi]);
+        }
+      uint32_t pa[4][4];
+      to_a(pa, st);
+      product_pb<HD>(dv, dv_tail, pa, dot, kQ, 0);  // dV += Pᵀ·dO
+      to_a(pa, dpt);
+      product_pb<HD>(dk, dk_tail, pa, qt, kQ, 0);  // dK += dSᵀ·Q
+    }
+    __syncthreads();  // this buffer is refilled in the next iteration
+  }
+
+  const int v_off = kGrouped ? KVH * HD : C;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_a + r * 8;
+    if (key >= T) continue;
+    // dK of key/value head kvh (for multi-head attention, at C + h·HD); dV follows.
+    bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + (NH + kvh) * HD;
+    store_row<HD>(dst, dk, dk_tail, r, t4, scale);
+    store_row<HD>(dst + v_off, dv, dv_tail, r, t4, 1.0f);
+  }
+#endif  // SPILLWAY_WGMMA_BODY
+}
+
+// dQ of 128 queries per block (64 per warpgroup): dqkv[B,T,(NH+2·KVH)·HD] (its q
+// part) from dout, qkv, lse and D as above. grid (ceil(T/128), B·NH), 256 threads;
+// the key blocks of key/value head h/(NH/KVH) stream through shared memory
+// (double-buffered): S = Q·Kᵀ, dP = dO·Vᵀ, P, dS = P ∘ (dP − D), dQ += dS·K.
+template <int HD, bool kGrouped>
+__global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dqkv, const bf16* dout,
+                                                                      const bf16* qkv, const float* lse,
+                                                                      const float* Dg, int T, int C, int NH,
+                                                                      int KVH, float scale, float scale_log2) {
+#ifdef SPILLWAY_WGMMA_BODY
+  using L = Cols<HD>;
+  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_tile = base, do_tile = base + kQBytes, k_tile = do_tile + kQBytes,
+                 v_tile = k_tile + 2 * kKVBytes;
+
+  const int mb = gridDim.x - 1 - blockIdx.x;  // longest rows first
+  const int m0 = mb * kBM;
+  const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
+  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
+  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
+  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
+  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h * HD;
+
+  const int wg_row0 = m0 + wg * kWgRows;
+  const int n_blocks = min((T + kBN - 1) / kBN, (m0 + kBM - 1) / kBN + 1);
+  const int wg_last = min(n_blocks - 1, (wg_row0 + kWgRows - 1) / kBN);
+
+  load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
+  load_swizzled<HD>(do_tile, dog, m0, kBM, T, C);
+  load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
+  load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
+  float lse2[2], Dr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row_a + 8 * r;
+    lse2[r] = q < T ? lse[static_cast<size_t>(bh) * T + q] * kLog2e : INFINITY;
+    Dr[r] = q < T ? Dg[static_cast<size_t>(bh) * T + q] : 0.0f;
+  }
+  float dq[L::main][32], dq_tail[L::tail ? 8 : 1];
+  zero<HD>(dq, dq_tail);
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int cur = nb & 1;
+    if (nb + 1 < n_blocks) {
+      load_swizzled<HD>(k_tile + (cur ^ 1) * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
+      load_swizzled<HD>(v_tile + (cur ^ 1) * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+
+    if (nb <= wg_last) {
+      const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
+      float s[32], dp[32];
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);    // S = Q·Kᵀ
+      product_abt<HD>(dp, do_tile, kBM, wg * kWgRows, vt);  // dP = dO·Vᵀ
+      const bool need_mask = nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e, r = e >> 1;
+          const int key = nb * kBN + 8 * j + 2 * t4 + (e & 1);
+          float p = fast_exp2(fmaf(s[i], scale_log2, -lse2[r]));
+          if (need_mask && (key > row_a + 8 * r || key >= T)) p = 0.0f;
+          dp[i] = p * (dp[i] - Dr[r]);
+        }
+      uint32_t sa[4][4];
+      to_a(sa, dp);
+      product_pb<HD>(dq, dq_tail, sa, kt, kBN, 0);  // dQ += dS·K
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row_a + r * 8;
+    if (q >= T) continue;
+    store_row<HD>(dqkv + (static_cast<size_t>(b) * T + q) * ld + h * HD, dq, dq_tail, r, t4, scale);
+  }
+#endif  // SPILLWAY_WGMMA_BODY
+}
+
+template <int HD>
+cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
+                           int T, int C, int NH, int KVH, cudaStream_t stream) {
+  using L = Cols<HD>;
+  const float scale = 1.0f / sqrtf(static_cast<float>(HD)), scale_log2 = scale * kLog2e;
+  constexpr size_t smem_kv = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 4 * kBN * sizeof(float) + 1024;
+  constexpr size_t smem_q = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 1024;
+  const bool grouped = KVH != NH;
+  auto dkv = grouped ? attention_backward_dkv_wgmma<HD, true> : attention_backward_dkv_wgmma<HD, false>;
+  auto dq = grouped ? attention_backward_dq_wgmma<HD, true> : attention_backward_dq_wgmma<HD, false>;
+  cudaError_t e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv));
+  if (e != cudaSuccess) return e;
+  e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q));
+  if (e != cudaSuccess) return e;
+  dkv<<<dim3(ceil_div(T, kBM), B * KVH), kThreads, smem_kv, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH,
+                                                                       scale, scale_log2);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  dq<<<dim3(ceil_div(T, kBM), B * NH), kThreads, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale,
+                                                                    scale_log2);
+  return cudaGetLastError();
 }
 
 template <int HD>
@@ -353,6 +619,19 @@ bool attention_wgmma_built() {
 }
 
 bool attention_wgmma_takes(int hd) { return hd == 64 || hd == 80 || hd == 128; }
+
+cudaError_t launch_attention_backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse,
+                                            const float* D, int B, int T, int C, int NH, int KVH,
+                                            cudaStream_t stream) {
+  if (!aligned16(qkv) || !aligned16(dqkv) || !aligned16(dout)) return cudaErrorInvalidValue;
+  if (B == 0 || T == 0) return cudaSuccess;
+  switch (C / NH) {
+    case 64: return backward_wgmma<64>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+    case 80: return backward_wgmma<80>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+    case 128: return backward_wgmma<128>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 cudaError_t launch_attention_forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH,
                                            int KVH, cudaStream_t stream) {

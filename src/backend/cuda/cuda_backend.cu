@@ -378,8 +378,8 @@ Result<bool> multi_tensor_from_environment() {
                                   "per tensor)");
 }
 
-// SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention forward where
-// it applies (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
+// SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
+// they apply (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
 // kernels everywhere, for comparing the two.
 Result<AttentionKernel> attention_kernel_from_environment() {
   const char* v = std::getenv("SPILLWAY_CUDA_ATTENTION");
@@ -387,7 +387,7 @@ Result<AttentionKernel> attention_kernel_from_environment() {
   if (s == "auto") return AttentionKernel::kAuto;
   if (s == "mma") return AttentionKernel::kMma;
   return Status::invalid_argument("SPILLWAY_CUDA_ATTENTION is '" + s +
-                                  "'; expected auto (the Hopper wgmma forward where it applies, the default) or mma "
+                                  "'; expected auto (the Hopper wgmma kernels where they apply, the default) or mma "
                                   "(the mma.sync kernels everywhere)");
 }
 
@@ -689,7 +689,7 @@ class CudaBackend final : public Backend {
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
-            : sm90_ && attention_wgmma_built()         ? "; attention forward: wgmma at head dims 64, 80, 128"
+            : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
            ")";
   }
@@ -1003,7 +1003,8 @@ class CudaBackend final : public Backend {
     if (!enter() || !attention_shape_ok(C, NH, KVH, "attention_backward")) return;
     void* s = scratch(attention_backward_scratch_bytes(B, T, NH), "attention_backward");
     if (s == nullptr) return;
-    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, KVH, s, stream()),
+    check(launch_attention_backward(mb(dqkv), cb(dout), cb(qkv), cb(out), lse, B, T, C, NH, KVH, s, stream(), sm90_,
+                                    attention_kernel_),
           "attention_backward");
   }
 
