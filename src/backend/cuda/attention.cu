@@ -10,18 +10,14 @@
 #include <cmath>
 
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/attention_ptx.cuh"
 
 namespace spillway::cuda_detail {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using namespace attention_ptx;  // smem_addr, cp_async16, cp_async_commit/wait, pack_bf16, kLog2e, kLn2
 
 // ------------------------------------------------------------- PTX helpers
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -42,11 +38,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // A fragment over 16 columns from the accumulators of two 8-column tiles.
@@ -76,15 +67,6 @@ __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const bf16* s, int k
   ldsm_x4_t(b, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * lds + n0 + (lane >> 4) * 8);
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Rows row0..row0+ROWS-1 of a [T, HD] matrix (row stride `ld` elements) into a
 // smem tile [ROWS, HD + 8]; rows at or past T are zero-filled.
@@ -96,7 +78,7 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int row0, int 
     const int r = i / kChunks, c = (i % kChunks) * 8;
     const bool valid = row0 + r < T;
     const bf16* src = valid ? g + static_cast<size_t>(row0 + r) * ld + c : g;
-    cp_async16(s + r * LDS + c, src, valid);
+    cp_async16(smem_addr(s + r * LDS + c), src, valid);
   }
 }
 

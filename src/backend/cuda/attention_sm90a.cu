@@ -22,6 +22,7 @@
 #include <cmath>
 
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/attention_ptx.cuh"
 
 namespace spillway::cuda_detail {
 
@@ -50,18 +51,9 @@ template <int HD>
 constexpr size_t smem_bytes() {
   return static_cast<size_t>(Cols<HD>::bytes(kBM) + 4 * Cols<HD>::bytes(kBN)) + 1024;  // Q, K[2], V[2], alignment
 }
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+using namespace attention_ptx;  // smem_addr, cp_async16, cp_async_commit/wait, pack_bf16, kLog2e, kLn2
 
 #ifdef SPILLWAY_WGMMA_BODY
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
 
 // Rows row0 .. row0+rows-1 of a [T, HD] bf16 matrix (row stride ld elements) into
 // the tile at `tile` (shared address, 1024-aligned) in its column blocks; rows at or
@@ -150,11 +142,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // d = A·Bᵀ over the head dim (m64n64): A is rows a_row0 .. a_row0+63 of a tile of
@@ -261,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
   constexpr int kMain = L::main, kTail = L::tail;
   constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + 2 * kKVBytes;
 
   const int mb = gridDim.x - 1 - blockIdx.x;  // longest rows first
@@ -281,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
   load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
   load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
   load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
-  asm volatile("cp.async.commit_group;\n" ::);
+  cp_async_commit();
 
   float o[kMain][32], o_tail[kTail ? 8 : 1], s[32];
   zero<HD>(o, o_tail);
@@ -293,10 +280,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
     if (nb + 1 < n_blocks) {
       load_swizzled<HD>(k_tile + (cur ^ 1) * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
       load_swizzled<HD>(v_tile + (cur ^ 1) * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
-      asm volatile("cp.async.commit_group;\n" ::);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      cp_async_commit();
+      cp_async_wait<1>();
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      cp_async_wait<0>();
     }
     // The tiles were written through the generic proxy; the tensor cores read them
     // through the async proxy.
@@ -382,7 +369,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
   constexpr int kKeys = kBM, kQ = kBN;
   constexpr int kKBytes = L::bytes(kKeys), kQBytes = L::bytes(kQ);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
+  const uint32_t raw = smem_addr(smem_raw), base = (raw + 1023u) & ~1023u;
   const uint32_t k_tile = base, v_tile = base + kKBytes, q_tile = v_tile + kKBytes, do_tile = q_tile + 2 * kQBytes;
   float* Ls = reinterpret_cast<float*>(smem_raw + (do_tile + 2 * kQBytes - raw));  // [2][kQ] lse, log2 units
   float* Ds = Ls + 2 * kQ;                                                          // [2][kQ]
@@ -418,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
   load_swizzled<HD>(k_tile, kg, n0, kKeys, T, ld);
   load_swizzled<HD>(v_tile, vg, n0, kKeys, T, ld);
   load_q_block(0, 0);
-  asm volatile("cp.async.commit_group;\n" ::);
+  cp_async_commit();
 
   float dk[L::main][32], dk_tail[L::tail ? 8 : 1], dv[L::main][32], dv_tail[L::tail ? 8 : 1];
   zero<HD>(dk, dk_tail);
@@ -430,10 +417,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
     const int mb = mb_first + (kGrouped ? it % n_mb : it), cur = it & 1;
     if (it + 1 < n_it) {
       load_q_block(it + 1, cur ^ 1);
-      asm volatile("cp.async.commit_group;\n" ::);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      cp_async_commit();
+      cp_async_wait<1>();
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      cp_async_wait<0>();
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
@@ -491,7 +478,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
   using L = Cols<HD>;
   constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, do_tile = base + kQBytes, k_tile = do_tile + kQBytes,
                  v_tile = k_tile + 2 * kKVBytes;
 
@@ -514,7 +501,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
   load_swizzled<HD>(do_tile, dog, m0, kBM, T, C);
   load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
   load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
-  asm volatile("cp.async.commit_group;\n" ::);
+  cp_async_commit();
 
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
   float lse2[2], Dr[2];
@@ -532,10 +519,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
     if (nb + 1 < n_blocks) {
       load_swizzled<HD>(k_tile + (cur ^ 1) * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
       load_swizzled<HD>(v_tile + (cur ^ 1) * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
-      asm volatile("cp.async.commit_group;\n" ::);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      cp_async_commit();
+      cp_async_wait<1>();
     } else {
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      cp_async_wait<0>();
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
