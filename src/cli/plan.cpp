@@ -64,6 +64,7 @@ struct PlanFlags {
   int gpus = 1;                 // data-parallel ranks (one GPU each)
   double network_gbps = 0;      // each GPU's link to the others, GB/s one way (needed with --gpus above 1)
   double network_latency_us = 0;
+  int zero_stage = 2;           // with --gpus: 2 (parameters on every GPU) or 3 (each GPU only its shard)
 };
 
 // The machine of --machine with the what-if edits applied; impossible values are errors.
@@ -141,8 +142,10 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (f.batch < 1 || f.accum < 1)
     return (Status::invalid_argument("--batch and --accum must be at least 1, got " + std::to_string(f.batch) +
                                          " and " + std::to_string(f.accum)));
-  if (Status s = check_step_is_bounded(*cfg, {.B = f.batch, .T = T, .accum = f.accum}, act, budgets); !s.is_ok())
-    return s;
+  // One GPU's step first; with --gpus N a model that only N GPUs' shards can hold
+  // still gets the data-parallel prediction, with why one GPU cannot run it.
+  Status one_gpu = check_step_is_bounded(*cfg, {.B = f.batch, .T = T, .accum = f.accum}, act, budgets);
+  if (!one_gpu.is_ok() && f.gpus == 1) return one_gpu;
   auto options = resolve_planner_options(f.policy, f.prefetch, f.order);
   if (!options.ok()) return options.status();
   // As `spillway train` plans (plan_for_backend), except for what a backend holds
@@ -172,14 +175,53 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (!workspace.ok()) return workspace.status();
   // The GPU's mapping of the pinned host arena, reserved as train reserves it.
   planner->reserved_device_bytes = host_mapping_reserve(*program, backend, budgets);
-  auto plan = make_plan(*program, Simulator(machine), allocatable, *planner);
+  // Data parallel (dist/predict.h): the busiest rank's program, planned as this one
+  // is, plus its collectives over the network that the backward does not hide.
+  // one_gpu_tokens: one GPU's predicted tokens/s (0: it cannot run the step).
+  auto data_parallel = [&](double one_gpu_tokens) -> Result<std::string> {
+    const NetworkLink link{.bytes_per_s = f.network_gbps * 1e9, .latency_s = f.network_latency_us * 1e-6};
+    const Simulator cost(machine);
+    PlannerOptions rank_options = *planner;
+    auto plan_rank = [&](const Program& rank) -> Result<Plan> {
+      SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(backend, rank));
+      PlannerOptions o = rank_options;
+      o.workspace_bytes = need.bytes;
+      o.reserved_device_bytes = host_mapping_reserve(rank, backend, budgets);
+      return make_plan(rank, cost, allocatable, o);
+    };
+    auto dp = predict_data_parallel(*program, f.gpus, f.gpus * f.accum, static_cast<int64_t>(f.batch) * T * f.accum,
+                                    cost, plan_rank, link, f.zero_stage);
+    if (!dp.ok()) return dp.status().with_context("--gpus " + std::to_string(f.gpus));
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "data parallel, %d GPUs, ZeRO stage %d (network %.1f GB/s per GPU each way, %.1f us per collective): "
+                  "step %.3f s (the busiest rank, %d: compute %.3f s + exposed collectives %.3f s; hidden behind the "
+                  "backward %.3f s), %.0f tokens/s, %.0f per GPU",
+                  f.gpus, dp->zero_stage, f.network_gbps, f.network_latency_us, dp->step_s, dp->busiest_rank,
+                  dp->compute_s, dp->exposed_s, dp->hidden_s, dp->tokens_per_s, dp->tokens_per_s_per_gpu);
+    std::string text = line;
+    if (one_gpu_tokens > 0) {
+      std::snprintf(line, sizeof line, ": %.0f%% of one GPU's %.0f", 100.0 * dp->tokens_per_s_per_gpu / one_gpu_tokens,
+                    one_gpu_tokens);
+      text += line;
+    }
+    return text + "\n";
+  };
+  auto plan = one_gpu.is_ok() ? make_plan(*program, Simulator(machine), allocatable, *planner) : Result<Plan>(one_gpu);
   if (!plan.ok()) {
     Status s = plan.status();
     if (allocatable.device != budgets.device)
       s = s.with_context("--device-budget " + format_size(budgets.device) + " in whole " +
                          format_size(backend.allocation_granularity()) + " pages of the " + backend.name() +
                          " backend's allocations");
-    return s.with_context("backend " + backend.name());
+    s = s.with_context("backend " + backend.name());
+    if (f.gpus == 1) return s;
+    SPILLWAY_ASSIGN_OR_RETURN(std::string line, data_parallel(0));
+    Prediction p;
+    p.report = "model " + model_name(f.model) + " (" + cfg->to_string() + "), batch " + std::to_string(f.batch) + "×" +
+               std::to_string(T) + ", accum " + std::to_string(f.accum) + ", machine " + machine.name +
+               "\none GPU cannot run this step: " + s.to_string() + "\n" + line;
+    return p;
   }
   const Program placed = placed_as_planned(*program, *plan);
   SimResult sim = simulate(placed, *plan, machine);
@@ -231,7 +273,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
         << static_cast<int64_t>(clipped_s > 0 ? tokens / clipped_s : 0) << " tokens/s)";
   }
   out << "\n";
-  char line[320];
+  char line[512];
   std::snprintf(line, sizeof line,
                 "where the time goes: compute %.3f s, exposed copies %.3f s, host optimizer %.3f s, links h2d %.3f s "
                 "d2h %.3f s, storage %.3f s; binds: %s (busy %.0f%% of the step%s)\n",
@@ -240,29 +282,8 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
                 p.binds_share < 0.6 ? "; none is busy most of the step: the rest is waiting between them" : "");
   out << line;
   if (f.gpus > 1) {
-    // Data parallel (dist/predict.h): the busiest rank's program, planned as this one
-    // was, plus its collectives over the network that the backward does not hide.
-    const NetworkLink link{.bytes_per_s = f.network_gbps * 1e9, .latency_s = f.network_latency_us * 1e-6};
-    const Simulator cost(machine);
-    PlannerOptions rank_options = *planner;
-    auto plan_rank = [&](const Program& rank) -> Result<Plan> {
-      SPILLWAY_ASSIGN_OR_RETURN(WorkspaceNeed need, program_workspace(backend, rank));
-      PlannerOptions o = rank_options;
-      o.workspace_bytes = need.bytes;
-      o.reserved_device_bytes = host_mapping_reserve(rank, backend, budgets);
-      return make_plan(rank, cost, allocatable, o);
-    };
-    auto dp = predict_data_parallel(*program, f.gpus, f.gpus * f.accum, static_cast<int64_t>(f.batch) * T * f.accum,
-                                    cost, plan_rank, link);
-    if (!dp.ok()) return dp.status().with_context("--gpus " + std::to_string(f.gpus));
-    std::snprintf(line, sizeof line,
-                  "data parallel, %d GPUs (network %.1f GB/s per GPU each way, %.1f us per collective): step %.3f s "
-                  "(the busiest rank, %d: compute %.3f s + exposed collectives %.3f s; hidden behind the backward "
-                  "%.3f s), %.0f tokens/s, %.0f per GPU: %.0f%% of one GPU's %.0f\n",
-                  f.gpus, f.network_gbps, f.network_latency_us, dp->step_s, dp->busiest_rank, dp->compute_s,
-                  dp->exposed_s, dp->hidden_s, dp->tokens_per_s, dp->tokens_per_s_per_gpu,
-                  p.tokens_per_s > 0 ? 100.0 * dp->tokens_per_s_per_gpu / p.tokens_per_s : 0.0, p.tokens_per_s);
-    out << line;
+    SPILLWAY_ASSIGN_OR_RETURN(std::string dp_line, data_parallel(p.tokens_per_s));
+    out << dp_line;
   }
   if (!f.trace.empty()) {
     Status s = trace_from_simulation(sim).write(f.trace);
@@ -511,6 +532,13 @@ int run_plan(const PlanFlags& f) {
                                          "450 for NVLink 4, 50 for 400 Gb/s InfiniBand); nothing is assumed"));
   if (f.network_gbps < 0 || f.network_latency_us < 0 || !std::isfinite(f.network_latency_us))
     return fail(Status::invalid_argument("--network-gbps and --network-latency-us: expected 0 or more"));
+  if (f.zero_stage != 2 && f.zero_stage != 3)
+    return fail(Status::invalid_argument("--zero-stage: expected 2 (optimizer state and gradients partitioned over "
+                                         "the GPUs) or 3 (the parameters too), got " +
+                                         std::to_string(f.zero_stage)));
+  if (f.zero_stage == 3 && f.gpus < 2)
+    return fail(Status::invalid_argument("--zero-stage 3 partitions the parameters over data-parallel GPUs; give "
+                                         "--gpus 2 or more"));
   if (f.gpus > 1 && (!f.sweep.empty() || f.largest))
     return fail(Status::invalid_argument("--gpus with --sweep or --largest: not supported; give one"));
   if (!f.chart.empty() && f.sweep.empty()) return fail(Status::invalid_argument("--chart needs --sweep"));
@@ -572,6 +600,9 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
                  "order (needs --network-gbps)");
   app.add_option("--network-gbps", f->network_gbps, "with --gpus: each GPU's link to the others, GB/s one way");
   app.add_option("--network-latency-us", f->network_latency_us, "with --gpus: microseconds per collective (default 0)");
+  app.add_option("--zero-stage", f->zero_stage,
+                 "with --gpus: 2 (default; optimizer state and gradients partitioned, every GPU holds the "
+                 "parameters) or 3 (each GPU holds only its parameters and gathers the others before each use)");
   return [f]() { return run_plan(*f); };
 };
 CommandRegistration plan_command("plan", "report where tensors go and the predicted step time, without training", setup);

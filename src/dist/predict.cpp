@@ -38,7 +38,7 @@ double collective_seconds(const Program& rank_program, size_t op_index, int worl
 Result<DataParallelPrediction> predict_data_parallel(const Program& training, int world, int loss_scale_micro_batches,
                                                      int64_t tokens_per_rank, const CostModel& cost,
                                                      const std::function<Result<Plan>(const Program&)>& plan_rank,
-                                                     const NetworkLink& link) {
+                                                     const NetworkLink& link, int zero_stage) {
   if (world > 1 && !(link.bytes_per_s > 0))
     return Status::invalid_argument("data-parallel prediction: " + std::to_string(world) +
                                     " ranks need the network's rate (bytes/s per GPU, one direction); none was given");
@@ -46,17 +46,20 @@ Result<DataParallelPrediction> predict_data_parallel(const Program& training, in
     return Status::invalid_argument("data-parallel prediction: tokens per rank is " + std::to_string(tokens_per_rank));
   // The busiest rank: the partition depends on the sizes only, so a one-rank layout
   // first tells which rank that is.
-  SPILLWAY_ASSIGN_OR_RETURN(DataParallelLayout probe, make_data_parallel_layout(training, world, loss_scale_micro_batches, 0));
+  SPILLWAY_ASSIGN_OR_RETURN(DataParallelLayout probe,
+                            make_data_parallel_layout(training, world, loss_scale_micro_batches, 0, zero_stage));
   const auto& bytes = probe.partition.rank_bytes;
   const int busiest = static_cast<int>(std::max_element(bytes.begin(), bytes.end()) - bytes.begin());
   DataParallelLayout layout = std::move(probe);
   if (busiest != 0) {
-    SPILLWAY_ASSIGN_OR_RETURN(layout, make_data_parallel_layout(training, world, loss_scale_micro_batches, busiest));
+    SPILLWAY_ASSIGN_OR_RETURN(layout,
+                              make_data_parallel_layout(training, world, loss_scale_micro_batches, busiest, zero_stage));
   }
   const Program& mine = layout.rank_programs[static_cast<size_t>(busiest)];
   SPILLWAY_ASSIGN_OR_RETURN(Plan plan, plan_rank(mine));
   DataParallelPrediction p;
   p.world = world;
+  p.zero_stage = layout.zero_stage;
   p.busiest_rank = busiest;
   p.compute_s = cost.step_seconds(mine, plan);
   // The reduces on their own stream beside the backward (predict.h, "Overlap").

@@ -63,6 +63,7 @@ struct NetworkLink {
 
 struct DataParallelPrediction {
   int world = 1;
+  int zero_stage = 2;         // 2: every rank holds every parameter; 3: only its shard (gathered before use)
   int busiest_rank = 0;       // the rank owning the most optimizer state
   double compute_s = 0;       // its program's step as the cost model predicts it
   double collective_s = 0;    // its collectives over the network, all of them
@@ -88,10 +89,13 @@ double collective_seconds(const Program& rank_program, size_t op_index, int worl
 // tokens_per_rank: the tokens each rank reads per step; plan_rank plans a rank's
 // program (make_plan with the caller's cost model, budgets and options), and `cost`
 // times it. A world above 1 needs the link's rate (an error asks for it: nothing is
-// guessed).
+// guessed). zero_stage as make_data_parallel_layout's: with 3 the rank program holds
+// only its parameters (so the plan has that much more room) and gathers each other
+// one right before every forward and backward op that reads it; the gathers are
+// waited for where they sit (the executor issues them there).
 Result<DataParallelPrediction> predict_data_parallel(const Program& training, int world, int loss_scale_micro_batches,
                                                      int64_t tokens_per_rank, const CostModel& cost,
                                                      const std::function<Result<Plan>(const Program&)>& plan_rank,
-                                                     const NetworkLink& link);
+                                                     const NetworkLink& link, int zero_stage = 2);
 
 }  // namespace spillway

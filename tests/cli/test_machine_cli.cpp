@@ -386,4 +386,26 @@ TEST(SimulateCli, GpusPredictDataParallelOverTheGivenNetwork) {
   CliRun single = run("simulate --model tiny --machine cpu");
   ASSERT_EQ(single.code, 0) << single.output;
   EXPECT_EQ(single.output.find("data parallel"), std::string::npos) << "one GPU prints no data-parallel line";
+  // ZeRO stage 3: each GPU gathers the parameters it does not hold before each use,
+  // waited for where they sit, so over a slow network it is slower than stage 2.
+  EXPECT_NE(slow.output.find("ZeRO stage 2"), std::string::npos) << slow.output;
+  CliRun slow3 = run("simulate --model tiny --machine cpu --gpus 4 --network-gbps 1 --network-latency-us 50 --zero-stage 3");
+  ASSERT_EQ(slow3.code, 0) << slow3.output;
+  EXPECT_NE(slow3.output.find("data parallel, 4 GPUs, ZeRO stage 3"), std::string::npos) << slow3.output;
+  const double four_slow3 = data_parallel_tokens(slow3.output);
+  ASSERT_GT(four_slow3, 0) << slow3.output;
+  EXPECT_LT(four_slow3, four_slow) << "stage 3 moves every parameter to every GPU at each use";
+  expect_rejected("simulate --model tiny --machine cpu --gpus 4 --network-gbps 1 --zero-stage 1", {"--zero-stage", "2", "3"});
+  expect_rejected("simulate --model tiny --machine cpu --zero-stage 3", {"--zero-stage 3", "--gpus 2 or more"});
+  // A step one GPU cannot hold (16 MiB of state in 6 + 6 MiB) still gets its
+  // data-parallel prediction, with why one GPU cannot run it: stage 2 does not fit
+  // either (every rank holds every parameter), stage 3 does.
+  const std::string small = "simulate --model tiny --machine cpu --batch 1 --context 16 --device-budget 6MiB "
+                            "--host-budget 6MiB --gpus 4 --network-gbps 10";
+  expect_rejected(small + " --zero-stage 2", {"--gpus 4", "host budget 6.00 MiB"});
+  CliRun sharded = run(small + " --zero-stage 3");
+  ASSERT_EQ(sharded.code, 0) << sharded.output;
+  EXPECT_NE(sharded.output.find("one GPU cannot run this step: OutOfMemory"), std::string::npos) << sharded.output;
+  EXPECT_GT(data_parallel_tokens(sharded.output), 0) << sharded.output;
+  EXPECT_EQ(sharded.output.find("of one GPU's"), std::string::npos) << "no one-GPU figure to compare with";
 }

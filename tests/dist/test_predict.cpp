@@ -63,6 +63,57 @@ TEST(DataParallelPrediction, CollectivesCostTheirBytesOverTheLink) {
   EXPECT_NE(none.status().message().find("need the network's rate"), std::string::npos) << none.status().to_string();
 }
 
+// ZeRO stage 3 (issue 15): the busiest rank holds only its parameters and gathers each
+// other one before every op that reads it; no broadcast after the update. By hand: the
+// stage-2 reduces and norms, plus n·4 bytes over the link and a latency per gather,
+// all of them waited for; the plan has the room of the parameters it no longer holds.
+TEST(DataParallelPrediction, ZeroStage3GathersBeforeEveryUse) {
+  auto training = build_training_program(kModel, {2, 16, 1}, DType::F32);
+  ASSERT_TRUE(training.ok());
+  Simulator sim(Machine::cpu_dev_box());
+  int64_t peak_bytes = 0;
+  auto plan_rank = [&](const Program& p) -> Result<Plan> {
+    auto plan = make_plan(p, sim, {}, {.policy = Policy::Resident, .alignment = 64});
+    if (plan.ok()) peak_bytes = static_cast<int64_t>(plan->device_bytes);
+    return plan;
+  };
+  const NetworkLink link{.bytes_per_s = 1e9, .latency_s = 1e-5};
+  const int world = 2;
+  auto stage2 = predict_data_parallel(*training, world, world, 32, sim, plan_rank, link);
+  ASSERT_TRUE(stage2.ok()) << stage2.status().to_string();
+  const int64_t peak2 = peak_bytes;
+  auto stage3 = predict_data_parallel(*training, world, world, 32, sim, plan_rank, link, 3);
+  ASSERT_TRUE(stage3.ok()) << stage3.status().to_string();
+  const int64_t peak3 = peak_bytes;
+  EXPECT_EQ(stage2->zero_stage, 2);
+  EXPECT_EQ(stage3->zero_stage, 3);
+  auto layout = make_data_parallel_layout(*training, world, world, stage3->busiest_rank, 3);
+  ASSERT_TRUE(layout.ok());
+  const Program& mine = layout->rank_programs[static_cast<size_t>(stage3->busiest_rank)];
+  double gathers = 0, broadcasts = 0;
+  int gather_ops = 0;
+  for (const Op& op : mine.ops) {
+    if (op.kind == OpKind::GatherParam) {
+      gathers += op.attrs.n * 4.0 / 1e9 + 1e-5;
+      ++gather_ops;
+    }
+    if (op.kind == OpKind::BroadcastParam) broadcasts += 1;
+  }
+  EXPECT_EQ(broadcasts, 0);
+  // Every parameter is read by a forward op, and the weights by backward ops too.
+  ASSERT_GT(gather_ops, static_cast<int>(layout->params.size()));
+  double stage2_broadcasts = 0;
+  for (const DataParallelParam& p : layout->params) stage2_broadcasts += p.n * 4.0 / 1e9 + 1e-5;
+  EXPECT_NEAR(stage3->collective_s, stage2->collective_s - stage2_broadcasts + gathers, 1e-12);
+  EXPECT_GE(stage3->exposed_s, gathers - 1e-12);
+  EXPECT_DOUBLE_EQ(stage3->step_s, stage3->compute_s + stage3->exposed_s);
+  EXPECT_LT(peak3, peak2) << "the rank holds half the parameters (and their copies only while in use)";
+  // Only stages 2 and 3 exist.
+  auto stage4 = predict_data_parallel(*training, world, world, 32, sim, plan_rank, link, 4);
+  ASSERT_FALSE(stage4.ok());
+  EXPECT_NE(stage4.status().message().find("stage 4"), std::string::npos) << stage4.status().to_string();
+}
+
 TEST(DataParallelPrediction, OneRankLayoutsBuildOnlyThatRank) {
   auto training = build_training_program(kModel, {2, 16, 1}, DType::F32);
   ASSERT_TRUE(training.ok());
