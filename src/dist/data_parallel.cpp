@@ -188,6 +188,7 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
       return fail("the gradient of '" + d.name + "' has " + std::to_string(d.parts) +
                   " contributions a step (micro-batches a rank × contributions each); the reduction takes at most " +
                   std::to_string(most) + ": fewer micro-batches a rank");
+    L.param_index[d.name] = L.params.size();
     L.params.push_back(d);
     // What the owner holds besides the parameter: master and moments (F32) and the
     // reduced gradient (the gradient's dtype).

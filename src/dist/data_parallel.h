@@ -54,6 +54,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +79,7 @@ struct DataParallelParam {
 struct DataParallelLayout {
   int zero_stage = 2;                     // 2: parameters on every rank; 3: on their owner only
   std::vector<DataParallelParam> params;  // in AdamW order (ParamSpec order)
+  std::map<std::string, size_t> param_index;  // params[i].name -> i
   Partition partition;                    // owner of each entry of `params`
   std::vector<Program> rank_programs;     // [world] what each rank's executor runs
 };

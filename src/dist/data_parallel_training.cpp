@@ -176,15 +176,12 @@ Result<DataParallelCheckpoint> read_manifest(const std::string& folder) {
 // vocab tiles name#0, name#1, ... in order (every rank's layout has them all, whether
 // or not its program holds them: ZeRO stage 3).
 std::vector<size_t> layout_pieces(const DataParallelLayout& layout, const std::string& name) {
-  std::map<std::string, size_t> index;
-  for (size_t i = 0; i < layout.params.size(); ++i) index[layout.params[i].name] = i;
-  if (auto it = index.find(name); it != index.end()) return {it->second};
   std::vector<size_t> out;
-  for (int j = 0;; ++j) {
-    auto it = index.find(name + "#" + std::to_string(j));
-    if (it == index.end()) break;
-    out.push_back(it->second);
-  }
+  for (int64_t i : find_pieces(name, [&](const std::string& n) -> int64_t {
+         auto it = layout.param_index.find(n);
+         return it == layout.param_index.end() ? -1 : static_cast<int64_t>(it->second);
+       }))
+    out.push_back(static_cast<size_t>(i));
   return out;
 }
 

@@ -475,7 +475,7 @@ class Builder {
         t.rows = tiled ? std::min<int64_t>(kVocabBlock, rows - r0) : rows;
         Shape shape = s.shape;
         shape.dims[0] = t.rows;
-        const std::string name = tiled ? s.name + "#" + std::to_string(j) : s.name;
+        const std::string name = tiled ? tile_name(s.name, j) : s.name;
         t.param = add(name, act_, shape, Role::Param);
         if (training_) {
           t.grad = add("grad." + name, act_, shape, Role::Grad);
@@ -865,7 +865,7 @@ class Builder {
   TensorId grad(size_t p) const { return params_[p].front().grad; }
   // "" for a whole table, "#j" for vocab tile j of parameter p.
   std::string tile_suffix(size_t p, const ParamTensors& t) const {
-    return params_[p].size() == 1 ? "" : "#" + std::to_string(t.row_begin / kVocabBlock);
+    return params_[p].size() == 1 ? "" : tile_name("", t.row_begin / kVocabBlock);
   }
   // LM head over one vocab piece: logits columns [row_begin, row_begin + rows) of rows
   // V apart, in blocks of kVocabBlock channels.

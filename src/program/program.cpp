@@ -46,15 +46,26 @@ bool Program::is_persistent(TensorId t) const {
   return std::find(outputs.begin(), outputs.end(), t) != outputs.end();
 }
 
-std::vector<TensorId> Program::pieces(const std::string& name) const {
-  TensorId whole = tensors.find(name);
-  if (whole != kNoTensor) return {whole};
-  std::vector<TensorId> out;
-  for (int j = 0;; ++j) {
-    TensorId t = tensors.find(name + "#" + std::to_string(j));
-    if (t == kNoTensor) break;
+std::string tile_name(const std::string& name, int64_t j) { return name + "#" + std::to_string(j); }
+
+std::vector<int64_t> find_pieces(const std::string& name, const std::function<int64_t(const std::string&)>& find) {
+  if (const int64_t whole = find(name); whole >= 0) return {whole};
+  std::vector<int64_t> out;
+  for (int64_t j = 0;; ++j) {
+    const int64_t t = find(tile_name(name, j));
+    if (t < 0) break;
     out.push_back(t);
   }
+  return out;
+}
+
+std::vector<TensorId> Program::pieces(const std::string& name) const {
+  std::vector<TensorId> out;
+  for (int64_t t : find_pieces(name, [&](const std::string& n) -> int64_t {
+         const TensorId id = tensors.find(n);
+         return id == kNoTensor ? -1 : static_cast<int64_t>(id);
+       }))
+    out.push_back(static_cast<TensorId>(t));
   return out;
 }
 

@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,15 @@
 #include "tensor/tensor.h"
 
 namespace spillway {
+
+// The one naming rule for a tensor split into row tiles (the vocab tiles of the
+// embedding and LM head): tile j of "<name>" is "<name>#j".
+//   tile_name("transformer.wte.weight", 1) == "transformer.wte.weight#1"
+std::string tile_name(const std::string& name, int64_t j);
+// The pieces of `name` among the names `find` knows (it returns -1 for a name it does
+// not): the whole tensor when it exists, else its tiles "#0", "#1", ... in row order
+// (up to the first missing one); empty when neither exists.
+std::vector<int64_t> find_pieces(const std::string& name, const std::function<int64_t(const std::string&)>& find);
 
 enum class Access : uint8_t { Read, Update, Write };
 
