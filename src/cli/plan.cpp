@@ -207,6 +207,10 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
     }
     return text + "\n";
   };
+  // The report's first line, also where one GPU cannot run the step.
+  const std::string heading = "model " + model_name(f.model) + " (" + cfg->to_string() + "), batch " +
+                              std::to_string(f.batch) + "×" + std::to_string(T) + ", accum " + std::to_string(f.accum) +
+                              ", machine " + machine.name + "\n";
   auto plan = one_gpu.is_ok() ? make_plan(*program, Simulator(machine), allocatable, *planner) : Result<Plan>(one_gpu);
   if (!plan.ok()) {
     Status s = plan.status();
@@ -218,17 +222,14 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
     if (f.gpus == 1) return s;
     SPILLWAY_ASSIGN_OR_RETURN(std::string line, data_parallel(0));
     Prediction p;
-    p.report = "model " + model_name(f.model) + " (" + cfg->to_string() + "), batch " + std::to_string(f.batch) + "×" +
-               std::to_string(T) + ", accum " + std::to_string(f.accum) + ", machine " + machine.name +
-               "\none GPU cannot run this step: " + s.to_string() + "\n" + line;
+    p.report = heading + "one GPU cannot run this step: " + s.to_string() + "\n" + line;
     return p;
   }
   const Program placed = placed_as_planned(*program, *plan);
   SimResult sim = simulate(placed, *plan, machine);
   PlanReport report = summarize(placed, *plan, sim);
   std::ostringstream out;
-  out << "model " << model_name(f.model) << " (" << cfg->to_string() << "), batch " << f.batch << "×" << T << ", accum "
-            << f.accum << ", machine " << machine.name << "\n"
+  out << heading
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
             << ", host " << (budgets.host == UINT64_MAX ? "unlimited" : format_size(budgets.host)) << ", storage "
             << (budgets.storage ? format_size(budgets.storage) : "none") << "\n"
