@@ -122,10 +122,9 @@ __global__ void __launch_bounds__(kTC) attention_forward_tc(bf16* out, float* ls
   const int m0 = mb * BM;
   const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
-  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
+  const HeadView hv = head_view<HD, kGrouped>(qkv, nullptr, nullptr, nullptr, b, h, h / (NH / KVH), T, C, NH, KVH);
+  const size_t ld = hv.ld;
+  const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v;
   const int warp_row0 = warp * 16 * MT;  // first row of this warp in the tile
   const int warp_q0 = m0 + warp_row0;
 
@@ -322,6 +321,44 @@ constexpr size_t dq_smem_bytes() {
          2 * dq_queries<HD>() * sizeof(float);
 }
 
+// x = A·Bᵀ and y = A2·B2ᵀ over the head dim, both zeroed first, for this warp's MT
+// row tiles of A and A2 (rows row0 + 16·mt) against the N rows of B and B2 (all in
+// shared memory, rows of HD + 8): the first two products of both backward kernels.
+template <int HD, int MT, int N>
+__device__ __forceinline__ void two_products(float (&x)[MT][N / 8][4], float (&y)[MT][N / 8][4], const bf16* A,
+                                             const bf16* A2, const bf16* B, const bf16* B2, int row0) {
+  constexpr int LDS = HD + 8;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      x[mt][j][0] = x[mt][j][1] = x[mt][j][2] = x[mt][j][3] = 0.0f;
+      y[mt][j][0] = y[mt][j][1] = y[mt][j][2] = y[mt][j][3] = 0.0f;
+    }
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t a[MT][4], a2[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      load_a(a[mt], A, row0 + mt * 16, kk * 16, LDS);
+      load_a(a2[mt], A2, row0 + mt * 16, kk * 16, LDS);
+    }
+#pragma unroll
+    for (int j = 0; j < N / 8; j += 2) {
+      uint32_t b[4], b2[4];
+      load_b_nk(b, B, j * 8, kk * 16, LDS);
+      load_b_nk(b2, B2, j * 8, kk * 16, LDS);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816(x[mt][j], a[mt], b[0], b[1]);
+        mma16816(x[mt][j + 1], a[mt], b[2], b[3]);
+        mma16816(y[mt][j], a2[mt], b2[0], b2[1]);
+        mma16816(y[mt][j + 1], a2[mt], b2[2], b2[3]);
+      }
+    }
+  }
+}
+
 // dK, dV of BN keys of key/value head kvh per block: dqkv[B,T,(NH+2·KVH)·HD] (k and v
 // parts), dout[B,T,C], qkv, lse[B,NH,T], D[B,NH,T]. grid (ceil(T/BN), B*KVH), 128
 // threads; each warp owns MT×16 keys and streams the query blocks of the group's
@@ -347,13 +384,10 @@ __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, con
   const int bg = blockIdx.y, b = bg / KVH, kvh = bg % KVH;
   const int group = kGrouped ? NH / KVH : 1, h0 = kvh * group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h0 * HD;  // query head h0
-  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + kvh) * HD : qg + C;
-  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
-  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h0 * HD;
-  const float* lse_bh = lse + (static_cast<size_t>(b) * NH + h0) * T;
-  const float* D_bh = Dg + (static_cast<size_t>(b) * NH + h0) * T;
+  const HeadView hv = head_view<HD, kGrouped>(qkv, dout, lse, Dg, b, h0, kvh, T, C, NH, KVH);  // query head h0
+  const size_t ld = hv.ld;
+  const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v, *dog = hv.dout;
+  const float *lse_bh = hv.lse, *D_bh = hv.D;
   const int warp_row0 = warp * 16 * MT;
   const int warp_key_last = n0 + warp_row0 + 16 * MT - 1;
 
@@ -406,35 +440,7 @@ __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, con
 
     // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ (rows: this warp's keys; columns: queries).
     float st[MT][BM / 8][4], dpt[MT][BM / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        st[mt][j][0] = st[mt][j][1] = st[mt][j][2] = st[mt][j][3] = 0.0f;
-        dpt[mt][j][0] = dpt[mt][j][1] = dpt[mt][j][2] = dpt[mt][j][3] = 0.0f;
-      }
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t ka[MT][4], va[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load_a(ka[mt], Ks, warp_row0 + mt * 16, kk * 16, LDS);
-        load_a(va[mt], Vs, warp_row0 + mt * 16, kk * 16, LDS);
-      }
-#pragma unroll
-      for (int j = 0; j < BM / 8; j += 2) {
-        uint32_t bq[4], bo[4];
-        load_b_nk(bq, Qc, j * 8, kk * 16, LDS);
-        load_b_nk(bo, dOc, j * 8, kk * 16, LDS);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816(st[mt][j], ka[mt], bq[0], bq[1]);
-          mma16816(st[mt][j + 1], ka[mt], bq[2], bq[3]);
-          mma16816(dpt[mt][j], va[mt], bo[0], bo[1]);
-          mma16816(dpt[mt][j + 1], va[mt], bo[2], bo[3]);
-        }
-      }
-    }
+    two_products<HD, MT, BM>(st, dpt, Ks, Vs, Qc, dOc, warp_row0);
     // Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ − D); the causal test only where a key can pass a query.
     const bool need_mask = warp_key_last > mb * BM;
 #pragma unroll
@@ -517,19 +523,17 @@ __global__ void __launch_bounds__(kTC) attention_backward_dq_tc(bf16* dqkv, cons
   const int m0 = mb * BM;
   const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
-  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
-  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h * HD;
+  const HeadView hv = head_view<HD, kGrouped>(qkv, dout, lse, Dg, b, h, h / (NH / KVH), T, C, NH, KVH);
+  const size_t ld = hv.ld;
+  const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v, *dog = hv.dout;
   const int warp_row0 = warp * 16 * MT;
 
   load_tile<HD, BM, kTC>(Qs, qg, m0, T, ld);
   load_tile<HD, BM, kTC>(dOs, dog, m0, T, C);
   for (int i = threadIdx.x; i < BM; i += kTC) {
     const int q = m0 + i;
-    Ls[i] = q < T ? lse[static_cast<size_t>(bh) * T + q] * kLog2e : INFINITY;
-    Ds[i] = q < T ? Dg[static_cast<size_t>(bh) * T + q] : 0.0f;
+    Ls[i] = q < T ? hv.lse[q] * kLog2e : INFINITY;
+    Ds[i] = q < T ? hv.D[q] : 0.0f;
   }
   load_tile<HD, BN, kTC>(Ks, kg, 0, T, ld);
   load_tile<HD, BN, kTC>(Vs, vg, 0, T, ld);
@@ -556,36 +560,9 @@ __global__ void __launch_bounds__(kTC) attention_backward_dq_tc(bf16* dqkv, cons
     const bf16* Kc = Ks + cur * BN * LDS;
     const bf16* Vc = Vs + cur * BN * LDS;
 
+    // S = Q · Kᵀ and dP = dO · Vᵀ (rows: this warp's queries; columns: keys).
     float s[MT][BN / 8][4], dp[MT][BN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
-        dp[mt][j][0] = dp[mt][j][1] = dp[mt][j][2] = dp[mt][j][3] = 0.0f;
-      }
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t qa[MT][4], oa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load_a(qa[mt], Qs, warp_row0 + mt * 16, kk * 16, LDS);
-        load_a(oa[mt], dOs, warp_row0 + mt * 16, kk * 16, LDS);
-      }
-#pragma unroll
-      for (int j = 0; j < BN / 8; j += 2) {
-        uint32_t bk[4], bv[4];
-        load_b_nk(bk, Kc, j * 8, kk * 16, LDS);
-        load_b_nk(bv, Vc, j * 8, kk * 16, LDS);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816(s[mt][j], qa[mt], bk[0], bk[1]);
-          mma16816(s[mt][j + 1], qa[mt], bk[2], bk[3]);
-          mma16816(dp[mt][j], oa[mt], bv[0], bv[1]);
-          mma16816(dp[mt][j + 1], oa[mt], bv[2], bv[3]);
-        }
-      }
-    }
+    two_products<HD, MT, BN>(s, dp, Qs, dOs, Kc, Vc, warp_row0);
     const bool need_mask = nb * BN + BN - 1 > m0 + warp_row0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

@@ -235,6 +235,54 @@ __device__ __forceinline__ void zero(float (&o)[Cols<HD>::main][32], float (&o_t
   for (int i = 0; i < (Cols<HD>::tail ? 8 : 1); ++i) o_tail[i] = 0.0f;
 }
 
+// The query block a thread of the forward or dQ kernel works on (grid (ceil(T/kBM),
+// B·NH), longest rows first) and its place in it.
+struct QueryBlock {
+  int m0;        // first query row of the block
+  int bh, b, h;  // (batch, head) = blockIdx.y
+  int wg, warp, g, t4;  // warpgroup, warp in it, lane / 4, lane % 4
+  int wg_row0;   // this warpgroup's first query row
+  int n_blocks;  // key blocks the block needs (causal)
+  int wg_last;   // the last key block this warpgroup needs
+};
+
+__device__ __forceinline__ QueryBlock query_block(int T, int NH) {
+  QueryBlock qb;
+  qb.m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
+  qb.bh = blockIdx.y;
+  qb.b = qb.bh / NH;
+  qb.h = qb.bh % NH;
+  qb.wg = threadIdx.x >> 7;
+  qb.warp = (threadIdx.x >> 5) & 3;
+  qb.g = (threadIdx.x & 31) >> 2;
+  qb.t4 = threadIdx.x & 3;
+  qb.wg_row0 = qb.m0 + qb.wg * kWgRows;
+  qb.n_blocks = min((T + kBN - 1) / kBN, (qb.m0 + kBM - 1) / kBN + 1);
+  qb.wg_last = min(qb.n_blocks - 1, (qb.wg_row0 + kWgRows - 1) / kBN);
+  return qb;
+}
+
+// Key block nb of a query block's loop over n_blocks (K and V double-buffered at
+// k_tile/v_tile + (nb % 2)·bytes): starts the loads of block nb + 1 into the other
+// buffers, waits for block nb's, and makes them visible to the tensor cores (written
+// through the generic proxy, read through the async one) and to every thread.
+template <int HD>
+__device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, const bf16* kg, const bf16* vg,
+                                              int nb, int n_blocks, int T, size_t ld) {
+  constexpr int kKVBytes = Cols<HD>::bytes(kBN);
+  const int other = (nb & 1) ^ 1;
+  if (nb + 1 < n_blocks) {
+    load_swizzled<HD>(k_tile + other * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
+    load_swizzled<HD>(v_tile + other * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+}
+
 #endif  // SPILLWAY_WGMMA_BODY
 
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
@@ -251,19 +299,13 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + 2 * kKVBytes;
 
-  const int mb = gridDim.x - 1 - blockIdx.x;  // longest rows first
-  const int m0 = mb * kBM;
-  const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t4 = lane & 3;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
-  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
-
-  const int wg_row0 = m0 + wg * kWgRows;                                   // this warpgroup's first query
-  const int n_blocks = min((T + kBN - 1) / kBN, (m0 + kBM - 1) / kBN + 1);  // key blocks the block needs
-  const int wg_last = min(n_blocks - 1, (wg_row0 + kWgRows - 1) / kBN);     // ... and this warpgroup
+  const QueryBlock qb = query_block(T, NH);
+  const int m0 = qb.m0, bh = qb.bh, wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
+  const int wg_row0 = qb.wg_row0, n_blocks = qb.n_blocks, wg_last = qb.wg_last;
+  const HeadView hv =
+      head_view<HD, kGrouped>(qkv, nullptr, nullptr, nullptr, qb.b, qb.h, qb.h / (NH / KVH), T, C, NH, KVH);
+  const size_t ld = hv.ld;
+  const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v;
 
   load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
   load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
@@ -277,18 +319,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int cur = nb & 1;
-    if (nb + 1 < n_blocks) {
-      load_swizzled<HD>(k_tile + (cur ^ 1) * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
-      load_swizzled<HD>(v_tile + (cur ^ 1) * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    // The tiles were written through the generic proxy; the tensor cores read them
-    // through the async proxy.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    next_kv_block<HD>(k_tile, v_tile, kg, vg, nb, n_blocks, T, ld);
 
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
@@ -347,7 +378,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
     if (q >= T) continue;
     const float inv = 1.0f / l;
     if (t4 == 0) lse[static_cast<size_t>(bh) * T + q] = row_max[r] * kLn2 + logf(l);
-    store_row<HD>(out + (static_cast<size_t>(b) * T + q) * C + h * HD, o, o_tail, r, t4, inv);
+    store_row<HD>(out + (static_cast<size_t>(qb.b) * T + q) * C + qb.h * HD, o, o_tail, r, t4, inv);
   }
 #endif  // SPILLWAY_WGMMA_BODY
 }
@@ -379,13 +410,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
   const int group = kGrouped ? NH / KVH : 1, h0 = kvh * group;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h0 * HD;  // query head h0
-  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + kvh) * HD : qg + C;
-  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
-  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h0 * HD;
-  const float* lse_bh = lse + (static_cast<size_t>(b) * NH + h0) * T;
-  const float* D_bh = Dg + (static_cast<size_t>(b) * NH + h0) * T;
+  const HeadView hv = head_view<HD, kGrouped>(qkv, dout, lse, Dg, b, h0, kvh, T, C, NH, KVH);  // query head h0
+  const size_t ld = hv.ld;
+  const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v, *dog = hv.dout;
+  const float *lse_bh = hv.lse, *D_bh = hv.D;
   const int wg_key0 = n0 + wg * kWgRows;  // this warpgroup's first key
 
   // Iteration it covers query block mb_first + it % n_mb of query head h0 + it / n_mb.
@@ -482,20 +510,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
   const uint32_t q_tile = base, do_tile = base + kQBytes, k_tile = do_tile + kQBytes,
                  v_tile = k_tile + 2 * kKVBytes;
 
-  const int mb = gridDim.x - 1 - blockIdx.x;  // longest rows first
-  const int m0 = mb * kBM;
-  const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t4 = lane & 3;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const bf16* qg = qkv + static_cast<size_t>(b) * T * ld + h * HD;
-  const bf16* kg = kGrouped ? qkv + static_cast<size_t>(b) * T * ld + (NH + h / (NH / KVH)) * HD : qg + C;
-  const bf16* vg = kGrouped ? kg + KVH * HD : qg + 2 * C;
-  const bf16* dog = dout + static_cast<size_t>(b) * T * C + h * HD;
-
-  const int wg_row0 = m0 + wg * kWgRows;
-  const int n_blocks = min((T + kBN - 1) / kBN, (m0 + kBM - 1) / kBN + 1);
-  const int wg_last = min(n_blocks - 1, (wg_row0 + kWgRows - 1) / kBN);
+  const QueryBlock qb = query_block(T, NH);
+  const int m0 = qb.m0, wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
+  const int wg_row0 = qb.wg_row0, n_blocks = qb.n_blocks, wg_last = qb.wg_last;
+  const HeadView hv = head_view<HD, kGrouped>(qkv, dout, lse, Dg, qb.b, qb.h, qb.h / (NH / KVH), T, C, NH, KVH);
+  const size_t ld = hv.ld;
+  const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v, *dog = hv.dout;
 
   load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
   load_swizzled<HD>(do_tile, dog, m0, kBM, T, C);
@@ -508,24 +528,15 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row_a + 8 * r;
-    lse2[r] = q < T ? lse[static_cast<size_t>(bh) * T + q] * kLog2e : INFINITY;
-    Dr[r] = q < T ? Dg[static_cast<size_t>(bh) * T + q] : 0.0f;
+    lse2[r] = q < T ? hv.lse[q] * kLog2e : INFINITY;
+    Dr[r] = q < T ? hv.D[q] : 0.0f;
   }
   float dq[L::main][32], dq_tail[L::tail ? 8 : 1];
   zero<HD>(dq, dq_tail);
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int cur = nb & 1;
-    if (nb + 1 < n_blocks) {
-      load_swizzled<HD>(k_tile + (cur ^ 1) * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
-      load_swizzled<HD>(v_tile + (cur ^ 1) * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    next_kv_block<HD>(k_tile, v_tile, kg, vg, nb, n_blocks, T, ld);
 
     if (nb <= wg_last) {
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
@@ -554,7 +565,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
   for (int r = 0; r < 2; ++r) {
     const int q = row_a + r * 8;
     if (q >= T) continue;
-    store_row<HD>(dqkv + (static_cast<size_t>(b) * T + q) * ld + h * HD, dq, dq_tail, r, t4, scale);
+    store_row<HD>(dqkv + (static_cast<size_t>(qb.b) * T + q) * ld + qb.h * HD, dq, dq_tail, r, t4, scale);
   }
 #endif  // SPILLWAY_WGMMA_BODY
 }
