@@ -2,10 +2,12 @@
 # One call on the lent H200 for issue 13's table: predicted against measured step times.
 # Builds (unless SKIP_BUILD=1), then for each RUNS entry model:accum:budget:flags
 # (flags with '+' for spaces) runs `spillway bench train --backend cuda --batch 8
-# --steps 4 --policy planned --machine $MACHINE` and prints the bench's predicted and
+# --steps 4 --policy $POLICY --machine $MACHINE` and prints the bench's predicted and
 # measured figures; last, one line per run: model, accum, budget, flags, predicted step,
 # own steps (the mean of the step calls), error. MACHINE: the planner's machine (default
-# h200; a profile's file for a measured one). Logs in $OUT/pred-logs.tar.gz.
+# h200; a profile's file for a measured one). POLICY: planned (default) or auto.
+# DEADLINE (seconds since the epoch): runs that would start after it are skipped.
+# Logs in $OUT/pred-logs.tar.gz.
 # Usage (device tool, carry .deps): RUNS="gpt2-1.5b:1:24GiB: gpt-4b:1:24GiB:--grad-clip+0" \
 #   scripts/device-predictions.sh
 set -uo pipefail
@@ -19,12 +21,15 @@ bin=build-device/spillway
 table=/tmp/pred-logs/table.txt; : > "$table"
 for r in ${RUNS:-gpt2-1.5b:1:24GiB: gpt2-1.5b:4:24GiB: gpt-2.7b:1:24GiB: gpt-2.7b:4:40GiB:}; do
   IFS=: read -r m a budget flags <<< "$r"; flags=${flags//+/ }
+  if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
+    echo "$m $a $budget [$flags] skipped: past the deadline" >> "$table"; continue
+  fi
   name=pred_${m}_${a}_${budget}_$(echo "$flags" | tr -c 'a-z0-9\n' '_')
   log "$m accum $a, $budget $flags"
   # shellcheck disable=SC2086
   timeout 240 $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget $budget \
-    --policy planned --machine ${MACHINE:-h200} $flags > /tmp/pred-logs/$name.log 2>&1
-  grep -E "plan:|tokens/s|GPU stalled|predicted|own steps|error" /tmp/pred-logs/$name.log | cut -c1-300 | tee -a "$out/summary.txt"
+    --policy ${POLICY:-planned} --machine ${MACHINE:-h200} $flags > /tmp/pred-logs/$name.log 2>&1
+  grep -E "plan:|auto|tokens/s|GPU stalled|predicted|own steps|speculat|first step|error" /tmp/pred-logs/$name.log | cut -c1-300 | tee -a "$out/summary.txt"
   pred=$(awk '/^predicted  /{print $2; exit}' /tmp/pred-logs/$name.log)
   own=$(awk '/^own steps  /{print $3; exit}' /tmp/pred-logs/$name.log)
   if [ -n "$pred" ] && [ -n "$own" ]; then

@@ -219,13 +219,16 @@ Machine Machine::h200() {
   m.storage_read_bytes_per_s = 1.7e9;
   m.storage_write_bytes_per_s = 1.7e9;
   // bf16 matrix products as whole steps run them: 784 TFLOP/s was measured on 8192³
-  // products and 417-743 on the layer products of gpt2-124m (bench ops); 720 makes
-  // the simulator predict the resident steps of gpt2-124m, gpt2-1.5b and gpt-2.7b
-  // (446.2k, 41.9k, 29.8k tokens/s measured 2026-12-02) within 2%.
+  // products and 417-743 on the layer products of gpt2-124m (bench ops); with the
+  // attention rate below, 720 makes the simulator predict the resident steps of
+  // gpt2-124m, gpt2-1.5b and gpt-2.7b (472.8k, 44.3k, 31.0k tokens/s measured
+  // 2026-12-05 with the Hopper attention kernels) within 1.2%, gpt2-350m (188.1k)
+  // 4.4% low.
   m.matmul_flops_per_s = 720e12;
-  // Our flash attention at 124M shapes (B 16, T 1024, 12 heads of 64): forward
-  // 0.242 ms, backward 0.635 ms (bench ops, 2026-12-02): 90.2 GFLOP in 0.877 ms.
-  m.attention_flops_per_s = 103e12;
+  // Our Hopper flash attention at 124M shapes (B 16, T 1024, 12 heads of 64):
+  // forward 0.176 ms, backward 0.545 ms (bench ops, 2026-12-05): 90.2 GFLOP in
+  // 0.721 ms.
+  m.attention_flops_per_s = 125e12;
   m.device_bytes_per_s = 3.5e12;  // achieved by elementwise kernels (4.8 TB/s peak)
   m.op_launch_s = 5e-6;
   // The host AdamW (bf16, 16 threads) and compute beside copies: `spillway profile
@@ -239,7 +242,7 @@ Machine Machine::h200() {
   m.compute_share_while_copying = 0.928;
   m.host_runs_ahead = true;
   // machines/h200.json holds the same figures (a test checks that they agree).
-  m.measured_on = {.date = "2026-12-02, host rates 2026-12-05",
+  m.measured_on = {.date = "2026-12-02, host rates 2026-12-05, attention 2026-12-05",
                    .host = "the lent H200 host (one GPU, 16 cores, 128 GiB RAM, ext4 on virtio /dev/vda)",
                    .cpu = "16 cores",
                    .gpu = "NVIDIA H200, 139.8 GiB",
@@ -248,8 +251,9 @@ Machine Machine::h200() {
                             "disk 1.7 GB/s O_DIRECT), host AdamW and compute beside copies from spillway profile "
                             "--backend cuda of 2026-12-05 (bf16, 16 threads: 4.69 G params/s alone, 3.30 while copies "
                             "run; compute at 0.928 while copies run; copies beside host ops not measured: 1), bench ops (784 TFLOP/s bf16 on 8192^3 products, 417-743 on gpt2-124m's "
-                            "layer products; 720 fits the resident steps of gpt2-124m, 1.5b and 2.7b within 2%; attention forward "
-                            "0.242 ms and backward 0.635 ms at B16 T1024 12x64: 103 TFLOP/s); "
+                            "layer products; 720 fits the resident steps of gpt2-124m, 1.5b and 2.7b of 2026-12-05 within 1.2%; "
+                            "Hopper attention forward 0.176 ms and backward 0.545 ms at B16 T1024 12x64, 2026-12-05: "
+                            "125 TFLOP/s); "
                             "storage latency not measured (0)"};
   return m;
 }
