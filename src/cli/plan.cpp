@@ -196,7 +196,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
     std::snprintf(line, sizeof line,
                   "data parallel, %d GPUs, ZeRO stage %d (network %.1f GB/s per GPU each way, %.1f us per collective): "
                   "step %.3f s (the busiest rank, %d: compute %.3f s + exposed collectives %.3f s; hidden behind the "
-                  "backward %.3f s), %.0f tokens/s, %.0f per GPU",
+                  "forward and backward %.3f s), %.0f tokens/s, %.0f per GPU",
                   f.gpus, dp->zero_stage, f.network_gbps, f.network_latency_us, dp->step_s, dp->busiest_rank,
                   dp->compute_s, dp->exposed_s, dp->hidden_s, dp->tokens_per_s, dp->tokens_per_s_per_gpu);
     std::string text = line;

@@ -225,12 +225,29 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
     }
   }
   // ZeRO stage 3: every op of the forward and backward that reads a parameter reads
-  // a copy of it instead, which a GatherParam right before it fills from the owner
-  // (the same copy and place on every rank: the ranks call the gathers in one order).
-  // Only the owner keeps the parameter; the copies live from the gather to their one
-  // use, so the planner frees them after it.
-  std::vector<std::vector<std::pair<size_t, TensorId>>> gather_before(body.size());  // body op -> (param, copy)
+  // a copy of it instead, which a GatherParam fills from the owner (the same copy and
+  // place on every rank: the ranks call the gathers in one order). Only the owner
+  // keeps the parameter; the copies live from the gather to their one use, so the
+  // planner frees them after it. The gathers go one layer ahead, as FSDP prefetches
+  // the next module: those of a layer's ops (a run of ops of one phase, micro-batch
+  // and layer) go to the start of the run before it when that run has the same phase
+  // and micro-batch, so the link moves them while that layer computes (the executor
+  // makes only the op that reads a copy wait for its gather); the first run's stay
+  // right before their op. Each gather carries the phase, micro-batch and layer of
+  // the op it precedes, so the planner's reorders keep it ahead of its reader.
+  std::vector<std::vector<std::pair<size_t, TensorId>>> gather_at(body.size());  // body op -> (param, copy) before it
   if (zero_stage == 3) {
+    std::vector<size_t> run_start(body.size());  // the first op of each op's run
+    for (size_t j = 0; j < body.size(); ++j) {
+      const bool same = j > 0 && body[j].phase == body[j - 1].phase && body[j].micro_batch == body[j - 1].micro_batch &&
+                        body[j].layer == body[j - 1].layer;
+      run_start[j] = same ? run_start[j - 1] : j;
+    }
+    auto issue_point = [&](size_t j) {
+      const size_t s = run_start[j];
+      if (s == 0 || body[s - 1].phase != body[j].phase || body[s - 1].micro_batch != body[j].micro_batch) return j;
+      return run_start[s - 1];
+    };
     std::map<TensorId, size_t> param_index;
     for (size_t i = 0; i < params.size(); ++i) param_index[params[i].param] = i;
     size_t copies = 0;
@@ -246,7 +263,7 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
         copy.role = Role::Activation;
         infos.push_back(copy);
         const TensorId id = static_cast<TensorId>(infos.size() - 1);
-        gather_before[j].push_back({it->second, id});
+        gather_at[issue_point(j)].push_back({it->second, id});
         o.tensor = id;
       }
   }
@@ -258,7 +275,7 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
     std::vector<Op> ops;
     ops.reserve(body.size() + 2 * params.size() + 8);
     for (size_t j = 0; j < body.size(); ++j) {
-      for (const auto& [i, copy] : gather_before[j]) {
+      for (const auto& [i, copy] : gather_at[j]) {
         const int owner = L.partition.owner[i];
         OpAttrs a;
         a.n = L.params[i].n;

@@ -109,7 +109,9 @@ struct DataParallelLayout {
 // zero_stage 2 (the default): every rank holds every parameter, the owner broadcasts
 // it after its update. 3: the parameters are partitioned too: only the owner holds
 // one, and every op of the forward and backward that reads it reads a copy that a
-// GatherParam right before it fills from the owner (rank programs hold no parameter
+// GatherParam fills from the owner, issued one layer ahead: at the start of the run
+// of ops (same phase, micro-batch and layer) before the reader's, within its phase
+// and micro-batch, else right before the reader (rank programs hold no parameter
 // they do not own; a rank's device and host hold its shard and the copies in use).
 Result<DataParallelLayout> make_data_parallel_layout(const Program& training, int world,
                                                      int loss_scale_micro_batches, int only_rank = -1,

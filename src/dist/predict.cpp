@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 
 #include "dist/data_parallel.h"
 
@@ -62,8 +63,11 @@ Result<DataParallelPrediction> predict_data_parallel(const Program& training, in
   p.zero_stage = layout.zero_stage;
   p.busiest_rank = busiest;
   p.compute_s = cost.step_seconds(mine, plan);
-  // The reduces on their own stream beside the backward (predict.h, "Overlap").
+  // The reduces and gathers on their own stream beside the forward and backward
+  // (predict.h, "Overlap"), one after another in program order; an op that reads a
+  // gathered copy waits for its gather.
   double compute = 0, stream_end = 0, tail = 0, waited = 0;
+  std::unordered_map<TensorId, double> gathered;  // copy -> when its gather ends
   bool optimizer = false;
   for (size_t i = 0; i < mine.ops.size(); ++i) {
     const Op& op = mine.ops[i];
@@ -75,11 +79,15 @@ Result<DataParallelPrediction> predict_data_parallel(const Program& training, in
     } else if (op.kind == OpKind::ReduceGradient || op.kind == OpKind::SendGradient) {
       stream_end = std::max(stream_end, compute) + c;
     } else if (op.kind == OpKind::GatherParam) {
-      // Issued where it sits, right before the op that reads its copy, which waits for it.
       stream_end = std::max(stream_end, compute) + c;
-      waited += stream_end - compute;
-      compute = stream_end;
+      gathered[op.operands[0].tensor] = stream_end;
     } else {
+      for (const Operand& o : op.operands) {
+        auto it = gathered.find(o.tensor);
+        if (it == gathered.end() || it->second <= compute) continue;
+        waited += it->second - compute;
+        compute = it->second;
+      }
       compute += cost.op_seconds(mine, i);
     }
   }

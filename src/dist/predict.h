@@ -25,9 +25,12 @@
 // backward's time is the cost model's op_seconds summed, without the copies and
 // stalls the planned step also has: a lower bound on the time there is to hide
 // behind, so the hidden part is, if anything, under-counted. step_s = compute_s +
-// exposed_s. (The executor still runs collectives synchronously between the compute
-// ops, exec/dispatch.cpp; the prediction is of the overlapped schedule the program
-// order allows.)
+// exposed_s. ZeRO stage 3's gathers share that stream: gather k ends at
+// max(ready_k, end_{k-1}) + gather_seconds(k), and the op that reads its copy starts
+// no earlier (the wait is exposed); issued a layer ahead (dist/data_parallel.h), a
+// gather hides behind that layer's ops. (The executor runs collectives on the
+// communicator's stream where it has one, exec/dispatch.cpp, and compute waits only
+// where an op touches what a collective writes.)
 //
 // The collectives are costed as the NCCL communicator runs them (dist/nccl). A
 // gradient's reduce is a chain in rank order, pipelined in chunks (kChainChunkBytes,

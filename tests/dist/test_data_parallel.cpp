@@ -402,6 +402,35 @@ TEST(DataParallel, ZeroStage3RankProgramsHoldOnlyTheirShard) {
       EXPECT_EQ(op.operands.size() == 2, op.attrs.root == r) << "rank " << r << ": " << op.name;
     }
     EXPECT_EQ(order.size(), reads) << "rank " << r;
+    // Each copy is read once, after its gather; a gather goes one layer ahead of its
+    // reader (to the start of the run of ops before the reader's, same phase and
+    // micro-batch), else right before it (the first run of a phase).
+    size_t ahead = 0;
+    for (size_t g = 0; g < mine.ops.size(); ++g) {
+      if (mine.ops[g].kind != OpKind::GatherParam) continue;
+      const TensorId copy = mine.ops[g].operands[0].tensor;
+      size_t reader = mine.ops.size(), readers = 0;
+      for (size_t j = 0; j < mine.ops.size(); ++j)
+        for (const Operand& o : mine.ops[j].operands)
+          if (o.tensor == copy && j != g) {
+            reader = std::min(reader, j);
+            ++readers;
+          }
+      ASSERT_EQ(readers, 1u) << mine.ops[g].name;
+      ASSERT_GT(reader, g) << mine.ops[g].name;
+      const Op& use = mine.ops[reader];
+      EXPECT_EQ(mine.ops[g].phase, use.phase) << mine.ops[g].name;
+      EXPECT_EQ(mine.ops[g].micro_batch, use.micro_batch) << mine.ops[g].name;
+      bool other_layer_between = false;
+      for (size_t j = g + 1; j < reader; ++j) {
+        const Op& between = mine.ops[j];
+        if (between.kind == OpKind::GatherParam) continue;
+        EXPECT_EQ(between.phase, use.phase) << mine.ops[g].name << " reaches back past its phase";
+        other_layer_between = other_layer_between || between.layer != use.layer;
+      }
+      ahead += other_layer_between;
+    }
+    EXPECT_GT(ahead, reads / 2) << "rank " << r << ": most gathers go a layer ahead";
     if (r == 0) order0 = order;
     EXPECT_EQ(order, order0) << "rank " << r << " gathers in another order";
     for (size_t i = 0; i < layout->params.size(); ++i) {

@@ -65,10 +65,13 @@ TEST(DataParallelPrediction, CollectivesCostTheirBytesOverTheLink) {
 
 // ZeRO stage 3 (issue 15): the busiest rank holds only its parameters and gathers each
 // other one before every op that reads it; no broadcast after the update. By hand: the
-// stage-2 reduces and norms, plus n·4 bytes over the link and a latency per gather,
-// all of them waited for; the plan has the room of the parameters it no longer holds.
+// stage-2 reduces and norms, plus n·4 bytes over the link and a latency per gather;
+// issued a layer ahead, part of them hides behind the layer before; the plan has the
+// room of the parameters it no longer holds (8 layers: the copies of two layers in
+// flight are fewer bytes than half the parameters).
 TEST(DataParallelPrediction, ZeroStage3GathersBeforeEveryUse) {
-  auto training = build_training_program(kModel, {2, 16, 1}, DType::F32);
+  const ModelConfig eight_layers{8, 32, 2, 16, 64};
+  auto training = build_training_program(eight_layers, {2, 16, 1}, DType::F32);
   ASSERT_TRUE(training.ok());
   Simulator sim(Machine::cpu_dev_box());
   int64_t peak_bytes = 0;
@@ -105,7 +108,9 @@ TEST(DataParallelPrediction, ZeroStage3GathersBeforeEveryUse) {
   double stage2_broadcasts = 0;
   for (const DataParallelParam& p : layout->params) stage2_broadcasts += p.n * 4.0 / 1e9 + 1e-5;
   EXPECT_NEAR(stage3->collective_s, stage2->collective_s - stage2_broadcasts + gathers, 1e-12);
-  EXPECT_GE(stage3->exposed_s, gathers - 1e-12);
+  // The first layer's gathers of each phase wait whole; the later ones partly hide.
+  EXPECT_GT(stage3->exposed_s, 0);
+  EXPECT_LT(stage3->exposed_s, gathers);
   EXPECT_DOUBLE_EQ(stage3->step_s, stage3->compute_s + stage3->exposed_s);
   EXPECT_LT(peak3, peak2) << "the rank holds half the parameters (and their copies only while in use)";
   // Only stages 2 and 3 exist.
