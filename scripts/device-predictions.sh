@@ -6,7 +6,8 @@
 # measured figures; last, one line per run: model, accum, budget, flags, predicted step,
 # own steps (the mean of the step calls), error. MACHINE: the planner's machine (default
 # h200; a profile's file for a measured one). POLICY: planned (default) or auto.
-# DEADLINE (seconds since the epoch): runs that would start after it are skipped.
+# DEADLINE (seconds since the epoch): runs that would start after it are skipped, and
+# a run is stopped RUN_GRACE (120) seconds after it.
 # Logs in $OUT/pred-logs.tar.gz.
 # Usage (device tool, carry .deps): RUNS="gpt2-1.5b:1:24GiB: gpt-4b:1:24GiB:--grad-clip+0" \
 #   scripts/device-predictions.sh
@@ -26,8 +27,10 @@ for r in ${RUNS:-gpt2-1.5b:1:24GiB: gpt2-1.5b:4:24GiB: gpt-2.7b:1:24GiB: gpt-2.7
   fi
   name=pred_${m}_${a}_${budget}_$(echo "$flags" | tr -c 'a-z0-9\n' '_')
   log "$m accum $a, $budget $flags"
+  lim=240  # a run may go past DEADLINE by at most RUN_GRACE seconds (default 120)
+  [ -n "${DEADLINE:-}" ] && [ $((DEADLINE + ${RUN_GRACE:-120} - $(date +%s))) -lt $lim ] && lim=$((DEADLINE + ${RUN_GRACE:-120} - $(date +%s)))
   # shellcheck disable=SC2086
-  timeout 240 $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget $budget \
+  timeout $lim $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget $budget \
     --policy ${POLICY:-planned} --machine ${MACHINE:-h200} $flags > /tmp/pred-logs/$name.log 2>&1
   grep -E "plan:|auto|tokens/s|GPU stalled|predicted|own steps|speculat|first step|error" /tmp/pred-logs/$name.log | cut -c1-300 | tee -a "$out/summary.txt"
   pred=$(awk '/^predicted  /{print $2; exit}' /tmp/pred-logs/$name.log)
