@@ -232,8 +232,8 @@ Result<DataParallelLayout> make_data_parallel_layout(const Program& training, in
   // the next module: those of a layer's ops (a run of ops of one phase, micro-batch
   // and layer) go to the start of the run before it when that run has the same phase
   // and micro-batch, so the link moves them while that layer computes (the executor
-  // makes only the op that reads a copy wait for its gather); the first run's stay
-  // right before their op. Each gather carries the phase, micro-batch and layer of
+  // makes only the op that reads a copy wait for its gather); those of the first run
+  // of a phase and micro-batch stay right before their op. Each gather carries the phase, micro-batch and layer of
   // the op it precedes, so the planner's reorders keep it ahead of its reader.
   std::vector<std::vector<std::pair<size_t, TensorId>>> gather_at(body.size());  // body op -> (param, copy) before it
   if (zero_stage == 3) {
