@@ -17,7 +17,8 @@
 // "first step after" is the time from the command's start to the first step's start
 // (time_to_first_step_s in the JSON): opening the backend, then setup_s (building,
 // planning, and creating the executor, which allocates and zero-fills the training
-// state), then init_s (initializing the parameters).
+// state; its parts setup_build_s, setup_kernel_load_s, setup_plan_s and
+// setup_executor_s, Trainer::setup_times), then init_s (initializing the parameters).
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -154,8 +155,10 @@ Status run_bench(const BenchTrainFlags& f) {
   std::printf("bench train: %s (%s parameters) on %s, batch %dx%d, accum %d\nplan: %s\n", cfg.to_string().c_str(),
               format_count(static_cast<double>(cfg.num_parameters())).c_str(), backend->description().c_str(), f.batch,
               T, f.accum, trainer->plan().description.c_str());
-  std::printf("first step    after %.2f s: build, plan and allocate %.2f s, parameter init %.2f s\n", first_step_s,
-              setup_s, init_s);
+  const SetupTimes& st = trainer->setup_times();
+  std::printf("first step    after %.2f s: build, plan and allocate %.2f s (program %.2f s, kernel load %.2f s, "
+              "plan %.2f s, executor and its memory %.2f s), parameter init %.2f s\n",
+              first_step_s, setup_s, st.build_s, st.warm_up_s, st.plan_s, st.allocate_s, init_s);
   std::fflush(stdout);
 
   uint64_t rng = f.seed;
@@ -347,11 +350,13 @@ Status run_bench(const BenchTrainFlags& f) {
     const int n = std::fprintf(out,
         "{\"backend\":\"%s\",\"tokens_per_s\":%.1f,\"step_s\":%.6f,\"peak_device_bytes\":%llu,"
         "\"device_used_bytes\":%llu,\"device_used_peak_bytes\":%llu,\"device_budget_bytes\":%s,"
-        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f,"
+        "\"time_to_first_step_s\":%.6f,\"setup_s\":%.6f,\"setup_build_s\":%.6f,\"setup_kernel_load_s\":%.6f,"
+        "\"setup_plan_s\":%.6f,\"setup_executor_s\":%.6f,\"init_s\":%.6f,\"checkpoints\":%d,\"checkpoint_wait_s\":%.6f,"
         "\"predicted_step_s\":%.6f,\"stall_share\":%.6f,\"host_wait_share\":%.6f,\"steady_state_step_s\":%.6f}\n",
         backend->name().c_str(), tokens / step_s, step_s, static_cast<unsigned long long>(last.peak_device_bytes),
         static_cast<unsigned long long>(used), static_cast<unsigned long long>(used_peak),
-        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, init_s, checkpoints,
+        budget == UINT64_MAX ? "null" : std::to_string(budget).c_str(), first_step_s, setup_s, st.build_s,
+        st.warm_up_s, st.plan_s, st.allocate_s, init_s, checkpoints,
         checkpoint_wait_s, predicted_s, timed_s > 0 ? stall_s / timed_s : 0.0, timed_s > 0 ? host_wait_s / timed_s : 0.0,
         (steps_own_s + checkpoint_wait_s) / timed);
     const bool closed = std::fclose(out) == 0;

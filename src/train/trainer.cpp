@@ -186,6 +186,8 @@ Status Trainer::setup() {
     return Status::invalid_argument("context " + std::to_string(shape.T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
   options_.planner.alignment = backend_.alignment();
+  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  Clock::time_point t = Clock::now();
   bool tiled = false;
   SPILLWAY_ASSIGN_OR_RETURN(program_, build_for_budget(
                                           [&](bool tile_vocab) {
@@ -197,6 +199,8 @@ Status Trainer::setup() {
                                           },
                                           backend_, allocatable_budgets(options_.budgets, backend_).device, &tiled));
   options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
+  setup_times_.build_s = since(t);
+  t = Clock::now();
   {
     // Load every kernel the step (and an evaluation of the step's shape) will launch
     // now, before the budgets are computed: CUDA loads kernel code lazily, and what it
@@ -207,11 +211,15 @@ Status Trainer::setup() {
                                                                   true, options_.shape.tile_vocab));
     SPILLWAY_RETURN_IF_ERROR(warm_up_kernels(backend_, eval, limit));
   }
+  setup_times_.warm_up_s = since(t);
+  t = Clock::now();
   auto plan = options_.planner.policy == Policy::Auto && options_.auto_confirm > 1
                   ? confirm_auto_plan()
                   : plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
+  setup_times_.plan_s = since(t);
+  t = Clock::now();
   ExecutorOptions eo;
   eo.host_budget = options_.budgets.host;
   eo.spill_dir = options_.spill_dir;
@@ -220,6 +228,7 @@ Status Trainer::setup() {
   auto executor = Executor::create(backend_, program_, plan_, eo);
   if (!executor.ok()) return executor.status().with_context("creating the training executor");
   executor_ = std::move(*executor);
+  setup_times_.allocate_s = since(t);
   params_ = parameter_specs(cfg);
   for (int k = 0; k < shape.accum; ++k) {
     const std::string mb = "mb" + std::to_string(k) + ".";

@@ -205,6 +205,14 @@ struct PinnedRange {
   }
 };
 
+// Where Trainer::create spent its time (seconds of wall time, in that order).
+struct SetupTimes {
+  double build_s = 0;     // building the training program (tiling the vocabulary if the budget asks)
+  double warm_up_s = 0;   // loading the kernels the step and an evaluation launch
+  double plan_s = 0;      // planning (with --policy auto, also timing the candidates it confirms)
+  double allocate_s = 0;  // creating the executor: device arena, pinned host arena, spill files
+};
+
 class Trainer {
  public:
   // Builds the training program for options.model and options.shape in the
@@ -263,6 +271,7 @@ class Trainer {
   Executor& executor() { return *executor_; }
   Backend& backend() { return backend_; }
   int64_t steps_done() const { return step_; }
+  const SetupTimes& setup_times() const { return setup_times_; }
 
   // ---- the training state, for checkpoints (train/checkpoint.h) ----
   // The tensors that make the state: master weights and both Adam moments (each
@@ -317,6 +326,7 @@ class Trainer {
   Program program_;
   Plan plan_;
   std::unique_ptr<Executor> executor_;
+  SetupTimes setup_times_;
   std::shared_ptr<uint8_t> snapshot_staging_[2];  // [8 MiB] each, pinned: checkpoint device copies
   std::vector<ParamSpec> params_;
   std::vector<TensorId> tokens_, targets_, losses_;  // [accum]

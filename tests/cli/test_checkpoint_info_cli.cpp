@@ -105,7 +105,9 @@ TEST(CheckpointInfoCli, ListsDataParallelCheckpointsBesideSingleProcessOnesAndNa
   const std::vector<std::string> order = {"dp-ckpt-00000003", "ckpt-00000002", "dp-ckpt-00000002", "dp-ckpt-00000001"};
   for (size_t i = 0; i < order.size(); ++i) {
     ASSERT_NE(position(info.output, order[i]), std::string::npos) << order[i] << "\n" << info.output;
-    if (i > 0) EXPECT_LT(position(info.output, order[i - 1]), position(info.output, order[i])) << info.output;
+    if (i > 0) {
+      EXPECT_LT(position(info.output, order[i - 1]), position(info.output, order[i])) << info.output;
+    }
   }
   for (const char* name : {"dp-ckpt-00000003", "dp-ckpt-00000002", "dp-ckpt-00000001"}) {
     const std::string line = line_of(info.output, name);

@@ -416,6 +416,18 @@ TEST(BenchTrainCli, ReportsDeviceMemoryUsedWithinTheBudget) {
   EXPECT_GT(setup, 0.0);
   EXPECT_GT(init, 0.0);
   EXPECT_GE(first + 1e-5, setup + init);  // each printed to the microsecond
+  // The setup's parts, in order, within it: program, kernel load, plan, executor.
+  double parts = 0;
+  for (const char* k : {"setup_build_s", "setup_kernel_load_s", "setup_plan_s", "setup_executor_s"}) {
+    ASSERT_TRUE(a.contains(k)) << k;
+    EXPECT_GE(a[k].get<double>(), 0.0) << k;
+    parts += a[k].get<double>();
+  }
+  EXPECT_GT(a["setup_plan_s"].get<double>(), 0.0);
+  EXPECT_GT(a["setup_executor_s"].get<double>(), 0.0);
+  EXPECT_LE(parts, setup + 4e-6);
+  EXPECT_NE(free_run.output.find("(program "), std::string::npos) << free_run.output;
+  EXPECT_NE(free_run.output.find("executor and its memory"), std::string::npos) << free_run.output;
   // The simulator's prediction for the same plan, beside the measurement.
   EXPECT_NE(free_run.output.find("predicted     "), std::string::npos) << free_run.output;
   EXPECT_NE(free_run.output.find("on machine cpu-dev-box"), std::string::npos) << free_run.output;
