@@ -147,15 +147,10 @@ __global__ void __launch_bounds__(kTC) attention_forward_tc(bf16* out, float* ls
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int cur = nb & 1;
-    if (nb + 1 < n_blocks) {
+    double_buffer_step<false>(nb + 1 < n_blocks, [&] {
       load_tile<HD, BN, kTC>(Ks + (cur ^ 1) * BN * LDS, kg, (nb + 1) * BN, T, ld);
       load_tile<HD, BN, kTC>(Vs + (cur ^ 1) * BN * LDS, vg, (nb + 1) * BN, T, ld);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    });
     if (nb == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -425,14 +420,7 @@ __global__ void __launch_bounds__(kTC) attention_backward_dkv_tc(bf16* dqkv, con
   for (int it = 0; it < n_it; ++it) {
     const int mb = kGrouped ? mb_first + it % n_mb : mb_first + it;
     const int cur = it & 1;
-    if (it + 1 < n_it) {
-      load_q_block(it + 1, cur ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    double_buffer_step<false>(it + 1 < n_it, [&] { load_q_block(it + 1, cur ^ 1); });
     const bf16* Qc = Qs + cur * BM * LDS;
     const bf16* dOc = dOs + cur * BM * LDS;
     const float* Lc = Ls + cur * BM;
@@ -548,15 +536,10 @@ __global__ void __launch_bounds__(kTC) attention_backward_dq_tc(bf16* dqkv, cons
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int cur = nb & 1;
-    if (nb + 1 < n_blocks) {
+    double_buffer_step<false>(nb + 1 < n_blocks, [&] {
       load_tile<HD, BN, kTC>(Ks + (cur ^ 1) * BN * LDS, kg, (nb + 1) * BN, T, ld);
       load_tile<HD, BN, kTC>(Vs + (cur ^ 1) * BN * LDS, vg, (nb + 1) * BN, T, ld);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    });
     const bf16* Kc = Ks + cur * BN * LDS;
     const bf16* Vc = Vs + cur * BN * LDS;
 

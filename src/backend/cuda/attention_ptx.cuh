@@ -5,6 +5,7 @@
 //   cp_async16(smem_addr(tile + i), src, valid);   // 16 bytes, zeros when !valid
 //   cp_async_commit();
 //   cp_async_wait<0>();
+//   double_buffer_step<false>(i + 1 < n, [&] { /* cp_async16 into the other buffer */ });
 //   uint32_t two = pack_bf16(lo, hi);
 //   const HeadView hv = head_view<HD, kGrouped>(qkv, dout, lse, D, b, h, kvh, T, C, NH, KVH);
 //   load(hv.k + t * hv.ld);                        // key row t of key/value head kvh
@@ -34,6 +35,24 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One step of a double-buffered cp.async loop: when `more`, starts the next stage's
+// loads (load_next, which issues cp_async16 into the other buffer) and waits for all
+// but that group, else waits for everything; then makes the current stage visible to
+// every thread of the block. kAsyncProxy: the tiles are read by wgmma (the async
+// proxy) after being written through the generic one, so a proxy fence comes first.
+template <bool kAsyncProxy, class LoadNext>
+__device__ __forceinline__ void double_buffer_step(bool more, LoadNext&& load_next) {
+  if (more) {
+    load_next();
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  if constexpr (kAsyncProxy) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
 }
 
 // Two floats rounded to bf16 (nearest even), `lo` in the low half.

@@ -271,16 +271,10 @@ __device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, 
                                               int nb, int n_blocks, int T, size_t ld) {
   constexpr int kKVBytes = Cols<HD>::bytes(kBN);
   const int other = (nb & 1) ^ 1;
-  if (nb + 1 < n_blocks) {
+  double_buffer_step<true>(nb + 1 < n_blocks, [&] {
     load_swizzled<HD>(k_tile + other * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
     load_swizzled<HD>(v_tile + other * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
-    cp_async_commit();
-    cp_async_wait<1>();
-  } else {
-    cp_async_wait<0>();
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
+  });
 }
 
 #endif  // SPILLWAY_WGMMA_BODY
@@ -443,15 +437,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
   const int n_it = group * n_mb;
   for (int it = 0; it < n_it; ++it) {
     const int mb = mb_first + (kGrouped ? it % n_mb : it), cur = it & 1;
-    if (it + 1 < n_it) {
-      load_q_block(it + 1, cur ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    double_buffer_step<true>(it + 1 < n_it, [&] { load_q_block(it + 1, cur ^ 1); });
 
     if (mb * kQ + kQ - 1 >= wg_key0) {  // some query of the block sees a key of this warpgroup
       const uint32_t qt = q_tile + cur * kQBytes, dot = do_tile + cur * kQBytes;
