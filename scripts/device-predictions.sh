@@ -28,7 +28,10 @@ for r in ${RUNS:-gpt2-1.5b:1:24GiB: gpt2-1.5b:4:24GiB: gpt-2.7b:1:24GiB: gpt-2.7
   name=pred_${m}_${a}_${budget}_$(echo "$flags" | tr -c 'a-z0-9\n' '_')
   log "$m accum $a, $budget $flags"
   lim=240  # a run may go past DEADLINE by at most RUN_GRACE seconds (default 120)
-  [ -n "${DEADLINE:-}" ] && [ $((DEADLINE + ${RUN_GRACE:-120} - $(date +%s))) -lt $lim ] && lim=$((DEADLINE + ${RUN_GRACE:-120} - $(date +%s)))
+  if [ -n "${DEADLINE:-}" ]; then
+    rem=$((DEADLINE + ${RUN_GRACE:-120} - $(date +%s)))
+    [ $rem -lt $lim ] && lim=$rem
+  fi
   # shellcheck disable=SC2086
   timeout $lim $bin bench train --backend cuda --model $m --accum $a --batch 8 --steps 4 --device-budget $budget \
     --policy ${POLICY:-planned} --machine ${MACHINE:-h200} $flags > /tmp/pred-logs/$name.log 2>&1

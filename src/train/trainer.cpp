@@ -22,6 +22,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
 // JSON has no NaN or infinity: a non-finite number is written as null.
 void append_number(std::string& out, const char* key, double v, const char* format) {
   char buf[64];
@@ -186,7 +188,6 @@ Status Trainer::setup() {
     return Status::invalid_argument("context " + std::to_string(shape.T) + " is longer than the model's context " +
                                     std::to_string(cfg.context));
   options_.planner.alignment = backend_.alignment();
-  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   Clock::time_point t = Clock::now();
   bool tiled = false;
   SPILLWAY_ASSIGN_OR_RETURN(program_, build_for_budget(
@@ -199,7 +200,7 @@ Status Trainer::setup() {
                                           },
                                           backend_, allocatable_budgets(options_.budgets, backend_).device, &tiled));
   options_.shape.tile_vocab = options_.shape.tile_vocab || tiled;
-  setup_times_.build_s = since(t);
+  setup_times_.build_s = seconds_since(t);
   t = Clock::now();
   {
     // Load every kernel the step (and an evaluation of the step's shape) will launch
@@ -211,14 +212,14 @@ Status Trainer::setup() {
                                                                   true, options_.shape.tile_vocab));
     SPILLWAY_RETURN_IF_ERROR(warm_up_kernels(backend_, eval, limit));
   }
-  setup_times_.warm_up_s = since(t);
+  setup_times_.warm_up_s = seconds_since(t);
   t = Clock::now();
   auto plan = options_.planner.policy == Policy::Auto && options_.auto_confirm > 1
                   ? confirm_auto_plan()
                   : plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
-  setup_times_.plan_s = since(t);
+  setup_times_.plan_s = seconds_since(t);
   t = Clock::now();
   ExecutorOptions eo;
   eo.host_budget = options_.budgets.host;
@@ -228,7 +229,7 @@ Status Trainer::setup() {
   auto executor = Executor::create(backend_, program_, plan_, eo);
   if (!executor.ok()) return executor.status().with_context("creating the training executor");
   executor_ = std::move(*executor);
-  setup_times_.allocate_s = since(t);
+  setup_times_.allocate_s = seconds_since(t);
   params_ = parameter_specs(cfg);
   for (int k = 0; k < shape.accum; ++k) {
     const std::string mb = "mb" + std::to_string(k) + ".";
@@ -271,7 +272,7 @@ Result<Plan> Trainer::confirm_auto_plan() {
     const auto start = std::chrono::steady_clock::now();
     SPILLWAY_RETURN_IF_ERROR((*trial)->run_step({.step = 2, .lr = 1e-4f}).with_context(what));
     SPILLWAY_RETURN_IF_ERROR((*trial)->drain().with_context(what));
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double s = seconds_since(start);
     trial->reset();  // its memory goes back before the next candidate's executor is made
     timed.push_back({std::move(*plan), s});
   }
@@ -508,7 +509,7 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
   SnapshotTimes times;
   auto t0 = std::chrono::steady_clock::now();
   SPILLWAY_RETURN_IF_ERROR(drain());
-  times.drain_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  times.drain_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
   struct Piece {
     const uint8_t* src;
@@ -628,7 +629,7 @@ Result<SnapshotTimes> Trainer::snapshot_state(const std::vector<TensorId>& tenso
       previous = ticket;
     }
   }
-  times.device_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  times.device_s = seconds_since(t0);
   // Host copies: a job on the host engine, so that the next step's forward and
   // backward run meanwhile; its host optimizer waits for it (a reader of these).
   auto copy_host = [pieces = std::move(host_pieces), host_copies_done]() -> Status {
