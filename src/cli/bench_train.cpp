@@ -6,8 +6,9 @@
 //
 // The first step warms up and is not timed; the timed steps run from the start of
 // step 2 until the last step's optimizer has finished (Trainer::drain). MFU =
-// Program::flops() / step time / 989 TFLOP/s (the H200 data sheet's dense bf16 peak)
-// on CUDA; on the CPU the achieved GFLOP/s is printed instead. "executor waits" is
+// Program::flops() / step time / the GPU's dense bf16 peak from its data sheet
+// (data_sheet_bf16_peak: 989 TFLOP/s for the H100 SXM and the H200) on CUDA; on the
+// CPU the achieved GFLOP/s is printed instead. "executor waits" is
 // host time the executor spent waiting (for copies, host ops, regions to reuse):
 // the GPU may still be busy with work queued before the wait. "device used" is the process's device memory beyond the CUDA
 // context (Backend::device_used_bytes, from cudaMemGetInfo) after the steps, and its
@@ -43,12 +44,6 @@
 
 namespace spillway::cli {
 namespace {
-
-// MFU is against the data sheet's dense bf16 peak of the H200 (989 TFLOP/s); the
-// matrix-product rate measured through cuBLASLt on 8192³ products (Machine::h200,
-// 784 TFLOP/s) is shown beside it.
-constexpr double kCudaPeakFlops = 989e12;
-constexpr double kCudaMeasuredMatmulFlops = 784e12;
 
 struct BenchTrainFlags {
   ModelFlags model;
@@ -319,11 +314,22 @@ Status run_bench(const BenchTrainFlags& f) {
               timed_s > 0 ? 100.0 * host_wait_s / timed_s : 0.0);
   std::printf("host issue    %.4f s of the step (issuing every instruction; the rest waits for the device)\n",
               issue_s / timed);
-  if (backend->name() == "cuda")
-    std::printf("MFU           %.1f%% (%.1f TFLOP/s of the %.0f dense bf16 peak on the H200 data sheet; %.0f%% of the "
-                "%.0f TFLOP/s measured for matrix products)\n",
-                100.0 * flops / step_s / kCudaPeakFlops, flops / step_s / 1e12, kCudaPeakFlops / 1e12,
-                100.0 * flops / step_s / kCudaMeasuredMatmulFlops, kCudaMeasuredMatmulFlops / 1e12);
+  if (backend->name() == "cuda") {
+    // MFU against the GPU's dense bf16 peak from its data sheet (none claimed for a
+    // GPU not in the table), with the matrix-product rate of the planner's machine
+    // model (measured by `spillway profile`) beside it.
+    const DataSheetPeak peak = data_sheet_bf16_peak(backend->description());
+    const double achieved = flops / step_s, matmul = o.machine.matmul_flops_per_s;
+    if (peak.flops_per_s > 0)
+      std::printf("MFU           %.1f%% (%.1f TFLOP/s of the %.0f dense bf16 peak on the %s data sheet; %.0f%% of the "
+                  "%.0f TFLOP/s machine %s gives matrix products)\n",
+                  100.0 * achieved / peak.flops_per_s, achieved / 1e12, peak.flops_per_s / 1e12, peak.part.c_str(),
+                  matmul > 0 ? 100.0 * achieved / matmul : 0.0, matmul / 1e12, o.machine.name.c_str());
+    else
+      std::printf("achieved      %.1f TFLOP/s (no MFU: no data-sheet bf16 peak known for this GPU; %.0f%% of the %.0f "
+                  "TFLOP/s machine %s gives matrix products)\n",
+                  achieved / 1e12, matmul > 0 ? 100.0 * achieved / matmul : 0.0, matmul / 1e12, o.machine.name.c_str());
+  }
   else
     std::printf("achieved      %.1f GFLOP/s (matrix products; no MFU on the CPU backend)\n", flops / step_s / 1e9);
   std::printf("per step      %s host->device, %s device->host, %s storage read, %s storage write, %d recomputed ops\n",

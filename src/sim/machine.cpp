@@ -605,4 +605,39 @@ std::string nvidia_driver_version_from(const std::string& first_line) {
   return "unknown";
 }
 
+DataSheetPeak data_sheet_bf16_peak(const std::string& gpu_name) {
+  // Dense bf16 tensor TFLOP/s from NVIDIA's data sheets (the sparse figures are twice
+  // these). CUDA names the SXM parts by memory ("NVIDIA H100 80GB HBM3", "NVIDIA
+  // H200"), the others by form factor ("NVIDIA H100 PCIe", "NVIDIA H100 NVL").
+  struct Row {
+    const char* family;  // a word of the name
+    const char* variant; // a second word that must also appear ("" for the default)
+    double tflops;
+    const char* part;
+  };
+  static const Row rows[] = {
+      {"H200", "NVL", 835, "H200 NVL"},   {"H200", "", 989, "H200 SXM"},   {"GH200", "", 989, "GH200"},
+      {"H100", "PCIe", 756, "H100 PCIe"}, {"H100", "NVL", 835, "H100 NVL"}, {"H100", "", 989.4, "H100 SXM"},
+      {"H800", "PCIe", 756, "H800 PCIe"}, {"H800", "", 989.4, "H800 SXM"},  {"A100", "", 312, "A100"},
+      {"L40S", "", 362.05, "L40S"},
+  };
+  const auto has_word = [&](const char* w) {
+    // a whole word of the name: "H100" in "NVIDIA H100 PCIe", not in "GH100X"
+    const std::string word(w);
+    for (size_t at = gpu_name.find(word); at != std::string::npos; at = gpu_name.find(word, at + 1)) {
+      const bool starts = at == 0 || !std::isalnum(static_cast<unsigned char>(gpu_name[at - 1]));
+      const size_t end = at + word.size();
+      const bool ends = end == gpu_name.size() || !std::isalnum(static_cast<unsigned char>(gpu_name[end]));
+      if (starts && ends) return true;
+    }
+    return false;
+  };
+  for (const Row& r : rows) {
+    // A100 names carry their form after a dash ("NVIDIA A100-SXM4-80GB"): the dash ends a word.
+    if (has_word(r.family) && (*r.variant == '\0' || has_word(r.variant))) return {r.tflops * 1e12, r.part};
+  }
+  return {};
+}
+
 }  // namespace spillway
+

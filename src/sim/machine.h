@@ -176,4 +176,14 @@ Status save_machine(const Machine& m, const std::string& path);
 // Module for x86_64  580.95.05  Release Build ..."); "unknown" when it has none.
 std::string nvidia_driver_version_from(const std::string& first_line);
 
+// A GPU's dense bf16 tensor-core peak from NVIDIA's data sheet, by the name CUDA
+// reports (cudaDeviceProp::name), for MFU:
+//   DataSheetPeak p = data_sheet_bf16_peak("NVIDIA H100 80GB HBM3");  // 989.4e12, "H100 SXM"
+// flops_per_s is 0 for a GPU not in the table: no MFU is claimed for it.
+struct DataSheetPeak {
+  double flops_per_s = 0;  // dense (no sparsity) bf16 FLOP/s
+  std::string part;        // the data sheet's part: "H100 SXM", "H200 SXM", ...
+};
+DataSheetPeak data_sheet_bf16_peak(const std::string& gpu_name);
+
 }  // namespace spillway

@@ -374,6 +374,26 @@ TEST(MachineIdentity, DriverVersionFromEitherKernelModuleLine) {
   EXPECT_EQ(nvidia_driver_version_from("NVRM version: something else 1.x"), "unknown");
 }
 
+// MFU's denominator: the data sheet's dense bf16 peak, by the names CUDA reports (the
+// backend's description starts with the name), and none for a GPU not in the table.
+TEST(MachineIdentity, DataSheetPeakByCudaDeviceName) {
+  using spillway::data_sheet_bf16_peak;
+  EXPECT_DOUBLE_EQ(data_sheet_bf16_peak("NVIDIA H100 80GB HBM3, 79.18 GiB (device 0)").flops_per_s, 989.4e12);
+  EXPECT_EQ(data_sheet_bf16_peak("NVIDIA H100 80GB HBM3").part, "H100 SXM");
+  EXPECT_DOUBLE_EQ(data_sheet_bf16_peak("NVIDIA H100 PCIe").flops_per_s, 756e12);
+  EXPECT_DOUBLE_EQ(data_sheet_bf16_peak("NVIDIA H100 NVL").flops_per_s, 835e12);
+  EXPECT_DOUBLE_EQ(data_sheet_bf16_peak("NVIDIA H200, 139.8 GiB").flops_per_s, 989e12);
+  EXPECT_EQ(data_sheet_bf16_peak("NVIDIA H200").part, "H200 SXM");
+  EXPECT_DOUBLE_EQ(data_sheet_bf16_peak("NVIDIA H200 NVL").flops_per_s, 835e12);
+  EXPECT_EQ(data_sheet_bf16_peak("NVIDIA GH200 480GB").part, "GH200");
+  EXPECT_DOUBLE_EQ(data_sheet_bf16_peak("NVIDIA A100-SXM4-80GB").flops_per_s, 312e12);
+  // Unknown parts, and names that only contain a known one inside a word, get none.
+  EXPECT_EQ(data_sheet_bf16_peak("NVIDIA GeForce RTX 4090").flops_per_s, 0);
+  EXPECT_EQ(data_sheet_bf16_peak("XH1000 accelerator").flops_per_s, 0);
+  EXPECT_EQ(data_sheet_bf16_peak("CPU, 2 threads").flops_per_s, 0);
+  EXPECT_EQ(data_sheet_bf16_peak("").part, "");
+}
+
 // Attention ops are timed at the attention rate, matrix products at the matmul rate.
 TEST(MachineCost, AttentionOpsUseTheAttentionRate) {
   using namespace spillway;
