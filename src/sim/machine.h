@@ -71,10 +71,6 @@ struct Machine {
   double host_share_while_computing = 1.0;         // a host op's speed while device compute runs
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
-  // Reads and writes in flight at once: each at its rate times this (1: they do not
-  // slow each other; 0.5: the drive serves them as one queue, as if one at a time).
-  // `spillway profile` measures it; files before version 8 have none and read 0.5.
-  double storage_duplex_factor = 0.5;
   double matmul_flops_per_s = 100e12;   // device matrix products
   // Device causal attention (forward and backward kernels), in the flops that
   // op_cost_flops counts for them: 2·B·T²·C forward, 5·B·T²·C backward. Far below
@@ -95,9 +91,8 @@ struct Machine {
   // Measured alongside the rates above: storage capacity of the spill folder's file
   // system (0: unknown) and the time of one 4 KiB read at queue depth 1 (reports and
   // what-ifs only), and host AdamW params/s with no copy running
-  // (host_adam_params_per_s is the rate while copies run both ways, which the planner
-  // uses; the simulator runs host ops at this rate while no copy runs, and halfway
-  // between while one direction copies; 0: the same rate).
+  // (host_adam_params_per_s is the rate while copies run, which the planner uses; the
+  // simulator runs host ops at this rate while no copy runs; 0: the same rate).
   uint64_t storage_bytes = 0;
   double storage_latency_s = 0;
   double host_adam_params_per_s_alone = 0;
@@ -134,7 +129,7 @@ struct Machine {
 // 3 (each rate as a fit with that rate alone), 4, 5 and 6; a field a version lacks
 // keeps what that version modelled (full speed side by side, speculative updates at
 // the in-place rate).
-inline constexpr int kMachineFormatVersion = 8;
+inline constexpr int kMachineFormatVersion = 7;
 
 // The work an op's kind is measured in (OpFit::rate): op_cost_flops when the
 // kind has flops, else op_bytes_moved.
