@@ -91,8 +91,9 @@ struct Machine {
   // Measured alongside the rates above: storage capacity of the spill folder's file
   // system (0: unknown) and the time of one 4 KiB read at queue depth 1 (reports and
   // what-ifs only), and host AdamW params/s with no copy running
-  // (host_adam_params_per_s is the rate while copies run, which the planner uses; the
-  // simulator runs host ops at this rate while no copy runs; 0: the same rate).
+  // (host_adam_params_per_s is the rate while copies run both ways, which the planner
+  // uses; the simulator runs host ops at this rate while no copy runs, and halfway
+  // between while one direction copies; 0: the same rate).
   uint64_t storage_bytes = 0;
   double storage_latency_s = 0;
   double host_adam_params_per_s_alone = 0;

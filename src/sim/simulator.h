@@ -35,8 +35,10 @@
 //   Machine::duplex_factor; alone, at its full rate. Rates change at the instants
 //   a copy starts or ends (a fluid model: no per-copy latency, no packet effects).
 // - Host ops share the host's memory bandwidth with the copies: alone they run at
-//   Machine::host_adam_params_per_s_alone, while either link direction transfers at
-//   host_adam_params_per_s (the rate changes at those instants, as for duplex).
+//   Machine::host_adam_params_per_s_alone, while both link directions transfer at
+//   host_adam_params_per_s (the profile measures it beside copies both ways), and
+//   while one direction transfers, halfway between: that direction takes half the
+//   bandwidth (the rate changes at those instants, as for duplex).
 // - Host ops and device compute side by side: each at its rate times
 //   Machine::host_share_while_computing and compute_share_while_host_computes (on
 //   the CPU backend both run on the host's cores).
