@@ -228,6 +228,8 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   const Program placed = placed_as_planned(*program, *plan);
   SimResult sim = simulate(placed, *plan, machine);
   PlanReport report = summarize(placed, *plan, sim);
+  // Training runs steps back to back: the host work one leaves running overlaps the next.
+  report.loop_step_s = simulate_loop_step(placed, *plan, machine);
   std::ostringstream out;
   out << heading
             << "budgets: device " << (budgets.device == UINT64_MAX ? "unlimited" : format_size(budgets.device))
@@ -249,8 +251,8 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
             << format_report(report);
   const double tokens = static_cast<double>(f.batch) * T * f.accum;
   Prediction p;
-  p.step_s = sim.step_s;
-  p.tokens_per_s = sim.step_s > 0 ? tokens / sim.step_s : 0;
+  p.step_s = report.loop_step_s;
+  p.tokens_per_s = p.step_s > 0 ? tokens / p.step_s : 0;
   p.compute_s = sim.compute_s;
   p.exposed_s = sim.stall_s + sim.initial_wait_s;
   p.host_optimizer_s = sim.host_compute_s;
@@ -269,7 +271,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   if (!plan->speculation.empty()) {
     // The step above has clipping inactive. Where it clips, the updates are redone at
     // their places and the next step does not speculate: the plan without them.
-    const double clipped_s = simulate(placed, without_speculation(*plan), machine).step_s;
+    const double clipped_s = simulate_loop_step(placed, without_speculation(*plan), machine);
     out << " (" << plan->speculation.size() << " host AdamW ops speculated; in steps where clipping is active: "
         << static_cast<int64_t>(clipped_s > 0 ? tokens / clipped_s : 0) << " tokens/s)";
   }

@@ -622,11 +622,13 @@ Status run_train(const TrainFlags& given_flags) {
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::create(*backend, o));
   if (!f.trace_predicted.empty()) {
     // Before any step: a path that cannot be written fails the run before it trains.
-    const SimResult sim = simulate(placed_as_planned(trainer->program(), trainer->plan()), trainer->plan(), o.machine);
+    const Program placed = placed_as_planned(trainer->program(), trainer->plan());
+    const SimResult sim = simulate(placed, trainer->plan(), o.machine);
     SPILLWAY_RETURN_IF_ERROR(trace_from_simulation(sim).write(f.trace_predicted).with_context("--trace-predicted"));
     if (!f.quiet)
-      std::cerr << "spillway train: predicted step " << sim.step_s << " s on machine " << o.machine.name
-                << ", drawn in " << f.trace_predicted << "\n";
+      std::cerr << "spillway train: predicted step " << simulate_loop_step(placed, trainer->plan(), o.machine)
+                << " s back to back on machine " << o.machine.name << "; a step alone, " << sim.step_s
+                << " s, drawn in " << f.trace_predicted << "\n";
   }
   const nlohmann::json config = run_config(cfg, f, T, lr, f.data);
   if (resume) {

@@ -33,8 +33,9 @@ class CostModel {
   // Seconds the host optimizer (AdamW) takes for `params` parameters while the
   // copies of a step run beside it.
   virtual double host_adam_seconds(double params) const = 0;
-  // The predicted time of one step of `plan`, `program`'s ops placed as the plan
-  // places them (Plan::op_place).
+  // The predicted time of one step of `plan` alone (its host work's tail included),
+  // `program`'s ops placed as the plan places them (Plan::op_place): what plans are
+  // ranked by.
   virtual double step_seconds(const Program& program, const Plan& plan) const = 0;
 };
 

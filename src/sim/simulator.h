@@ -99,6 +99,10 @@ struct MemorySample {
 
 struct SimResult {
   double step_s = 0;           // from the first issue until every op and copy ended
+  // When the step call returns: every instruction issued and the device's compute,
+  // copies and storage I/O ended; host ops (and the fetches waiting on them) may run
+  // on into the next step, as the executor's finish() lets them.
+  double return_s = 0;
   double compute_s = 0;        // device compute busy time
   double host_compute_s = 0;   // host op busy time
   // Device compute idle because data was missing: Runs waiting for their fetches,
@@ -122,6 +126,14 @@ struct SimResult {
 };
 
 SimResult simulate(const Program& program, const Plan& plan, const Machine& machine);
+
+// Steps run back to back, as training runs them: two steps replayed, the second
+// issued from the instant the first returns (SimResult::return_s) while the first's
+// host ops still run; the time from the first return to the second, or the busiest
+// server's time in a step (compute, host, a link, storage) when that is longer:
+// steps cannot come faster than it works. What bench train's own steps measure; a
+// step alone (step_s) also pays the host ops' tail.
+double simulate_loop_step(const Program& program, const Plan& plan, const Machine& machine);
 
 // The planner's cost model (plan/cost_model.h) for one Machine: op and copy times
 // from the machine's rates, step times from simulate().
@@ -168,6 +180,7 @@ struct PlanReport {
   uint64_t plan_device_bytes = 0, plan_host_bytes = 0, plan_storage_bytes = 0;  // the plan's figures
   uint64_t h2d_bytes = 0, d2h_bytes = 0, storage_read_bytes = 0, storage_write_bytes = 0;
   double step_s = 0, compute_s = 0, host_compute_s = 0, stall_s = 0, host_stall_s = 0;
+  double loop_step_s = 0;  // steps back to back (simulate_loop_step); 0: not given
   int recomputed_ops = 0;
   size_t instructions = 0;
 };
@@ -183,6 +196,7 @@ PlanReport summarize(const Program& program, const Plan& plan, const SimResult& 
 //   memory peak: device 23.98 GiB (plan 24.00 GiB), host 40.41 GiB, storage 0 B
 //   per step: h2d 31.55 GiB, d2h 31.55 GiB, storage read 0 B, storage write 0 B
 //   predicted step 1.559 s: compute 261.575 ms, stalls 977.238 ms, host ops 259.602 ms, host waits 1.299 s
+//   (with loop_step_s: "predicted step 1.502 s back to back (a step alone 1.559 s: compute ...")
 std::string format_report(const PlanReport& report);
 
 }  // namespace spillway

@@ -438,7 +438,9 @@ TEST(Simulator, HostOpWaitsForItsData) {
 // A host op goes to the host engine and the host thread goes on. The fetch of what
 // it writes is deferred: its copy (1 ms) joins the h2d queue when the host op ends
 // at 2 ms, so it does not hold up the fetch of w issued after it (0–1 ms), and op1
-// runs 1–3 ms while the host op still works. op2 reads the host op's output: 3–5 ms.
+// runs 1–3 ms while the host op still works. op2 reads the host op's output: the host
+// thread waits for the host op (0–2 ms) and issues the fetch then, as the executor's
+// resolve_deferred does; op2 runs 3–5 ms.
 // (Were the host thread to run the host op itself: hm 2–3, w 3–4, op1 4–6, op2 6–8.)
 TEST(Simulator, HostOpsRunBesideTheHostThreadAndDeferTheirFetches) {
   Program p;
@@ -470,7 +472,7 @@ TEST(Simulator, HostOpsRunBesideTheHostThreadAndDeferTheirFetches) {
   EXPECT_NEAR(op1->start_s, 1 * kMs, kTol);
   EXPECT_NEAR(op2->start_s, 3 * kMs, kTol);
   EXPECT_NEAR(r.step_s, 5 * kMs, kTol);
-  EXPECT_NEAR(r.host_stall_s, 0, kTol);  // the host thread never waited
+  EXPECT_NEAR(r.host_stall_s, 2 * kMs, kTol);  // at op2, for the host op
 }
 
 // A host op shares host memory bandwidth with the copies: its 2 ms are timed at the
@@ -570,6 +572,27 @@ TEST(Simulator, ComputeAndHostOpsSlowEachOtherSideBySide) {
     EXPECT_NEAR(host, 2 * kMs, kTol);
     EXPECT_NEAR(device, 3.5 * kMs, kTol);
   }
+}
+
+// Steps back to back (simulate_loop_step). The host thread runs a 2 ms device op,
+// then queues a 2 ms host op and returns: a step call waits for the device, not for
+// host ops. Alone the step ends at 4 ms and its call returns at 2. The next step's
+// device op runs from 2 to 4 ms beside the first host op, its own host op queues
+// behind that one (4 to 6 ms), and its call returns at 4: a step every 2 ms.
+TEST(Simulator, StepsBackToBackOverlapTheHostTail) {
+  HostOpAndFetch f;
+  Program& p = f.p;
+  const TensorId x = add(p, "x", Role::Param), y = add(p, "y", Role::Activation);  // x: home on device
+  gelu(p, "device op", y, x);
+  Plan plan = make_plan_of(p, {alloc(y, 4096), run(1), release(y), run(0)}, f.homes);
+  const Machine m = test_machine(p, /*host_runs_ahead=*/false);
+  SimResult r = simulate_checked(p, plan, m);
+  EXPECT_NEAR(r.step_s, 4 * kMs, kTol);
+  EXPECT_NEAR(r.return_s, 2 * kMs, kTol);
+  EXPECT_NEAR(simulate_loop_step(p, plan, m), 2 * kMs, kTol);
+  // A plan the replay refuses is predicted as its step alone.
+  Plan bad = make_plan_of(p, {run(1), run(0)}, f.homes);  // y never allocated
+  EXPECT_EQ(simulate_loop_step(p, bad, m), simulate(p, bad, m).step_s);
 }
 
 TEST(Simulator, RecomputeRunsAreCounted) {
