@@ -34,6 +34,7 @@
 #include "cli/command.h"
 #include "cli/machine_flag.h"
 #include "cli/train_flags.h"
+#include "core/clock.h"
 #include "core/interrupt.h"
 #include "core/random.h"
 #include "core/size.h"
@@ -94,11 +95,6 @@ void print_profile(const Program& program, const Plan& plan, const StepProfile& 
   for (const OpTime& t : slowest)
     std::printf("  slowest       %9.3f ms  %s%s\n", 1e3 * t.seconds, t.recompute ? "recompute " : "",
                 program.ops[static_cast<size_t>(t.op)].name.c_str());
-}
-
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 Status run_bench(const BenchTrainFlags& f) {
@@ -247,6 +243,7 @@ Status run_bench(const BenchTrainFlags& f) {
   // A plan with speculative updates is predicted for the steps as they ran: those whose
   // updates were committed as planned, the others without speculation.
   double predicted_s = 0;
+  const double own_mean_s = steps_own_s / timed;  // the step calls' mean
   {
     const Program placed = placed_as_planned(trainer->program(), trainer->plan());
     // Steps back to back (simulate_loop_step), as the own steps below run them.
@@ -256,7 +253,6 @@ Status run_bench(const BenchTrainFlags& f) {
                                     ? simulate_loop_step(placed, without_speculation(trainer->plan()), o.machine)
                                     : as_planned;
     predicted_s = (speculated_steps * as_planned + (timed - speculated_steps) * unspeculated) / timed;
-    const double own_mean_s = steps_own_s / timed;
     std::printf("predicted     %.4f s per step by the simulator on machine %s, steps back to back (%+.1f%% from the "
                 "own steps)%s\n",
                 predicted_s, o.machine.name.c_str(), own_mean_s > 0 ? 100.0 * (predicted_s / own_mean_s - 1) : 0.0,
@@ -271,7 +267,7 @@ Status run_bench(const BenchTrainFlags& f) {
   // beside its own prediction.
   std::printf("own steps     %.4f s per step, %s tokens/s (the step calls alone; the drain of the last step's "
               "host optimizer, %.4f s, is paid once per run)\n",
-              steps_own_s / timed, format_count(tokens * timed / steps_own_s).c_str(),
+              own_mean_s, format_count(tokens * timed / steps_own_s).c_str(),
               std::max(0.0, timed_s - steps_own_s - checkpoint_wait_s - tail_write_s));
   if (!trainer->plan().speculation.empty()) {
     const Program placed = placed_as_planned(trainer->program(), trainer->plan());

@@ -36,6 +36,7 @@
 #include "cli/profile.h"
 #include "cli/train_flags.h"
 #include "core/atomic_file.h"
+#include "core/clock.h"
 #include "core/interrupt.h"
 #include "core/size.h"
 #include "core/thread_pool.h"
@@ -133,10 +134,6 @@ Result<std::optional<OffloadSample>> offload_sample(const ProfileFlags& f) {
   if (*budget == 0) return Status::invalid_argument("--offload-budget: expected a size above 0, got " + f.offload_budget);
   o.budget = *budget;
   return std::optional<OffloadSample>(o);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 double median(std::vector<double> v) {

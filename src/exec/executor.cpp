@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 
+#include "core/clock.h"
 #include "core/size.h"
 #include "exec/dispatch.h"
 #include "exec/host_queue.h"
@@ -27,10 +28,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 // Zeroes [p, p + bytes) on every core, in 64 MiB pieces (tens of GiB of host state
 // would otherwise take one core most of the time to the first step).
 void zero_in_parallel(void* p, uint64_t bytes) {
@@ -43,7 +40,6 @@ void zero_in_parallel(void* p, uint64_t bytes) {
     }
   });
 }
-
 
 class PlanExecutor final : public Executor {
  public:
@@ -669,7 +665,6 @@ class PlanExecutor final : public Executor {
     count_memory();
     return Status::ok();
   }
-
 
   Status run_instructions() {
     const auto& ins = plan_.instructions;

@@ -640,4 +640,3 @@ DataSheetPeak data_sheet_bf16_peak(const std::string& gpu_name) {
 }
 
 }  // namespace spillway
-

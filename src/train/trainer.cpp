@@ -9,6 +9,7 @@
 #include <optional>
 #include <future>
 
+#include "core/clock.h"
 #include "core/size.h"
 #include "core/thread_pool.h"
 #include "exec/dispatch.h"
@@ -21,8 +22,6 @@ namespace spillway {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // JSON has no NaN or infinity: a non-finite number is written as null.
 void append_number(std::string& out, const char* key, double v, const char* format) {
