@@ -1269,7 +1269,16 @@ Result<Plan> schedule_once(const Program& program, const CostModel& cost, const 
     ordered.tensors = program.tensors;
     ordered.inputs = program.inputs;
     ordered.outputs = program.outputs;
-    for (int i : order) ordered.ops.push_back(program.ops[i]);
+    for (int i : order) {
+      ordered.ops.push_back(program.ops[i]);
+      // A carried update's Run is skipped in a step that no step precedes, so what it
+      // writes must hold its value before it runs, as the residency machine checks
+      // (ResidencyMachine::reads): the scheduler sees its writes as updates, and
+      // fetches a streamed parameter instead of only giving it a region.
+      if (c.carried && c.is_streamed(static_cast<size_t>(i)))
+        for (Operand& o : ordered.ops.back().operands)
+          if (o.access == Access::Write) o.access = Access::Update;
+    }
     run = &ordered;
   }
   Scheduler s(*run, cost, budgets, c, alignment);

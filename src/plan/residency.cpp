@@ -12,7 +12,18 @@ ResidencyMachine::ResidencyMachine(const Program& program, const Plan& tables, C
       cap_(capacities),
       state_(program.tensors.size()),
       device_("device", capacities.device, std::max<uint64_t>(tables.alignment, 1), capacities.track_placement),
-      host_("host", capacities.host, 4096, capacities.track_placement) {}
+      host_("host", capacities.host, 4096, capacities.track_placement),
+      skippable_(program.ops.size(), false) {
+  for (int32_t op : tables.carried)
+    if (op >= 0 && static_cast<size_t>(op) < skippable_.size()) skippable_[static_cast<size_t>(op)] = true;
+}
+
+// A carried update's Run is skipped in a step that no step precedes, so what it
+// writes must already hold the value it had before the step (the value the skipped
+// Run leaves): its Write operands count as read-and-written.
+bool ResidencyMachine::reads(int op, const Operand& o) const {
+  return o.access != Access::Write || skippable_[static_cast<size_t>(op)];
+}
 
 Status ResidencyMachine::Arena::place(TensorId t, uint64_t offset, uint64_t bytes, const std::string& where,
                                       const ResidencyMachine& m) {
@@ -175,11 +186,11 @@ Status ResidencyMachine::run(const Instruction& in, const std::string& where) {
       return Status::internal(where + ": op " + op.name + " names tensor " + std::to_string(t) + ", which does not exist");
     const TensorState& s = state_[static_cast<size_t>(t)];
     if (place == Place::Device) {
-      if (o.access == Access::Write ? !s.region : !(s.region && s.valid[static_cast<int>(Tier::Device)]))
+      if (!reads(in.op, o) ? !s.region : !(s.region && s.valid[static_cast<int>(Tier::Device)]))
         return Status::internal(where + ": op " + op.name + " needs " + name(t) + " on device");
     } else {
       if (!s.host_buffer) return Status::internal(where + ": host op " + op.name + " needs a host buffer for " + name(t));
-      if (o.access != Access::Write && !s.valid[static_cast<int>(Tier::Host)])
+      if (reads(in.op, o) && !s.valid[static_cast<int>(Tier::Host)])
         return Status::internal(where + ": host op " + op.name + " needs " + name(t) + " on host");
       if (o.access != Access::Read && s.region)
         return Status::internal(where + ": host op " + op.name + " writes " + name(t) +

@@ -110,6 +110,7 @@ class ResidencyMachine {
   void drop_host(TensorId t);
   Status add_extent(TensorId t, const std::string& where);
   Status run(const Instruction& in, const std::string& where);
+  bool reads(int op, const Operand& o) const;
 
   const Program& program_;
   const Plan& tables_;
@@ -123,6 +124,7 @@ class ResidencyMachine {
   std::vector<int> written_by_;
   std::vector<std::vector<uint64_t>> read_version_, wrote_version_;
   std::vector<int> runs_;  // [ops] runs this step (recomputes not counted)
+  std::vector<bool> skippable_;  // [ops] carried updates (Plan::carried): a step may skip their Run
 };
 
 }  // namespace spillway

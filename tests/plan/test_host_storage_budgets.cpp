@@ -2,6 +2,7 @@
 // needs, and a larger host budget never fails where a smaller one plans.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -133,4 +134,54 @@ TEST(StorageBudget, PlansWithinTheStorageBudgetOrSaysWhatItNeeds) {
     }
   EXPECT_GT(planned, 0);
   EXPECT_GT(refused, 0);
+}
+
+// Updates streamed through the device and carried into the next step, with the
+// parameters, master weights and moments spilled to storage: the resident run's
+// losses and master weights. (The first step skips the carried Runs: this plan once
+// gave each streamed parameter a region without fetching it, so the first forward
+// read memory that the skipped update had never written.)
+TEST(HostBudget, CarriedUpdatesWithStorageRunExactly) {
+  const GPTCase model = tiny_batch4();
+  TrainRun ref = train_gpt(model, {}, {.policy = Policy::Resident}, 3);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  testing_support::TempDir spill;
+  ExecutorOptions eo;
+  eo.spill_dir = spill.path();
+  Budgets b;
+  b.device = 3419 << 10;
+  b.host = 6 << 20;
+  b.storage = 1ull << 30;
+  PlannerOptions o{.policy = Policy::Planned};
+  o.carry_updates = 1;
+  o.device_optimizer_bytes = 300 << 10;
+  TrainRun r = train_gpt(model, b, o, 3, eo);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  ASSERT_FALSE(r.plan.carried.empty()) << r.plan.description;
+  EXPECT_GT(r.plan.storage_bytes, 0u) << r.plan.description;
+  // The skipped first Run leaves what it writes as it was: a plan that only gives a
+  // carried update's parameter a region (no fetch) is refused.
+  auto program = build_training_program(model.cfg, model.shape, DType::F32);
+  ASSERT_TRUE(program.ok());
+  Plan broken = r.plan;
+  int changed = 0;
+  for (size_t i = 0; i < broken.instructions.size() && changed == 0; ++i) {
+    const Instruction& run = broken.instructions[i];
+    if (run.kind != InstrKind::Run || std::find(broken.carried.begin(), broken.carried.end(), run.op) == broken.carried.end())
+      continue;
+    for (const Operand& o : program->ops[static_cast<size_t>(run.op)].operands) {
+      if (o.access != Access::Write) continue;
+      for (size_t j = i; j-- > 0;)
+        if (broken.instructions[j].kind == InstrKind::Fetch && broken.instructions[j].tensor == o.tensor) {
+          broken.instructions[j].kind = InstrKind::Allocate;
+          ++changed;
+          break;
+        }
+    }
+  }
+  ASSERT_GT(changed, 0) << "no carried update fetches what it writes";
+  const Status refused = broken.validate(*program, b);
+  EXPECT_EQ(refused.code(), StatusCode::Internal) << refused.to_string();
+  EXPECT_NE(refused.message().find("on device"), std::string::npos) << refused.to_string();
+  testing_support::expect_same_run(r, ref, "carried updates with storage");
 }
