@@ -485,14 +485,23 @@ Result<Machine> measure_machine(Backend& backend, const ProfileSettings& setting
                  settings.spill_dir.c_str(), format_size(bytes).c_str(), format_size(block).c_str());
     std::fprintf(out, "  %6s %11s %11s\n", "depth", "write GB/s", "read GB/s");
     double best_write = 0, best_read = 0;
+    int best_depth = depths.front();
     for (int depth : depths) {
       auto s = measure_storage("auto", depth, path, bytes, block);
       if (!s) return s.status().with_context("profile: storage at depth " + std::to_string(depth));
       std::fprintf(out, "  %6d %11.2f %11.2f%s\n", depth, s->write / 1e9, s->read / 1e9,
                    s->direct ? "" : "  (buffered: the file system refused O_DIRECT; page-cache figures)");
+      if (s->read + s->write > best_read + best_write) best_depth = depth;
       best_write = std::max(best_write, s->write);
       best_read = std::max(best_read, s->read);
     }
+    // Spills read some tensors back while writing others: both at once, at the depth
+    // that moved the most.
+    auto duplex = measure_storage_duplex("auto", best_depth, path, bytes, block,
+                                         StorageRates{.write = best_write, .read = best_read});
+    if (!duplex) return duplex.status().with_context("profile: storage reads and writes at once");
+    m.storage_duplex_factor = *duplex;
+    std::fprintf(out, "  reads and writes at once (depth %d): each at %.2f of its speed alone\n", best_depth, *duplex);
     auto latency = measure_storage_latency("auto", path, quick ? 16 : brief ? 128 : 512);
     if (!latency) return latency.status().with_context("profile: storage latency");
     std::fprintf(out, "  latency at depth 1: %.1f us per 4 KiB read\n", *latency * 1e6);

@@ -435,6 +435,7 @@ std::string Machine::to_json() const {
   j["host_share_while_computing"] = host_share_while_computing;
   j["storage_read_bytes_per_s"] = storage_read_bytes_per_s;
   j["storage_write_bytes_per_s"] = storage_write_bytes_per_s;
+  j["storage_duplex_factor"] = storage_duplex_factor;
   j["storage_latency_s"] = storage_latency_s;
   j["matmul_flops_per_s"] = matmul_flops_per_s;
   j["attention_flops_per_s"] = attention_flops_per_s;
@@ -470,7 +471,7 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   if (format != kMachineFormat) return r.error("format", "expected \"" + std::string(kMachineFormat) + "\", got \"" + format + "\"");
   uint64_t version = 0;
   SPILLWAY_RETURN_IF_ERROR(r.bytes("version", &version));
-  if (version != static_cast<uint64_t>(kMachineFormatVersion) && (version < 2 || version > 6))
+  if (version < 2 || version > static_cast<uint64_t>(kMachineFormatVersion))
     return r.error("version", "this build reads versions 2 to " + std::to_string(kMachineFormatVersion) +
                                   ", the file is version " + std::to_string(version) +
                                   " (profile the machine again with this build)");
@@ -507,6 +508,8 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
   }
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_read_bytes_per_s", &m.storage_read_bytes_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_write_bytes_per_s", &m.storage_write_bytes_per_s, true));
+  if (version >= 8)  // before: reads and writes one at a time, as one queue
+    SPILLWAY_RETURN_IF_ERROR(r.number("storage_duplex_factor", &m.storage_duplex_factor, true, 1.0));
   SPILLWAY_RETURN_IF_ERROR(r.number("storage_latency_s", &m.storage_latency_s, false));
   SPILLWAY_RETURN_IF_ERROR(r.number("matmul_flops_per_s", &m.matmul_flops_per_s, true));
   SPILLWAY_RETURN_IF_ERROR(r.number("attention_flops_per_s", &m.attention_flops_per_s, true));

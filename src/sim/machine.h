@@ -71,6 +71,10 @@ struct Machine {
   double host_share_while_computing = 1.0;         // a host op's speed while device compute runs
   double storage_read_bytes_per_s = 1.5e9;
   double storage_write_bytes_per_s = 1.2e9;
+  // Reads and writes in flight at once: each at its rate times this (1: they do not
+  // slow each other; 0.5: the drive serves them as one queue, as if one at a time).
+  // `spillway profile` measures it; files before version 8 have none and read 0.5.
+  double storage_duplex_factor = 0.5;
   double matmul_flops_per_s = 100e12;   // device matrix products
   // Device causal attention (forward and backward kernels), in the flops that
   // op_cost_flops counts for them: 2·B·T²·C forward, 5·B·T²·C backward. Far below
@@ -130,7 +134,7 @@ struct Machine {
 // 3 (each rate as a fit with that rate alone), 4, 5 and 6; a field a version lacks
 // keeps what that version modelled (full speed side by side, speculative updates at
 // the in-place rate).
-inline constexpr int kMachineFormatVersion = 7;
+inline constexpr int kMachineFormatVersion = 8;
 
 // The work an op's kind is measured in (OpFit::rate): op_cost_flops when the
 // kind has flops, else op_bytes_moved.

@@ -199,11 +199,82 @@ Result<StorageRates> storage_pass(const std::string& kind, int depth, const std:
   return r;
 }
 
+// Reads of one file and writes of another through one engine, `depth` requests in
+// flight, interleaved so that each kind has done the same share of its bytes.
+Status stream_storage_mixed(StorageEngine& engine, StorageFile in, uint64_t read_blocks, StorageFile out,
+                            uint64_t write_blocks, size_t block, int depth, AlignedBuffer& buffer, double* seconds) {
+  std::vector<StorageTicket> slots(static_cast<size_t>(depth));
+  uint64_t reads = 0, writes = 0;
+  const double t0 = now_s();
+  for (uint64_t i = 0; reads < read_blocks || writes < write_blocks; ++i) {
+    const size_t slot = i % static_cast<size_t>(depth);
+    SPILLWAY_RETURN_IF_ERROR(engine.wait(slots[slot]));
+    char* buf = buffer.data() + slot * block;
+    // The kind further behind goes next (reads * write_blocks < writes * read_blocks).
+    const bool read = writes == write_blocks || (reads < read_blocks && reads * write_blocks <= writes * read_blocks);
+    auto t = read ? engine.submit_read(in, reads++ * block, buf, block)
+                  : engine.submit_write(out, writes++ * block, buf, block);
+    if (!t) return t.status();
+    slots[slot] = *t;
+  }
+  SPILLWAY_RETURN_IF_ERROR(engine.wait_all());
+  *seconds = now_s() - t0;
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<StorageRates> measure_storage(const std::string& kind, int depth, const std::string& path, uint64_t total,
                                      size_t block) {
   return storage_pass(kind, depth, path, total, block, nullptr);
+}
+
+Result<double> measure_storage_duplex(const std::string& kind, int depth, const std::string& path, uint64_t total,
+                                      size_t block, const StorageRates& alone) {
+  if (block < kStorageAlignment || block % kStorageAlignment != 0 || total < block || depth < 1 || depth > 1024)
+    return Status::invalid_argument("measure storage reads and writes at once: block " + format_size(block) +
+                                    " must be a multiple of " + format_size(kStorageAlignment) +
+                                    " and at most the total " + format_size(total) + ", depth " +
+                                    std::to_string(depth) + " from 1 to 1024");
+  if (!(alone.read > 0 && alone.write > 0))
+    return Status::invalid_argument("measure storage reads and writes at once: the rates alone are not known");
+  // Bytes of each kind that take the same time alone: both end together when the
+  // drive serves them alike, and the factor is that time over the time both took.
+  const double faster = std::max(alone.read, alone.write);
+  const uint64_t blocks = total / block;
+  const auto read_blocks = std::max<uint64_t>(1, static_cast<uint64_t>(static_cast<double>(blocks) * alone.read / faster));
+  const auto write_blocks = std::max<uint64_t>(1, static_cast<uint64_t>(static_cast<double>(blocks) * alone.write / faster));
+  SPILLWAY_ASSIGN_OR_RETURN(AlignedBuffer buffer, random_buffer(static_cast<size_t>(depth) * block));
+  auto made = make_storage_engine(kind, {.queue_depth = depth, .chunk_bytes = block});
+  if (!made) return made.status();
+  StorageEngine& engine = **made;
+  const std::string in_path = path + ".read", out_path = path + ".write";
+  auto in = engine.open(in_path, OpenMode::Create);
+  if (!in) return in.status().with_context("storage at " + in_path);
+  auto out = engine.open(out_path, OpenMode::Create);
+  if (!out) {
+    (void)engine.close(*in);
+    (void)::unlink(in_path.c_str());
+    return out.status().with_context("storage at " + out_path);
+  }
+  Status s = engine.reserve(*in, 0, read_blocks * block);
+  if (s.is_ok()) s = engine.reserve(*out, 0, write_blocks * block);
+  double unused = 0, both_s = 0;
+  if (s.is_ok()) s = stream_storage(engine, *in, true, read_blocks * block, block, depth, buffer, &unused);
+  if (s.is_ok())
+    s = stream_storage_mixed(engine, *in, read_blocks, *out, write_blocks, block, depth, buffer, &both_s);
+  Status c = engine.close(*in);
+  Status c2 = engine.close(*out);
+  for (const std::string& p : {in_path, out_path})
+    if (::unlink(p.c_str()) != 0 && s.is_ok()) s = errno_status("remove " + p, errno);
+  if (!s.is_ok()) return s.with_context("storage reads and writes at once at " + path);
+  if (!c.is_ok()) return c.with_context("storage at " + in_path);
+  if (!c2.is_ok()) return c2.with_context("storage at " + out_path);
+  if (!(both_s > 0))
+    return Status::internal("measure storage reads and writes at once: took no measurable time at " + path);
+  const double alone_s = std::max(static_cast<double>(read_blocks * block) / alone.read,
+                                  static_cast<double>(write_blocks * block) / alone.write);
+  return std::clamp(alone_s / both_s, 0.05, 1.0);
 }
 
 Result<double> measure_storage_latency(const std::string& kind, const std::string& path, int requests) {

@@ -59,6 +59,14 @@ struct StorageRates {
 };
 Result<StorageRates> measure_storage(const std::string& kind, int depth, const std::string& path, uint64_t total,
                                      size_t block);
+// Reads and writes at once (Machine::storage_duplex_factor): a file is written, then
+// read back while a second one is written, through one engine with `depth` requests
+// in flight, at `path`.read and `path`.write (removed afterwards). Each kind moves
+// the bytes that take it the same time alone (`alone`, from measure_storage; the
+// faster kind moves `total`); the factor is that time over the time both took
+// together, from 0.05 to 1 (0.5: as if one at a time).
+Result<double> measure_storage_duplex(const std::string& kind, int depth, const std::string& path, uint64_t total,
+                                      size_t block, const StorageRates& alone);
 // Seconds per 4 KiB read at queue depth 1: `requests` reads of a file written first.
 Result<double> measure_storage_latency(const std::string& kind, const std::string& path, int requests);
 

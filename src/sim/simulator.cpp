@@ -1,7 +1,8 @@
 // Simulator: a discrete-event replay of one step (the model is described in simulator.h).
 //
-// Each instruction becomes at most one task on one of five servers (device compute,
-// host compute, h2d link, d2h link, storage), queued in issue order. A task starts
+// Each instruction becomes at most one task on one of six servers (device compute,
+// host compute, h2d link, d2h link, storage reads, storage writes), queued in issue
+// order. A task starts
 // when it reaches the head of its server's queue and the tasks it depends on have
 // ended; compute tasks last their op's seconds, link and storage tasks move bytes
 // at a rate that, for the two link directions, drops to rate × duplex_factor while
@@ -42,7 +43,7 @@ const char* sim_resource_name(SimResource r) {
 
 namespace {
 
-enum Server { kCompute = 0, kHost = 1, kH2D = 2, kD2H = 3, kStorage = 4, kServerCount = 5 };
+enum Server { kCompute = 0, kHost = 1, kH2D = 2, kD2H = 3, kStorageRead = 4, kStorageWrite = 5, kServerCount = 6 };
 
 bool is_persistent(Role r) {
   return r == Role::Param || r == Role::Grad || r == Role::Master || r == Role::OptState || r == Role::Input;
@@ -396,7 +397,7 @@ class Sim {
           block_on({s.store_task}, true, in.tensor);
           return false;
         }
-        const int id = add_transfer(kStorage, SimResource::StorageRead, machine_.storage_read_bytes_per_s, in.tensor, {});
+        const int id = add_transfer(kStorageRead, SimResource::StorageRead, machine_.storage_read_bytes_per_s, in.tensor, {});
         s.host_arrival = id;
         s.host_users.push_back(id);
         result_.storage_read_bytes += bytes;
@@ -407,7 +408,7 @@ class Sim {
           block_on({s.host_arrival}, true, in.tensor);
           return false;
         }
-        const int id = add_transfer(kStorage, SimResource::StorageWrite, machine_.storage_write_bytes_per_s, in.tensor, {});
+        const int id = add_transfer(kStorageWrite, SimResource::StorageWrite, machine_.storage_write_bytes_per_s, in.tensor, {});
         if (!residency_.has_extent(in.tensor)) mem(2, static_cast<int64_t>(bytes));
         s.store_task = id;
         result_.storage_write_bytes += bytes;
@@ -546,6 +547,10 @@ class Sim {
   // ---- servers ----
   double current_rate(int server) const {
     const Task& t = tasks_[running_[server]];
+    if (server == kStorageRead || server == kStorageWrite) {
+      const bool both = running_[kStorageRead] >= 0 && running_[kStorageWrite] >= 0;
+      return both ? t.rate * machine_.storage_duplex_factor : t.rate;
+    }
     if (server == kH2D || server == kD2H) {
       double rate = t.rate;
       if ((server == kH2D && running_[kD2H] >= 0) || (server == kD2H && running_[kH2D] >= 0))
@@ -729,7 +734,7 @@ class Sim {
   std::vector<Task> tasks_;
   std::deque<int> queue_[kServerCount];
   std::vector<int> deferred_;  // deferred copies not yet in their queue, in issue order
-  int running_[kServerCount] = {-1, -1, -1, -1, -1};
+  int running_[kServerCount] = {-1, -1, -1, -1, -1, -1};
   std::vector<PendingRegion> regions_;
   std::vector<MemChange> changes_;
   double now_ = 0;

@@ -9,7 +9,7 @@
 //
 // The model (instruction semantics are plan.h's):
 // - Resources: device compute, host compute, the host→device and device→host
-//   links, and one storage device that reads and writes share. Each runs its work
+//   links, and storage reads and writes (one drive, which they share). Each runs its work
 //   one item at a time, in issue order.
 // - The host thread issues instructions in order. With Machine::host_runs_ahead
 //   (CUDA) a device Run is queued and the host moves on; without it (CPU backend)
@@ -47,8 +47,10 @@
 //   arrived and param's host buffer is no longer read; its Run then commits, taking
 //   no time. The step predicted is one whose clipping is inactive (a clipped step
 //   redoes the update at its Run).
-// - Storage runs one request at a time: reads at storage_read_bytes_per_s, writes
-//   at storage_write_bytes_per_s.
+// - Storage reads and writes each run one request at a time, in issue order: reads
+//   at storage_read_bytes_per_s, writes at storage_write_bytes_per_s, each times
+//   Machine::storage_duplex_factor while the other kind also runs (the spill
+//   engine keeps both in flight on one drive).
 // - Memory: persistent tensors (Param, Grad, Master, OptState, Input) start in
 //   their home tier, host mirrors in their buffers. Device bytes rise at
 //   Allocate/Fetch issue and fall at Release, at a clean Evict, or at the end of a

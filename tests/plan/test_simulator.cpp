@@ -299,6 +299,36 @@ TEST(Simulator, DuplexSharesTheLink) {
   EXPECT_NEAR(r.step_s, 6 * kMs, kTol);
 }
 
+// A storage write and a read at once share the drive by Machine::storage_duplex_factor:
+// w's write takes 4 ms alone, s's read 2 ms. Independent (1): the read ends at 2 ms,
+// the write at 4. As one queue (0.5): the read at half speed ends at 4 ms, the write
+// has done 2 ms of its work by then and ends at 6. At 0.75: the read ends at 2/0.75 ms,
+// when the write has done 2 ms; it ends 2 ms later.
+TEST(Simulator, StorageReadsAndWritesShareTheDrive) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId w = add(p, "w", Role::Param);     // on host, written to storage
+  TensorId s = add(p, "s", Role::OptState);  // in storage, read to host
+  TensorId x = add(p, "x", Role::Activation);
+  gelu(p, "op0", x, a);
+  Plan plan = make_plan_of(p, {store(w, /*free_host=*/false), host_alloc(s, 4096), load(s), host_release(s)},
+                           {{a, {Tier::Device, 0}}, {w, {Tier::Host, 0}}, {s, {Tier::Storage, 0}}});
+  Machine m = test_machine(p, true);
+  for (auto [factor, read_end, write_end] : {std::tuple{1.0, 2.0, 4.0}, {0.5, 4.0, 6.0}, {0.75, 2.0 / 0.75, 2.0 / 0.75 + 2}}) {
+    SCOPED_TRACE(factor);
+    m.storage_duplex_factor = factor;
+    SimResult r = simulate_checked(p, plan, m);
+    const SimEvent* read = find_event(r, SimResource::StorageRead, "s");
+    const SimEvent* write = find_event(r, SimResource::StorageWrite, "w");
+    ASSERT_NE(read, nullptr);
+    ASSERT_NE(write, nullptr);
+    EXPECT_NEAR(read->start_s, 0, kTol);
+    EXPECT_NEAR(write->start_s, 0, kTol);
+    EXPECT_NEAR(read->end_s, read_end * kMs, kTol);
+    EXPECT_NEAR(write->end_s, write_end * kMs, kTol);
+  }
+}
+
 // x goes device → host → storage → host → device. Times (host blocked by runs):
 // op0 0–2; D2H 2–3; the Store waits for it, writes 3–7; the Load waits for the
 // write, reads 7–9; the Fetch waits for the read, copies 9–10; op1 10–12.

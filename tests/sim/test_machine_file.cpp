@@ -31,6 +31,7 @@ Machine every_field_set() {
   m.host_share_while_computing = 0.4375;
   m.storage_read_bytes_per_s = 3.3e9;
   m.storage_write_bytes_per_s = 2.9e9;
+  m.storage_duplex_factor = 0.6875;
   m.storage_latency_s = 8.5e-5;
   m.matmul_flops_per_s = 1.234e14;
   m.attention_flops_per_s = 2.5e13;
@@ -77,7 +78,7 @@ TEST(MachineFile, EachMissingFieldIsNamed) {
     EXPECT_NE(e.find(it.key()), std::string::npos) << it.key() << ": " << e;
     ++keys;
   }
-  EXPECT_EQ(keys, 28);  // format, version, name, measured_on and the 24 other fields
+  EXPECT_EQ(keys, 29);  // format, version, name, measured_on and the 25 other fields
   for (auto it = good["measured_on"].begin(); it != good["measured_on"].end(); ++it) {
     nlohmann::json j = good;
     j["measured_on"].erase(it.key());
@@ -117,8 +118,10 @@ TEST(MachineFile, WrongTypesUnknownKeysAndBadValuesAreNamed) {
                                          {"name", 3, "string"},
                                          {"measured_op_seconds", 1.0, "array"},
                                          {"measured_on", "today", "object"},
-                                         {"version", 1, "versions 2 to 7"},
-                                         {"version", 8, "the file is version 8"},
+                                         {"version", 1, "versions 2 to 8"},
+                                         {"version", 9, "the file is version 9"},
+                                         {"storage_duplex_factor", 0, "above 0"},
+                                         {"storage_duplex_factor", 1.25, "at most 1"},
                                          {"host_adam_out_of_place_share", 0, "above 0"},
                                          {"host_adam_out_of_place_share", 1.5, "at most 1"},
                                          {"compute_share_while_host_computes", 1.5, "at most 1"},
@@ -179,6 +182,7 @@ TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
   j.erase("host_adam_out_of_place_share");
+  j.erase("storage_duplex_factor");
   auto m = Machine::from_json(j.dump(), "old.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
@@ -188,6 +192,7 @@ TEST(MachineFile, Version2FilesAreReadWithNoOpFits) {
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
   want.host_adam_out_of_place_share = 1.0;
+  want.storage_duplex_factor = 0.5;
   EXPECT_EQ(*m, want);
   for (const OpFit& f : m->op_fits) EXPECT_FALSE(f.measured());
   j["op_rates"] = nlohmann::json::object();
@@ -210,6 +215,7 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
   j.erase("host_adam_out_of_place_share");
+  j.erase("storage_duplex_factor");
   j["op_rates"] = {{"MatmulBackward", 1.5e11}, {"GeluForward", 7.25e9}};
   auto m = Machine::from_json(j.dump(), "v3.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
@@ -222,6 +228,7 @@ TEST(MachineFile, Version3FilesReadEachRateAsAFitOfThatRateAlone) {
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
   want.host_adam_out_of_place_share = 1.0;
+  want.storage_duplex_factor = 0.5;
   EXPECT_EQ(*m, want);
   j["op_rates"] = {{"GeluForward", 0}};
   std::string e = error_of(j);
@@ -246,6 +253,7 @@ TEST(MachineFile, Version4FilesKeepCopiesAtFullSpeedBesideHostOps) {
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
   j.erase("host_adam_out_of_place_share");
+  j.erase("storage_duplex_factor");
   auto m = Machine::from_json(j.dump(), "v4.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
@@ -253,6 +261,7 @@ TEST(MachineFile, Version4FilesKeepCopiesAtFullSpeedBesideHostOps) {
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
   want.host_adam_out_of_place_share = 1.0;
+  want.storage_duplex_factor = 0.5;
   EXPECT_EQ(*m, want);
   j["copy_share_while_host_computes"] = 0.5;
   const std::string e = error_of(j);
@@ -273,12 +282,14 @@ TEST(MachineFile, Version5FilesKeepComputeAndHostOpsAtFullSpeedSideBySide) {
   j.erase("compute_share_while_host_computes");
   j.erase("host_share_while_computing");
   j.erase("host_adam_out_of_place_share");
+  j.erase("storage_duplex_factor");
   auto m = Machine::from_json(j.dump(), "v5.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.compute_share_while_host_computes = 1.0;
   want.host_share_while_computing = 1.0;
   want.host_adam_out_of_place_share = 1.0;
+  want.storage_duplex_factor = 0.5;
   EXPECT_EQ(*m, want);
   j["host_share_while_computing"] = 0.5;
   EXPECT_NE(error_of(j).find("host_share_while_computing: unknown key"), std::string::npos) << error_of(j);
@@ -299,10 +310,12 @@ TEST(MachineFile, Version6FilesRunSpeculativeUpdatesAtTheInPlaceRate) {
   nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
   j["version"] = 6;
   j.erase("host_adam_out_of_place_share");
+  j.erase("storage_duplex_factor");
   auto m = Machine::from_json(j.dump(), "v6.json");
   ASSERT_TRUE(m.ok()) << m.status().to_string();
   Machine want = every_field_set();
   want.host_adam_out_of_place_share = 1.0;
+  want.storage_duplex_factor = 0.5;
   EXPECT_EQ(*m, want);
   j["host_adam_out_of_place_share"] = 0.5;
   EXPECT_NE(error_of(j).find("host_adam_out_of_place_share: unknown key"), std::string::npos) << error_of(j);
@@ -310,13 +323,34 @@ TEST(MachineFile, Version6FilesRunSpeculativeUpdatesAtTheInPlaceRate) {
   j["version"] = 7;
   ASSERT_TRUE(Machine::from_json(j.dump(), "v7.json").ok());
   j.erase("host_adam_out_of_place_share");
+  j.erase("storage_duplex_factor");
   EXPECT_NE(error_of(j).find("host_adam_out_of_place_share"), std::string::npos) << error_of(j);
+}
+
+// Version 7 files timed storage reads and writes as one queue: they read as a duplex
+// factor of 0.5, which predicts the same times for reads and writes of equal rates.
+TEST(MachineFile, Version7FilesShareTheDriveAsOneQueue) {
+  nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
+  j["version"] = 7;
+  j.erase("storage_duplex_factor");
+  auto m = Machine::from_json(j.dump(), "v7.json");
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  Machine want = every_field_set();
+  want.storage_duplex_factor = 0.5;
+  EXPECT_EQ(*m, want);
+  j["storage_duplex_factor"] = 0.75;
+  EXPECT_NE(error_of(j).find("storage_duplex_factor: unknown key"), std::string::npos) << error_of(j);
+  // Required in a version 8 file.
+  j["version"] = 8;
+  ASSERT_TRUE(Machine::from_json(j.dump(), "v8.json").ok());
+  j.erase("storage_duplex_factor");
+  EXPECT_NE(error_of(j).find("storage_duplex_factor"), std::string::npos) << error_of(j);
 }
 
 // The op kinds are written by name, only the measured ones, each with its three terms.
 TEST(MachineFile, OpFitsAreWrittenByKindName) {
   const nlohmann::json j = nlohmann::json::parse(every_field_set().to_json());
-  EXPECT_EQ(j["version"], 7);
+  EXPECT_EQ(j["version"], 8);
   EXPECT_EQ(j["op_fits"], (nlohmann::json{{"Zero", {{"fixed_s", 2e-6}, {"rate", 0.0}, {"bytes_per_s", 0.0}}},
                                           {"MatmulBackward", {{"fixed_s", 1.5e-5}, {"rate", 1.5e11}, {"bytes_per_s", 1.25e10}}},
                                           {"GeluForward", {{"fixed_s", 0.0}, {"rate", 7.25e9}, {"bytes_per_s", 0.0}}}}));
