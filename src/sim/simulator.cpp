@@ -324,6 +324,16 @@ class Sim {
     return id;
   }
 
+  // t's host buffer is being freed: its range is reused only once `users` (the copies,
+  // host ops and store still touching it) are done. The host arena rounds buffers to
+  // 4096 bytes.
+  static uint64_t host_footprint(uint64_t bytes) { return (std::max<uint64_t>(bytes, 1) + 4095) / 4096 * 4096; }
+  void free_host_range(TensorId tensor, const std::vector<int>& users) {
+    const uint64_t begin = residency_.host_offset(tensor), end = begin + host_footprint(bytes_of(tensor));
+    for (int task : users)
+      if (pending(task)) host_ranges_.push_back({begin, end, task});
+  }
+
   // A device→host copy of t waits (the host thread blocks) for a fetch of t still
   // arriving and for a queued host op still using t's host buffer.
   bool must_wait_to_copy_out(TensorId t) {
@@ -415,6 +425,7 @@ class Sim {
         if (in.free_host && residency_.has_host_buffer(in.tensor)) {
           std::vector<int> after = s.host_users;
           after.push_back(id);
+          free_host_range(in.tensor, after);
           mem(1, -static_cast<int64_t>(bytes), std::move(after));
           s.host_arrival = -1;
           s.host_users.clear();
@@ -423,18 +434,28 @@ class Sim {
         }
         return true;
       }
-      case InstrKind::HostAllocate:
-        // The executor's host arena places the buffer at a planned offset, waiting for
-        // a store still reading that range; modelled for the tensor's own last buffer
-        // (a freeing Store), not for other tensors' ranges.
-        if (pending(s.store_task)) {
-          block_on({s.store_task}, true, in.tensor);
+      case InstrKind::HostAllocate: {
+        // The executor's host arena places the buffer at its planned offset, waiting
+        // for what still uses that range: a store reading an earlier occupant (this
+        // tensor's own or another's), or a copy or host op its release left running.
+        std::vector<int> waits;
+        if (pending(s.store_task)) waits.push_back(s.store_task);
+        const uint64_t end = in.offset + host_footprint(bytes);
+        for (const PendingRegion& r : host_ranges_)
+          if (pending(r.task) && r.begin < end && in.offset < r.end) waits.push_back(r.task);
+        if (!waits.empty()) {
+          block_on(std::move(waits), true, in.tensor);
           return false;
         }
+        std::erase_if(host_ranges_, [&](const PendingRegion& r) { return !pending(r.task); });
         if (!residency_.has_host_buffer(in.tensor)) mem(1, static_cast<int64_t>(bytes));
         return true;
+      }
       case InstrKind::HostRelease:
-        if (residency_.has_host_buffer(in.tensor)) mem(1, -static_cast<int64_t>(bytes), s.host_users);
+        if (residency_.has_host_buffer(in.tensor)) {
+          free_host_range(in.tensor, s.host_users);
+          mem(1, -static_cast<int64_t>(bytes), s.host_users);
+        }
         s.host_arrival = -1;
         s.host_users.clear();
         return true;
@@ -736,6 +757,7 @@ class Sim {
   std::vector<int> deferred_;  // deferred copies not yet in their queue, in issue order
   int running_[kServerCount] = {-1, -1, -1, -1, -1, -1};
   std::vector<PendingRegion> regions_;
+  std::vector<PendingRegion> host_ranges_;  // host buffers freed while still in use (HostAllocate waits)
   std::vector<MemChange> changes_;
   double now_ = 0;
   size_t pc_ = 0;

@@ -425,6 +425,39 @@ TEST(Simulator, RegionReuseWaitsForTheEviction) {
   EXPECT_EQ(apart.peak_device_bytes, 12000u);
 }
 
+// A host buffer whose range another tensor's buffer takes waits for the store
+// still reading the earlier occupant, as the executor's host arena does. op0 0–2;
+// x's D2H 2–3; its Store (freeing the buffer) waits for it and writes 3–7; op1 3–5;
+// y's buffer at x's offset waits for the write (the host blocked 3–7), so y's D2H
+// runs 7–8. The host peak is one buffer, never both.
+TEST(Simulator, HostBufferReuseWaitsForTheStore) {
+  Program p;
+  TensorId a = add(p, "a", Role::Input);
+  TensorId x = add(p, "x", Role::Activation);
+  TensorId y = add(p, "y", Role::Activation);
+  gelu(p, "op0", x, a);
+  gelu(p, "op1", y, a);
+  auto plan_with_y_at = [&](uint64_t y_host) {
+    return make_plan_of(p,
+                        {alloc(x, 4096), run(0), host_alloc(x, 0), evict(x), store(x, /*free_host=*/true),
+                         alloc(y, 8192), run(1), host_alloc(y, y_host), evict(y), host_release(y)},
+                        {{a, {Tier::Device, 0}}});
+  };
+  Machine m = test_machine(p, /*host_runs_ahead=*/true);
+  SimResult reuse = simulate_checked(p, plan_with_y_at(0), m);
+  EXPECT_NEAR(find_event(reuse, SimResource::StorageWrite, "x")->end_s, 7 * kMs, kTol);
+  EXPECT_NEAR(find_event(reuse, SimResource::Compute, "op1")->start_s, 3 * kMs, kTol);
+  EXPECT_NEAR(find_event(reuse, SimResource::D2H, "y")->start_s, 7 * kMs, kTol);
+  EXPECT_NEAR(reuse.step_s, 8 * kMs, kTol);
+  EXPECT_EQ(reuse.peak_host_bytes, 4000u);
+
+  // Elsewhere in the arena: y's buffer does not wait; its D2H follows op1 at 5.
+  SimResult apart = simulate_checked(p, plan_with_y_at(4096), m);
+  EXPECT_NEAR(find_event(apart, SimResource::D2H, "y")->start_s, 5 * kMs, kTol);
+  EXPECT_NEAR(apart.step_s, 7 * kMs, kTol);
+  EXPECT_EQ(apart.peak_host_bytes, 8000u);
+}
+
 // Flush copies to host and keeps the device copy; once the tensor leaves, its
 // region's reuse still waits for that copy.
 TEST(Simulator, FlushKeepsTheDeviceCopy) {
