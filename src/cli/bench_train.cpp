@@ -338,9 +338,11 @@ Status run_bench(const BenchTrainFlags& f) {
   if (!trainer->plan().speculation.empty()) {
     const SpeculationTally tally = trainer->executor().speculation_tally();
     std::printf("speculation   %zu host AdamW ops may start before the clip scale (%s of second buffers); over the "
-                "run %llu committed, %llu redone (clipping active)\n",
+                "run %llu committed, %llu redone (clipping active; %llu of them dropped before they ran, the scale "
+                "known)\n",
                 trainer->plan().speculation.size(), format_size(trainer->plan().speculation_bytes).c_str(),
-                static_cast<unsigned long long>(tally.committed), static_cast<unsigned long long>(tally.redone));
+                static_cast<unsigned long long>(tally.committed), static_cast<unsigned long long>(tally.redone),
+                static_cast<unsigned long long>(tally.dropped));
   }
   std::printf("peaks         device %s, host %s, storage %s\n", format_size(last.peak_device_bytes).c_str(),
               format_size(last.peak_host_bytes).c_str(), format_size(last.peak_storage_bytes).c_str());

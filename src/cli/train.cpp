@@ -800,8 +800,9 @@ Status run_train(const TrainFlags& given_flags) {
     // Drained, so that the tally has the last step's updates.
     SPILLWAY_RETURN_IF_ERROR(trainer->drain());
     const SpeculationTally tally = trainer->executor().speculation_tally();
-    std::printf("speculative updates: %llu committed, %llu redone%s\n", static_cast<unsigned long long>(tally.committed),
-                static_cast<unsigned long long>(tally.redone),
+    std::printf("speculative updates: %llu committed, %llu redone (%llu of them dropped before they ran)%s\n",
+                static_cast<unsigned long long>(tally.committed), static_cast<unsigned long long>(tally.redone),
+                static_cast<unsigned long long>(tally.dropped),
                 tally.redone > 0 ? " (clipping was active; after such a step the next does not speculate)" : "");
   }
   if (!f.save.empty()) std::printf("saved %s\n", f.save.c_str());

@@ -258,6 +258,7 @@ class PlanExecutor final : public Executor {
     residency_.begin_step();
     next_spec_ = 0;
     for (SpecBuffers& sp : spec_) sp.queued = false;
+    step_serial_++;
     Status st = run_instructions();
     metrics_.issue_s = seconds_since(step_start_);
     if (st.is_ok()) st = finish();
@@ -302,7 +303,8 @@ class PlanExecutor final : public Executor {
 
   const StepMetrics& metrics() const override { return metrics_; }
   SpeculationTally speculation_tally() const override {
-    return {speculation_commits_.load(std::memory_order_relaxed), speculation_redos_.load(std::memory_order_relaxed)};
+    return {speculation_commits_.load(std::memory_order_relaxed), speculation_redos_.load(std::memory_order_relaxed),
+            speculation_drops_.load(std::memory_order_relaxed)};
   }
 
   Status drain() override {
@@ -744,6 +746,10 @@ class PlanExecutor final : public Executor {
           s.to_host = k;
           out = k;
           if (trace_) open_slices_.push_back({k, "d2h", p_.tensors.info(t).name, now_s(), p_.tensors.info(t).bytes()});
+          if (t == scale_tensor_ && !spec_.empty()) {
+            std::lock_guard<std::mutex> lock(scale_mu_);
+            scale_copy_ = ScaleCopy{step_serial_, k, static_cast<const float*>(s.host)};
+          }
         }
         if (in.kind == InstrKind::Evict) SPILLWAY_RETURN_IF_ERROR(unplace(t, out));
         return Status::ok();
@@ -978,6 +984,7 @@ class PlanExecutor final : public Executor {
       }
       spec_of_op_[static_cast<size_t>(sp.op)] = static_cast<int32_t>(spec_.size());
       spec_.push_back(b);
+      scale_tensor_ = op.operands[static_cast<size_t>(adamw_scale_)].tensor;
     }
     if (next != base + bytes) return Status::internal("executor: speculation buffers laid out wrongly");
     return Status::ok();
@@ -989,6 +996,15 @@ class PlanExecutor final : public Executor {
     if (!spec_of_tensor_.empty() && spec_of_tensor_[static_cast<size_t>(t)] >= 0)
       return spec_[static_cast<size_t>(spec_of_tensor_[static_cast<size_t>(t)])].cur[spec_which_[static_cast<size_t>(t)]];
     return slots_[t].host;
+  }
+
+  // Whether step `serial`'s clip scale has reached host (its copy done) and is not
+  // exactly 1. Called from host jobs; never blocks.
+  bool clipping_known_active(uint64_t serial, CopyEngine* ce) {
+    std::lock_guard<std::mutex> lock(scale_mu_);
+    if (!scale_copy_ || scale_copy_->serial != serial || scale_copy_->host == nullptr) return false;
+    if (!ce->is_done(scale_copy_->ticket)) return false;
+    return scale_copy_->host[0] != 1.0f;
   }
 
   // Queues the speculative update of `sp` (its gradient has just reached host), unless
@@ -1021,8 +1037,15 @@ class PlanExecutor final : public Executor {
     const bool traced = trace_ != nullptr;
     const Clock::time_point start = step_start_;
     SpecBuffers* b = &sp;
+    const uint64_t serial = step_serial_;
     const uint64_t job = host_.submit([this, &op, b, waits = std::move(waits), param, grad, step, dtype, ce, traced,
-                                       start]() -> Status {
+                                       start, serial]() -> Status {
+      // The step's clip scale already on host and not 1: this speculation would be
+      // thrown away, and its Run updates from the untouched buffers either way.
+      if (clipping_known_active(serial, ce)) {
+        speculation_drops_.fetch_add(1, std::memory_order_relaxed);
+        return Status::ok();
+      }
       for (const CopyTicket& w : waits) SPILLWAY_RETURN_IF_ERROR(ce->wait(w));
       const double t0 = traced ? seconds_since(start) : 0;
       const float* state[3] = {b->cur[0], b->cur[1], b->cur[2]};
@@ -1148,7 +1171,19 @@ class PlanExecutor final : public Executor {
   size_t next_spec_ = 0;                  // the next spec_ entry to queue this step
   void* spec_memory_ = nullptr;           // the second buffers (plan_.speculation_bytes)
   std::atomic<bool> speculate_next_{true};  // the last clip scale seen was 1
-  std::atomic<uint64_t> speculation_commits_{0}, speculation_redos_{0};
+  std::atomic<uint64_t> speculation_commits_{0}, speculation_redos_{0}, speculation_drops_{0};
+  // The clip scale's copy to host in the step numbered `serial` (step_serial_ counts the
+  // steps begun): speculations still queued when it lands with a scale other than 1
+  // are dropped (clipping_known_active).
+  struct ScaleCopy {
+    uint64_t serial = 0;
+    CopyTicket ticket;
+    const float* host = nullptr;  // [1] the scale's host buffer
+  };
+  TensorId scale_tensor_ = kNoTensor;  // the AdamW ops' scale_norm operand (with speculation)
+  uint64_t step_serial_ = 0;
+  std::mutex scale_mu_;
+  std::optional<ScaleCopy> scale_copy_;
   HostQueue host_;                        // host ops (AdamW) run here, in order
   std::vector<TensorId> deferred_;        // tensors with a deferred fetch, in the order they were deferred
   std::mutex host_slices_mu_;

@@ -104,6 +104,9 @@ struct StepProfile {
 // the update) and redone (it was not: the Run updated from the kept state).
 struct SpeculationTally {
   uint64_t committed = 0, redone = 0;
+  // Of the redone: speculations that had not started when the step's clip scale,
+  // not 1, reached host, and so were dropped instead of computed and thrown away.
+  uint64_t dropped = 0;
 };
 
 class Executor {

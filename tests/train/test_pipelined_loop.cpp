@@ -128,6 +128,7 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
     ASSERT_TRUE(program.ok());
     const uint64_t peak = ref.plan.device_bytes;
     int mixed = 0, host_only = 0, speculating = 0;
+    uint64_t dropped = 0;
     for (int divisor : {2, 4, 10}) {
       for (int64_t device_optimizer : {int64_t{-1}, int64_t{0}}) {
         TrainerOptions b = base;
@@ -149,6 +150,9 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
         // Speculative updates: each one queued was committed or redone; with clipping
         // inactive every one stands, with it active (step 1 here) the first are redone.
         EXPECT_EQ(r.tally.committed + r.tally.redone, static_cast<uint64_t>(r.speculated)) << tag;
+        // Dropped (not yet started when a scale other than 1 reached host) only where redone.
+        EXPECT_LE(r.tally.dropped, r.tally.redone) << tag;
+        dropped += r.tally.dropped;
         if (!r.plan.speculation.empty()) {
           ++speculating;
           EXPECT_GT(r.speculated, 0) << tag;
@@ -166,6 +170,9 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
     EXPECT_GT(mixed, 0) << clip.name << ": no budget split the optimizer between device and host";
     EXPECT_GT(speculating, 0) << clip.name << ": no plan started a host AdamW speculatively";
     EXPECT_GT(host_only, 0);
+    if (!clip.active) {
+      EXPECT_EQ(dropped, 0u) << clip.name;
+    }
   }
 }
 
