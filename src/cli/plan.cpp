@@ -54,6 +54,7 @@ struct PlanFlags {
   std::string stream_optimizer = "on";    // as train's --stream-optimizer
   std::string speculate = "auto";         // as train's --speculate
   std::string carry_updates = "auto";     // as train's --carry-updates
+  std::string zero_grads = "auto";        // as train's --zero-grads
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;  // 0: the machine's
   int nvme_count = 0;                      // 0: the machine's storage as it is
@@ -171,6 +172,7 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
   SPILLWAY_ASSIGN_OR_RETURN(planner->speculate, parse_speculate(f.speculate));
   SPILLWAY_ASSIGN_OR_RETURN(planner->carry_updates, parse_carry_updates(f.carry_updates));
+  SPILLWAY_ASSIGN_OR_RETURN(planner->late_zeros, parse_zero_grads(f.zero_grads));
   auto workspace = program_workspace(backend, *program);
   if (!workspace.ok()) return workspace.status();
   // The GPU's mapping of the pinned host arena, reserved as train reserves it.
@@ -596,6 +598,9 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   app.add_option("--carry-updates", f->carry_updates,
                  "planned: auto, on or off, streamed updates run in the next step before their layer's forward "
                  "(as train's)");
+  app.add_option("--zero-grads", f->zero_grads,
+                 "planned: auto, start or late, where each gradient is zeroed: at the step's start or just before "
+                 "its first backward (as train's)");
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
   app.add_option("--gpus", f->gpus,
                  "what if: N data-parallel GPUs (1 to 1000), each with this machine's memory and links, reading "

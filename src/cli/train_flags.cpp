@@ -282,6 +282,12 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
                  "and run their updates in the next step, each just before its layer's forward (the step as a "
                  "loop; the same bits); off; auto = where the machine model predicts the step faster")
       ->capture_default_str();
+  app.add_option("--zero-grads", f.zero_grads,
+                 "planned/auto: where each gradient is zeroed; start = all at the step's start; late = just before "
+                 "its first backward (a gradient kept off the device then gets its region there, with no round "
+                 "trip of zeros over the link); auto = whichever the machine model predicts faster (the same bits "
+                 "either way)")
+      ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,
                  "planned/auto, when the optimizer state is offloaded: bytes of it kept on device for the "
                  "first parameters (their AdamW runs there), e.g. 4GiB; auto = the fastest the simulator predicts "
@@ -317,6 +323,13 @@ Result<int> parse_carry_updates(const std::string& value) {
   return Status::invalid_argument("--carry-updates: expected auto, on or off, got '" + value + "'");
 }
 
+Result<int> parse_zero_grads(const std::string& value) {
+  if (value == "auto") return -1;
+  if (value == "start") return 0;
+  if (value == "late") return 1;
+  return Status::invalid_argument("--zero-grads: expected auto, start or late, got '" + value + "'");
+}
+
 Result<int> parse_speculate(const std::string& value) {
   if (value == "auto") return -1;
   if (value == "on") return 1;
@@ -347,6 +360,7 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
     return Status::invalid_argument("--stream-optimizer: expected on or off, got '" + f.stream_optimizer + "'");
   SPILLWAY_ASSIGN_OR_RETURN(r.planner.speculate, parse_speculate(f.speculate));
   SPILLWAY_ASSIGN_OR_RETURN(r.planner.carry_updates, parse_carry_updates(f.carry_updates));
+  SPILLWAY_ASSIGN_OR_RETURN(r.planner.late_zeros, parse_zero_grads(f.zero_grads));
   if (f.auto_confirm < 0 || f.auto_confirm > 8)
     return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
                                     std::to_string(f.auto_confirm));

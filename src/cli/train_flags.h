@@ -75,6 +75,7 @@ struct MemoryFlags {
   std::string device_optimizer = "auto";
   std::string speculate = "auto";         // --speculate auto|on|off
   std::string carry_updates = "auto";     // --carry-updates auto|on|off
+  std::string zero_grads = "auto";        // --zero-grads auto|start|late
   std::string stream_optimizer = "on";    // --stream-optimizer on|off  // --device-optimizer: optimizer state kept on device when offloading
   int auto_confirm = 2;                   // --auto-confirm N: auto times its best N candidates (TrainerOptions)
 };
@@ -92,6 +93,8 @@ struct ResolvedMemory {
 Result<int> parse_speculate(const std::string& value);
 // --carry-updates: auto (-1), on (1), off (0) as PlannerOptions::carry_updates.
 Result<int> parse_carry_updates(const std::string& value);
+// --zero-grads: auto (-1), start (0), late (1) as PlannerOptions::late_zeros.
+Result<int> parse_zero_grads(const std::string& value);
 Result<PlannerOptions> resolve_planner_options(const std::string& policy, const std::string& prefetch,
                                                const std::string& order);
 

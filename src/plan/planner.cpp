@@ -73,6 +73,8 @@ struct Config {
   // The streamed AdamW ops run in the next step, each just before the first op that
   // reads its parameter (Plan::carried; DESIGN.md, "The step is a loop").
   bool carried = false;
+  // Each gradient's Zero just before its first backward (zeros_late), not at the start.
+  bool late_zeros = false;
   bool is_streamed(size_t op) const { return op < streamed.size() && streamed[op]; }
   std::vector<Tier> home;            // [tensors]
   std::vector<uint64_t> home_offset; // [tensors]
@@ -581,6 +583,9 @@ class Scheduler {
         if (o.tensor == t && o.access != Access::Read) return true;
       return false;
     };
+    // What an op before j in the window overwrites whole (a gradient's Zero before its
+    // first backward) needs no fetch for the ops after it: they read the new value.
+    std::vector<TensorId> overwritten;
     for (int j = now + 1; j < static_cast<int>(p_.ops.size()) && j <= now + horizon; ++j) {
       const Op& op = p_.ops[j];
       if (op.place != Place::Device) continue;
@@ -588,7 +593,13 @@ class Scheduler {
         TensorId t = o.tensor;
         State& s = st_[t];
         if (s.region || s.recompute_pending || written_now(t)) continue;
-        if (o.access == Access::Write && c_.write_only_hint) continue;
+        if (std::find(overwritten.begin(), overwritten.end(), t) != overwritten.end()) continue;
+        if (o.access == Access::Write && c_.write_only_hint) {
+          bool read_too = false;
+          for (const Operand& q : op.operands) read_too = read_too || (q.tensor == t && q.access != Access::Write);
+          if (!read_too) overwritten.push_back(t);
+          continue;
+        }
         if (!s.host_valid) continue;  // storage reads are issued at need (they also take host room)
         // Locked while its region is found: making room may write other tensors back,
         // and their host buffers must not come from storing away t's, the fetch's source.
@@ -1076,6 +1087,51 @@ bool ops_conflict(const Op& a, const Op& b) {
   return false;
 }
 
+// `order` (position → op index; empty = program order) with each Zero of a gradient
+// moved down to just before the next op that touches that gradient (its first
+// backward, which adds into it). The program zeroes every gradient at the step's
+// start; a gradient that does not rest on device would then hold a region through
+// the forward, or be written back as zeros and fetched again for its backward (at
+// gpt-2.7b under 24 GiB, 2.5 GiB each way per step). Moved, the Zero only gives it a
+// region (write-only) right where the backward needs it. Nothing between reads or
+// writes the gradient: the same bits. A Zero whose gradient nothing touches later
+// stays where it was.
+std::vector<int> zeros_late(const Program& p, std::vector<int> order) {
+  if (order.empty()) {
+    order.resize(p.ops.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  }
+  auto gradient_zero = [&](const Op& op) {
+    return op.kind == OpKind::Zero && op.operands.size() == 1 &&
+           p.tensors.info(op.operands[0].tensor).role == Role::Grad;
+  };
+  std::vector<bool> touched_later(p.tensors.size(), false);  // [tensors] by an op after the Zero
+  std::vector<bool> keep(order.size(), false);              // [positions] Zeros left in place
+  for (size_t j = order.size(); j-- > 0;) {
+    const Op& op = p.ops[static_cast<size_t>(order[j])];
+    if (gradient_zero(op) && !touched_later[static_cast<size_t>(op.operands[0].tensor)]) keep[j] = true;
+    for (const Operand& o : op.operands) touched_later[static_cast<size_t>(o.tensor)] = true;
+  }
+  std::vector<std::vector<int>> held(p.tensors.size());  // [tensors] Zeros waiting for the next touch
+  std::vector<int> out;
+  out.reserve(order.size());
+  for (size_t j = 0; j < order.size(); ++j) {
+    const int i = order[j];
+    const Op& op = p.ops[static_cast<size_t>(i)];
+    if (gradient_zero(op) && !keep[j]) {
+      held[static_cast<size_t>(op.operands[0].tensor)].push_back(i);
+      continue;
+    }
+    for (const Operand& o : op.operands) {
+      auto& h = held[static_cast<size_t>(o.tensor)];
+      out.insert(out.end(), h.begin(), h.end());
+      h.clear();
+    }
+    out.push_back(i);
+  }
+  return out;
+}
+
 // `order` (position → op index; empty = program order) with each optimizer op that
 // runs on host moved up to just after the last earlier optimizer op it depends on
 // (one that writes what it touches or touches what it writes), keeping the host ops
@@ -1303,6 +1359,7 @@ Result<Plan> schedule_once(const Program& program, const CostModel& cost, const 
   d << ", recompute " << (c.recompute ? "on" : "off")
     << ", early write-back " << (c.flush_gap > 0 ? "on" : "off") << ", "
     << (c.layer_major ? "layer-major" : "micro-batch-major") << " order, "
+    << (c.late_zeros ? "gradients zeroed before their backward, " : "")
     << s.recomputes() << " recomputed ops per step";
   plan.description = d.str();
   return plan;
@@ -1449,6 +1506,25 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
                                 const PlannerOptions& options, int level, bool recompute, int prefetch,
                                 int flush_gap, bool layer_major, size_t alignment, bool* roomy,
                                 bool device_optimizer, std::optional<uint64_t> share) {
+  if (options.late_zeros < 0) {
+    // Both places of the gradients' Zeros; the faster the cost model predicts.
+    PlannerOptions at_start = options, late = options;
+    at_start.late_zeros = 0;
+    late.late_zeros = 1;
+    auto first = plan_offload_level(program, cost, budgets, at_start, level, recompute, prefetch, flush_gap,
+                                    layer_major, alignment, roomy, device_optimizer, share);
+    if (!first.ok() && (first.status().code() == StatusCode::Internal || (roomy && !*roomy))) return first;
+    auto second = plan_offload_level(program, cost, budgets, late, level, recompute, prefetch, flush_gap, layer_major,
+                                     alignment, nullptr, device_optimizer, share);
+    if (!second.ok()) {
+      if (second.status().code() == StatusCode::Internal) return second.status();
+      return first;
+    }
+    if (!first.ok()) return second;
+    const double a = cost.step_seconds(placed_as_planned(program, *first), *first);
+    const double b = cost.step_seconds(placed_as_planned(program, *second), *second);
+    return b < a ? std::move(second) : std::move(first);
+  }
   const Config base = make_config(program, budgets, level, alignment);
   if (roomy && base.pinned_end > budgets.device / 2) {
     *roomy = false;
@@ -1483,6 +1559,10 @@ Result<Plan> plan_offload_level(const Program& program, const CostModel& cost, c
   }
   if (c.host_optimizer_ops > 0 && c.device_optimizer_ops + c.streamed_optimizer_ops > 0)
     order = host_optimizer_first(candidate, std::move(order));
+  if (options.late_zeros > 0) {
+    order = zeros_late(candidate, std::move(order));
+    c.late_zeros = true;
+  }
   std::vector<int32_t> carried;
   order = carried_order(candidate, c, std::move(order), &carried);
   if (c.carried && carried.empty()) return Status::out_of_memory("no streamed update can be carried");

@@ -62,6 +62,11 @@ struct PlannerOptions {
   // (the trainer turns it off where a step's state must be whole at its end: data
   // parallelism, --save-grads).
   int carry_updates = -1;
+  // planned and auto: where each gradient is zeroed. 1 = just before the first op
+  // that touches it (its first backward: a gradient that does not rest on device gets
+  // its region there, with no round trip of zeros), 0 = all at the step's start (the
+  // program's order), -1 = both are planned and the cost model picks the faster.
+  int late_zeros = -1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)
