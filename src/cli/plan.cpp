@@ -54,7 +54,7 @@ struct PlanFlags {
   std::string stream_optimizer = "on";    // as train's --stream-optimizer
   std::string speculate = "auto";         // as train's --speculate
   std::string carry_updates = "auto";     // as train's --carry-updates
-  std::string zero_grads = "auto";        // as train's --zero-grads
+  std::string zero_grads = "start";       // as train's --zero-grads
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;  // 0: the machine's
   int nvme_count = 0;                      // 0: the machine's storage as it is
@@ -600,7 +600,8 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
                  "(as train's)");
   app.add_option("--zero-grads", f->zero_grads,
                  "planned: auto, start or late, where each gradient is zeroed: at the step's start or just before "
-                 "its first backward (as train's)");
+                 "its first backward (as train's)")
+      ->capture_default_str();
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
   app.add_option("--gpus", f->gpus,
                  "what if: N data-parallel GPUs (1 to 1000), each with this machine's memory and links, reading "

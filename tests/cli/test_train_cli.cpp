@@ -492,10 +492,13 @@ TEST(PlanCli, TilesTheVocabularyWhenTheBudgetCallsForIt) {
 // plan and simulate reserve the device workspace of the backend --backend names, as
 // train does, and say how much; the minimum budget they state includes it. The CUDA
 // backend's figure needs no GPU (backend_sizes.h), so this runs everywhere.
-// The flags of speculative updates and of clipping name what they expect.
+// The flags of speculative updates, of where gradients are zeroed and of clipping name
+// what they expect.
 TEST(TrainCli, SpeculateAndGradClipFlagsAreChecked) {
   expect_rejected("train --model tiny --steps 1 --speculate maybe", {"--speculate", "auto, on or off", "maybe"});
   expect_rejected("plan --model tiny --batch 4 --speculate 1", {"--speculate", "auto, on or off"});
+  expect_rejected("train --model tiny --steps 1 --zero-grads early", {"--zero-grads", "auto, start or late", "early"});
+  expect_rejected("plan --model tiny --batch 4 --zero-grads on", {"--zero-grads", "auto, start or late"});
   expect_rejected("bench train --model tiny --batch 2 --context 64 --steps 2 --grad-clip -1",
                   {"--grad-clip", ">= 0", "0 = no clipping"});
 }
