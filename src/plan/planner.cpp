@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <future>
 #include <limits>
 #include <optional>
@@ -1087,6 +1088,33 @@ bool ops_conflict(const Op& a, const Op& b) {
   return false;
 }
 
+// `order` (position → op index) with each Zero that `hold` picks (by position and op)
+// moved down to just before the next op that touches its tensor. Sets *stranded when a
+// held Zero's tensor is touched by no later op (that Zero is then left out).
+std::vector<int> zeros_to_next_touch(const Program& p, const std::vector<int>& order,
+                                     const std::function<bool(size_t, const Op&)>& hold, bool* stranded) {
+  std::vector<std::vector<int>> held(p.tensors.size());  // [tensors] Zeros waiting for the next touch
+  std::vector<int> out;
+  out.reserve(order.size());
+  for (size_t j = 0; j < order.size(); ++j) {
+    const int i = order[j];
+    const Op& op = p.ops[static_cast<size_t>(i)];
+    if (op.kind == OpKind::Zero && op.operands.size() == 1 && hold(j, op)) {
+      held[static_cast<size_t>(op.operands[0].tensor)].push_back(i);
+      continue;
+    }
+    for (const Operand& o : op.operands) {
+      auto& h = held[static_cast<size_t>(o.tensor)];
+      out.insert(out.end(), h.begin(), h.end());
+      h.clear();
+    }
+    out.push_back(i);
+  }
+  *stranded = false;
+  for (const auto& h : held) *stranded = *stranded || !h.empty();
+  return out;
+}
+
 // `order` (position → op index; empty = program order) with each Zero of a gradient
 // moved down to just before the next op that touches that gradient (its first
 // backward, which adds into it). The program zeroes every gradient at the step's
@@ -1112,24 +1140,9 @@ std::vector<int> zeros_late(const Program& p, std::vector<int> order) {
     if (gradient_zero(op) && !touched_later[static_cast<size_t>(op.operands[0].tensor)]) keep[j] = true;
     for (const Operand& o : op.operands) touched_later[static_cast<size_t>(o.tensor)] = true;
   }
-  std::vector<std::vector<int>> held(p.tensors.size());  // [tensors] Zeros waiting for the next touch
-  std::vector<int> out;
-  out.reserve(order.size());
-  for (size_t j = 0; j < order.size(); ++j) {
-    const int i = order[j];
-    const Op& op = p.ops[static_cast<size_t>(i)];
-    if (gradient_zero(op) && !keep[j]) {
-      held[static_cast<size_t>(op.operands[0].tensor)].push_back(i);
-      continue;
-    }
-    for (const Operand& o : op.operands) {
-      auto& h = held[static_cast<size_t>(o.tensor)];
-      out.insert(out.end(), h.begin(), h.end());
-      h.clear();
-    }
-    out.push_back(i);
-  }
-  return out;
+  bool stranded = false;  // none: a Zero no later op touches is kept in place
+  return zeros_to_next_touch(
+      p, order, [&](size_t j, const Op& op) { return gradient_zero(op) && !keep[j]; }, &stranded);
 }
 
 // `order` (position → op index; empty = program order) with each optimizer op that
@@ -1262,28 +1275,14 @@ std::vector<int> carried_order(const Program& p, const Config& c, std::vector<in
     if (g != kNoTensor) moved_grad[static_cast<size_t>(g)] = true;
   }
   {
-    std::vector<std::vector<int>> pending(p.tensors.size());  // [tensors] zeros held back
-    std::vector<int> out;
-    out.reserve(rest.size());
-    for (int i : rest) {
-      const Op& op = p.ops[static_cast<size_t>(i)];
-      if (op.kind == OpKind::Zero && op.operands.size() == 1 && moved_grad[static_cast<size_t>(op.operands[0].tensor)]) {
-        pending[static_cast<size_t>(op.operands[0].tensor)].push_back(i);
-        continue;
-      }
-      for (const Operand& o : op.operands) {
-        auto& held = pending[static_cast<size_t>(o.tensor)];
-        out.insert(out.end(), held.begin(), held.end());
-        held.clear();
-      }
-      out.push_back(i);
+    bool stranded = false;
+    rest = zeros_to_next_touch(
+        p, rest, [&](size_t, const Op& op) { return moved_grad[static_cast<size_t>(op.operands[0].tensor)]; },
+        &stranded);
+    if (stranded) {  // zeroed and never touched again in the step: not carried
+      carried->clear();
+      return order;
     }
-    for (const auto& held : pending)
-      if (!held.empty()) {  // zeroed and never touched again in the step: not carried
-        carried->clear();
-        return order;
-      }
-    rest = std::move(out);
   }
 
   // Each moved op goes before the first op of the step that must see its effect or

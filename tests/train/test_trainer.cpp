@@ -142,7 +142,12 @@ TEST(Trainer, SpillingBudgetGivesIdenticalLosses) {
     EXPECT_EQ(bits(resident[i].loss), bits(spilled[i].loss)) << "step " << i + 1;
     EXPECT_LE(spilled[i].exec.peak_device_bytes, o.budgets.device);
   }
-  EXPECT_GT(spilled[0].exec.h2d_bytes, 0u);
+  // The budget spills: state crosses the link. Counted over the run, since a fetch that
+  // waits for the host AdamW is issued (and counted) in whichever step the executor
+  // reaches it, often the next one.
+  uint64_t h2d = 0;
+  for (const StepResult& r : spilled) h2d += r.exec.h2d_bytes;
+  EXPECT_GT(h2d, 0u);
 }
 
 // Policy auto times its two best-predicted plans for one step each before the run,
