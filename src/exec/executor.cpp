@@ -258,6 +258,7 @@ class PlanExecutor final : public Executor {
     residency_.begin_step();
     next_spec_ = 0;
     for (SpecBuffers& sp : spec_) sp.queued = false;
+    decide_speculation();
     step_serial_++;
     Status st = run_instructions();
     metrics_.issue_s = seconds_since(step_start_);
@@ -749,6 +750,7 @@ class PlanExecutor final : public Executor {
           if (t == scale_tensor_ && !spec_.empty()) {
             std::lock_guard<std::mutex> lock(scale_mu_);
             scale_copy_ = ScaleCopy{step_serial_, k, static_cast<const float*>(s.host)};
+            scale_flushed_.store(true, std::memory_order_relaxed);
           }
         }
         if (in.kind == InstrKind::Evict) SPILLWAY_RETURN_IF_ERROR(unplace(t, out));
@@ -906,7 +908,7 @@ class PlanExecutor final : public Executor {
       if (spec) {
         // The speculation stands when the scale is exactly 1: it is this update's bits.
         const float scale = static_cast<const float*>(ptrs[static_cast<size_t>(adamw_scale_)])[0];
-        speculate_next_.store(scale == 1.0f, std::memory_order_relaxed);
+        if (!scale_flushed_.load(std::memory_order_relaxed)) speculate_next_.store(scale == 1.0f, std::memory_order_relaxed);
         if (speculated && scale == 1.0f) {
           std::swap(spec->cur, spec->next);
           committed = true;
@@ -996,6 +998,18 @@ class PlanExecutor final : public Executor {
     if (!spec_of_tensor_.empty() && spec_of_tensor_[static_cast<size_t>(t)] >= 0)
       return spec_[static_cast<size_t>(spec_of_tensor_[static_cast<size_t>(t)])].cur[spec_which_[static_cast<size_t>(t)]];
     return slots_[t].host;
+  }
+
+  // At a step's start: it speculates unless the last step's clip scale was not 1 (the
+  // work would likely be thrown away). The scale's copy to host ended with that step
+  // (finish() waits for copies), so the choice does not depend on how far the host
+  // engine has got. Without a copy of the scale to read (the clip on host), the last
+  // host AdamW to read a scale sets it instead.
+  void decide_speculation() {
+    std::lock_guard<std::mutex> lock(scale_mu_);
+    if (!scale_copy_ || scale_copy_->serial != step_serial_ || scale_copy_->host == nullptr) return;
+    if (!b_.copy_engine().is_done(scale_copy_->ticket)) return;
+    speculate_next_.store(scale_copy_->host[0] == 1.0f, std::memory_order_relaxed);
   }
 
   // Whether step `serial`'s clip scale has reached host (its copy done) and is not
@@ -1184,6 +1198,7 @@ class PlanExecutor final : public Executor {
   uint64_t step_serial_ = 0;
   std::mutex scale_mu_;
   std::optional<ScaleCopy> scale_copy_;
+  std::atomic<bool> scale_flushed_{false};  // the scale is copied to host (decide_speculation reads it)
   HostQueue host_;                        // host ops (AdamW) run here, in order
   std::vector<TensorId> deferred_;        // tensors with a deferred fetch, in the order they were deferred
   std::mutex host_slices_mu_;

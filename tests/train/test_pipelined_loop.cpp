@@ -34,6 +34,7 @@ struct PipelinedRun {
   std::string saved_mid, saved_end;  // the --save files' bytes after step 3 and 6
   Plan plan;
   int speculated = 0;                // host AdamW ops started speculatively, all steps
+  std::vector<int> speculated_by_step;  // [steps] the same, each step
   SpeculationTally tally;            // after the last step
 };
 
@@ -58,6 +59,7 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
     run.losses.push_back(r->loss);
     run.norms.push_back(r->grad_norm);
     run.speculated += r->exec.speculated_ops;
+    run.speculated_by_step.push_back(static_cast<int>(r->exec.speculated_ops));
     const std::string path = dir + "/pipelined_" + std::to_string(s) + ".safetensors";
     if (s == 3) {
       auto loader = DataLoader::create(split, 1, o.shape.T, LoaderMode::Sequential);
@@ -153,6 +155,14 @@ TEST(PipelinedLoop, HostOptimizerRunsMatchResidentBitForBit) {
         // Dropped (not yet started when a scale other than 1 reached host) only where redone.
         EXPECT_LE(r.tally.dropped, r.tally.redone) << tag;
         dropped += r.tally.dropped;
+        // A step speculates unless the one before clipped: decided by that step's
+        // scale, not by how far the host engine has got (the same in every run).
+        if (!r.plan.speculation.empty())
+          for (size_t s = 0; s < r.speculated_by_step.size(); ++s) {
+            const bool expected = s == 0 || ref.norms[s - 1] <= clip.max_norm;
+            EXPECT_EQ(r.speculated_by_step[s] > 0, expected) << tag << ": step " << s + 1 << " (norm before "
+                                                             << (s == 0 ? 0.0f : ref.norms[s - 1]) << ")";
+          }
         if (!r.plan.speculation.empty()) {
           ++speculating;
           EXPECT_GT(r.speculated, 0) << tag;
