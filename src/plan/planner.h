@@ -67,8 +67,8 @@ struct PlannerOptions {
   // its region there, with no round trip of zeros), 0 = all at the step's start (the
   // program's order), -1 = both are planned and the cost model picks the faster.
   // 0 by default: on the H100 (bench/RESULTS.md, 2026-12-06) late zeros ran gpt-2.7b
-  // 2.5-4.6% faster but gpt-4b accum 1 12% slower, and the cost model ranked the two
-  // wrongly in two of those three configurations.
+  // 2.5-4.6% faster but gpt-4b accum 1 12% slower (runs whose steps speculated in
+  // different steps), and the cost model ranked two of those three the other way.
   int late_zeros = 0;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
