@@ -166,9 +166,11 @@ Status run_bench(const BenchTrainFlags& f) {
   }  // keep 1: the disk holds two at most (the kept one and the one being written)
   int checkpoints = 0;
   double checkpoint_wait_s = 0, tail_write_s = 0;
-  int speculated_steps = 0;  // timed steps whose speculative updates were committed
-  double speculated_own_s = 0;  // their own times (trainer->step), summed
-  uint64_t committed_before = 0;
+  // Timed steps by what their speculative updates became (a plan with Plan::speculation):
+  // committed (the clip scale 1), redone (clipping active), or none started (the
+  // step after a clipped one); their own times (trainer->step), summed.
+  int speculated_steps = 0, clipped_steps = 0;
+  double speculated_own_s = 0, clipped_own_s = 0;
   double profiled_step_s = 0;
   const int last_step = f.steps + (f.profile ? 1 : 0);
   for (int s = 1; s <= last_step; ++s) {
@@ -196,14 +198,14 @@ Status run_bench(const BenchTrainFlags& f) {
       break;
     }
     if (s > 1) {
-      // A step with committed speculative updates ran the plan as planned; any other
-      // (clipping active, or the step after one) ran it without speculation.
-      const uint64_t committed = trainer->executor().speculation_tally().committed;
-      if (committed > committed_before) {
-        ++speculated_steps;
-        speculated_own_s += r->step_s;
+      // A step that speculated with the clip scale 1 ran the plan as planned; one that
+      // speculated and clipped redid its updates; any other did not speculate (the
+      // step after a clipped one). Read from the step's own counters and norm.
+      if (r->exec.speculated_ops > 0) {
+        const bool clipped = !(r->grad_norm <= o.max_grad_norm);
+        (clipped ? clipped_steps : speculated_steps)++;
+        (clipped ? clipped_own_s : speculated_own_s) += r->step_s;
       }
-      committed_before = committed;
       steps_own_s += r->step_s;
       stall_s += r->exec.stall_s;
       host_wait_s += r->exec.host_wait_s;
@@ -247,17 +249,24 @@ Status run_bench(const BenchTrainFlags& f) {
   {
     const Program placed = placed_as_planned(trainer->program(), trainer->plan());
     // Steps back to back (simulate_loop_step), as the own steps below run them.
-    const double as_planned = simulate_loop_step(placed, trainer->plan(), o.machine);
     const bool speculates = !trainer->plan().speculation.empty();
-    const double unspeculated = speculates && speculated_steps < timed
-                                    ? simulate_loop_step(placed, without_speculation(trainer->plan()), o.machine)
-                                    : as_planned;
-    predicted_s = (speculated_steps * as_planned + (timed - speculated_steps) * unspeculated) / timed;
+    const int unspeculated_steps = speculates ? timed - speculated_steps - clipped_steps : 0;
+    const double as_planned = speculates && speculated_steps == 0
+                                  ? 0
+                                  : simulate_loop_step(placed, trainer->plan(), o.machine);
+    const double clipped =
+        clipped_steps > 0 ? simulate_loop_step(placed, trainer->plan(), o.machine, StepOutcome::Clipped) : 0;
+    const double unspeculated =
+        unspeculated_steps > 0 ? simulate_loop_step(placed, without_speculation(trainer->plan()), o.machine) : 0;
+    predicted_s = speculates ? (speculated_steps * as_planned + clipped_steps * clipped +
+                                unspeculated_steps * unspeculated) / timed
+                             : as_planned;
     std::printf("predicted     %.4f s per step by the simulator on machine %s, steps back to back (%+.1f%% from the "
                 "own steps)%s\n",
                 predicted_s, o.machine.name.c_str(), own_mean_s > 0 ? 100.0 * (predicted_s / own_mean_s - 1) : 0.0,
                 speculates ? (" for " + std::to_string(speculated_steps) + " timed steps with committed speculative "
-                              "updates and " + std::to_string(timed - speculated_steps) + " without")
+                              "updates, " + std::to_string(clipped_steps) + " with them redone (clipping active) and " +
+                              std::to_string(unspeculated_steps) + " without (the step after a clipped one)")
                                  .c_str()
                            : "");
   }
@@ -271,18 +280,22 @@ Status run_bench(const BenchTrainFlags& f) {
               std::max(0.0, timed_s - steps_own_s - checkpoint_wait_s - tail_write_s));
   if (!trainer->plan().speculation.empty()) {
     const Program placed = placed_as_planned(trainer->program(), trainer->plan());
-    const int others = timed - speculated_steps;
-    auto regime = [&](const char* what, int count, double own_s, const Plan& plan) {
+    const int others = timed - speculated_steps - clipped_steps;
+    auto regime = [&](const char* what, int count, double own_s, const Plan& plan, StepOutcome outcome) {
       if (count == 0) return;
-      const double mean = own_s / count, predicted = simulate_loop_step(placed, plan, o.machine);
+      const double mean = own_s / count, predicted = simulate_loop_step(placed, plan, o.machine, outcome);
       std::printf("  %d %s: %.4f s each, predicted %.4f s (%+.1f%%)\n", count, what, mean, predicted,
                   100.0 * (predicted / mean - 1));
     };
     regime(speculated_steps == 1 ? "step with committed speculation" : "steps with committed speculation",
-           speculated_steps, speculated_own_s, trainer->plan());
-    regime(others == 1 ? "step without (clipping active, or the step after one)"
-                       : "steps without (clipping active, or the step after one)",
-           others, steps_own_s - speculated_own_s, without_speculation(trainer->plan()));
+           speculated_steps, speculated_own_s, trainer->plan(), StepOutcome::Committed);
+    regime(clipped_steps == 1 ? "step with speculation redone (clipping active)"
+                              : "steps with speculation redone (clipping active)",
+           clipped_steps, clipped_own_s, trainer->plan(), StepOutcome::Clipped);
+    regime(others == 1 ? "step without speculation (the step after a clipped one)"
+                       : "steps without speculation (the step after a clipped one)",
+           others, steps_own_s - speculated_own_s - clipped_own_s, without_speculation(trainer->plan()),
+           StepOutcome::Committed);
   }
   if (writer)
     std::printf("checkpoints   %d of %s (every %d steps, written in the %s), training waited %.2f s for their "

@@ -272,10 +272,13 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   out << "predicted throughput: " << static_cast<int64_t>(p.tokens_per_s) << " tokens/s";
   if (!plan->speculation.empty()) {
     // The step above has clipping inactive. Where it clips, the updates are redone at
-    // their places and the next step does not speculate: the plan without them.
-    const double clipped_s = simulate_loop_step(placed, without_speculation(*plan), machine);
+    // their places (those not started when the scale is known are dropped), and the
+    // next step does not speculate: the plan without them.
+    const double clipped_s = simulate_loop_step(placed, *plan, machine, StepOutcome::Clipped);
+    const double after_s = simulate_loop_step(placed, without_speculation(*plan), machine);
     out << " (" << plan->speculation.size() << " host AdamW ops speculated; in steps where clipping is active: "
-        << static_cast<int64_t>(clipped_s > 0 ? tokens / clipped_s : 0) << " tokens/s)";
+        << static_cast<int64_t>(clipped_s > 0 ? tokens / clipped_s : 0) << " tokens/s, the step after one: "
+        << static_cast<int64_t>(after_s > 0 ? tokens / after_s : 0) << " tokens/s)";
   }
   out << "\n";
   char line[512];

@@ -70,6 +70,7 @@ struct Task {
   TensorId tensor = kNoTensor;
   uint64_t bytes = 0;
   bool recompute = false;
+  bool speculative = false;  // a speculative host AdamW (dropped in a clipped step once the scale is on host)
 };
 
 // A change of bytes in use in one tier, at `time` or, when `after` names tasks,
@@ -100,14 +101,22 @@ class Sim {
  public:
   // passes: steps replayed back to back (2 for simulate_loop_step), each issued from
   // the instant the one before returns.
-  Sim(const Program& program, const Plan& plan, const Machine& machine, int passes = 1)
+  Sim(const Program& program, const Plan& plan, const Machine& machine, int passes = 1,
+      StepOutcome outcome = StepOutcome::Committed)
       : program_(program),
         plan_(plan),
         machine_(machine),
         passes_(std::max(1, passes)),
         tensors_(program.tensors.size()),
         residency_(program, plan, {.track_placement = false}) {
+    clipped_ = outcome == StepOutcome::Clipped;
     speculated_.assign(program.ops.size(), false);
+    const int scale_slot = op_slot(OpKind::AdamW, "scale_norm");
+    for (const Op& op : program.ops)
+      if (op.kind == OpKind::AdamW && scale_slot >= 0 && static_cast<int>(op.operands.size()) > scale_slot) {
+        scale_tensor_ = op.operands[static_cast<size_t>(scale_slot)].tensor;
+        break;
+      }
   }
 
   SimResult run() {
@@ -129,6 +138,7 @@ class Sim {
         pc_ = 0;
         next_spec_ = 0;
         speculated_.assign(program_.ops.size(), false);
+        scale_copy_task_ = -1;
         pass_first_task_ = tasks_.size();
         device_side_open_ = 0;
       }
@@ -316,6 +326,7 @@ class Sim {
     TensorState& s = tensors_[tensor];
     const uint64_t bytes = bytes_of(tensor);
     const int id = add_transfer(kD2H, SimResource::D2H, machine_.d2h_bytes_per_s, tensor, after_compute());
+    if (tensor == scale_tensor_) scale_copy_task_ = id;
     s.host_arrival = id;
     s.host_users.push_back(id);
     const uint64_t offset = residency_.region_offset(tensor);
@@ -482,6 +493,7 @@ class Sim {
              machine_.host_adam_out_of_place_share;
     t.rate = 1;
     t.name = "speculate " + op.name;
+    t.speculative = true;
     t.op = sp.op;
     t.server = kHost;
     t.resource = SimResource::Host;
@@ -523,8 +535,12 @@ class Sim {
     Task t;
     t.work = machine_.op_seconds(program_, static_cast<size_t>(in.op));
     if (!in.recompute && speculated_[static_cast<size_t>(in.op)]) {
-      t.work = 0;  // a commit
-      t.name = "commit " + op.name;
+      if (clipped_) {
+        t.name = "redo " + op.name;  // the scale is not 1: the update again, from the first buffers
+      } else {
+        t.work = 0;  // a commit
+        t.name = "commit " + op.name;
+      }
     }
     t.rate = 1;
     if (t.name.empty()) t.name = in.recompute ? "recompute " + op.name : op.name;
@@ -619,6 +635,12 @@ class Sim {
         if (!ready) continue;
         queue_[s].pop_front();
         t.start = now_;
+        // A clipped step's speculation that starts after the scale reached host is
+        // dropped (the executor's clipping_known_active).
+        if (clipped_ && t.speculative && scale_copy_task_ >= 0 && tasks_[scale_copy_task_].done) {
+          t.remaining = 0;
+          t.name = "dropped " + t.name;
+        }
         on_start(t);
         if (t.remaining <= 0 || t.rate <= 0 || !std::isfinite(t.rate)) {
           complete(id);  // nothing to do, or a resource with no rate given: takes no time
@@ -775,6 +797,9 @@ class Sim {
   // host engine
   double last_host_end_ = 0;
   size_t next_spec_ = 0;               // the next entry of plan_.speculation to issue
+  bool clipped_ = false;               // StepOutcome::Clipped: speculations are redone, late ones dropped
+  TensorId scale_tensor_ = kNoTensor;  // the AdamW ops' clip scale
+  int scale_copy_task_ = -1;           // this pass's copy of the scale to host
   std::vector<bool> speculated_;       // [ops] its speculative update was issued
   ResidencyMachine residency_;  // where each tensor's copies are (plan/residency.h)
   SimResult result_;
@@ -782,15 +807,15 @@ class Sim {
 
 }  // namespace
 
-SimResult simulate(const Program& program, const Plan& plan, const Machine& machine) {
-  Sim sim(program, plan, machine);
+SimResult simulate(const Program& program, const Plan& plan, const Machine& machine, StepOutcome outcome) {
+  Sim sim(program, plan, machine, 1, outcome);
   SimResult r = sim.run();
   r.return_s = sim.returns().empty() ? r.step_s : sim.returns().front();
   return r;
 }
 
-double simulate_loop_step(const Program& program, const Plan& plan, const Machine& machine) {
-  Sim sim(program, plan, machine, 2);
+double simulate_loop_step(const Program& program, const Plan& plan, const Machine& machine, StepOutcome outcome) {
+  Sim sim(program, plan, machine, 2, outcome);
   const SimResult r = sim.run();
   const std::vector<double>& at = sim.returns();
   if (!r.plan_error.empty() || at.size() < 2) return r.step_s;

@@ -127,7 +127,15 @@ struct SimResult {
   std::vector<MemorySample> memory;   // one sample per instant the bytes change, from t = 0
 };
 
-SimResult simulate(const Program& program, const Plan& plan, const Machine& machine);
+// What the step's clip scale turns out to be, for a plan with speculative updates
+// (Plan::speculation): Committed, exactly 1 (each speculation stands, its Run commits);
+// Clipped, not 1 (each Run redoes its update, and a speculation that has not started
+// when the scale reaches host is dropped, as the executor does). A step after a
+// clipped one does not speculate: simulate without_speculation(plan) for it.
+enum class StepOutcome : uint8_t { Committed, Clipped };
+
+SimResult simulate(const Program& program, const Plan& plan, const Machine& machine,
+                   StepOutcome outcome = StepOutcome::Committed);
 
 // Steps run back to back, as training runs them: two steps replayed, the second
 // issued from the instant the first returns (SimResult::return_s) while the first's
@@ -135,7 +143,8 @@ SimResult simulate(const Program& program, const Plan& plan, const Machine& mach
 // server's time in a step (compute, host, a link, storage) when that is longer:
 // steps cannot come faster than it works. What bench train's own steps measure; a
 // step alone (step_s) also pays the host ops' tail.
-double simulate_loop_step(const Program& program, const Plan& plan, const Machine& machine);
+double simulate_loop_step(const Program& program, const Plan& plan, const Machine& machine,
+                          StepOutcome outcome = StepOutcome::Committed);
 
 // The planner's cost model (plan/cost_model.h) for one Machine: op and copy times
 // from the machine's rates, step times from simulate().

@@ -236,6 +236,31 @@ TEST(PlanValidate, SpeculativeUpdatesStartInTheBackwardAndAreChecked) {
   SimResult plain = simulate(placed, without, machine);
   EXPECT_EQ(plain.speculated_ops, 0);
   EXPECT_LT(with.step_s, plain.step_s);
+  // A step whose clip scale is not 1 (StepOutcome::Clipped): every speculated Run redoes
+  // its update, and with a host slow enough that speculations are still queued when the
+  // scale reaches host, those are dropped, as the executor drops them.
+  auto count_named = [](const SimResult& r, const std::string& prefix) {
+    int n = 0;
+    for (const SimEvent& e : r.timeline) n += e.name.starts_with(prefix);
+    return n;
+  };
+  SimResult clipped = simulate(placed, *plan, machine, StepOutcome::Clipped);
+  ASSERT_TRUE(clipped.plan_error.empty()) << clipped.plan_error;
+  EXPECT_EQ(count_named(clipped, "redo "), static_cast<int>(plan->speculation.size()));
+  EXPECT_EQ(count_named(clipped, "commit "), 0);
+  EXPECT_EQ(count_named(with, "redo "), 0);
+  EXPECT_GT(clipped.host_compute_s, with.host_compute_s);
+  EXPECT_GE(clipped.step_s, with.step_s);
+  Machine slow_host = machine;
+  slow_host.host_adam_params_per_s /= 50;
+  slow_host.host_adam_params_per_s_alone /= 50;
+  SimResult slow_committed = simulate(placed, *plan, slow_host);
+  SimResult slow_clipped = simulate(placed, *plan, slow_host, StepOutcome::Clipped);
+  const int dropped = count_named(slow_clipped, "dropped speculate ");
+  EXPECT_GT(dropped, 0) << "a host this slow still has speculations queued when the scale arrives";
+  EXPECT_EQ(dropped + count_named(slow_clipped, "speculate "), static_cast<int>(plan->speculation.size()));
+  // The redo is the in-place update's work; of the speculations, only those started ran.
+  EXPECT_LT(slow_clipped.host_compute_s, slow_committed.host_compute_s + plain.host_compute_s * 50);
   // Speculative updates run out of place, at host_adam_out_of_place_share of the
   // in-place speed: host work N + S/share (S: theirs at full speed, N: the rest's).
   auto host_work = [&](double share) {
