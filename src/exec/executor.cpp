@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <memory>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -353,6 +354,9 @@ class PlanExecutor final : public Executor {
     TensorId param = kNoTensor, grad = kNoTensor;
     std::array<float*, 3> cur{}, next{};  // master, m, v: [attrs.n] F32 each
     bool queued = false;                  // its speculation was queued this step
+    // Set by that speculation's job once it has computed the update (not when dropped);
+    // its Run commits only then, so a dropped one is redone whatever the scale.
+    std::shared_ptr<std::atomic<bool>> computed;
   };
   // AdamW's operand slots (program/op_registry.h).
   const int adamw_param_ = op_slot(OpKind::AdamW, "param"), adamw_grad_ = op_slot(OpKind::AdamW, "grad");
@@ -899,8 +903,9 @@ class PlanExecutor final : public Executor {
                             ? &spec_[static_cast<size_t>(spec_of_op_[static_cast<size_t>(index)])]
                             : nullptr;
     const bool speculated = spec && spec->queued;
+    std::shared_ptr<std::atomic<bool>> computed = speculated ? spec->computed : nullptr;
     uint64_t job = host_.submit([this, &op, waits = std::move(waits), ptrs = std::move(ptrs), step, dtype, ce, traced,
-                                 name, start, spec, speculated]() mutable -> Status {
+                                 name, start, spec, speculated, computed]() mutable -> Status {
       for (const CopyTicket& w : waits) SPILLWAY_RETURN_IF_ERROR(ce->wait(w));
       const double t0 = traced ? seconds_since(start) : 0;
       Status s = Status::ok();
@@ -909,7 +914,7 @@ class PlanExecutor final : public Executor {
         // The speculation stands when the scale is exactly 1: it is this update's bits.
         const float scale = static_cast<const float*>(ptrs[static_cast<size_t>(adamw_scale_)])[0];
         if (!scale_flushed_.load(std::memory_order_relaxed)) speculate_next_.store(scale == 1.0f, std::memory_order_relaxed);
-        if (speculated && scale == 1.0f) {
+        if (speculated && computed && computed->load(std::memory_order_acquire) && scale == 1.0f) {
           std::swap(spec->cur, spec->next);
           committed = true;
           speculation_commits_.fetch_add(1, std::memory_order_relaxed);
@@ -1052,8 +1057,10 @@ class PlanExecutor final : public Executor {
     const Clock::time_point start = step_start_;
     SpecBuffers* b = &sp;
     const uint64_t serial = step_serial_;
+    auto computed = std::make_shared<std::atomic<bool>>(false);
+    sp.computed = computed;
     const uint64_t job = host_.submit([this, &op, b, waits = std::move(waits), param, grad, step, dtype, ce, traced,
-                                       start, serial]() -> Status {
+                                       start, serial, computed]() -> Status {
       // The step's clip scale already on host and not 1: this speculation would be
       // thrown away, and its Run updates from the untouched buffers either way.
       if (clipping_known_active(serial, ce)) {
@@ -1066,6 +1073,7 @@ class PlanExecutor final : public Executor {
       float* into[3] = {b->next[0], b->next[1], b->next[2]};
       Status s = run_adamw_host_speculative(op, param, grad, state, into, dtype, step)
                      .with_context("speculative host op " + op.name);
+      if (s.is_ok()) computed->store(true, std::memory_order_release);
       if (traced) {
         std::lock_guard<std::mutex> lock(host_slices_mu_);
         host_slices_.push_back({"speculate " + op.name, t0, seconds_since(start)});
