@@ -503,6 +503,30 @@ TEST(TrainCli, SpeculateAndGradClipFlagsAreChecked) {
                   {"--grad-clip", ">= 0", "0 = no clipping"});
 }
 
+// bench train splits its timed steps by what their speculative updates became, from
+// each step's own counters and norm: without clipping every step commits; with a
+// limit below every norm the first step clips and no later step speculates.
+TEST(TrainCli, BenchTrainSplitsStepsBySpeculationOutcome) {
+  const std::string base =
+      "bench train --backend cpu --machine cpu --model tiny --batch 2 --context 64 --steps 7 --policy planned "
+      "--device-budget 2MiB --device-optimizer 0 --speculate on --grad-clip ";
+  CliRun off = run(base + "0");
+  ASSERT_EQ(off.code, 0) << off.output;
+  EXPECT_NE(off.output.find("for 6 timed steps with committed speculative updates, 0 with them redone (clipping "
+                            "active) and 0 without"),
+            std::string::npos)
+      << off.output;
+  EXPECT_NE(off.output.find("6 steps with committed speculation:"), std::string::npos) << off.output;
+  CliRun tight = run(base + "0.5");
+  ASSERT_EQ(tight.code, 0) << tight.output;
+  EXPECT_NE(tight.output.find("for 0 timed steps with committed speculative updates, 0 with them redone (clipping "
+                              "active) and 6 without"),
+            std::string::npos)
+      << tight.output;
+  EXPECT_NE(tight.output.find("6 steps without speculation (the step after a clipped one):"), std::string::npos)
+      << tight.output;
+}
+
 // The losses of a --metrics file, step by step, and the first step's gradient norm.
 std::vector<double> metric_losses(const std::string& path, double* first_norm = nullptr) {
   std::ifstream in(path);
