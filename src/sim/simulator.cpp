@@ -338,7 +338,7 @@ class Sim {
   // t's host buffer is being freed: its range is reused only once `users` (the copies,
   // host ops and store still touching it) are done. The host arena rounds buffers to
   // 4096 bytes.
-  static uint64_t host_footprint(uint64_t bytes) { return (std::max<uint64_t>(bytes, 1) + 4095) / 4096 * 4096; }
+  static uint64_t host_footprint(uint64_t bytes) { return align_up(std::max<uint64_t>(bytes, 1), 4096); }
   void free_host_range(TensorId tensor, const std::vector<int>& users) {
     const uint64_t begin = residency_.host_offset(tensor), end = begin + host_footprint(bytes_of(tensor));
     for (int task : users)
