@@ -285,7 +285,7 @@ void add_memory_flags(CLI::App& app, MemoryFlags& f) {
   app.add_option("--zero-grads", f.zero_grads,
                  "planned/auto: where each gradient is zeroed; start = all at the step's start; late = just before "
                  "its first backward (a gradient kept off the device then gets its region there, with no round "
-                 "trip of zeros over the link; measured faster for gpt-2.7b, not for gpt-4b); auto = whichever "
+                 "trip of zeros over the link; the default, measured faster for gpt-2.7b and gpt-4b); auto = whichever "
                  "the machine model predicts faster (the same bits either way)")
       ->capture_default_str();
   app.add_option("--device-optimizer", f.device_optimizer,

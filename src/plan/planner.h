@@ -66,10 +66,10 @@ struct PlannerOptions {
   // that touches it (its first backward: a gradient that does not rest on device gets
   // its region there, with no round trip of zeros), 0 = all at the step's start (the
   // program's order), -1 = both are planned and the cost model picks the faster.
-  // 0 by default: on the H100 (bench/RESULTS.md, 2026-12-06) late zeros ran gpt-2.7b
-  // 2.5-4.6% faster but gpt-4b accum 1 12% slower (runs whose steps speculated in
-  // different steps), and the cost model ranked two of those three the other way.
-  int late_zeros = 0;
+  // 1 by default: on the H100 (bench/RESULTS.md, session 33) late zeros ran gpt-2.7b
+  // accum 1 and 4 and gpt-4b accum 1, clipping on and off, 2.0-17% faster in every
+  // pair measured, and the cost model ranked all four pairs that way.
+  int late_zeros = 1;
   int recompute = -1;             // 1 = allow recomputation of activations
   int prefetch_distance = -1;     // ops ahead a fetch may be issued (-1 = as early as memory allows)
   int layer_major = -1;           // 1 = forward layer by layer across micro-batches (planned: off unless 1)
