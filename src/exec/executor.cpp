@@ -991,8 +991,8 @@ class PlanExecutor final : public Executor {
       }
       spec_of_op_[static_cast<size_t>(sp.op)] = static_cast<int32_t>(spec_.size());
       spec_.push_back(b);
-      scale_tensor_ = op.operands[static_cast<size_t>(adamw_scale_)].tensor;
     }
+    if (!spec_.empty()) scale_tensor_ = clip_scale_tensor(p_);
     if (next != base + bytes) return Status::internal("executor: speculation buffers laid out wrongly");
     return Status::ok();
   }

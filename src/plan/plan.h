@@ -150,6 +150,9 @@ uint64_t speculation_bytes(const Program& program, const std::vector<Speculation
 // `plan` as a step that does not speculate runs it (a step after one where clipping
 // was active): the same instructions, no speculation entries or buffers.
 Plan without_speculation(Plan plan);
+// The clip scale the program's AdamW ops read (their scale_norm operand: the tensor
+// whose value decides whether a speculation commits), or kNoTensor without AdamW.
+TensorId clip_scale_tensor(const Program& program);
 
 // `program` with each op placed where `plan` runs it (Plan::op_place): what the
 // simulator and reports read.

@@ -139,4 +139,12 @@ Plan without_speculation(Plan plan) {
   return plan;
 }
 
+TensorId clip_scale_tensor(const Program& program) {
+  const int slot = op_slot(OpKind::AdamW, "scale_norm");
+  for (const Op& op : program.ops)
+    if (op.kind == OpKind::AdamW && slot >= 0 && static_cast<int>(op.operands.size()) > slot)
+      return op.operands[static_cast<size_t>(slot)].tensor;
+  return kNoTensor;
+}
+
 }  // namespace spillway

@@ -111,12 +111,7 @@ class Sim {
         residency_(program, plan, {.track_placement = false}) {
     clipped_ = outcome == StepOutcome::Clipped;
     speculated_.assign(program.ops.size(), false);
-    const int scale_slot = op_slot(OpKind::AdamW, "scale_norm");
-    for (const Op& op : program.ops)
-      if (op.kind == OpKind::AdamW && scale_slot >= 0 && static_cast<int>(op.operands.size()) > scale_slot) {
-        scale_tensor_ = op.operands[static_cast<size_t>(scale_slot)].tensor;
-        break;
-      }
+    scale_tensor_ = clip_scale_tensor(program);
   }
 
   SimResult run() {

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call for issues 10 and 13 (session 33): build; on an H200, profile it and
+# plan with that file (else machines/h100.json); a CUDA exactness check (gpt2-124m,
+# resident against planned budgets XBUDGETS with speculation, clipping at XCLIP:
+# losses and saved weights); the PyTorch peers PEERS (torch_gpt.py configs; empty
+# for none); then scripts/device-predictions.sh over RUNS (planned) and AUTO_RUNS
+# (policy auto), ending by PRED_END / AUTO_END seconds after the start.
+# Usage (device tool, carry .deps): RUNS="gpt-2.7b:1:24GiB:--grad-clip+0" scripts/device-call.sh
+set -uo pipefail
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+t0=$(date +%s)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "gpu: $gpu"
+scripts/device-build.sh spillway > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s"
+bin=build-device/spillway
+machine=machines/h100.json
+if [[ "$gpu" == *H200* ]]; then
+  mkdir -p /tmp/spill
+  $bin profile --backend cuda --spill-dir /tmp/spill --out $out/h200-profiled.json > $out/profile.log 2>&1 && machine=$out/h200-profiled.json
+  tail -25 $out/profile.log; echo "profiled $(( $(date +%s) - t0 )) s"
+fi
+# exactness: default plan (late zeros), speculation with drops, clipping in the first steps only
+if [ -n "${XBUDGETS-300MiB 200MiB}" ]; then
+x="train --backend cuda --model gpt2-124m --context 256 --batch 4 --steps 6 --seed 5 --lr 3e-3 --warmup 0 --grad-clip ${XCLIP:-5} --machine $machine"
+$bin $x --metrics $out/x_res.jsonl --save /tmp/x_res > $out/x.log 2>&1
+for bud in ${XBUDGETS:-300MiB 200MiB}; do
+  $bin $x --policy planned --device-budget $bud --speculate on --metrics $out/x_$bud.jsonl --save /tmp/x_$bud >> $out/x.log 2>&1
+  scripts/same_losses.py "cuda 124m $bud speculate" $out/x_res.jsonl $out/x_$bud.jsonl
+  cmp /tmp/x_res/model.safetensors /tmp/x_$bud/model.safetensors && echo "$bud weights IDENTICAL"
+done
+grep -E "speculat|plan:" $out/x.log | cut -c1-250
+python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" $out/x_res.jsonl
+fi
+echo "peer start $(( $(date +%s) - t0 )) s"
+for p in ${PEERS-2.7B:full:8}; do NMEAS=3 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1; done
+echo "preds start $(( $(date +%s) - t0 )) s"
+[ -n "${RUNS:-}" ] && SKIP_BUILD=1 DEADLINE=$(( t0 + ${PRED_END:-470} )) RUN_GRACE=60 MACHINE=$machine RUNS="$RUNS" scripts/device-predictions.sh > $out/pred.txt 2>&1
+grep -E "regime|step with|steps with|own steps|predicted|speculat|zero|tokens/s" $out/pred.txt | cut -c1-200 | head -90
+if [ -n "${AUTO_RUNS:-}" ]; then
+  SKIP_BUILD=1 DEADLINE=$(( t0 + ${AUTO_END:-540} )) RUN_GRACE=40 POLICY=auto MACHINE=$machine RUNS="$AUTO_RUNS" scripts/device-predictions.sh > $out/auto.txt 2>&1
+  grep -E "own steps|predicted|^== " $out/auto.txt | cut -c1-200
+  grep -o 'timed one step each.*' $out/auto.txt
+fi
+echo "total $(( $(date +%s) - t0 )) s"
