@@ -46,8 +46,8 @@ struct PlannerOptions {
   // -1 = on, 0 = off.
   int stream_optimizer = -1;
   // With stream_optimizer: the share of the rule's balance that is streamed (1 = the
-  // rule). With speculative updates the planner tries 1, 1/2, 1/4 and 0 and keeps
-  // the fastest the cost model predicts; this fixes it otherwise.
+  // rule). Where the optimizer share is searched, the planner tries 1, 1/2, 1/4 and 0
+  // and keeps the fastest the cost model predicts; this fixes it otherwise.
   double stream_fraction = 1.0;
   // planned and auto: start host AdamW ops speculatively, before the clip scale is
   // known (Plan::speculation), as many as the host budget has room for the second
