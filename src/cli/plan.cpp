@@ -54,7 +54,7 @@ struct PlanFlags {
   std::string stream_optimizer = "on";    // as train's --stream-optimizer
   std::string speculate = "auto";         // as train's --speculate
   std::string carry_updates = "auto";     // as train's --carry-updates
-  std::string zero_grads = "late";       // as train's --zero-grads
+  std::string zero_grads = "late";        // as train's --zero-grads
   std::string trace;
   double h2d_gbps = 0, storage_gbps = 0;  // 0: the machine's
   int nvme_count = 0;                      // 0: the machine's storage as it is

@@ -75,7 +75,7 @@ struct MemoryFlags {
   std::string device_optimizer = "auto";
   std::string speculate = "auto";         // --speculate auto|on|off
   std::string carry_updates = "auto";     // --carry-updates auto|on|off
-  std::string zero_grads = "late";       // --zero-grads auto|start|late
+  std::string zero_grads = "late";        // --zero-grads auto|start|late
   std::string stream_optimizer = "on";    // --stream-optimizer on|off  // --device-optimizer: optimizer state kept on device when offloading
   int auto_confirm = 2;                   // --auto-confirm N: auto times its best N candidates (TrainerOptions)
 };
