@@ -7,6 +7,7 @@
 # (policy auto), ending by PRED_END / AUTO_END seconds after the start.
 # Usage (device tool, carry .deps): RUNS="gpt-2.7b:1:24GiB:--grad-clip+0" scripts/device-call.sh
 set -uo pipefail
+cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 t0=$(date +%s)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "gpu: $gpu"
@@ -34,8 +35,10 @@ fi
 echo "peer start $(( $(date +%s) - t0 )) s"
 for p in ${PEERS-2.7B:full:8}; do NMEAS=3 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1; done
 echo "preds start $(( $(date +%s) - t0 )) s"
-[ -n "${RUNS:-}" ] && SKIP_BUILD=1 DEADLINE=$(( t0 + ${PRED_END:-470} )) RUN_GRACE=60 MACHINE=$machine RUNS="$RUNS" scripts/device-predictions.sh > $out/pred.txt 2>&1
-grep -E "regime|step with|steps with|own steps|predicted|speculat|zero|tokens/s" $out/pred.txt | cut -c1-200 | head -90
+if [ -n "${RUNS:-}" ]; then
+  SKIP_BUILD=1 DEADLINE=$(( t0 + ${PRED_END:-470} )) RUN_GRACE=60 MACHINE=$machine RUNS="$RUNS" scripts/device-predictions.sh > $out/pred.txt 2>&1
+  grep -E "regime|step with|steps with|own steps|predicted|speculat|zero|tokens/s" $out/pred.txt | cut -c1-200 | head -90
+fi
 if [ -n "${AUTO_RUNS:-}" ]; then
   SKIP_BUILD=1 DEADLINE=$(( t0 + ${AUTO_END:-540} )) RUN_GRACE=40 POLICY=auto MACHINE=$machine RUNS="$AUTO_RUNS" scripts/device-predictions.sh > $out/auto.txt 2>&1
   grep -E "own steps|predicted|^== " $out/auto.txt | cut -c1-200
