@@ -4,7 +4,9 @@
 # resident against planned budgets XBUDGETS with speculation, clipping at XCLIP:
 # losses and saved weights); the PyTorch peers PEERS (torch_gpt.py configs; empty
 # for none); then scripts/device-predictions.sh over RUNS (planned) and AUTO_RUNS
-# (policy auto), ending by PRED_END / AUTO_END seconds after the start.
+# (policy auto), ending by PRED_END / AUTO_END seconds after the start. PROFILE=0
+# skips the H200's profile (then machines/h200.json, or MACHINE_FILE); NMEAS: the
+# peers' measured steps (default 3).
 # Usage (device tool, carry .deps): RUNS="gpt-2.7b:1:24GiB:--grad-clip+0" scripts/device-call.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +16,9 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "gpu: $
 scripts/device-build.sh spillway > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 echo "build $(( $(date +%s) - t0 )) s"
 bin=build-device/spillway
-machine=machines/h100.json
-if [[ "$gpu" == *H200* ]]; then
+machine=${MACHINE_FILE:-machines/h100.json}
+[[ "$gpu" == *H200* ]] && [ -z "${MACHINE_FILE:-}" ] && machine=machines/h200.json
+if [[ "$gpu" == *H200* ]] && [ "${PROFILE:-1}" = 1 ]; then
   mkdir -p /tmp/spill
   $bin profile --backend cuda --spill-dir /tmp/spill --out $out/h200-profiled.json > $out/profile.log 2>&1 && machine=$out/h200-profiled.json
   tail -25 $out/profile.log; echo "profiled $(( $(date +%s) - t0 )) s"
@@ -33,7 +36,7 @@ grep -E "speculat|plan:" $out/x.log | cut -c1-250
 python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" $out/x_res.jsonl
 fi
 echo "peer start $(( $(date +%s) - t0 )) s"
-for p in ${PEERS-2.7B:full:8}; do NMEAS=3 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1; done
+for p in ${PEERS-2.7B:full:8}; do NMEAS=${NMEAS:-3} python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1; done
 echo "preds start $(( $(date +%s) - t0 )) s"
 if [ -n "${RUNS:-}" ]; then
   SKIP_BUILD=1 DEADLINE=$(( t0 + ${PRED_END:-470} )) RUN_GRACE=60 MACHINE=$machine RUNS="$RUNS" scripts/device-predictions.sh > $out/pred.txt 2>&1
