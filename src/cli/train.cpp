@@ -264,10 +264,6 @@ Status check_data_parallel_flags(const TrainFlags& f, const RankEnv& env) {
   if (!f.save_grads.empty())
     return Status::unsupported(job + ": --save-grads is not supported: the gradients live reduced on the rank that "
                                "owns each parameter");
-  if (f.zero_stage == 3 && f.eval_every > 0)
-    return Status::unsupported(job + ": --zero-stage 3 with --eval-every " + std::to_string(f.eval_every) +
-                               ": rank 0 holds only its shard of the parameters and cannot evaluate; give "
-                               "--eval-every 0 or --zero-stage 2");
   if (!f.trace_predicted.empty())
     return Status::unsupported(job + ": --trace-predicted is not supported (the simulator draws one process's step; "
                                "`spillway simulate --gpus N` predicts a data-parallel one)");

@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <functional>
 #include <limits>
 #include <memory>
 
@@ -219,6 +221,9 @@ class Run {
   Status init_or_load();
   Result<StepResult> step(int64_t s);
   Result<float> evaluate();
+  Status to_rank0(const std::string& what, const std::vector<size_t>& entries,
+                  const std::function<Result<std::vector<float>>(size_t)>& read,
+                  const std::function<Status(size_t, std::vector<float>)>& take);
   Status checkpoint(int64_t step);
   Status save();
   Status fail_step(int64_t s, const StepResult& r);
@@ -254,9 +259,6 @@ Status Run::setup() {
     return Status::invalid_argument("context " + std::to_string(t.shape.T) + " is longer than the model's context " +
                                     std::to_string(cfg_.context));
   if (o_.data == nullptr) return Status::invalid_argument("data parallel training: no data");
-  if (o_.zero_stage == 3 && o_.eval_every > 0)
-    return Status::unsupported("data parallel training: evaluation with ZeRO stage 3 (rank 0 holds only its shard of "
-                               "the parameters); give --eval-every 0 or --zero-stage 2");
   if (o_.steps < 1 || o_.stop_after < 0 || o_.eval_every < 0 || (o_.eval_every > 0 && o_.eval_batches < 1) ||
       o_.checkpoint_every < 0 || o_.keep < 1)
     return Status::invalid_argument("data parallel training: steps " + std::to_string(o_.steps) + ", stop after " +
@@ -383,35 +385,79 @@ Result<StepResult> Run::step(int64_t s) {
   return r;
 }
 
+// Rank 0 evaluates. With ZeRO stage 3 only a parameter's owner holds it, so every rank
+// takes part: each owner's parameters reach rank 0 (to_rank0), which evaluates alone;
+// the other ranks return 0. Otherwise only rank 0 calls it.
 Result<float> Run::evaluate() {
-  SPILLWAY_RETURN_IF_ERROR(rank_->executor().drain());
+  const bool gathered = layout_->zero_stage == 3;
+  Status s = rank_->executor().drain();
   const TrainerOptions& t = o_.trainer;
   const int B = t.shape.B, T = t.shape.T;
-  SPILLWAY_ASSIGN_OR_RETURN(Program eval, build_forward_program(cfg_, B, T, backend_.activation_dtype(), true,
-                                                                t.shape.tile_vocab || tiled_));
-  // Beside the rank's executor, in what the device budget leaves.
-  Budgets budgets = t.budgets;
-  const uint64_t training = rank_->executor().device_bytes();
-  if (budgets.device != UINT64_MAX) budgets.device = budgets.device > training ? budgets.device - training : 0;
-  const size_t free_bytes = backend_.device_free_bytes();
-  if (free_bytes != SIZE_MAX) budgets.device = std::min<uint64_t>(budgets.device, free_bytes);
-  auto plan = plan_for_backend(eval, backend_, t.machine, budgets, t.planner);
-  if (!plan.ok()) return plan.status().with_context("planning the evaluation beside rank 0's training");
-  ExecutorOptions eo;
-  eo.host_budget = budgets.host;
-  eo.spill_dir = t.spill_dir;
-  eo.storage_budget = budgets.storage;
-  SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Executor> ex, Executor::create(backend_, eval, *plan, eo));
-  const Program& mine = rank_->program();
-  std::vector<uint8_t> buffer;
-  for (const ParamSpec& p : parameter_specs(cfg_)) {
-    const std::vector<TensorId> src = mine.pieces(p.name), dst = eval.pieces(p.name);
-    if (src.size() != dst.size() || src.empty())
-      return Status::internal("the evaluation program's pieces of parameter " + p.name + " differ from training's");
-    for (size_t j = 0; j < src.size(); ++j) {
-      buffer.resize(mine.tensors.info(src[j]).bytes());
-      SPILLWAY_RETURN_IF_ERROR(rank_->executor().read_tensor(src[j], buffer.data(), buffer.size()));
-      SPILLWAY_RETURN_IF_ERROR(ex->write_tensor(dst[j], buffer.data(), buffer.size()));
+  Program eval;
+  std::unique_ptr<Executor> ex;
+  const DataParallelLayout& L = *layout_;
+  std::vector<size_t> entries;  // layout.params indices, in the order the evaluation takes them
+  std::vector<TensorId> dst;    // rank 0: [entries] the evaluation program's tensor of each
+  for (const ParamSpec& p : parameter_specs(cfg_))
+    for (size_t i : layout_pieces(L, p.name)) entries.push_back(i);
+  if (rank_id_ == 0 && s.is_ok()) {
+    s = [&]() -> Status {
+      SPILLWAY_ASSIGN_OR_RETURN(eval, build_forward_program(cfg_, B, T, backend_.activation_dtype(), true,
+                                                            t.shape.tile_vocab || tiled_));
+      for (const ParamSpec& p : parameter_specs(cfg_)) {
+        const std::vector<TensorId> d = eval.pieces(p.name);
+        if (d.size() != layout_pieces(L, p.name).size() || d.empty())
+          return Status::internal("the evaluation program's pieces of parameter " + p.name + " differ from training's");
+        dst.insert(dst.end(), d.begin(), d.end());
+      }
+      // Beside the rank's executor, in what the device budget leaves.
+      Budgets budgets = t.budgets;
+      const uint64_t training = rank_->executor().device_bytes();
+      if (budgets.device != UINT64_MAX) budgets.device = budgets.device > training ? budgets.device - training : 0;
+      const size_t free_bytes = backend_.device_free_bytes();
+      if (free_bytes != SIZE_MAX) budgets.device = std::min<uint64_t>(budgets.device, free_bytes);
+      auto plan = plan_for_backend(eval, backend_, t.machine, budgets, t.planner);
+      if (!plan.ok()) return plan.status().with_context("planning the evaluation beside rank 0's training");
+      ExecutorOptions eo;
+      eo.host_budget = budgets.host;
+      eo.spill_dir = t.spill_dir;
+      eo.storage_budget = budgets.storage;
+      SPILLWAY_ASSIGN_OR_RETURN(ex, Executor::create(backend_, eval, *plan, eo));
+      return Status::ok();
+    }();
+  }
+  if (gathered) {
+    SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "evaluation: its program"));
+    // entry k's values go to the evaluation's tensor dst[k], in its dtype (a bf16
+    // parameter read widened to F32 narrows back to the same bits).
+    std::map<size_t, size_t> slot;
+    for (size_t k = 0; k < entries.size(); ++k) slot[entries[k]] = k;
+    SPILLWAY_RETURN_IF_ERROR(to_rank0(
+        "evaluation: the parameters", entries, [&](size_t i) { return rank_->parameter(i); },
+        [&](size_t i, std::vector<float> v) -> Status {
+          const TensorId d = dst[slot.at(i)];
+          if (eval.tensors.info(d).dtype == DType::F32) return ex->write_tensor(d, v.data(), v.size() * sizeof(float));
+          std::vector<uint16_t> narrow(v.size());
+          for (size_t j = 0; j < v.size(); ++j) narrow[j] = float_to_bf16(v[j]);
+          return ex->write_tensor(d, narrow.data(), narrow.size() * sizeof(uint16_t));
+        }));
+    if (rank_id_ != 0) return 0.0f;
+  } else {
+    SPILLWAY_RETURN_IF_ERROR(s);
+    // Every rank holds every parameter: rank 0 copies its own, byte for byte.
+    const Program& mine = rank_->program();
+    std::vector<TensorId> src;
+    for (const ParamSpec& p : parameter_specs(cfg_)) {
+      const std::vector<TensorId> m = mine.pieces(p.name);
+      src.insert(src.end(), m.begin(), m.end());
+    }
+    if (src.size() != dst.size())
+      return Status::internal("the evaluation program's parameter pieces differ from rank 0's");
+    std::vector<uint8_t> buffer;
+    for (size_t k = 0; k < src.size(); ++k) {
+      buffer.resize(mine.tensors.info(src[k]).bytes());
+      SPILLWAY_RETURN_IF_ERROR(rank_->executor().read_tensor(src[k], buffer.data(), buffer.size()));
+      SPILLWAY_RETURN_IF_ERROR(ex->write_tensor(dst[k], buffer.data(), buffer.size()));
     }
   }
   const TensorId tokens = eval.tensors.find("mb0.tokens"), targets = eval.tensors.find("mb0.targets"),
@@ -483,51 +529,83 @@ Status Run::checkpoint(int64_t step) {
   return Status::ok();
 }
 
-// Every rank: the master weights it owns go to rank 0, which writes them as
-// Trainer::save does (the master weights, not the parameters: a bf16 parameter is
-// the master rounded). First each rank reads what it owns (agreed on, so that no rank
-// waits in a broadcast that another will not join), then each owner broadcasts its
-// tensors in layout order, in chunks of kSaveChunk floats through a device buffer.
-constexpr size_t kSaveChunk = size_t{1} << 24;
+// Every rank: the F32 values of layout entries `entries`, each read by `read` on its
+// owner, reach rank 0 in that order, which hands each to `take` (on rank 0 only, an
+// entry it owns included). First each rank reads what it owns (agreed on, so that no
+// rank waits in a broadcast that another will not join), then each owner broadcasts
+// its entries in order, in chunks of kChunkFloats through a device buffer. An error
+// of `take` or of a copy does not stop the broadcasts (the others would wait in
+// them); the ranks agree on the outcome at the end. Errors name `what`.
+constexpr size_t kChunkFloats = size_t{1} << 24;
 
-Status Run::save() {
-  const DataParallelLayout& L = rank_->layout();
-  std::vector<std::vector<float>> masters(L.params.size());  // rank 0: all; others: their own
-  Status s = rank_->executor().drain();
-  for (size_t i = 0; i < L.params.size() && s.is_ok(); ++i) {
-    if (L.partition.owner[i] != rank_id_) continue;
-    auto v = rank_->master(i);
+Status Run::to_rank0(const std::string& what, const std::vector<size_t>& entries,
+                     const std::function<Result<std::vector<float>>(size_t)>& read,
+                     const std::function<Status(size_t, std::vector<float>)>& take) {
+  const DataParallelLayout& L = *layout_;
+  std::map<size_t, std::vector<float>> owned;
+  Status s = Status::ok();
+  for (size_t i : entries) {
+    if (L.partition.owner[i] != rank_id_ || !s.is_ok()) continue;
+    auto v = read(i);
     if (v.ok())
-      masters[i] = std::move(*v);
+      owned[i] = std::move(*v);
     else
-      s = v.status();
+      s = v.status().with_context(L.params[i].name);
   }
-  SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, "--save: reading the master weights"));
+  SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, what + ": reading them"));
   size_t largest = 0;
-  for (const DataParallelParam& p : L.params) largest = std::max(largest, static_cast<size_t>(p.n));
-  const size_t chunk = std::min(largest, kSaveChunk);
+  for (size_t i : entries) largest = std::max(largest, static_cast<size_t>(L.params[i].n));
+  const size_t chunk = std::min(largest, kChunkFloats);
   void* buffer = nullptr;
   if (chunk > 0) {
     auto b = backend_.device_alloc(chunk * sizeof(float));
     s = b.ok() ? Status::ok() : b.status();
     if (b.ok()) buffer = *b;
   }
-  s = agree(gather_, rank_id_, s, "--save: a device buffer for the master weights");
-  for (size_t i = 0; i < L.params.size() && s.is_ok(); ++i) {
+  SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, s, what + ": a device buffer"));
+  Status local = Status::ok();  // this rank's error that does not stop the broadcasts
+  for (size_t i : entries) {
     const int owner = L.partition.owner[i];
-    if (owner == 0) continue;
+    if (owner == 0) {
+      if (rank_id_ == 0 && local.is_ok()) local = take(i, std::move(owned[i]));
+      continue;
+    }
     const size_t n = static_cast<size_t>(L.params[i].n);
-    if (rank_id_ == 0) masters[i].resize(n);
+    std::vector<float> got;
+    if (rank_id_ == 0) got.resize(n);
     for (size_t at = 0; at < n && s.is_ok(); at += chunk) {
       const size_t k = std::min(chunk, n - at), bytes = k * sizeof(float);
-      if (rank_id_ == owner) s = backend_.upload(buffer, masters[i].data() + at, bytes);
-      if (s.is_ok()) s = comm_.broadcast(buffer, bytes, owner);
-      if (s.is_ok() && rank_id_ == 0) s = backend_.download(masters[i].data() + at, buffer, bytes);
+      if (rank_id_ == owner && local.is_ok()) local = backend_.upload(buffer, owned[i].data() + at, bytes);
+      s = comm_.broadcast(buffer, bytes, owner);
+      if (s.is_ok() && rank_id_ == 0 && local.is_ok()) local = backend_.download(got.data() + at, buffer, bytes);
     }
-    if (!s.is_ok()) s = s.with_context("--save: rank " + std::to_string(owner) + "'s master weights of " + L.params[i].name);
+    if (!s.is_ok()) {
+      s = s.with_context(what + ": rank " + std::to_string(owner) + "'s " + L.params[i].name);
+      break;
+    }
+    if (rank_id_ == owner) std::vector<float>().swap(owned[i]);
+    if (rank_id_ == 0 && local.is_ok()) local = take(i, std::move(got));
   }
   if (buffer != nullptr) backend_.device_free(buffer);
-  SPILLWAY_RETURN_IF_ERROR(s);
+  SPILLWAY_RETURN_IF_ERROR(s);  // the communicator failed: every rank sees it
+  return agree(gather_, rank_id_, local, what);
+}
+
+// Every rank: the master weights it owns go to rank 0 (to_rank0), which writes them as
+// Trainer::save does (the master weights, not the parameters: a bf16 parameter is
+// the master rounded).
+Status Run::save() {
+  const DataParallelLayout& L = *layout_;
+  SPILLWAY_RETURN_IF_ERROR(agree(gather_, rank_id_, rank_->executor().drain(), "--save"));
+  std::vector<size_t> entries(L.params.size());
+  for (size_t i = 0; i < entries.size(); ++i) entries[i] = i;
+  std::vector<std::vector<float>> masters(L.params.size());  // rank 0: all
+  SPILLWAY_RETURN_IF_ERROR(to_rank0(
+      "--save: the master weights", entries, [&](size_t i) { return rank_->master(i); },
+      [&](size_t i, std::vector<float> v) {
+        masters[i] = std::move(v);
+        return Status::ok();
+      }));
   if (rank_id_ != 0) return Status::ok();
   return export_model(o_.save, cfg_, [&](const ParamSpec& p) -> Result<std::vector<float>> {
     std::vector<float> v;
@@ -567,15 +645,16 @@ Result<DataParallelTrainingResult> Run::run() {
     }
     SPILLWAY_ASSIGN_OR_RETURN(StepResult r, this->step(at));
     if (o_.eval_every > 0 && (at % o_.eval_every == 0 || at == o_.steps)) {
-      // Rank 0 evaluates; its outcome is agreed on (the others do not wait for a
+      // Rank 0 evaluates (with ZeRO stage 3 every rank takes part: the owners send
+      // it their parameters); its outcome is agreed on (the others do not wait for a
       // step that will not come).
       Status evaluated;
-      if (rank_id_ == 0) {
+      if (rank_id_ == 0 || layout_->zero_stage == 3) {
         auto v = evaluate();
-        if (v.ok()) {
+        if (v.ok() && rank_id_ == 0) {
           r.val_loss = *v;
           result_.last_val = *v;
-        } else {
+        } else if (!v.ok()) {
           evaluated = v.status();
         }
       }

@@ -149,7 +149,7 @@ struct RankRun {
 
 // `world` ranks of `accum` micro-batches in threads, each with its own CUDA backend on
 // device 0; rank 0 evaluates after the last step and saves to `save`.
-std::vector<RankRun> data_parallel(int world, int accum, const std::string& save) {
+std::vector<RankRun> data_parallel(int world, int accum, const std::string& save, int zero_stage = 2) {
   ThreadGroup group(world);
   std::vector<RankRun> runs(static_cast<size_t>(world));
   std::atomic<int> finished{0};
@@ -171,6 +171,7 @@ std::vector<RankRun> data_parallel(int world, int accum, const std::string& save
       o.steps = kSteps;
       o.eval_every = kSteps;
       o.eval_batches = 2;
+      o.zero_stage = zero_stage;
       if (r == 0) o.save = save;
       o.on_step = [&](const StepResult& s) {
         run.losses.train.push_back(s.loss);
@@ -194,20 +195,23 @@ std::vector<RankRun> data_parallel(int world, int accum, const std::string& save
 }  // namespace
 
 // 2 ranks of 1 micro-batch against one process with --accum 2, and 2 ranks of 2
-// against --accum 4 (each rank's own two micro-batches travel as parts of their own).
+// against --accum 4 (each rank's own two micro-batches travel as parts of their own);
+// also with ZeRO stage 3 (2 ranks of 2), whose evaluation gathers the bf16 parameters
+// on rank 0 as F32 and narrows them back.
 TEST(CudaDataParallel, TwoRanksOnOneGpuEqualOneRankWithTheirMicroBatchesBitForBit) {
   if (!gpu_present()) GTEST_SKIP() << "no CUDA GPU on this machine";
   ASSERT_GT(corpus().train.size(), 0u);
-  for (int accum : {1, 2}) {
+  for (auto [accum, zero_stage] : {std::pair{1, 2}, std::pair{2, 2}, std::pair{2, 3}}) {
     const int world = 2;
-    SCOPED_TRACE(std::to_string(world) + " ranks of " + std::to_string(accum) + " micro-batches on one GPU");
+    SCOPED_TRACE(std::to_string(world) + " ranks of " + std::to_string(accum) + " micro-batches on one GPU, ZeRO stage " +
+                 std::to_string(zero_stage));
     const std::string one = temp("one.safetensors"), many = temp("many.safetensors");
     const Losses ref = single_process(world * accum, one);
     ASSERT_EQ(ref.train.size(), static_cast<size_t>(kSteps));
     int clipped = 0;
     for (float n : ref.norm) clipped += n > kMaxNorm;
     EXPECT_GT(clipped, 0) << "no step clipped: the global norm's reduction is not tested";
-    const auto runs = data_parallel(world, accum, many);
+    const auto runs = data_parallel(world, accum, many, zero_stage);
     for (int r = 0; r < world; ++r) {
       const RankRun& run = runs[static_cast<size_t>(r)];
       ASSERT_TRUE(run.status.is_ok()) << "rank " << r << ": " << run.status.to_string();

@@ -209,6 +209,35 @@ TEST(DataParallelTraining, RanksEqualOneProcessWithTheirMicroBatchesBitForBit) {
   }
 }
 
+// ZeRO stage 3: each rank holds only the parameters it owns, so every rank takes part
+// in an evaluation (the owners send rank 0 theirs) — 2 ranks of 2 and 3 ranks of 1,
+// GPT-2 and Llama: the step losses, the validation losses and the saved weights are
+// one process's, bit for bit, and only rank 0 reports a validation loss.
+TEST(DataParallelTraining, ZeroStage3EvaluatesAsOneProcessDoes) {
+  for (const auto& [name, cfg] : {std::pair<std::string, ModelConfig>{"gpt2", gpt2()}, {"llama", llama()}}) {
+    for (Ranks shape : {Ranks{2, 2}, Ranks{3, 1}}) {
+      SCOPED_TRACE(name + ", " + std::to_string(shape.world) + " ranks of " + std::to_string(shape.accum));
+      const std::string one = temp(name + "_z3_one.safetensors"), many = temp(name + "_z3_many.safetensors");
+      const Losses ref = single_process(cfg, shape.world * shape.accum, one);
+      ASSERT_EQ(ref.val.size(), 2u);
+      const auto runs = data_parallel(cfg, shape.world, shape.accum, [&](int r, DataParallelTrainingOptions& o) {
+        o.zero_stage = 3;
+        if (r == 0) o.save = many;
+      });
+      for (int r = 0; r < shape.world; ++r) {
+        const RankRun& run = runs[static_cast<size_t>(r)];
+        ASSERT_TRUE(run.status.is_ok()) << "rank " << r << ": " << run.status.to_string();
+        EXPECT_TRUE(same_bits(run.losses.train, ref.train)) << "rank " << r << "'s step losses";
+        if (r > 0) EXPECT_TRUE(run.losses.val.empty()) << "rank " << r << " reported a validation loss";
+      }
+      EXPECT_TRUE(same_bits(runs[0].losses.val, ref.val)) << "validation losses";
+      ASSERT_TRUE(runs[0].result.last_val.has_value());
+      EXPECT_EQ(*runs[0].result.last_val, ref.val.back());
+      EXPECT_TRUE(file_bytes(many) == file_bytes(one)) << "the saved weights differ from one process's";
+    }
+  }
+}
+
 // The comparison can fail: another seed's weights differ in the saved file and the
 // losses differ.
 TEST(DataParallelTraining, TheComparisonSeesADifference) {
