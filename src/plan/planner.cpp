@@ -1674,9 +1674,11 @@ Result<Plan> plan_offload_level_best_share(const Program& program, const CostMod
 // them; Plan::op_place records the choice.
 // `budgets.device` is the arena's budget: the device budget `given_device` less
 // `workspace` (0 when the workspace alone takes more).
+// `more` (auto only): the candidates ranked after the one returned, up to `count` plans
+// in all, in ranking order.
 Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, const Budgets& budgets,
                             const PlannerOptions& options, size_t alignment, uint64_t workspace,
-                            uint64_t given_device, uint64_t reserved) {
+                            uint64_t given_device, uint64_t reserved, std::vector<Plan>* more, int count) {
   Program program = original;
   uint64_t minimum = minimum_device_budget(program, alignment);
   if (budgets.device < minimum) {
@@ -1837,14 +1839,21 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
         return Status::invalid_argument("auto: candidate " + std::to_string(options.auto_rank + 1) +
                                         " asked for, but " + std::to_string(ranked.size()) + " plan(s) fit");
       if (!ranked.empty()) {
-        auto& [step_s, plan] = ranked[static_cast<size_t>(options.auto_rank)];
-        plan.policy = Policy::Auto;
-        plan.predicted_step_s = step_s;
-        char predicted[96];
-        std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, candidate %d of %zu by predicted time)",
-                      step_s, options.auto_rank + 1, ranked.size());
-        plan.description += predicted;
-        return std::move(plan);
+        auto annotated = [&](size_t rank) {
+          auto& [step_s, plan] = ranked[rank];
+          plan.policy = Policy::Auto;
+          plan.predicted_step_s = step_s;
+          char predicted[128];
+          std::snprintf(predicted, sizeof predicted, " (simulator: %.3f s/step, candidate %zu of %zu by predicted time)",
+                        step_s, rank + 1, ranked.size());
+          plan.description += predicted;
+          return std::move(plan);
+        };
+        const auto first = static_cast<size_t>(options.auto_rank);
+        if (more)
+          for (size_t rank = first + 1; rank < ranked.size() && rank < first + static_cast<size_t>(count); ++rank)
+            more->push_back(annotated(rank));
+        return annotated(first);
       }
       return last.is_ok() ? Status::out_of_memory("auto: no candidate plan fits the budgets") : last;
     }
@@ -1852,8 +1861,11 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
   return Status::internal("planner: unknown policy");
 }
 
-Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budgets& budgets,
-                       const PlannerOptions& options) {
+namespace {
+
+// make_plan, and with `count` > 1 (auto) the candidates ranked after its plan too.
+Result<std::vector<Plan>> make_plans(const Program& program, const CostModel& cost, const Budgets& budgets,
+                                     const PlannerOptions& options, int count) {
   const size_t alignment = options.alignment;
   // The workspace comes out of the device budget first; the arena gets the rest.
   const uint64_t workspace = align_up(options.workspace_bytes, alignment);
@@ -1861,12 +1873,35 @@ Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budg
   Budgets arena = budgets;
   if (budgets.device != UINT64_MAX)
     arena.device = budgets.device > workspace + reserved ? budgets.device - workspace - reserved : 0;
-  SPILLWAY_ASSIGN_OR_RETURN(Plan plan, make_plan_impl(program, cost, arena, options, alignment, workspace,
-                                                      budgets.device, reserved));
-  plan.workspace_bytes = workspace;
-  if (workspace > 0) plan.description += ", workspace " + format_size(workspace);
-  SPILLWAY_RETURN_IF_ERROR(plan.validate(program, arena).with_context("planner produced an invalid plan"));
-  return plan;
+  std::vector<Plan> more;
+  SPILLWAY_ASSIGN_OR_RETURN(Plan first, make_plan_impl(program, cost, arena, options, alignment, workspace,
+                                                       budgets.device, reserved, count > 1 ? &more : nullptr, count));
+  std::vector<Plan> plans;
+  plans.push_back(std::move(first));
+  for (Plan& p : more) plans.push_back(std::move(p));
+  for (Plan& plan : plans) {
+    plan.workspace_bytes = workspace;
+    if (workspace > 0) plan.description += ", workspace " + format_size(workspace);
+    SPILLWAY_RETURN_IF_ERROR(plan.validate(program, arena).with_context("planner produced an invalid plan"));
+  }
+  return plans;
+}
+
+}  // namespace
+
+Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budgets& budgets,
+                       const PlannerOptions& options) {
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<Plan> plans, make_plans(program, cost, budgets, options, 1));
+  return std::move(plans.front());
+}
+
+Result<std::vector<Plan>> make_auto_plans(const Program& program, const CostModel& cost, const Budgets& budgets,
+                                          const PlannerOptions& options, int count) {
+  if (options.policy != Policy::Auto)
+    return Status::invalid_argument(std::string("make_auto_plans: policy ") + policy_name(options.policy) +
+                                    "; expected auto");
+  if (count < 1) return Status::invalid_argument("make_auto_plans: count " + std::to_string(count) + "; expected >= 1");
+  return make_plans(program, cost, budgets, options, count);
 }
 
 }  // namespace spillway

@@ -97,6 +97,13 @@ struct PlannerOptions {
 Result<Plan> make_plan(const Program& program, const CostModel& cost, const Budgets& budgets,
                        const PlannerOptions& options);
 
+// Policy auto: the plans make_plan returns for auto_rank = options.auto_rank,
+// options.auto_rank + 1, ... (count of them, fewer when fewer candidates plan), from
+// one search of the candidates instead of one per rank.
+//   auto top = make_auto_plans(program, cost, budgets, {.policy = Policy::Auto}, 2);  // the best two
+Result<std::vector<Plan>> make_auto_plans(const Program& program, const CostModel& cost, const Budgets& budgets,
+                                          const PlannerOptions& options, int count);
+
 // The smallest device budget any policy can run this program with: the largest
 // single op's working set (operands plus alignment padding), the inputs and outputs,
 // and `workspace_bytes` rounded up to the alignment.

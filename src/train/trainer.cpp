@@ -249,20 +249,18 @@ Result<Plan> Trainer::confirm_auto_plan() {
     double measured_s = 0;
   };
   std::vector<Timed> timed;
-  for (int rank = 0; rank < options_.auto_confirm; ++rank) {
-    PlannerOptions o = options_.planner;
-    o.auto_rank = rank;
-    auto plan = plan_for_backend(program_, backend_, options_.machine, options_.budgets, o);
-    if (!plan.ok()) {
-      if (rank == 0) return plan.status();
-      break;  // fewer candidates fit than asked for
-    }
+  // One search ranks the candidates; fewer may fit than asked for.
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<Plan> candidates,
+                            auto_plans_for_backend(program_, backend_, options_.machine, options_.budgets,
+                                                   options_.planner, options_.auto_confirm));
+  for (size_t rank = 0; rank < candidates.size(); ++rank) {
+    Plan& plan = candidates[rank];
     ExecutorOptions eo;
     eo.host_budget = options_.budgets.host;
     eo.spill_dir = options_.spill_dir;
     eo.storage_budget = options_.budgets.storage;
     const std::string what = "timing auto's candidate " + std::to_string(rank + 1);
-    auto trial = Executor::create(backend_, program_, *plan, eo);
+    auto trial = Executor::create(backend_, program_, plan, eo);
     if (!trial.ok()) return trial.status().with_context(what);
     // Zeroed state (tokens 0, weights 0) does the same work as real values. Step 1
     // first touches every page and buffer; step 2, drained, is the figure.
@@ -273,7 +271,7 @@ Result<Plan> Trainer::confirm_auto_plan() {
     SPILLWAY_RETURN_IF_ERROR((*trial)->drain().with_context(what));
     const double s = seconds_since(start);
     trial->reset();  // its memory goes back before the next candidate's executor is made
-    timed.push_back({std::move(*plan), s});
+    timed.push_back({std::move(plan), s});
   }
   size_t best = 0;
   for (size_t i = 1; i < timed.size(); ++i)
@@ -342,18 +340,44 @@ Result<PlannerOptions> backend_planner_options(const Program& program, const Bac
   return options;
 }
 
-Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
-                              const Budgets& budgets, const PlannerOptions& options) {
+namespace {
+
+// make_plan (count 0) or make_auto_plans (count >= 1) for `backend`, as plan_for_backend says.
+Result<std::vector<Plan>> plans_for_backend(const Program& program, const Backend& backend, const Machine& machine,
+                                            const Budgets& budgets, const PlannerOptions& options, int count) {
   SPILLWAY_ASSIGN_OR_RETURN(PlannerOptions o, backend_planner_options(program, backend, options));
   o.reserved_device_bytes = host_mapping_reserve(program, backend, budgets);
   const uint64_t fixed = backend.fixed_device_bytes();
   if (budgets.device != UINT64_MAX) o.outside_budget_bytes = fixed;
-  auto plan = make_plan(program, Simulator(machine), allocatable_budgets(budgets, backend), o);
-  if (plan.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plan;
-  return plan.status().with_context("the device budget " + format_size(budgets.device) + " less the " +
-                                    format_size(fixed) +
-                                    " the backend holds itself (streams, library handles): the figures below leave "
-                                    "it out; a suggested --device-budget includes it");
+  const Simulator cost(machine);
+  const Budgets allocatable = allocatable_budgets(budgets, backend);
+  Result<std::vector<Plan>> plans = std::vector<Plan>{};
+  if (count == 0) {
+    auto plan = make_plan(program, cost, allocatable, o);
+    if (plan.ok()) plans->push_back(std::move(*plan));
+    else plans = plan.status();
+  } else {
+    plans = make_auto_plans(program, cost, allocatable, o, count);
+  }
+  if (plans.ok() || fixed == 0 || budgets.device == UINT64_MAX) return plans;
+  return plans.status().with_context("the device budget " + format_size(budgets.device) + " less the " +
+                                     format_size(fixed) +
+                                     " the backend holds itself (streams, library handles): the figures below leave "
+                                     "it out; a suggested --device-budget includes it");
+}
+
+}  // namespace
+
+Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
+                              const Budgets& budgets, const PlannerOptions& options) {
+  SPILLWAY_ASSIGN_OR_RETURN(std::vector<Plan> plans, plans_for_backend(program, backend, machine, budgets, options, 0));
+  return std::move(plans.front());
+}
+
+Result<std::vector<Plan>> auto_plans_for_backend(const Program& program, const Backend& backend,
+                                                 const Machine& machine, const Budgets& budgets,
+                                                 const PlannerOptions& options, int count) {
+  return plans_for_backend(program, backend, machine, budgets, options, std::max(1, count));
 }
 
 Result<Program> build_for_budget(const std::function<Result<Program>(bool tile_vocab)>& build,

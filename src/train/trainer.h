@@ -168,6 +168,11 @@ Result<PlannerOptions> backend_planner_options(const Program& program, const Bac
 // An error says how much of the budget the backend holds itself, where it holds any.
 Result<Plan> plan_for_backend(const Program& program, const Backend& backend, const Machine& machine,
                               const Budgets& budgets, const PlannerOptions& options);
+// make_auto_plans for `backend` likewise: auto's best `count` candidates (fewer when
+// fewer plan), from one search.
+Result<std::vector<Plan>> auto_plans_for_backend(const Program& program, const Backend& backend,
+                                                 const Machine& machine, const Budgets& budgets,
+                                                 const PlannerOptions& options, int count);
 
 // A GPT program for a device budget: build(false), or when that program's largest op
 // (planner minimum_device_budget) takes more than half of what the arena gets — the

@@ -228,7 +228,9 @@ TEST(DataParallelTraining, ZeroStage3EvaluatesAsOneProcessDoes) {
         const RankRun& run = runs[static_cast<size_t>(r)];
         ASSERT_TRUE(run.status.is_ok()) << "rank " << r << ": " << run.status.to_string();
         EXPECT_TRUE(same_bits(run.losses.train, ref.train)) << "rank " << r << "'s step losses";
-        if (r > 0) EXPECT_TRUE(run.losses.val.empty()) << "rank " << r << " reported a validation loss";
+        if (r > 0) {
+          EXPECT_TRUE(run.losses.val.empty()) << "rank " << r << " reported a validation loss";
+        }
       }
       EXPECT_TRUE(same_bits(runs[0].losses.val, ref.val)) << "validation losses";
       ASSERT_TRUE(runs[0].result.last_val.has_value());

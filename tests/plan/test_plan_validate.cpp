@@ -70,6 +70,68 @@ TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
 }
 
 
+bool same_instructions(const Plan& a, const Plan& b) {
+  if (a.instructions.size() != b.instructions.size()) return false;
+  for (size_t i = 0; i < a.instructions.size(); ++i) {
+    const Instruction &x = a.instructions[i], &y = b.instructions[i];
+    if (x.kind != y.kind || x.op != y.op || x.tensor != y.tensor || x.offset != y.offset ||
+        x.write_back != y.write_back || x.free_host != y.free_host || x.recompute != y.recompute)
+      return false;
+  }
+  return true;
+}
+
+// make_auto_plans (one search; the trainer's --auto-confirm) gives, in order, the plans
+// make_plan gives for auto_rank 0, 1, 2, ... — instructions, homes, predictions and
+// descriptions — starting at options.auto_rank, and fewer when fewer candidates plan.
+TEST(PlanValidate, AutoPlansFromOneSearchAreThoseOfEachRank) {
+  auto program = build_training_program(ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  Budgets b;
+  b.device = resident->device_bytes / 2;
+  const Simulator cost(Machine::cpu_dev_box());
+  PlannerOptions o{.policy = Policy::Auto, .alignment = 64, .workspace_bytes = 4096};
+  auto all = make_auto_plans(*program, cost, b, o, 1000);
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  ASSERT_GE(all->size(), 3u);
+  for (int start : {0, 1}) {
+    o.auto_rank = start;
+    auto some = make_auto_plans(*program, cost, b, o, 2);
+    ASSERT_TRUE(some.ok()) << some.status().to_string();
+    ASSERT_EQ(some->size(), 2u);
+    for (size_t k = 0; k < some->size(); ++k) {
+      PlannerOptions one = o;
+      one.auto_rank = start + static_cast<int>(k);
+      auto plan = make_plan(*program, cost, b, one);
+      ASSERT_TRUE(plan.ok()) << plan.status().to_string();
+      const Plan& got = (*some)[k];
+      SCOPED_TRACE("candidate " + std::to_string(one.auto_rank + 1));
+      EXPECT_TRUE(same_instructions(got, *plan));
+      EXPECT_EQ(got.home, plan->home);
+      EXPECT_EQ(got.description, plan->description);
+      EXPECT_EQ(got.predicted_step_s, plan->predicted_step_s);
+      EXPECT_EQ(got.workspace_bytes, plan->workspace_bytes);
+      EXPECT_EQ(got.speculation.size(), plan->speculation.size());
+      EXPECT_TRUE(same_instructions(got, (*all)[static_cast<size_t>(one.auto_rank)]));
+    }
+  }
+  // The last candidate alone, and asking past it.
+  o.auto_rank = static_cast<int>(all->size()) - 1;
+  auto last = make_auto_plans(*program, cost, b, o, 4);
+  ASSERT_TRUE(last.ok()) << last.status().to_string();
+  EXPECT_EQ(last->size(), 1u);
+  o.auto_rank = static_cast<int>(all->size());
+  EXPECT_FALSE(make_auto_plans(*program, cost, b, o, 1).ok());
+  o.auto_rank = 0;
+  EXPECT_FALSE(make_auto_plans(*program, cost, b, o, 0).ok());
+  o.policy = Policy::Planned;
+  auto planned = make_auto_plans(*program, cost, b, o, 2);
+  ASSERT_FALSE(planned.ok());
+  EXPECT_NE(planned.status().message().find("expected auto"), std::string::npos) << planned.status().to_string();
+}
+
 // Planned keeps all the state on device, living on recomputation, when that leaves
 // less than half the budget free but the simulator predicts it faster than
 // offloading the optimizer; it never picks the slower of the two. (Width 512: at 256
