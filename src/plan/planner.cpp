@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <functional>
 #include <future>
+#include <thread>
 #include <limits>
 #include <optional>
 #include <queue>
@@ -1815,23 +1816,37 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
       // options.auto_rank in that order (ties keep the enumeration order).
       std::vector<std::pair<double, Plan>> ranked;
       Status last = Status::ok();
-      for (const Candidate& k : candidates) {
+      // The candidates are planned in parallel, as many at once as the host has
+      // hardware threads (each is independent; the cost model is only read), and taken
+      // in enumeration order, so the ranking is the same.
+      auto plan_candidate = [&](const Candidate& k) -> Result<std::pair<double, Plan>> {
         // With recomputation, the optimizer share is searched too (shares beyond the
         // rule leave the activations little room but recomputation).
-        auto plan = k.device_optimizer && k.recompute
-                        ? plan_offload_level_best_share(program, cost, budgets, options, k.level, k.recompute,
-                                                        options.prefetch_distance, k.flush_gap, k.layer_major,
-                                                        alignment, nullptr)
-                        : plan_offload_level(program, cost, budgets, options, k.level, k.recompute,
-                                             options.prefetch_distance, k.flush_gap, k.layer_major, alignment,
-                                             nullptr, k.device_optimizer);
-        if (!plan.ok()) {
-          if (plan.status().code() == StatusCode::Internal) return plan.status();  // a planner bug: never skipped
-          last = plan.status();
-          continue;
+        SPILLWAY_ASSIGN_OR_RETURN(
+            Plan plan, k.device_optimizer && k.recompute
+                           ? plan_offload_level_best_share(program, cost, budgets, options, k.level, k.recompute,
+                                                           options.prefetch_distance, k.flush_gap, k.layer_major,
+                                                           alignment, nullptr)
+                           : plan_offload_level(program, cost, budgets, options, k.level, k.recompute,
+                                                options.prefetch_distance, k.flush_gap, k.layer_major, alignment,
+                                                nullptr, k.device_optimizer));
+        const double step_s = cost.step_seconds(placed_as_planned(program, plan), plan);
+        return std::pair<double, Plan>(step_s, std::move(plan));
+      };
+      const size_t wave = std::max(1u, std::thread::hardware_concurrency());
+      for (size_t begin = 0; begin < candidates.size(); begin += wave) {
+        std::vector<std::future<Result<std::pair<double, Plan>>>> planned;
+        for (size_t i = begin; i < candidates.size() && i < begin + wave; ++i)
+          planned.push_back(std::async(std::launch::async, plan_candidate, candidates[i]));
+        for (auto& future : planned) {
+          auto candidate = future.get();
+          if (!candidate.ok()) {
+            if (candidate.status().code() == StatusCode::Internal) return candidate.status();  // a planner bug
+            last = candidate.status();
+            continue;
+          }
+          ranked.push_back(std::move(*candidate));
         }
-        const double step_s = cost.step_seconds(placed_as_planned(program, *plan), *plan);
-        ranked.emplace_back(step_s, std::move(*plan));
       }
       std::stable_sort(ranked.begin(), ranked.end(),
                        [](const auto& a, const auto& b) { return a.first < b.first; });
