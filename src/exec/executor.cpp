@@ -56,7 +56,7 @@ class PlanExecutor final : public Executor {
     (void)b_.copy_engine().wait_all();
     if (spill_) (void)spill_->wait_all();
     host_arena_.reset();
-    if (host_memory_) b_.host_free(host_memory_);
+    if (host_memory_ && owns_host_) b_.host_free(host_memory_);
     std::free(spec_memory_);
     arena_.reset();
     if (workspace_) b_.set_workspace(nullptr, 0);
@@ -107,7 +107,19 @@ class PlanExecutor final : public Executor {
     if (host_bytes > opt_.host_budget)
       return Status::out_of_memory("the plan needs " + format_size(host_bytes) + " of host memory, above the host budget " +
                                    format_size(opt_.host_budget));
-    SPILLWAY_ASSIGN_OR_RETURN(host_memory_, b_.host_alloc(host_bytes));
+    if (opt_.external_host.base) {
+      if (reinterpret_cast<uintptr_t>(opt_.external_host.base) % 4096 != 0)
+        return Status::invalid_argument("executor: the host region given is not aligned to 4096 bytes");
+      if (host_bytes > opt_.external_host.bytes)
+        return Status::invalid_argument("executor: the plan needs " + format_size(host_bytes) + " (" +
+                                        std::to_string(host_bytes) + " bytes) of host arena; the host region given holds " +
+                                        format_size(opt_.external_host.bytes));
+      host_memory_ = opt_.external_host.base;
+      owns_host_ = false;
+    } else {
+      SPILLWAY_ASSIGN_OR_RETURN(host_memory_, b_.host_alloc(host_bytes));
+      owns_host_ = true;
+    }
     host_arena_ = std::make_unique<DeviceArena>(host_memory_, host_bytes, 4096);
     // Host-homed state starts zeroed: the whole arena, in parallel (tens of GiB for
     // a large model; one thread would take most of the time to the first step).
@@ -1173,6 +1185,7 @@ class PlanExecutor final : public Executor {
   uint64_t home_end_ = 0;        // device homes of persistent tensors lie in [0, home_end_)
   std::unique_ptr<DeviceArena> arena_;
   void* host_memory_ = nullptr;  // one pinned allocation of the host arena's bytes
+  bool owns_host_ = false;       // host_memory_ is ours to free (not ExecutorOptions::external_host)
   std::unique_ptr<DeviceArena> host_arena_;  // the same planned-offset arena as the device's
   std::unique_ptr<SpillStore> spill_;
   std::vector<BusyRange> busy_;

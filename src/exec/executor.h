@@ -49,11 +49,23 @@ struct DeviceRegion {
   uint64_t bytes = 0;
 };
 
+// Pinned host memory the executor is given rather than allocating it (from
+// Backend::host_alloc, 4096-aligned).
+struct HostRegion {
+  void* base = nullptr;
+  uint64_t bytes = 0;
+};
+
 struct ExecutorOptions {
   // When base is set: the arena and workspace live here (another executor's idle
   // region, see Executor::idle_device_region) and the executor allocates no device
   // memory. It must hold the plan's arena rounded up to the alignment plus its workspace.
   DeviceRegion external_device = {};
+  // When base is set: the host arena lives here (zeroed by the executor, as its own
+  // would be) and the executor pins none, frees none. It must hold the plan's host
+  // arena rounded up to 4096 bytes. Executors made one after another for plans of
+  // one program (auto's timed candidates, then the run's) share one pinning so.
+  HostRegion external_host = {};
   uint64_t host_budget = UINT64_MAX;
   std::string spill_dir;             // required when the plan homes or moves anything to storage
   uint64_t storage_budget = 0;       // 0 = plan.storage_bytes rounded up

@@ -218,6 +218,10 @@ Status Trainer::setup() {
                   : plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
+  if (shared_host_ && std::max<uint64_t>(4096, (plan_.host_bytes + 4095) / 4096 * 4096) < shared_host_bytes_) {
+    shared_host_.reset();  // more than the run's plan needs: its executor pins its own
+    shared_host_bytes_ = 0;
+  }
   setup_times_.plan_s = seconds_since(t);
   t = Clock::now();
   ExecutorOptions eo;
@@ -225,6 +229,7 @@ Status Trainer::setup() {
   eo.spill_dir = options_.spill_dir;
   eo.storage_budget = options_.budgets.storage;
   eo.storage_engine_maker = options_.storage_engine_maker;
+  eo.external_host = {shared_host_.get(), shared_host_bytes_};
   auto executor = Executor::create(backend_, program_, plan_, eo);
   if (!executor.ok()) return executor.status().with_context("creating the training executor");
   executor_ = std::move(*executor);
@@ -253,12 +258,26 @@ Result<Plan> Trainer::confirm_auto_plan() {
   SPILLWAY_ASSIGN_OR_RETURN(std::vector<Plan> candidates,
                             auto_plans_for_backend(program_, backend_, options_.machine, options_.budgets,
                                                    options_.planner, options_.auto_confirm));
+  // One pinning of the largest candidate's host arena serves every trial, and the run
+  // when its plan needs all of it (pinning tens of GiB takes seconds each time) — if
+  // beside each candidate's second buffers it stays within the host budget.
+  uint64_t host_bytes = 4096, most_speculation = 0;
+  for (const Plan& plan : candidates) {
+    host_bytes = std::max(host_bytes, (plan.host_bytes + 4095) / 4096 * 4096);
+    most_speculation = std::max(most_speculation, plan.speculation_bytes);
+  }
+  if (host_bytes <= options_.budgets.host && most_speculation <= options_.budgets.host - host_bytes) {
+    SPILLWAY_ASSIGN_OR_RETURN(void* pinned, backend_.host_alloc(host_bytes));
+    shared_host_ = std::shared_ptr<void>(pinned, [b = &backend_](void* q) { b->host_free(q); });
+    shared_host_bytes_ = host_bytes;
+  }
   for (size_t rank = 0; rank < candidates.size(); ++rank) {
     Plan& plan = candidates[rank];
     ExecutorOptions eo;
     eo.host_budget = options_.budgets.host;
     eo.spill_dir = options_.spill_dir;
     eo.storage_budget = options_.budgets.storage;
+    eo.external_host = {shared_host_.get(), shared_host_bytes_};
     const std::string what = "timing auto's candidate " + std::to_string(rank + 1);
     auto trial = Executor::create(backend_, program_, plan, eo);
     if (!trial.ok()) return trial.status().with_context(what);

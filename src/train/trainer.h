@@ -330,6 +330,11 @@ class Trainer {
   TrainerOptions options_;
   Program program_;
   Plan plan_;
+  // Policy auto with --auto-confirm: one pinned host region that the timed candidates'
+  // executors and then executor_ hold their host arenas in (ExecutorOptions::
+  // external_host; freed after executor_, which is declared after it). Null otherwise.
+  std::shared_ptr<void> shared_host_;
+  uint64_t shared_host_bytes_ = 0;
   std::unique_ptr<Executor> executor_;
   SetupTimes setup_times_;
   std::shared_ptr<uint8_t> snapshot_staging_[2];  // [8 MiB] each, pinned: checkpoint device copies

@@ -270,6 +270,49 @@ TEST(Budgets, WorkspaceIsPlannedInsideTheDeviceBudget) {
       << below.status.message();
 }
 
+// Executors given one pinned host region in turn (ExecutorOptions::external_host, as
+// auto's timed candidates and the run share one) give the bits of executors that pin
+// their own: each zeroes what its arena uses, whatever the region held (here NaNs,
+// then the last run's state). A region too small or misaligned is refused.
+TEST(Budgets, ExecutorsShareOneHostRegionInTurn) {
+  GPTCase s = small_model(32);
+  TrainRun resident = train_gpt(s, {}, {.policy = Policy::Resident}, 1);
+  ASSERT_TRUE(resident.status.is_ok()) << resident.status.to_string();
+  Budgets b;
+  b.device = resident.plan.device_bytes / 2;
+  const PlannerOptions planned{.policy = Policy::Planned};
+  TrainRun own = train_gpt(s, b, planned, 4);
+  ASSERT_TRUE(own.status.is_ok()) << own.status.to_string();
+  const uint64_t need = std::max<uint64_t>(4096, (own.plan.host_bytes + 4095) / 4096 * 4096);
+  ASSERT_GT(own.plan.host_bytes, 0u) << "nothing rests on host: the test shares nothing";
+  auto backend = make_backend("cpu", {.threads = 1});
+  ASSERT_TRUE(backend.ok());
+  const uint64_t bytes = need + 8192;
+  auto region = (*backend)->host_alloc(bytes);
+  ASSERT_TRUE(region.ok()) << region.status().to_string();
+  std::memset(*region, 0xff, bytes);  // NaN in every float
+  ExecutorOptions shared;
+  shared.external_host = {*region, bytes};
+  for (int turn = 1; turn <= 2; ++turn) {
+    TrainRun r = train_gpt(s, b, planned, 4, shared);
+    ASSERT_TRUE(r.status.is_ok()) << "turn " << turn << ": " << r.status.to_string();
+    testing_support::expect_same_losses(r.losses, own.losses, "turn " + std::to_string(turn));
+    EXPECT_TRUE(r.weights == own.weights) << "turn " << turn << ": the master weights differ";
+  }
+  ExecutorOptions small;
+  small.external_host = {*region, need - 4096};
+  TrainRun refused = train_gpt(s, b, planned, 1, small);
+  ASSERT_FALSE(refused.status.is_ok());
+  EXPECT_EQ(refused.status.code(), StatusCode::InvalidArgument);
+  EXPECT_NE(refused.status.message().find("host region given holds"), std::string::npos) << refused.status.message();
+  ExecutorOptions misaligned;
+  misaligned.external_host = {static_cast<char*>(*region) + 64, bytes - 64};
+  TrainRun crooked = train_gpt(s, b, planned, 1, misaligned);
+  ASSERT_FALSE(crooked.status.is_ok());
+  EXPECT_NE(crooked.status.message().find("not aligned to 4096"), std::string::npos) << crooked.status.message();
+  (*backend)->host_free(*region);
+}
+
 // An executor given another's idle device region allocates no device memory, and
 // refuses a region too small for its plan.
 TEST(Budgets, ExecutorInAnotherExecutorsIdleRegion) {
