@@ -252,12 +252,15 @@ Result<Plan> Trainer::confirm_auto_plan() {
   struct Timed {
     Plan plan;
     double measured_s = 0;
+    double trial_s = 0;  // the whole trial: its executor, both steps, the drains
   };
   std::vector<Timed> timed;
   // One search ranks the candidates; fewer may fit than asked for.
+  const auto search_start = std::chrono::steady_clock::now();
   SPILLWAY_ASSIGN_OR_RETURN(std::vector<Plan> candidates,
                             auto_plans_for_backend(program_, backend_, options_.machine, options_.budgets,
                                                    options_.planner, options_.auto_confirm));
+  const double search_s = seconds_since(search_start);
   // One pinning of the largest candidate's host arena serves every trial, and the run
   // when its plan needs all of it (pinning tens of GiB takes seconds each time) — if
   // beside each candidate's second buffers it stays within the host budget.
@@ -279,6 +282,7 @@ Result<Plan> Trainer::confirm_auto_plan() {
     eo.storage_budget = options_.budgets.storage;
     eo.external_host = {shared_host_.get(), shared_host_bytes_};
     const std::string what = "timing auto's candidate " + std::to_string(rank + 1);
+    const auto trial_start = std::chrono::steady_clock::now();
     auto trial = Executor::create(backend_, program_, plan, eo);
     if (!trial.ok()) return trial.status().with_context(what);
     // Zeroed state (tokens 0, weights 0) does the same work as real values. Step 1
@@ -290,18 +294,21 @@ Result<Plan> Trainer::confirm_auto_plan() {
     SPILLWAY_RETURN_IF_ERROR((*trial)->drain().with_context(what));
     const double s = seconds_since(start);
     trial->reset();  // its memory goes back before the next candidate's executor is made
-    timed.push_back({std::move(plan), s});
+    timed.push_back({std::move(plan), s, seconds_since(trial_start)});
   }
   size_t best = 0;
   for (size_t i = 1; i < timed.size(); ++i)
     if (timed[i].measured_s < timed[best].measured_s) best = i;
   std::string report = "; timed one step each:";
   for (size_t i = 0; i < timed.size(); ++i) {
-    char line[128];
-    std::snprintf(line, sizeof line, "%s candidate %zu predicted %.3f s, measured %.3f s", i ? "," : "", i + 1,
-                  timed[i].plan.predicted_step_s, timed[i].measured_s);
+    char line[160];
+    std::snprintf(line, sizeof line, "%s candidate %zu predicted %.3f s, measured %.3f s (trial %.1f s)", i ? "," : "",
+                  i + 1, timed[i].plan.predicted_step_s, timed[i].measured_s, timed[i].trial_s);
     report += line;
   }
+  char searched[64];
+  std::snprintf(searched, sizeof searched, "; search %.1f s", search_s);
+  report += searched;
   report += "; kept candidate " + std::to_string(best + 1);
   Plan chosen = std::move(timed[best].plan);
   chosen.description += report;

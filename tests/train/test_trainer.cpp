@@ -170,6 +170,8 @@ TEST(Trainer, AutoTimesItsBestTwoCandidatesAndStaysExact) {
   EXPECT_NE(d.find("timed one step each: candidate 1 predicted"), std::string::npos) << d;
   EXPECT_NE(d.find(", candidate 2 predicted"), std::string::npos) << d;
   EXPECT_NE(d.find("; kept candidate "), std::string::npos) << d;
+  EXPECT_NE(d.find(" s (trial "), std::string::npos) << d;  // each trial's whole time
+  EXPECT_NE(d.find("; search "), std::string::npos) << d;   // the one search's
   EXPECT_GT((*timed)->plan().predicted_step_s, 0.0);
   timed->reset();
   auto spilled = run_steps(*backend, o, 3, &spilled_state);
