@@ -39,15 +39,31 @@ std::vector<TensorId> host_homed(const Program& program, const Plan& plan) {
 }
 
 
+// The small accumulating program the auto tests rank, and half the device bytes its
+// resident plan needs (several candidates fit there).
+struct AutoCase {
+  Program program;
+  Budgets budgets;
+};
+AutoCase auto_case() {
+  auto program = build_training_program(ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
+  EXPECT_TRUE(program.ok()) << program.status().to_string();
+  if (!program.ok()) return {};
+  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
+  EXPECT_TRUE(resident.ok()) << resident.status().to_string();
+  if (!resident.ok()) return {};
+  Budgets b;
+  b.device = resident->device_bytes / 2;
+  return {std::move(*program), b};
+}
+
 // Policy auto's ranking: candidate k (PlannerOptions::auto_rank) is predicted no faster
 // than candidate k-1, each validates, and asking past the last one is an error.
 TEST(PlanValidate, AutoCandidatesComeInOrderOfPredictedTime) {
-  auto program = build_training_program(ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
-  ASSERT_TRUE(program.ok()) << program.status().to_string();
-  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
-  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
-  Budgets b;
-  b.device = resident->device_bytes / 2;
+  const AutoCase c = auto_case();
+  ASSERT_FALSE(c.program.ops.empty());
+  const Program* program = &c.program;
+  const Budgets& b = c.budgets;
   double previous = 0;
   int rank = 0;
   for (;; ++rank) {
@@ -85,12 +101,10 @@ bool same_instructions(const Plan& a, const Plan& b) {
 // make_plan gives for auto_rank 0, 1, 2, ... — instructions, homes, predictions and
 // descriptions — starting at options.auto_rank, and fewer when fewer candidates plan.
 TEST(PlanValidate, AutoPlansFromOneSearchAreThoseOfEachRank) {
-  auto program = build_training_program(ModelConfig{2, 64, 2, 16, 64}, StepShape{2, 16, 2}, DType::F32);
-  ASSERT_TRUE(program.ok()) << program.status().to_string();
-  auto resident = make_plan(*program, Simulator(Machine::cpu_dev_box()), {}, {.policy = Policy::Resident, .alignment = 64});
-  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
-  Budgets b;
-  b.device = resident->device_bytes / 2;
+  const AutoCase c = auto_case();
+  ASSERT_FALSE(c.program.ops.empty());
+  const Program* program = &c.program;
+  const Budgets& b = c.budgets;
   const Simulator cost(Machine::cpu_dev_box());
   PlannerOptions o{.policy = Policy::Auto, .alignment = 64, .workspace_bytes = 4096};
   auto all = make_auto_plans(*program, cost, b, o, 1000);
