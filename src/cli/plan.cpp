@@ -66,6 +66,7 @@ struct PlanFlags {
   double network_gbps = 0;      // each GPU's link to the others, GB/s one way (needed with --gpus above 1)
   double network_latency_us = 0;
   int zero_stage = 2;           // with --gpus: 2 (parameters on every GPU) or 3 (each GPU only its shard)
+  int candidates = 1;           // policy auto: list this many of its best-ranked candidates
 };
 
 // The machine of --machine with the what-if edits applied; impossible values are errors.
@@ -213,7 +214,21 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
   const std::string heading = "model " + model_name(f.model) + " (" + cfg->to_string() + "), batch " +
                               std::to_string(f.batch) + "×" + std::to_string(T) + ", accum " + std::to_string(f.accum) +
                               ", machine " + machine.name + "\n";
-  auto plan = one_gpu.is_ok() ? make_plan(*program, Simulator(machine), allocatable, *planner) : Result<Plan>(one_gpu);
+  // --candidates N (policy auto): the search's best N, the first of them the plan
+  // reported below, from one search (make_auto_plans).
+  std::vector<Plan> ranked;
+  Result<Plan> plan = one_gpu;
+  if (one_gpu.is_ok() && planner->policy == Policy::Auto && f.candidates > 1) {
+    auto top = make_auto_plans(*program, Simulator(machine), allocatable, *planner, f.candidates);
+    if (top.ok()) {
+      ranked = std::move(*top);
+      plan = ranked.front();
+    } else {
+      plan = top.status();
+    }
+  } else if (one_gpu.is_ok()) {
+    plan = make_plan(*program, Simulator(machine), allocatable, *planner);
+  }
   if (!plan.ok()) {
     Status s = plan.status();
     if (allocatable.device != budgets.device)
@@ -289,6 +304,21 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
                 100.0 * p.binds_share,
                 p.binds_share < 0.6 ? "; none is busy most of the step: the rest is waiting between them" : "");
   out << line;
+  if (ranked.size() > 1) {
+    // The ranking's figure is the simulator's step alone (the loop's overlap of one
+    // step's host tail with the next is left out), as auto ranks.
+    out << "auto's best " << ranked.size() << " candidates, by the simulator's step alone (the ranking):\n";
+    for (size_t k = 0; k < ranked.size(); ++k) {
+      std::string what = ranked[k].description;
+      const size_t cut = what.find(" (simulator: ");
+      if (cut != std::string::npos) what.erase(cut, what.find(')', cut) + 1 - cut);
+      if (what.rfind("auto: ", 0) == 0) what.erase(0, 6);
+      char head[96];
+      std::snprintf(head, sizeof head, "  %2zu  %.3f s  %8.0f tokens/s  ", k + 1, ranked[k].predicted_step_s,
+                    ranked[k].predicted_step_s > 0 ? tokens / ranked[k].predicted_step_s : 0.0);
+      out << head << what << "\n";
+    }
+  }
   if (f.gpus > 1) {
     SPILLWAY_ASSIGN_OR_RETURN(std::string dp_line, data_parallel(p.tokens_per_s));
     out << dp_line;
@@ -547,6 +577,14 @@ int run_plan(const PlanFlags& f) {
   if (f.zero_stage == 3 && f.gpus < 2)
     return fail(Status::invalid_argument("--zero-stage 3 partitions the parameters over data-parallel GPUs; give "
                                          "--gpus 2 or more"));
+  if (f.candidates < 1 || f.candidates > 64)
+    return fail(Status::invalid_argument("--candidates: expected 1 to 64, got " + std::to_string(f.candidates)));
+  if (f.candidates > 1 && f.policy != "auto")
+    return fail(Status::invalid_argument("--candidates " + std::to_string(f.candidates) +
+                                         " lists policy auto's ranking; give --policy auto (it is --policy " + f.policy +
+                                         ")"));
+  if (f.candidates > 1 && (!f.sweep.empty() || f.largest || f.gpus > 1))
+    return fail(Status::invalid_argument("--candidates with --sweep, --largest or --gpus: not supported; give one"));
   if (f.gpus > 1 && (!f.sweep.empty() || f.largest))
     return fail(Status::invalid_argument("--gpus with --sweep or --largest: not supported; give one"));
   if (!f.chart.empty() && f.sweep.empty()) return fail(Status::invalid_argument("--chart needs --sweep"));
@@ -606,6 +644,10 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
                  "its first backward (as train's)")
       ->capture_default_str();
   app.add_option("--trace", f->trace, "write a Perfetto trace of the predicted step");
+  app.add_option("--candidates", f->candidates,
+                 "policy auto: also list its N best-ranked candidates (1 to 64), each with the simulator's step and "
+                 "its choices, from the one search (what train --auto-confirm N times)")
+      ->capture_default_str();
   app.add_option("--gpus", f->gpus,
                  "what if: N data-parallel GPUs (1 to 1000), each with this machine's memory and links, reading "
                  "--batch x --accum sequences a step; state partitioned by whole tensors, gradients reduced in rank "

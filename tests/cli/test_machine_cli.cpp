@@ -438,3 +438,44 @@ TEST(PlanCli, SpeculateOffIsNotSlowerThanTheStepAfterAClippedOne) {
                                    << "after a clipped one " << after;
   }
 }
+
+// `plan --policy auto --candidates N` lists auto's N best-ranked candidates from its one
+// search, in ranking order (the simulator's step alone, never decreasing), the first
+// the plan it reports; the plan is the one `plan` reports without the flag. The flag
+// is refused out of range and with another policy.
+TEST(PlanCli, AutoListsItsBestCandidatesInRankingOrder) {
+  const std::string base =
+      "plan --model gpt2-124m --machine cpu --batch 4 --context 128 --device-budget 300MiB --policy auto";
+  CliRun listed = run(base + " --candidates 3");
+  ASSERT_EQ(listed.code, 0) << listed.output;
+  const size_t at = listed.output.find("auto's best 3 candidates");
+  ASSERT_NE(at, std::string::npos) << listed.output;
+  double previous = 0;
+  for (int k = 1; k <= 3; ++k) {
+    const std::string head = "\n  " + std::string(k < 10 ? " " : "") + std::to_string(k) + "  ";
+    const size_t line = listed.output.find(head, at);
+    ASSERT_NE(line, std::string::npos) << "candidate " << k << " not listed: " << listed.output;
+    const double step = std::stod(listed.output.substr(line + head.size()));
+    EXPECT_GE(step, previous) << "candidate " << k << ": " << listed.output;
+    if (k == 1) {
+      char first[96];
+      std::snprintf(first, sizeof first, "(simulator: %.3f s/step, candidate 1 of ", step);
+      EXPECT_NE(listed.output.find(first), std::string::npos) << "the reported plan is not the first listed: "
+                                                              << listed.output;
+    }
+    previous = step;
+  }
+  CliRun plain = run(base);
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  auto plan_line = [](const std::string& out) {
+    const size_t p = out.find("plan: ");
+    return p == std::string::npos ? std::string() : out.substr(p, out.find('\n', p) - p);
+  };
+  EXPECT_FALSE(plan_line(plain.output).empty()) << plain.output;
+  EXPECT_EQ(plan_line(listed.output), plan_line(plain.output));
+  EXPECT_EQ(plain.output.find("candidates, by"), std::string::npos) << plain.output;
+  expect_rejected(base + " --candidates 0", {"--candidates", "1 to 64", "0"});
+  expect_rejected("plan --model gpt2-124m --machine cpu --batch 4 --context 128 --device-budget 300MiB "
+                  "--policy planned --candidates 2",
+                  {"--candidates 2", "--policy auto", "planned"});
+}
