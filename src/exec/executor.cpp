@@ -103,7 +103,7 @@ class PlanExecutor final : public Executor {
     }
     // The host arena: one pinned allocation holding every host buffer at the offset
     // the plan gave it (4096-aligned: storage I/O uses O_DIRECT).
-    const uint64_t host_bytes = std::max<uint64_t>(align_up(plan_.host_bytes, 4096), 4096);
+    const uint64_t host_bytes = plan_.host_arena_bytes();
     if (host_bytes > opt_.host_budget)
       return Status::out_of_memory("the plan needs " + format_size(host_bytes) + " of host memory, above the host budget " +
                                    format_size(opt_.host_budget));

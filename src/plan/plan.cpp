@@ -52,7 +52,7 @@ Status Plan::validate(const Program& program, const Budgets& budgets) const {
     return Status::internal("plan: device alignment " + std::to_string(alignment) + " is not a power of two");
   // The executor's arenas: exactly these sizes, one allocation each.
   const uint64_t device_arena = std::max<uint64_t>(device_bytes, alignment);
-  const uint64_t host_arena = std::max<uint64_t>(align_up(host_bytes, 4096), 4096);
+  const uint64_t host_arena = host_arena_bytes();
   if (device_arena > budgets.device)
     return Status::internal("plan: device arena " + format_size(device_arena) + " exceeds the device budget " +
                             format_size(budgets.device));

@@ -51,10 +51,12 @@
 // names them — so the residency machine sees the same step either way.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "core/size.h"
 #include "core/status.h"
 #include "program/program.h"
 #include "tensor/tensor.h"
@@ -110,6 +112,9 @@ struct Plan {
   uint64_t workspace_bytes = 0;             // device workspace reserved beside the arena
                                             // (PlannerOptions::workspace_bytes, aligned)
   uint64_t host_bytes = 0;                  // host arena bytes the plan uses (≤ budget)
+  // The executor's host arena for this plan, one allocation: host_bytes rounded up to
+  // 4096 (storage I/O uses O_DIRECT), at least 4096.
+  uint64_t host_arena_bytes() const { return std::max<uint64_t>(align_up(host_bytes, 4096), 4096); }
   uint64_t storage_bytes = 0;               // peak storage bytes (≤ budget)
   // Host AdamW ops that start speculatively (see above), ordered by `after`, and the
   // host bytes of their second buffers (speculation_bytes(); the executor allocates

@@ -1182,7 +1182,7 @@ std::vector<int> host_optimizer_first(const Program& p, std::vector<int> order) 
 // speculatively, earliest first, as many as `host_budget` holds the second buffers
 // of beside the plan's host arena.
 void add_speculation(const Program& program, Plan& plan, uint64_t host_budget) {
-  const uint64_t arena = std::max<uint64_t>(align_up(plan.host_bytes, 4096), 4096);
+  const uint64_t arena = plan.host_arena_bytes();
   if (arena >= host_budget) return;
   uint64_t room = host_budget - arena, bytes = 0;
   for (const Speculation& s : find_speculations(program, plan)) {

@@ -218,7 +218,7 @@ Status Trainer::setup() {
                   : plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
-  if (shared_host_ && std::max<uint64_t>(4096, (plan_.host_bytes + 4095) / 4096 * 4096) < shared_host_bytes_) {
+  if (shared_host_ && plan_.host_arena_bytes() < shared_host_bytes_) {
     shared_host_.reset();  // more than the run's plan needs: its executor pins its own
     shared_host_bytes_ = 0;
   }
@@ -266,7 +266,7 @@ Result<Plan> Trainer::confirm_auto_plan() {
   // beside each candidate's second buffers it stays within the host budget.
   uint64_t host_bytes = 4096, most_speculation = 0;
   for (const Plan& plan : candidates) {
-    host_bytes = std::max(host_bytes, (plan.host_bytes + 4095) / 4096 * 4096);
+    host_bytes = std::max(host_bytes, plan.host_arena_bytes());
     most_speculation = std::max(most_speculation, plan.speculation_bytes);
   }
   if (host_bytes <= options_.budgets.host && most_speculation <= options_.budgets.host - host_bytes) {

@@ -283,7 +283,7 @@ TEST(Budgets, ExecutorsShareOneHostRegionInTurn) {
   const PlannerOptions planned{.policy = Policy::Planned};
   TrainRun own = train_gpt(s, b, planned, 4);
   ASSERT_TRUE(own.status.is_ok()) << own.status.to_string();
-  const uint64_t need = std::max<uint64_t>(4096, (own.plan.host_bytes + 4095) / 4096 * 4096);
+  const uint64_t need = own.plan.host_arena_bytes();
   ASSERT_GT(own.plan.host_bytes, 0u) << "nothing rests on host: the test shares nothing";
   auto backend = make_backend("cpu", {.threads = 1});
   ASSERT_TRUE(backend.ok());
