@@ -234,6 +234,24 @@ class Backend : public BackendSizes {
                        const void* weight, int N, int C, int OC) {
     matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
   }
+  // A product and the GELU after it (GPT-2's fc): pre[N,OC] = inp · weightᵀ + bias (bias
+  // may be null), out[N,OC] = gelu(pre), tanh approximation. A backend may compute out
+  // from the product before pre is rounded to the activation dtype (the CUDA backend's
+  // cuBLASLt epilogue); the default is matmul_forward, then gelu_forward of pre.
+  virtual void matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias,
+                                   int N, int C, int OC) {
+    matmul_forward(pre, inp, weight, bias, N, C, OC, OC);
+    gelu_forward(out, pre, static_cast<size_t>(N) * OC);
+  }
+  // matmul_backward of a product whose input is inp = gelu(pre) [N,C], its input
+  // gradient carried through the GELU: dpre[N,C] = (dout · weight) ∘ gelu'(pre),
+  // overwritten; dweight, dbias added into as matmul_backward. The default:
+  // matmul_backward into dpre, then gelu_backward in place.
+  virtual void matmul_gelu_backward(void* dpre, void* dweight, void* dbias, const void* dout, const void* inp,
+                                    const void* weight, const void* pre, int N, int C, int OC) {
+    matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
+    gelu_backward(dpre, pre, dpre, static_cast<size_t>(N) * C);
+  }
   // Causal self-attention, grouped-query when KVH < NH. qkv[B,T,(NH+2·KVH)·D], D = C/NH,
   // holds NH query heads, then KVH key heads, then KVH value heads, each D wide
   // (KVH = NH: [q C | k C | v C]); query head h attends with key/value head

@@ -414,7 +414,7 @@ struct MicroBatch {
 struct LayerScratch {
   TensorId qkv;                  // Llama [B,T,W]: q|k|v before the rotation
   TensorId attn_proj, mlp_proj;  // [B,T,C]
-  TensorId d_fch_act, d_fch;     // GPT-2 [B,T,4C] each (d_fch_act: of fch_gelu); Llama [B,T,I], [B,T,2I]
+  TensorId d_fch_act, d_fch;     // Llama [B,T,I], [B,T,2I]; GPT-2 only d_fch [B,T,4C] (of fch, through the GELU)
   TensorId d_ln2_out, d_atty;    // [B,T,C]
   TensorId d_qkv_rot;            // Llama [B,T,W]
   TensorId d_qkv;                // [B,T,3C] / [B,T,W]
@@ -499,7 +499,7 @@ class Builder {
       s.attn_proj = add(h + "attn_proj", act_, {B_, T_, C}, Role::Scratch);
       s.mlp_proj = add(h + "mlp_proj", act_, {B_, T_, C}, Role::Scratch);
       if (training_) {
-        s.d_fch_act = add(h + (llama_ ? "d_fch_act" : "d_fch_gelu"), act_, {B_, T_, H_}, Role::Scratch);
+        s.d_fch_act = llama_ ? add(h + "d_fch_act", act_, {B_, T_, H_}, Role::Scratch) : kNoTensor;
         s.d_fch = add(h + "d_fch", act_, {B_, T_, llama_ ? 2 * H_ : H_}, Role::Scratch);
         s.d_ln2_out = add(h + "d_ln2_out", act_, {B_, T_, C}, Role::Scratch);
         s.d_atty = add(h + "d_atty", act_, {B_, T_, C}, Role::Scratch);
@@ -690,8 +690,9 @@ class Builder {
         mm(C, C));
     fwd(OpKind::ResidualForward, "residual1", {w(a.res_attn), r(x), r(s.attn_proj)}, {.n = N_ * C});
     norm_forward(h + "ln2.forward", a.ln2_out, a.ln2_mean, a.ln2_rstd, a.res_attn, bp.ln2_w, bp.ln2_b, i, k);
-    fwd(OpKind::MatmulForward, "fc", {w(a.fch), r(a.ln2_out), r(param(bp.fc_w)), r(param(bp.fc_b))}, mm(C, 4 * C));
-    fwd(OpKind::GeluForward, "gelu", {w(a.fch_gelu), r(a.fch)}, {.n = N_ * 4 * C});
+    // fch = ln2_out·fc_wᵀ + fc_b and fch_gelu = gelu(fch), one op (the GELU in the product's epilogue on CUDA).
+    fwd(OpKind::MatmulGeluForward, "fc",
+        {w(a.fch_gelu), w(a.fch), r(a.ln2_out), r(param(bp.fc_w)), r(param(bp.fc_b))}, mm(C, 4 * C));
     fwd(OpKind::MatmulForward, "fc2", {w(s.mlp_proj), r(a.fch_gelu), r(param(bp.fc2_w)), r(param(bp.fc2_b))},
         mm(4 * C, C));
     fwd(OpKind::ResidualForward, "residual2", {w(a.res_mlp), r(a.res_attn), r(s.mlp_proj)}, {.n = N_ * C});
@@ -731,10 +732,10 @@ class Builder {
     auto lb = [&](const std::string& what, OpKind kind, std::vector<Operand> ops, OpAttrs attrs) {
       op(kind, h + what + ".backward", std::move(ops), attrs, Phase::Backward, i, k);
     };
-    lb("fc2", OpKind::MatmulBackward,
-       {w(s.d_fch_act), u(grad(bp.fc2_w)), r(dres), r(a.fch_gelu), r(param(bp.fc2_w)), u(grad(bp.fc2_b))},
+    // fc2's input gradient carried through the GELU to d_fch, one op (DGELU epilogue on CUDA).
+    lb("fc2", OpKind::MatmulGeluBackward,
+       {w(s.d_fch), u(grad(bp.fc2_w)), r(dres), r(a.fch_gelu), r(param(bp.fc2_w)), r(a.fch), u(grad(bp.fc2_b))},
        mm(4 * C, C));
-    lb("gelu", OpKind::GeluBackward, {w(s.d_fch), r(a.fch), r(s.d_fch_act)}, {.n = N_ * 4 * C});
     lb("fc", OpKind::MatmulBackward,
        {w(s.d_ln2_out), u(grad(bp.fc_w)), r(s.d_fch), r(a.ln2_out), r(param(bp.fc_w)), u(grad(bp.fc_b))},
        mm(C, 4 * C));

@@ -48,13 +48,14 @@
 //   inputs      mb{k}.tokens, mb{k}.targets [B,T] I32
 //   activations mb{k}.encoded [B,T,C]; mb{k}.h{i}.{ln1_out [B,T,C], ln1_mean/ln1_rstd [B,T] F32,
 //               qkv [B,T,3C], atty [B,T,C], att_lse [B,NH,T] F32, res_attn [B,T,C],
-//               ln2_out [B,T,C], ln2_mean/ln2_rstd [B,T] F32, fch/fch_gelu [B,T,4C],
+//               ln2_out [B,T,C], ln2_mean/ln2_rstd [B,T] F32, fch [B,T,4C] (before the GELU),
+//               fch_gelu [B,T,4C],
 //               res_mlp [B,T,C]}; mb{k}.lnf_out [B,T,C], mb{k}.lnf_mean/lnf_rstd [B,T] F32,
 //               mb{k}.logits [B,T,Vp] (Vp = logits_row_stride(V); becomes dlogits),
 //               mb{k}.losses [B·T] F32,
 //               mb{k}.dres [B,T,C] (residual-stream gradient of the backward pass)
 //   scratch     h{i}.attn_proj, h{i}.mlp_proj [B,T,C] (projection before the residual add);
-//               gradients d_lnf_out [B,T,C], h{i}.{d_fch_gelu, d_fch [B,T,4C], d_ln2_out,
+//               gradients d_lnf_out [B,T,C], h{i}.{d_fch [B,T,4C], d_ln2_out,
 //               d_atty [B,T,C], d_qkv [B,T,3C], d_ln1_out [B,T,C]} — shared by micro-batches,
 //               each written before it is read; grad_sqnorms [P] F32 (one element per
 //               parameter, wte one per kVocabBlock rows: Σ grad² of each); bf16 only:
@@ -66,9 +67,11 @@
 //   outputs     mb{k}.losses ..., clip.scale_norm [2] F32 {clip scale, global grad norm}
 //
 // Op order: Zero of every grad; per micro-batch k: forward (embedding; per layer ln1,
-// qkv, attention, proj, residual, ln2, fc, gelu, fc2, residual; ln_f; LM head;
+// qkv, attention, proj, residual, ln2, fc with its GELU (MatmulGeluForward), fc2,
+// residual; ln_f; LM head;
 // CrossEntropyBackward with scale 1/(B·T·accum)), backward (LM head, Zero dres,
-// ln_f, per layer in reverse fc2, gelu, fc, ln2, proj, attention, qkv, ln1;
+// ln_f, per layer in reverse fc2 through the GELU (MatmulGeluBackward), fc, ln2, proj,
+// attention, qkv, ln1;
 // embedding); then Zero grad_sqnorms, SquaredNorm per grad (Update of element p,
 // attrs.index = p), ClipScale (scale_norm W, grad_sqnorms R), AdamW per param
 // (all Phase Optimizer).

@@ -195,6 +195,46 @@ Status check_matmul(const OpCheck& c) {
   return c.numel_is(5, a.OC, "OC");
 }
 
+// A product and the GELU beside it (GPT-2's MLP), one op each way so that a backend
+// can run the GELU in the product's epilogue (cuBLASLt GELU_AUX_BIAS and DGELU):
+// MatmulGeluForward  (out W, pre W, inp R, weight R [, bias R])                attrs N C OC
+//   pre[N,OC] = inp·weightᵀ + bias, out[N,OC] = gelu(pre) (tanh approximation)
+// MatmulGeluBackward (dpre W, dweight U, dout R, inp R, weight R, pre R [, dbias U])  attrs N C OC
+//   the MatmulBackward of the product whose input is inp = gelu(pre) [N,C], its dinp
+//   carried through the GELU: dpre[N,C] = (dout·weight) ∘ gelu'(pre); dweight, dbias
+//   as MatmulBackward. Whole products only (no ld, begin or block).
+constexpr OpSlot kMatmulGeluForwardSlots[] = {{"out", A::Write, D::Act},
+                                              {"pre", A::Write, D::Act},
+                                              {"inp", A::Read, D::Act},
+                                              {"weight", A::Read, D::Act},
+                                              {"bias", A::Read, D::Act, true}};
+constexpr OpSlot kMatmulGeluBackwardSlots[] = {{"dpre", A::Write, D::Act},  {"dweight", A::Update, D::Act},
+                                               {"dout", A::Read, D::Act},   {"inp", A::Read, D::Act},
+                                               {"weight", A::Read, D::Act}, {"pre", A::Read, D::Act},
+                                               {"dbias", A::Update, D::Act, true}};
+
+Status check_matmul_gelu(const OpCheck& c) {
+  const OpAttrs& a = c.attrs();
+  SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}, {"OC", a.OC}}));
+  if (a.ld != 0 || a.begin != 0 || a.block != 0)
+    return c.fail("attrs ld = " + std::to_string(a.ld) + ", begin = " + std::to_string(a.begin) + ", block = " +
+                  std::to_string(a.block) + ": a product with its GELU is whole (all three 0)");
+  if (c.op().kind == OpKind::MatmulGeluForward) {
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.OC, "N*OC"));
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.N * a.OC, "N*OC"));
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N * a.C, "N*C"));
+    SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.OC * a.C, "OC*C"));
+    return c.numel_is(4, a.OC, "OC");
+  }
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.OC * a.C, "OC*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N * a.OC, "N*OC"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.N * a.C, "N*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(4, a.OC * a.C, "OC*C"));
+  SPILLWAY_RETURN_IF_ERROR(c.numel_is(5, a.N * a.C, "N*C"));
+  return c.numel_is(6, a.OC, "OC");
+}
+
 double matmul_forward_flops(const OpAttrs& a) { return 2.0 * a.N * a.C * a.OC; }
 // dinp = dout·W and dW += doutᵀ·inp.
 double matmul_backward_flops(const OpAttrs& a) { return 4.0 * a.N * a.C * a.OC; }
@@ -483,6 +523,12 @@ constexpr OpKindInfo kOpKinds[] = {
      .flops = matmul_forward_flops, .op_class = OpClass::Matmul},
     {.kind = OpKind::MatmulBackward, .name = "MatmulBackward", .slots = kMatmulBackwardSlots, .check = check_matmul,
      .flops = matmul_backward_flops, .op_class = OpClass::Matmul},
+    {.kind = OpKind::MatmulGeluForward, .name = "MatmulGeluForward", .slots = kMatmulGeluForwardSlots,
+     .check = check_matmul_gelu, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
+     .priced_as = OpKind::MatmulForward},
+    {.kind = OpKind::MatmulGeluBackward, .name = "MatmulGeluBackward", .slots = kMatmulGeluBackwardSlots,
+     .check = check_matmul_gelu, .flops = matmul_backward_flops, .op_class = OpClass::Matmul,
+     .priced_as = OpKind::MatmulBackward},
     {.kind = OpKind::AttentionForward, .name = "AttentionForward", .slots = kAttentionForwardSlots,
      .check = check_attention, .flops = attention_forward_flops, .op_class = OpClass::Attention},
     {.kind = OpKind::AttentionBackward, .name = "AttentionBackward", .slots = kAttentionBackwardSlots,

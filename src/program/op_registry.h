@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -82,6 +83,10 @@ struct OpKindInfo {
   // it out of the minimum device budget. Host ops process attrs.n elements.
   bool host = false;
   const char* home = nullptr;  // host ops: the slot whose tier decides where it runs
+  // The kind whose measured fit (sim/machine.h: Machine::op_fit) prices this one on a
+  // machine that has none of its own (a fused kind, priced as the product it
+  // extends, on a machine profiled before it existed). Itself: no other.
+  std::optional<OpKind> priced_as = std::nullopt;
 };
 
 const OpKindInfo& op_info(OpKind k);

@@ -49,6 +49,8 @@ enum class OpKind : uint8_t {
   RmsNormBackward,
   MatmulForward,
   MatmulBackward,
+  MatmulGeluForward,   // out = gelu(pre), pre = inp·weightᵀ + bias: a product and its GELU in one (GPT-2's fc)
+  MatmulGeluBackward,  // dpre = (dout·weight) ∘ gelu'(pre) and the weight/bias gradients (GPT-2's fc2)
   AttentionForward,
   AttentionBackward,
   GeluForward,

@@ -58,8 +58,10 @@ double Machine::op_seconds(const Program& program, size_t op_index) const {
     }
     return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
   }
-  if (const OpFit& fit = op_fit(op.kind); fit.measured())
-    return op_launch_s + fit.seconds(op_rate_work(program, op), static_cast<double>(op_bytes_moved(program, op)));
+  const OpFit* fit = &op_fit(op.kind);
+  if (!fit->measured() && op_info(op.kind).priced_as) fit = &op_fit(*op_info(op.kind).priced_as);
+  if (fit->measured())
+    return op_launch_s + fit->seconds(op_rate_work(program, op), static_cast<double>(op_bytes_moved(program, op)));
   const double rate = op_info(op.kind).op_class == OpClass::Attention ? attention_flops_per_s : matmul_flops_per_s;
   const double compute = rate > 0 ? op_cost_flops(op) / rate : 0;
   const double memory = device_bytes_per_s > 0 ? op_bytes_moved(program, op) / device_bytes_per_s : 0;

@@ -1437,4 +1437,75 @@ TEST_F(CudaOps, AttentionKernelSwitchIsChecked) {
   EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_ATTENTION"), std::string::npos) << b.status().to_string();
 }
 
+// A product with its GELU in cuBLASLt's epilogue (MatmulGeluForward, MatmulGeluBackward)
+// against the CPU backend, and element by element against the same backend's product
+// and GELU kernel run apart: they differ only where the epilogue applies the GELU (or
+// its derivative) before rounding the product to bf16. Bits repeat run to run.
+TEST_F(CudaOps, MatmulWithGeluEpilogue) {
+  struct Shape {
+    int N, C, OC;
+  };
+  // OC 40 and 3072 (GPT-2's 4C), a leading dimension not a multiple of 8 (OC 20: the
+  // GELU after the product instead).
+  for (Shape s : {Shape{64, 96, 40}, Shape{512, 768, 3072}, Shape{48, 32, 20}}) {
+    SCOPED_TRACE("N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" + std::to_string(s.OC));
+    const size_t n_out = size_t(s.N) * s.OC;
+    Pair inp = act_random(size_t(s.N) * s.C), w = act_random(size_t(s.OC) * s.C, 0.08f), b = act_random(s.OC);
+    Pair out = act_poison(n_out), pre = act_poison(n_out), apart = act_poison(n_out), apart_pre = act_poison(n_out);
+    gpu_->matmul_gelu_forward(out.g, pre.g, inp.g, w.g, b.g, s.N, s.C, s.OC);
+    cpu_->matmul_gelu_forward(out.c, pre.c, inp.c, w.c, b.c, s.N, s.C, s.OC);
+    expect_close(out, "matmul_gelu_forward out");
+    expect_close(pre, "matmul_gelu_forward pre");
+    gpu_->matmul_forward(apart_pre.g, inp.g, w.g, b.g, s.N, s.C, s.OC);
+    gpu_->gelu_forward(apart.g, apart_pre.g, n_out);
+    const std::vector<float> fo = gpu_values(out), fp = gpu_values(pre), ao = gpu_values(apart),
+                             ap = gpu_values(apart_pre);
+    double worst_o = 0, worst_p = 0;
+    for (size_t i = 0; i < n_out; ++i) {
+      // bf16 keeps 8 bits: two roundings apart are within 2^-7 relative, plus a floor.
+      const double dp = std::isfinite(fp[i]) ? std::fabs(fp[i] - ap[i]) - std::fabs(ap[i]) / 64 - 1e-2 : INFINITY;
+      const double dO = std::isfinite(fo[i]) ? std::fabs(fo[i] - ao[i]) - std::fabs(ao[i]) / 64 - 1e-2 : INFINITY;
+      worst_p = std::max(worst_p, dp);
+      worst_o = std::max(worst_o, dO);
+    }
+    EXPECT_LE(worst_p, 0.0) << "pre against the product alone";
+    EXPECT_LE(worst_o, 0.0) << "out against the GELU kernel of the product";
+    expect_deterministic({out, pre}, [] {},
+                         [&] { gpu_->matmul_gelu_forward(out.g, pre.g, inp.g, w.g, b.g, s.N, s.C, s.OC); },
+                         "matmul_gelu_forward");
+
+    // The product after it (fc2: OC inputs, C2 outputs), its input gradient through the GELU.
+    const int C2 = 48;
+    Pair w2 = act_random(size_t(C2) * s.OC, 0.08f), dout = act_random(size_t(s.N) * C2);
+    Pair dpre = act_poison(n_out), dw = act_random(size_t(C2) * s.OC), db = act_random(C2);
+    auto rw = saver(dw), rb = saver(db);
+    gpu_->matmul_gelu_backward(dpre.g, dw.g, db.g, dout.g, out.g, w2.g, pre.g, s.N, s.OC, C2);
+    // The CPU side from the GPU's out and pre (bf16 values), so both differentiate at the same point.
+    ASSERT_TRUE(cpu_->upload(out.c, fo.data(), n_out * 4).is_ok());
+    ASSERT_TRUE(cpu_->upload(pre.c, fp.data(), n_out * 4).is_ok());
+    cpu_->matmul_gelu_backward(dpre.c, dw.c, db.c, dout.c, out.c, w2.c, pre.c, s.N, s.OC, C2);
+    expect_close(dpre, "matmul_gelu_backward dpre");
+    expect_close(dw, "matmul_gelu_backward dweight");
+    expect_close(db, "matmul_gelu_backward dbias");
+    expect_deterministic({dpre, dw, db}, [&] { rw(); rb(); },
+                         [&] { gpu_->matmul_gelu_backward(dpre.g, dw.g, db.g, dout.g, out.g, w2.g, pre.g, s.N, s.OC, C2); },
+                         "matmul_gelu_backward");
+  }
+}
+
+// A value other than 0 or 1 is an error naming the variable; 0 is described.
+TEST_F(CudaOps, GeluEpilogueSwitchIsChecked) {
+  {
+    ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "on");
+    auto b = make_backend("cuda");
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
+    EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_GELU_EPILOGUE"), std::string::npos) << b.status().to_string();
+  }
+  ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "0");
+  auto b = make_backend("cuda");
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_GELU_EPILOGUE=0"), std::string::npos) << (*b)->description();
+}
+
 }  // namespace

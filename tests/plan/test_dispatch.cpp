@@ -132,3 +132,48 @@ TEST(Dispatch, LlamaOpsPassTheirAttrs) {
   (*backend)->swiglu_forward(act_want.data(), gate_up.data(), 3, 5);
   EXPECT_EQ(act[0], act_want);
 }
+
+// A product with its GELU (MatmulGeluForward, MatmulGeluBackward) reaches the backend
+// with its operands in slot order: on the CPU backend it gives the bits of the product
+// and the GELU run apart, with and without the bias.
+TEST(Dispatch, MatmulGeluOpsAreTheProductAndItsGelu) {
+  const int N = 5, C = 7, OC = 12;
+  auto backend = make_backend("cpu", {.threads = 1});
+  ASSERT_TRUE(backend.ok());
+  Backend& b = **backend;
+  const std::vector<float> inp = ramp(N * C, 0.31f), weight = ramp(OC * C, 0.17f), bias = ramp(OC, 0.53f);
+  for (bool with_bias : {true, false}) {
+    SCOPED_TRACE(with_bias ? "with bias" : "without bias");
+    Op fwd = probe(OpKind::MatmulGeluForward);
+    fwd.attrs = {.C = C, .OC = OC, .N = N};
+    std::vector<std::vector<float>> operands = {std::vector<float>(N * OC), std::vector<float>(N * OC), inp, weight};
+    if (with_bias) operands.push_back(bias);
+    const auto got = run_on_cpu(fwd, operands);
+    std::vector<float> pre(N * OC), out(N * OC);
+    b.matmul_forward(pre.data(), inp.data(), weight.data(), with_bias ? bias.data() : nullptr, N, C, OC);
+    b.gelu_forward(out.data(), pre.data(), pre.size());
+    EXPECT_EQ(got[0], out);
+    EXPECT_EQ(got[1], pre);
+
+    // Backward of a product [N,OC] -> [N,C'] whose input is gelu(pre): here the
+    // product is fc2 with C' = OC outputs of the forward above as its input.
+    const int C2 = 3;
+    const std::vector<float> w2 = ramp(C2 * OC, 0.23f), dout = ramp(N * C2, 0.71f);
+    const std::vector<float> dw0 = ramp(C2 * OC, 0.11f), db0 = ramp(C2, 0.19f);
+    Op bwd = probe(OpKind::MatmulGeluBackward);
+    bwd.attrs = {.C = OC, .OC = C2, .N = N};
+    std::vector<std::vector<float>> bops = {std::vector<float>(N * OC), dw0, dout, out, w2, pre};
+    if (with_bias) bops.push_back(db0);
+    const auto back = run_on_cpu(bwd, bops);
+    std::vector<float> dpre(N * OC), dw = dw0, db = db0;
+    b.matmul_backward(dpre.data(), dw.data(), with_bias ? db.data() : nullptr, dout.data(), out.data(), w2.data(), N,
+                      OC, C2);
+    b.gelu_backward(dpre.data(), pre.data(), dpre.data(), dpre.size());
+    EXPECT_EQ(back[0], dpre);
+    EXPECT_EQ(back[1], dw);
+    if (with_bias) {
+      EXPECT_EQ(back[6], db);
+    }
+    EXPECT_NE(back[0], std::vector<float>(N * OC));
+  }
+}

@@ -402,3 +402,50 @@ TEST(OpRegistry, EmbeddingWithoutPositionTable) {
   EXPECT_EQ(error_of(p), "");
   EXPECT_EQ(op_required_operands(OpKind::EmbeddingForward), 3u);
 }
+
+// A product with its GELU: pre and out [N,OC] forward; backward dpre and pre [N,C] (the
+// product's input side), dout [N,OC]; whole products only; the flops of the product.
+TEST(OpRegistry, MatmulGeluValidatesWholeProducts) {
+  const int64_t N = 4, C = 6, OC = 10, C2 = 3;
+  Program p;
+  TensorId x = p.tensors.add({"x", DType::BF16, {N, C}, Role::Input});
+  TensorId w = p.tensors.add({"w", DType::BF16, {OC, C}, Role::Param});
+  TensorId b = p.tensors.add({"b", DType::BF16, {OC}, Role::Param});
+  TensorId w2 = p.tensors.add({"w2", DType::BF16, {C2, OC}, Role::Param});
+  TensorId dw2 = p.tensors.add({"dw2", DType::BF16, {C2, OC}, Role::Grad});
+  TensorId db2 = p.tensors.add({"db2", DType::BF16, {C2}, Role::Grad});
+  TensorId out = p.tensors.add({"out", DType::BF16, {N, OC}, Role::Activation});
+  TensorId pre = p.tensors.add({"pre", DType::BF16, {N, OC}, Role::Activation});
+  TensorId dy = p.tensors.add({"dy", DType::BF16, {N, C2}, Role::Input});
+  TensorId dpre = p.tensors.add({"dpre", DType::BF16, {N, OC}, Role::Activation});
+  p.inputs = {x, dy};
+  p.add_op(make_op(OpKind::MatmulGeluForward, {.C = C, .OC = OC, .N = N},
+                   {{out, Access::Write}, {pre, Access::Write}, {x, Access::Read}, {w, Access::Read}, {b, Access::Read}}));
+  p.add_op(make_op(OpKind::MatmulGeluBackward, {.C = OC, .OC = C2, .N = N},
+                   {{dpre, Access::Write},
+                    {dw2, Access::Update},
+                    {dy, Access::Read},
+                    {out, Access::Read},
+                    {w2, Access::Read},
+                    {pre, Access::Read},
+                    {db2, Access::Update}}));
+  p.outputs = {dpre};
+  EXPECT_EQ(error_of(p), "");
+  EXPECT_DOUBLE_EQ(op_flops(p.ops[0]), 2.0 * N * C * OC);
+  EXPECT_DOUBLE_EQ(op_flops(p.ops[1]), 4.0 * N * OC * C2);
+  EXPECT_EQ(op_info(OpKind::MatmulGeluForward).priced_as, OpKind::MatmulForward);
+  EXPECT_EQ(op_info(OpKind::MatmulGeluBackward).priced_as, OpKind::MatmulBackward);
+  Program q = p;
+  q.ops[0].operands[1].tensor = dy;  // pre [N,C2] where [N,OC] is due
+  std::string e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulGeluForward): operand 1 (pre) 'dy' has 12 elements; expected N*OC = 40")) << e;
+  q = p;
+  q.ops[1].operands[5].tensor = x;  // pre [N,C] where the product's input side [N,OC] is due
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulGeluBackward): operand 5 (pre) 'x' has 24 elements; expected N*C = 40")) << e;
+  q = p;
+  q.ops[0].attrs.block = 5;
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulGeluForward): attrs ld = 0, begin = 0, block = 5: a product with its GELU is whole"))
+      << e;
+}

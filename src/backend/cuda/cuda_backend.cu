@@ -378,6 +378,18 @@ Result<bool> multi_tensor_from_environment() {
                                   "per tensor)");
 }
 
+// SPILLWAY_CUDA_GELU_EPILOGUE: unset or 1, a product and its GELU (MatmulGeluForward,
+// MatmulGeluBackward) run as one cuBLASLt product with a GELU_AUX_BIAS or DGELU
+// epilogue; 0, as a product and a GELU kernel (Backend's default), for comparing the two.
+Result<bool> gelu_epilogue_from_environment() {
+  const char* v = std::getenv("SPILLWAY_CUDA_GELU_EPILOGUE");
+  if (v == nullptr || std::string(v) == "1") return true;
+  if (std::string(v) == "0") return false;
+  return Status::invalid_argument(std::string("SPILLWAY_CUDA_GELU_EPILOGUE is '") + v +
+                                  "'; expected 1 (the GELU in the product's cuBLASLt epilogue, the default) or 0 (a "
+                                  "product, then a GELU kernel)");
+}
+
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
 // they apply (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
 // kernels everywhere, for comparing the two.
@@ -662,6 +674,7 @@ class CudaBackend final : public Backend {
     gpu_name_ = prop.name;
     sm90_ = prop.major == 9 && prop.minor == 0;
     SPILLWAY_ASSIGN_OR_RETURN(attention_kernel_, attention_kernel_from_environment());
+    SPILLWAY_ASSIGN_OR_RETURN(gelu_epilogue_, gelu_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
     SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, [this](Status s) { record(std::move(s), nullptr); }));
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, &queue_));
@@ -688,6 +701,7 @@ class CudaBackend final : public Backend {
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
+           (gelu_epilogue_ ? "" : "; GELU after the product (SPILLWAY_CUDA_GELU_EPILOGUE=0)") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
@@ -990,6 +1004,33 @@ class CudaBackend final : public Backend {
              "matmul_backward (dinp)");
   }
 
+  // The GELU in the product's epilogue: out = gelu(the fp32 sum) beside pre = the sum
+  // rounded; where cuBLASLt has no such algorithm, or with SPILLWAY_CUDA_GELU_EPILOGUE=0,
+  // a product and a GELU kernel (Backend's default), the same way every time.
+  void matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias, int N,
+                           int C, int OC) override {
+    if (!gelu_epilogue_) return Backend::matmul_gelu_forward(out, pre, inp, weight, bias, N, C, OC);
+    if (!enter() || !lt_workspace(0, "matmul_gelu_forward")) return;
+    Status s = mm_.forward_gelu(stream(), mb(out), mb(pre), cb(inp), cb(weight), cb(bias), N, C, OC);
+    if (s.code() == StatusCode::Unsupported) return Backend::matmul_gelu_forward(out, pre, inp, weight, bias, N, C, OC);
+    record(std::move(s), "matmul_gelu_forward");
+  }
+
+  // dbias and dweight as matmul_backward, then dpre with the DGELU epilogue.
+  void matmul_gelu_backward(void* dpre, void* dweight, void* dbias, const void* dout, const void* inp,
+                            const void* weight, const void* pre, int N, int C, int OC) override {
+    if (!gelu_epilogue_) return Backend::matmul_gelu_backward(dpre, dweight, dbias, dout, inp, weight, pre, N, C, OC);
+    matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
+    if (!enter() || !lt_workspace(0, "matmul_gelu_backward")) return;
+    Status s = mm_.backward_input_gelu(stream(), mb(dpre), cb(dout), cb(weight), cb(pre), N, C, OC);
+    if (s.code() == StatusCode::Unsupported) {
+      matmul_backward(dpre, nullptr, nullptr, dout, inp, weight, N, C, OC, OC, false);
+      gelu_backward(dpre, pre, dpre, static_cast<size_t>(N) * C);
+      return;
+    }
+    record(std::move(s), "matmul_gelu_backward (dpre)");
+  }
+
   using Backend::attention_backward;
   using Backend::attention_forward;
   void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH, int KVH) override {
@@ -1194,6 +1235,7 @@ class CudaBackend final : public Backend {
   unsigned schedule_flags_ = cudaDeviceScheduleAuto;  // SPILLWAY_CUDA_SCHEDULE, set at init
   bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
+  bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back

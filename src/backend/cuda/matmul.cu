@@ -75,19 +75,40 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   LT_RETURN_IF_ERROR("set TRANSA", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   LT_RETURN_IF_ERROR("set TRANSB", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  if (key.bias) {
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  // The heuristic reads the bias and auxiliary pointers' alignments: it is given
+  // pointers with exactly the real ones' alignments, offsets from any 256-aligned base
+  // (the workspace, or kAlign itself when none is set yet).
+  const char* align_base =
+      workspace_ ? static_cast<const char*>(workspace_) : reinterpret_cast<const char*>(uintptr_t{kAlign});
+  if (key.gelu != 0 || key.bias) {
+    const cublasLtEpilogue_t epi = key.gelu == 2 ? CUBLASLT_EPILOGUE_DGELU
+                                   : key.gelu == 1 ? (key.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                                               : CUBLASLT_EPILOGUE_GELU_AUX)
+                                                   : CUBLASLT_EPILOGUE_BIAS;
     LT_RETURN_IF_ERROR("set EPILOGUE", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  }
+  if (key.bias) {
     cudaDataType_t bt = CUDA_R_16BF;
     LT_RETURN_IF_ERROR("set BIAS_DATA_TYPE",
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
-    // The heuristic reads the bias pointer's alignment: give it one with exactly the
-    // alignment of the real bias (the workspace is 256-aligned).
-    // Any 256-aligned base serves (kAlign itself when no workspace is set yet).
-    const char* base = workspace_ ? static_cast<const char*>(workspace_) : reinterpret_cast<const char*>(uintptr_t{kAlign});
-    const void* bias = base + (key.align_bias % kAlign);
+    const void* bias = align_base + (key.align_bias % kAlign);
     LT_RETURN_IF_ERROR("set BIAS_POINTER",
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  if (key.gelu != 0) {
+    if (key.ldc % 8 != 0)  // cuBLASLt's rule for the auxiliary matrix's leading dimension
+      return Status::unsupported("cuBLASLt GELU epilogue: leading dimension " + std::to_string(key.ldc) +
+                                 " is not a multiple of 8");
+    const int64_t aux_ld = key.ldc;
+    LT_RETURN_IF_ERROR("set EPILOGUE_AUX_LD", cublasLtMatmulDescSetAttribute(
+                                                  p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+    const cudaDataType_t aux_type = CUDA_R_16BF;
+    LT_RETURN_IF_ERROR("set EPILOGUE_AUX_DATA_TYPE",
+                       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &aux_type,
+                                                      sizeof(aux_type)));
+    const void* aux = align_base + (key.align_aux % kAlign);
+    LT_RETURN_IF_ERROR("set EPILOGUE_AUX_POINTER", cublasLtMatmulDescSetAttribute(
+                                                       p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
   }
   const uint64_t a_rows = key.ta ? key.k : key.m, a_cols = key.ta ? key.m : key.k;
   const uint64_t b_rows = key.tb ? key.n : key.k, b_cols = key.tb ? key.k : key.n;
@@ -128,7 +149,9 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   LT_RETURN_IF_ERROR("cublasLtMatmulAlgoGetHeuristic",
                      cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
-    return Status::unsupported("cuBLASLt has no algorithm for a bf16 product of m=" + std::to_string(key.m) +
+    return Status::unsupported(std::string("cuBLASLt has no algorithm for a bf16 product") +
+                               (key.gelu == 1 ? " with a GELU epilogue" : key.gelu == 2 ? " with a DGELU epilogue" : "") +
+                               " of m=" + std::to_string(key.m) +
                                " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k) +
                                " (lda=" + std::to_string(key.lda) + " ldb=" + std::to_string(key.ldb) +
                                " ldc=" + std::to_string(key.ldc) + ", alignments " + std::to_string(key.align_a) +
@@ -140,13 +163,22 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   return Status::ok();
 }
 
-Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias) {
+Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias,
+                     const void* aux) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = unsupported_.find(key); it != unsupported_.end()) return it->second;
   Plan* p = nullptr;
-  SPILLWAY_RETURN_IF_ERROR(plan_for(key, &p));
+  if (Status s = plan_for(key, &p); !s.is_ok()) {
+    if (s.code() == StatusCode::Unsupported) unsupported_.emplace(key, s);  // asked once per shape
+    return s;
+  }
   if (key.bias)
     LT_RETURN_IF_ERROR("set BIAS_POINTER",
                        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (key.gelu != 0)
+    LT_RETURN_IF_ERROR("set EPILOGUE_AUX_POINTER",
+                       cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                                      sizeof(aux)));
   const float alpha = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
   LT_RETURN_IF_ERROR("cublasLtMatmul", cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->c,
                                                       D, p->c, &p->algo, workspace_, workspace_bytes_, stream));
@@ -168,6 +200,27 @@ Status LtMatmul::forward(cudaStream_t stream, bf16* out, const bf16* inp, const 
   Key key{true, false, OC, N, C, C, C, ld_out, bias != nullptr, false,
           align_of(weight), align_of(inp), align_of(out), align_of(bias)};
   return run(stream, key, weight, inp, out, bias);
+}
+
+Status LtMatmul::forward_gelu(cudaStream_t stream, bf16* out, bf16* pre, const bf16* inp, const bf16* weight,
+                              const bf16* bias, int N, int C, int OC) {
+  if (N == 0 || OC == 0) return Status::ok();
+  // As forward, with pre (D's shape and leading dimension) as the epilogue's auxiliary matrix.
+  Key key{true, false, OC, N, C, C, C, OC, bias != nullptr, false,
+          align_of(weight), align_of(inp), align_of(out), align_of(bias), 1, align_of(pre)};
+  return run(stream, key, weight, inp, out, bias, pre);
+}
+
+Status LtMatmul::backward_input_gelu(cudaStream_t stream, bf16* dpre, const bf16* dout, const bf16* weight,
+                                     const bf16* pre, int N, int C, int OC) {
+  if (N == 0 || C == 0) return Status::ok();
+  if (OC == 0)  // an empty sum: dpre = 0 · gelu'(pre) = 0
+    return cuda_status("cudaMemsetAsync (dpre of an empty product)",
+                       cudaMemsetAsync(dpre, 0, static_cast<size_t>(N) * C * sizeof(bf16), stream));
+  // As backward_input (overwriting), with pre (dinp's shape) as the auxiliary matrix.
+  Key key{false, false, C, N, OC, C, OC, C, false, false,
+          align_of(weight), align_of(dout), align_of(dpre), kAlign, 2, align_of(pre)};
+  return run(stream, key, weight, dout, dpre, nullptr, pre);
 }
 
 Status LtMatmul::backward_input(cudaStream_t stream, bf16* dinp, const bf16* dout, const bf16* weight, int N,

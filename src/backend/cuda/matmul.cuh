@@ -53,6 +53,17 @@ class LtMatmul {
   Status backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC,
                          int ld_dout);
 
+  // The forward with the GELU in cuBLASLt's epilogue (GELU_AUX_BIAS, or GELU_AUX
+  // without a bias): pre[N,OC] = inp · weightᵀ + bias and out[N,OC] = gelu(the same
+  // sum in fp32, before its rounding to bf16). Unsupported (Status::unsupported) where
+  // cuBLASLt has no algorithm for it: the caller then runs forward and a GELU kernel.
+  Status forward_gelu(cudaStream_t stream, bf16* out, bf16* pre, const bf16* inp, const bf16* weight,
+                      const bf16* bias, int N, int C, int OC);
+  // backward_input through a GELU (DGELU epilogue): dpre[N,C] = (dout · weight) ∘
+  // gelu'(pre), overwritten. Unsupported as above.
+  Status backward_input_gelu(cudaStream_t stream, bf16* dpre, const bf16* dout, const bf16* weight, const bf16* pre,
+                             int N, int C, int OC);
+
   size_t cached_shapes() const { return plans_.size(); }
 
  private:
@@ -61,6 +72,9 @@ class LtMatmul {
   // of A, B and C = D as stored. align_*: the operands' address alignments in bytes
   // (2..256; see align_of), given to the heuristic so it picks only algorithms that
   // can work with them.
+  // gelu: 0 none; 1 D = gelu(sum) with the sum kept in the auxiliary matrix
+  // (GELU_AUX[_BIAS]); 2 D = sum ∘ gelu'(auxiliary) (DGELU). The auxiliary matrix has
+  // D's shape, leading dimension ldc.
   struct Key {
     bool ta, tb;
     int m, n, k;
@@ -68,8 +82,11 @@ class LtMatmul {
     bool bias;
     bool accumulate;
     uint32_t align_a, align_b, align_c, align_bias;
+    int gelu = 0;
+    uint32_t align_aux = 0;
     auto tie() const {
-      return std::tie(ta, tb, m, n, k, lda, ldb, ldc, bias, accumulate, align_a, align_b, align_c, align_bias);
+      return std::tie(ta, tb, m, n, k, lda, ldb, ldc, bias, accumulate, align_a, align_b, align_c, align_bias, gelu,
+                      align_aux);
     }
     bool operator<(const Key& o) const { return tie() < o.tie(); }
   };
@@ -81,13 +98,15 @@ class LtMatmul {
     cublasLtMatmulAlgo_t algo{};
   };
   Status plan_for(const Key& key, Plan** out);
-  Status run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias);
+  Status run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias,
+             const void* aux = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::mutex mu_;
   std::map<Key, Plan> plans_;
+  std::map<Key, Status> unsupported_;  // problems cuBLASLt has no algorithm for, and why
 };
 
 }  // namespace spillway::cuda_detail
