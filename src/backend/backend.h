@@ -226,7 +226,8 @@ class Backend : public BackendSizes {
   }
   // dinp[N,C] = dout · weight (added into dinp when accumulate_dinp);
   // dweight[OC,C] += doutᵀ · inp; dbias[OC] += Σ_n dout (if not null). Rows of dout are
-  // ld_dout ≥ OC elements apart.
+  // ld_dout ≥ OC elements apart. dinp null: no input gradient (weight unread); dweight
+  // null: no parameter gradients (inp unread, dbias must be null).
   virtual void matmul_backward(void* dinp, void* dweight, void* dbias, const void* dout,
                                const void* inp, const void* weight, int N, int C, int OC, int ld_dout,
                                bool accumulate_dinp) = 0;
@@ -243,14 +244,17 @@ class Backend : public BackendSizes {
     matmul_forward(pre, inp, weight, bias, N, C, OC, OC);
     gelu_forward(out, pre, static_cast<size_t>(N) * OC);
   }
-  // matmul_backward of a product whose input is inp = gelu(pre) [N,C], its input
-  // gradient carried through the GELU: dpre[N,C] = (dout · weight) ∘ gelu'(pre),
-  // overwritten; dweight, dbias added into as matmul_backward. The default:
-  // matmul_backward into dpre, then gelu_backward in place.
-  virtual void matmul_gelu_backward(void* dpre, void* dweight, void* dbias, const void* dout, const void* inp,
-                                    const void* weight, const void* pre, int N, int C, int OC) {
-    matmul_backward(dpre, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
+  // The input gradient of a product whose input was gelu(pre) [N,C], carried through
+  // the GELU: dpre[N,C] = (dout[N,OC] · weight[OC,C]) ∘ gelu'(pre), overwritten. The
+  // default: matmul_backward's dinp alone into dpre, then gelu_backward in place.
+  virtual void matmul_gelu_backward(void* dpre, const void* dout, const void* weight, const void* pre, int N, int C,
+                                    int OC) {
+    matmul_backward(dpre, nullptr, nullptr, dout, nullptr, weight, N, C, OC, OC, false);
     gelu_backward(dpre, pre, dpre, static_cast<size_t>(N) * C);
+  }
+  // A product's parameter gradients alone: matmul_backward without dinp.
+  void matmul_weight_backward(void* dweight, void* dbias, const void* dout, const void* inp, int N, int C, int OC) {
+    matmul_backward(nullptr, dweight, dbias, dout, inp, nullptr, N, C, OC, OC, false);
   }
   // Causal self-attention, grouped-query when KVH < NH. qkv[B,T,(NH+2·KVH)·D], D = C/NH,
   // holds NH query heads, then KVH key heads, then KVH value heads, each D wide

@@ -129,8 +129,7 @@ uint64_t matmul_workspace(const BackendSizes& b, const Op& op) {
   return need;
 }
 
-// MatmulGeluForward (out, pre, inp, weight [, bias]); MatmulGeluBackward (dpre, dweight,
-// dout, inp, weight, pre [, dbias]): whole products (the registry refuses ld, begin, block).
+// The whole products of op_registry.cpp's MatmulGelu*/MatmulWeightBackward kinds.
 Status run_matmul_gelu_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
                                const OptimizerStep&) {
   const OpAttrs& a = op.attrs;
@@ -141,14 +140,21 @@ Status run_matmul_gelu_forward(Backend& b, const Program&, const Op& op, const s
 Status run_matmul_gelu_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
                                 const OptimizerStep&) {
   const OpAttrs& a = op.attrs;
-  b.matmul_gelu_backward(x[0], x[1], x.size() > 6 ? x[6] : nullptr, x[2], x[3], x[4], x[5], static_cast<int>(a.N),
-                         static_cast<int>(a.C), static_cast<int>(a.OC));
+  b.matmul_gelu_backward(x[0], x[1], x[2], x[3], static_cast<int>(a.N), static_cast<int>(a.C),
+                         static_cast<int>(a.OC));
   return Status::ok();
 }
-uint64_t matmul_gelu_workspace(const BackendSizes& b, const Op& op) {
-  const bool backward = op.kind == OpKind::MatmulGeluBackward;
-  return b.matmul_workspace(static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.OC), backward,
-                            backward && op.operands.size() > 6);
+Status run_matmul_weight_backward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                                  const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.matmul_weight_backward(x[0], x.size() > 3 ? x[3] : nullptr, x[1], x[2], static_cast<int>(a.N),
+                           static_cast<int>(a.C), static_cast<int>(a.OC));
+  return Status::ok();
+}
+uint64_t whole_matmul_workspace(const BackendSizes& b, const Op& op) {
+  const bool backward = op.kind != OpKind::MatmulGeluForward;
+  const bool dbias = op.kind == OpKind::MatmulWeightBackward && op.operands.size() > 3;
+  return b.matmul_workspace(static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.OC), backward, dbias);
 }
 
 // Key/value heads: attrs.KVH, 0 meaning NH (multi-head attention).
@@ -408,8 +414,9 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::RmsNormBackward, run_rmsnorm_backward, rmsnorm_backward_workspace},
     {OpKind::MatmulForward, run_matmul_op, matmul_workspace},
     {OpKind::MatmulBackward, run_matmul_op, matmul_workspace},
-    {OpKind::MatmulGeluForward, run_matmul_gelu_forward, matmul_gelu_workspace},
-    {OpKind::MatmulGeluBackward, run_matmul_gelu_backward, matmul_gelu_workspace},
+    {OpKind::MatmulGeluForward, run_matmul_gelu_forward, whole_matmul_workspace},
+    {OpKind::MatmulGeluBackward, run_matmul_gelu_backward, whole_matmul_workspace},
+    {OpKind::MatmulWeightBackward, run_matmul_weight_backward, whole_matmul_workspace},
     {OpKind::AttentionForward, run_attention_forward},
     {OpKind::AttentionBackward, run_attention_backward, attention_backward_workspace},
     {OpKind::GeluForward, run_gelu_forward},

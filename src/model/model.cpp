@@ -732,10 +732,11 @@ class Builder {
     auto lb = [&](const std::string& what, OpKind kind, std::vector<Operand> ops, OpAttrs attrs) {
       op(kind, h + what + ".backward", std::move(ops), attrs, Phase::Backward, i, k);
     };
-    // fc2's input gradient carried through the GELU to d_fch, one op (DGELU epilogue on CUDA).
-    lb("fc2", OpKind::MatmulGeluBackward,
-       {w(s.d_fch), u(grad(bp.fc2_w)), r(dres), r(a.fch_gelu), r(param(bp.fc2_w)), r(a.fch), u(grad(bp.fc2_b))},
+    // fc2's parameter gradients, then its input gradient carried through the GELU to
+    // d_fch in one op (the DGELU epilogue on CUDA).
+    lb("fc2.weight", OpKind::MatmulWeightBackward, {u(grad(bp.fc2_w)), r(dres), r(a.fch_gelu), u(grad(bp.fc2_b))},
        mm(4 * C, C));
+    lb("fc2", OpKind::MatmulGeluBackward, {w(s.d_fch), r(dres), r(param(bp.fc2_w)), r(a.fch)}, mm(4 * C, C));
     lb("fc", OpKind::MatmulBackward,
        {w(s.d_ln2_out), u(grad(bp.fc_w)), r(s.d_fch), r(a.ln2_out), r(param(bp.fc_w)), u(grad(bp.fc_b))},
        mm(C, 4 * C));

@@ -70,8 +70,8 @@
 // qkv, attention, proj, residual, ln2, fc with its GELU (MatmulGeluForward), fc2,
 // residual; ln_f; LM head;
 // CrossEntropyBackward with scale 1/(B·T·accum)), backward (LM head, Zero dres,
-// ln_f, per layer in reverse fc2 through the GELU (MatmulGeluBackward), fc, ln2, proj,
-// attention, qkv, ln1;
+// ln_f, per layer in reverse fc2's parameter gradients (MatmulWeightBackward), fc2's
+// input gradient through the GELU (MatmulGeluBackward), fc, ln2, proj, attention, qkv, ln1;
 // embedding); then Zero grad_sqnorms, SquaredNorm per grad (Update of element p,
 // attrs.index = p), ClipScale (scale_norm W, grad_sqnorms R), AdamW per param
 // (all Phase Optimizer).

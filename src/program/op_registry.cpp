@@ -195,46 +195,64 @@ Status check_matmul(const OpCheck& c) {
   return c.numel_is(5, a.OC, "OC");
 }
 
-// A product and the GELU beside it (GPT-2's MLP), one op each way so that a backend
-// can run the GELU in the product's epilogue (cuBLASLt GELU_AUX_BIAS and DGELU):
-// MatmulGeluForward  (out W, pre W, inp R, weight R [, bias R])                attrs N C OC
+// A product and the GELU beside it (GPT-2's MLP), so that a backend can run the GELU
+// in the product's epilogue (cuBLASLt GELU_AUX_BIAS and DGELU), and the parameter
+// gradients of a product apart from its input gradient. Whole products only (ld,
+// begin and block 0). No op needs more device memory than the MatmulBackward and
+// GeluBackward it replaces.
+// MatmulGeluForward    (out W, pre W, inp R, weight R [, bias R])   attrs N C OC
 //   pre[N,OC] = inp·weightᵀ + bias, out[N,OC] = gelu(pre) (tanh approximation)
-// MatmulGeluBackward (dpre W, dweight U, dout R, inp R, weight R, pre R [, dbias U])  attrs N C OC
-//   the MatmulBackward of the product whose input is inp = gelu(pre) [N,C], its dinp
-//   carried through the GELU: dpre[N,C] = (dout·weight) ∘ gelu'(pre); dweight, dbias
-//   as MatmulBackward. Whole products only (no ld, begin or block).
+// MatmulGeluBackward   (dpre W, dout R, weight R, pre R)            attrs N C OC
+//   the input gradient of a product whose input was gelu(pre) [N,C], carried through
+//   the GELU: dpre[N,C] = (dout[N,OC]·weight[OC,C]) ∘ gelu'(pre)
+// MatmulWeightBackward (dweight U, dout R, inp R [, dbias U])       attrs N C OC
+//   dweight[OC,C] += doutᵀ·inp, dbias[OC] += Σ_n dout
 constexpr OpSlot kMatmulGeluForwardSlots[] = {{"out", A::Write, D::Act},
                                               {"pre", A::Write, D::Act},
                                               {"inp", A::Read, D::Act},
                                               {"weight", A::Read, D::Act},
                                               {"bias", A::Read, D::Act, true}};
-constexpr OpSlot kMatmulGeluBackwardSlots[] = {{"dpre", A::Write, D::Act},  {"dweight", A::Update, D::Act},
-                                               {"dout", A::Read, D::Act},   {"inp", A::Read, D::Act},
-                                               {"weight", A::Read, D::Act}, {"pre", A::Read, D::Act},
-                                               {"dbias", A::Update, D::Act, true}};
+constexpr OpSlot kMatmulGeluBackwardSlots[] = {
+    {"dpre", A::Write, D::Act}, {"dout", A::Read, D::Act}, {"weight", A::Read, D::Act}, {"pre", A::Read, D::Act}};
+constexpr OpSlot kMatmulWeightBackwardSlots[] = {
+    {"dweight", A::Update, D::Act}, {"dout", A::Read, D::Act}, {"inp", A::Read, D::Act}, {"dbias", A::Update, D::Act, true}};
 
-Status check_matmul_gelu(const OpCheck& c) {
+Status check_whole_matmul(const OpCheck& c) {
   const OpAttrs& a = c.attrs();
   SPILLWAY_RETURN_IF_ERROR(c.positive({{"N", a.N}, {"C", a.C}, {"OC", a.OC}}));
   if (a.ld != 0 || a.begin != 0 || a.block != 0)
     return c.fail("attrs ld = " + std::to_string(a.ld) + ", begin = " + std::to_string(a.begin) + ", block = " +
-                  std::to_string(a.block) + ": a product with its GELU is whole (all three 0)");
-  if (c.op().kind == OpKind::MatmulGeluForward) {
-    SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.OC, "N*OC"));
-    SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.N * a.OC, "N*OC"));
-    SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N * a.C, "N*C"));
-    SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.OC * a.C, "OC*C"));
-    return c.numel_is(4, a.OC, "OC");
+                  std::to_string(a.block) + ": this product is whole (all three 0)");
+  const int64_t nc = a.N * a.C, noc = a.N * a.OC, w = a.OC * a.C;
+  switch (c.op().kind) {
+    case OpKind::MatmulGeluForward:
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, noc, "N*OC"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, noc, "N*OC"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, nc, "N*C"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, w, "OC*C"));
+      return c.numel_is(4, a.OC, "OC");
+    case OpKind::MatmulGeluBackward:
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, nc, "N*C"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, noc, "N*OC"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, w, "OC*C"));
+      return c.numel_is(3, nc, "N*C");
+    default:  // MatmulWeightBackward
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, w, "OC*C"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, noc, "N*OC"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, nc, "N*C"));
+      return c.numel_is(3, a.OC, "OC");
   }
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, a.N * a.C, "N*C"));
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, a.OC * a.C, "OC*C"));
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, a.N * a.OC, "N*OC"));
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, a.N * a.C, "N*C"));
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(4, a.OC * a.C, "OC*C"));
-  SPILLWAY_RETURN_IF_ERROR(c.numel_is(5, a.N * a.C, "N*C"));
-  return c.numel_is(6, a.OC, "OC");
 }
 
+// The bytes of the GELU a MatmulGelu op does, as GeluForward (pre read, out written)
+// and GeluBackward (pre and the product read, dpre written) would move them.
+double operand_bytes(const Program& program, const Op& op, size_t i) {
+  return static_cast<double>(program.tensors.info(op.operands[i].tensor).bytes());
+}
+double gelu_forward_part_bytes(const Program& program, const Op& op) { return 2 * operand_bytes(program, op, 0); }
+double gelu_backward_part_bytes(const Program& program, const Op& op) { return 3 * operand_bytes(program, op, 0); }
+
+// One product: 2·N·C·OC (MatmulForward, and each half of MatmulBackward).
 double matmul_forward_flops(const OpAttrs& a) { return 2.0 * a.N * a.C * a.OC; }
 // dinp = dout·W and dW += doutᵀ·inp.
 double matmul_backward_flops(const OpAttrs& a) { return 4.0 * a.N * a.C * a.OC; }
@@ -524,10 +542,15 @@ constexpr OpKindInfo kOpKinds[] = {
     {.kind = OpKind::MatmulBackward, .name = "MatmulBackward", .slots = kMatmulBackwardSlots, .check = check_matmul,
      .flops = matmul_backward_flops, .op_class = OpClass::Matmul},
     {.kind = OpKind::MatmulGeluForward, .name = "MatmulGeluForward", .slots = kMatmulGeluForwardSlots,
-     .check = check_matmul_gelu, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
-     .priced_as = OpKind::MatmulForward},
+     .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
+     .priced_as = OpKind::MatmulForward, .priced_with = OpKind::GeluForward,
+     .priced_with_bytes = gelu_forward_part_bytes},
     {.kind = OpKind::MatmulGeluBackward, .name = "MatmulGeluBackward", .slots = kMatmulGeluBackwardSlots,
-     .check = check_matmul_gelu, .flops = matmul_backward_flops, .op_class = OpClass::Matmul,
+     .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
+     .priced_as = OpKind::MatmulBackward, .priced_with = OpKind::GeluBackward,
+     .priced_with_bytes = gelu_backward_part_bytes},
+    {.kind = OpKind::MatmulWeightBackward, .name = "MatmulWeightBackward", .slots = kMatmulWeightBackwardSlots,
+     .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
      .priced_as = OpKind::MatmulBackward},
     {.kind = OpKind::AttentionForward, .name = "AttentionForward", .slots = kAttentionForwardSlots,
      .check = check_attention, .flops = attention_forward_flops, .op_class = OpClass::Attention},

@@ -83,10 +83,14 @@ struct OpKindInfo {
   // it out of the minimum device budget. Host ops process attrs.n elements.
   bool host = false;
   const char* home = nullptr;  // host ops: the slot whose tier decides where it runs
-  // The kind whose measured fit (sim/machine.h: Machine::op_fit) prices this one on a
-  // machine that has none of its own (a fused kind, priced as the product it
-  // extends, on a machine profiled before it existed). Itself: no other.
+  // Where a machine has no fit of this kind (sim/machine.h: Machine::op_fit; one
+  // profiled before the kind existed), the fits of the kinds it stands for price it:
+  // priced_as, a product, over this op's flops and bytes; priced_with, an elementwise
+  // kind the op also does, over the bytes priced_with_bytes says that kind's own op
+  // would move. None: the roofline of the machine's rates.
   std::optional<OpKind> priced_as = std::nullopt;
+  std::optional<OpKind> priced_with = std::nullopt;
+  double (*priced_with_bytes)(const Program& program, const Op& op) = nullptr;
 };
 
 const OpKindInfo& op_info(OpKind k);

@@ -58,14 +58,26 @@ double Machine::op_seconds(const Program& program, size_t op_index) const {
     }
     return host_adam_params_per_s > 0 ? elements / host_adam_params_per_s : 0;
   }
-  const OpFit* fit = &op_fit(op.kind);
-  if (!fit->measured() && op_info(op.kind).priced_as) fit = &op_fit(*op_info(op.kind).priced_as);
-  if (fit->measured())
-    return op_launch_s + fit->seconds(op_rate_work(program, op), static_cast<double>(op_bytes_moved(program, op)));
-  const double rate = op_info(op.kind).op_class == OpClass::Attention ? attention_flops_per_s : matmul_flops_per_s;
+  const double bytes = static_cast<double>(op_bytes_moved(program, op));
+  if (const OpFit& fit = op_fit(op.kind); fit.measured()) return op_launch_s + fit.seconds(op_rate_work(program, op), bytes);
+  const OpKindInfo& info = op_info(op.kind);
+  if (info.priced_as && op_fit(*info.priced_as).measured()) {
+    double s = op_launch_s + op_fit(*info.priced_as).seconds(op_rate_work(program, op), bytes);
+    if (info.priced_with && op_fit(*info.priced_with).measured()) {
+      const double part = info.priced_with_bytes(program, op);
+      s += op_launch_s + op_fit(*info.priced_with).seconds(part, part);
+    }
+    return s;
+  }
+  const double rate = info.op_class == OpClass::Attention ? attention_flops_per_s : matmul_flops_per_s;
   const double compute = rate > 0 ? op_cost_flops(op) / rate : 0;
-  const double memory = device_bytes_per_s > 0 ? op_bytes_moved(program, op) / device_bytes_per_s : 0;
-  return std::max(compute, memory) + op_launch_s;
+  const double memory = device_bytes_per_s > 0 ? bytes / device_bytes_per_s : 0;
+  // An elementwise part (priced_with) is priced as its own kernel, as it ran before
+  // any measurement of the fused kind.
+  double part = 0;
+  if (info.priced_with && device_bytes_per_s > 0)
+    part = info.priced_with_bytes(program, op) / device_bytes_per_s + op_launch_s;
+  return std::max(compute, memory) + op_launch_s + part;
 }
 
 const OpFit& Machine::op_fit(OpKind k) const {

@@ -109,8 +109,8 @@ struct Machine {
 
   bool operator==(const Machine&) const = default;
 
-  // An op's predicted seconds: its kind's fit, else the fit of the kind the registry
-  // prices it as (OpKindInfo::priced_as), else the roofline of the rates above.
+  // An op's predicted seconds: its kind's fit, else the fits of the kinds the registry
+  // prices it as (OpKindInfo::priced_as, priced_with), else the roofline of the rates above.
   double op_seconds(const Program& program, size_t op_index) const;
   // The fitted cost of device ops of kind k (op_fits); not measured() when none.
   const OpFit& op_fit(OpKind k) const;

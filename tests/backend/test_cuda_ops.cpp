@@ -1438,6 +1438,7 @@ TEST_F(CudaOps, AttentionKernelSwitchIsChecked) {
 }
 
 // A product with its GELU in cuBLASLt's epilogue (MatmulGeluForward, MatmulGeluBackward)
+// and a product's parameter gradients alone (MatmulWeightBackward)
 // against the CPU backend, and element by element against the same backend's product
 // and GELU kernel run apart: they differ only where the epilogue applies the GELU (or
 // its derivative) before rounding the product to bf16. Bits repeat run to run.
@@ -1474,22 +1475,27 @@ TEST_F(CudaOps, MatmulWithGeluEpilogue) {
                          [&] { gpu_->matmul_gelu_forward(out.g, pre.g, inp.g, w.g, b.g, s.N, s.C, s.OC); },
                          "matmul_gelu_forward");
 
-    // The product after it (fc2: OC inputs, C2 outputs), its input gradient through the GELU.
+    // The product after it (fc2: OC inputs, C2 outputs): its input gradient through the
+    // GELU, and its parameter gradients alone.
     const int C2 = 48;
     Pair w2 = act_random(size_t(C2) * s.OC, 0.08f), dout = act_random(size_t(s.N) * C2);
     Pair dpre = act_poison(n_out), dw = act_random(size_t(C2) * s.OC), db = act_random(C2);
     auto rw = saver(dw), rb = saver(db);
-    gpu_->matmul_gelu_backward(dpre.g, dw.g, db.g, dout.g, out.g, w2.g, pre.g, s.N, s.OC, C2);
+    gpu_->matmul_gelu_backward(dpre.g, dout.g, w2.g, pre.g, s.N, s.OC, C2);
+    gpu_->matmul_weight_backward(dw.g, db.g, dout.g, out.g, s.N, s.OC, C2);
     // The CPU side from the GPU's out and pre (bf16 values), so both differentiate at the same point.
     ASSERT_TRUE(cpu_->upload(out.c, fo.data(), n_out * 4).is_ok());
     ASSERT_TRUE(cpu_->upload(pre.c, fp.data(), n_out * 4).is_ok());
-    cpu_->matmul_gelu_backward(dpre.c, dw.c, db.c, dout.c, out.c, w2.c, pre.c, s.N, s.OC, C2);
+    cpu_->matmul_gelu_backward(dpre.c, dout.c, w2.c, pre.c, s.N, s.OC, C2);
+    cpu_->matmul_weight_backward(dw.c, db.c, dout.c, out.c, s.N, s.OC, C2);
     expect_close(dpre, "matmul_gelu_backward dpre");
-    expect_close(dw, "matmul_gelu_backward dweight");
-    expect_close(db, "matmul_gelu_backward dbias");
-    expect_deterministic({dpre, dw, db}, [&] { rw(); rb(); },
-                         [&] { gpu_->matmul_gelu_backward(dpre.g, dw.g, db.g, dout.g, out.g, w2.g, pre.g, s.N, s.OC, C2); },
+    expect_close(dw, "matmul_weight_backward dweight");
+    expect_close(db, "matmul_weight_backward dbias");
+    expect_deterministic({dpre}, [] {}, [&] { gpu_->matmul_gelu_backward(dpre.g, dout.g, w2.g, pre.g, s.N, s.OC, C2); },
                          "matmul_gelu_backward");
+    expect_deterministic({dw, db}, [&] { rw(); rb(); },
+                         [&] { gpu_->matmul_weight_backward(dw.g, db.g, dout.g, out.g, s.N, s.OC, C2); },
+                         "matmul_weight_backward");
   }
 }
 

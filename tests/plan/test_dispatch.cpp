@@ -133,9 +133,10 @@ TEST(Dispatch, LlamaOpsPassTheirAttrs) {
   EXPECT_EQ(act[0], act_want);
 }
 
-// A product with its GELU (MatmulGeluForward, MatmulGeluBackward) reaches the backend
-// with its operands in slot order: on the CPU backend it gives the bits of the product
-// and the GELU run apart, with and without the bias.
+// A product with its GELU (MatmulGeluForward; MatmulWeightBackward and
+// MatmulGeluBackward) reaches the backend with its operands in slot order: on the CPU
+// backend it gives the bits of the product (MatmulBackward) and the GELU run apart,
+// with and without the bias.
 TEST(Dispatch, MatmulGeluOpsAreTheProductAndItsGelu) {
   const int N = 5, C = 7, OC = 12;
   auto backend = make_backend("cpu", {.threads = 1});
@@ -155,24 +156,27 @@ TEST(Dispatch, MatmulGeluOpsAreTheProductAndItsGelu) {
     EXPECT_EQ(got[0], out);
     EXPECT_EQ(got[1], pre);
 
-    // Backward of a product [N,OC] -> [N,C'] whose input is gelu(pre): here the
-    // product is fc2 with C' = OC outputs of the forward above as its input.
+    // Backward of a product [N,OC] -> [N,C2] whose input is gelu(pre) (fc2, taking
+    // the forward's out): its parameter gradients, then its input gradient through the GELU.
     const int C2 = 3;
     const std::vector<float> w2 = ramp(C2 * OC, 0.23f), dout = ramp(N * C2, 0.71f);
     const std::vector<float> dw0 = ramp(C2 * OC, 0.11f), db0 = ramp(C2, 0.19f);
+    Op wbwd = probe(OpKind::MatmulWeightBackward);
+    wbwd.attrs = {.C = OC, .OC = C2, .N = N};
+    std::vector<std::vector<float>> wops = {dw0, dout, out};
+    if (with_bias) wops.push_back(db0);
+    const auto wgot = run_on_cpu(wbwd, wops);
     Op bwd = probe(OpKind::MatmulGeluBackward);
     bwd.attrs = {.C = OC, .OC = C2, .N = N};
-    std::vector<std::vector<float>> bops = {std::vector<float>(N * OC), dw0, dout, out, w2, pre};
-    if (with_bias) bops.push_back(db0);
-    const auto back = run_on_cpu(bwd, bops);
+    const auto back = run_on_cpu(bwd, {std::vector<float>(N * OC), dout, w2, pre});
     std::vector<float> dpre(N * OC), dw = dw0, db = db0;
     b.matmul_backward(dpre.data(), dw.data(), with_bias ? db.data() : nullptr, dout.data(), out.data(), w2.data(), N,
                       OC, C2);
     b.gelu_backward(dpre.data(), pre.data(), dpre.data(), dpre.size());
     EXPECT_EQ(back[0], dpre);
-    EXPECT_EQ(back[1], dw);
+    EXPECT_EQ(wgot[0], dw);
     if (with_bias) {
-      EXPECT_EQ(back[6], db);
+      EXPECT_EQ(wgot[3], db);
     }
     EXPECT_NE(back[0], std::vector<float>(N * OC));
   }

@@ -161,7 +161,7 @@ TEST(OpRegistry, ComputeOpsCountPositiveFlops) {
     EXPECT_GT(op_flops(op), 0.0);
     EXPECT_GE(op_cost_flops(op), op_flops(op));
   }
-  EXPECT_EQ(compute, 4);  // matmul and attention, forward and backward
+  EXPECT_EQ(compute, 7);  // matmul and attention, forward and backward; the GELU and weight-only products
   // The figures Program::flops documents.
   EXPECT_DOUBLE_EQ(op_flops(make_op(OpKind::MatmulForward, attrs)), 2.0 * 6 * 16 * 5);
   EXPECT_DOUBLE_EQ(op_flops(make_op(OpKind::MatmulBackward, attrs)), 4.0 * 6 * 16 * 5);
@@ -404,7 +404,8 @@ TEST(OpRegistry, EmbeddingWithoutPositionTable) {
 }
 
 // A product with its GELU: pre and out [N,OC] forward; backward dpre and pre [N,C] (the
-// product's input side), dout [N,OC]; whole products only; the flops of the product.
+// product's input side), dout [N,OC]; the parameter gradients apart; whole products
+// only; the flops of one product each, priced as the products they stand for.
 TEST(OpRegistry, MatmulGeluValidatesWholeProducts) {
   const int64_t N = 4, C = 6, OC = 10, C2 = 3;
   Program p;
@@ -421,31 +422,32 @@ TEST(OpRegistry, MatmulGeluValidatesWholeProducts) {
   p.inputs = {x, dy};
   p.add_op(make_op(OpKind::MatmulGeluForward, {.C = C, .OC = OC, .N = N},
                    {{out, Access::Write}, {pre, Access::Write}, {x, Access::Read}, {w, Access::Read}, {b, Access::Read}}));
+  p.add_op(make_op(OpKind::MatmulWeightBackward, {.C = OC, .OC = C2, .N = N},
+                   {{dw2, Access::Update}, {dy, Access::Read}, {out, Access::Read}, {db2, Access::Update}}));
   p.add_op(make_op(OpKind::MatmulGeluBackward, {.C = OC, .OC = C2, .N = N},
-                   {{dpre, Access::Write},
-                    {dw2, Access::Update},
-                    {dy, Access::Read},
-                    {out, Access::Read},
-                    {w2, Access::Read},
-                    {pre, Access::Read},
-                    {db2, Access::Update}}));
+                   {{dpre, Access::Write}, {dy, Access::Read}, {w2, Access::Read}, {pre, Access::Read}}));
   p.outputs = {dpre};
   EXPECT_EQ(error_of(p), "");
   EXPECT_DOUBLE_EQ(op_flops(p.ops[0]), 2.0 * N * C * OC);
-  EXPECT_DOUBLE_EQ(op_flops(p.ops[1]), 4.0 * N * OC * C2);
+  EXPECT_DOUBLE_EQ(op_flops(p.ops[1]) + op_flops(p.ops[2]),
+                   op_flops(make_op(OpKind::MatmulBackward, {.C = OC, .OC = C2, .N = N})));
   EXPECT_EQ(op_info(OpKind::MatmulGeluForward).priced_as, OpKind::MatmulForward);
   EXPECT_EQ(op_info(OpKind::MatmulGeluBackward).priced_as, OpKind::MatmulBackward);
+  EXPECT_EQ(op_info(OpKind::MatmulWeightBackward).priced_as, OpKind::MatmulBackward);
   Program q = p;
   q.ops[0].operands[1].tensor = dy;  // pre [N,C2] where [N,OC] is due
   std::string e = error_of(q);
   EXPECT_TRUE(contains(e, "(MatmulGeluForward): operand 1 (pre) 'dy' has 12 elements; expected N*OC = 40")) << e;
   q = p;
-  q.ops[1].operands[5].tensor = x;  // pre [N,C] where the product's input side [N,OC] is due
+  q.ops[2].operands[3].tensor = x;  // pre [N,C] where the product's input side [N,OC] is due
   e = error_of(q);
-  EXPECT_TRUE(contains(e, "(MatmulGeluBackward): operand 5 (pre) 'x' has 24 elements; expected N*C = 40")) << e;
+  EXPECT_TRUE(contains(e, "(MatmulGeluBackward): operand 3 (pre) 'x' has 24 elements; expected N*C = 40")) << e;
+  q = p;
+  q.ops[1].operands[3].tensor = b;  // dbias [OC] where [C2] is due
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulWeightBackward): operand 3 (dbias) 'b' has 10 elements; expected OC = 3")) << e;
   q = p;
   q.ops[0].attrs.block = 5;
   e = error_of(q);
-  EXPECT_TRUE(contains(e, "(MatmulGeluForward): attrs ld = 0, begin = 0, block = 5: a product with its GELU is whole"))
-      << e;
+  EXPECT_TRUE(contains(e, "(MatmulGeluForward): attrs ld = 0, begin = 0, block = 5: this product is whole")) << e;
 }

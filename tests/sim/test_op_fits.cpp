@@ -94,6 +94,35 @@ TEST(OpFits, TheWorkOfEachKind) {
   EXPECT_EQ(op_bytes_moved(p, p.ops[3]), 2048);
 }
 
+// A fused kind on a machine without a fit of its own (MatmulGeluForward: a product and
+// its GELU) is priced as the product's kind over its flops and bytes plus the GELU's
+// kind over the GELU's bytes; with the class rule, the GELU as its own kernel; its own
+// fit, once measured, wins.
+TEST(OpFits, AFusedKindIsPricedAsTheKindsItStandsFor) {
+  Program p;
+  // N 4, C 8, OC 16: 1024 flops; out and pre [4,16] F32 (256 bytes each), inp 128,
+  // weight 512: 1152 bytes; the GELU's part: pre read, out written, 512 bytes.
+  const TensorId inp = add(p, "inp", 32, Role::Input), w = add(p, "w", 128, Role::Param);
+  const TensorId out = add(p, "out", 64), pre = add(p, "pre", 64);
+  p.inputs = {inp};
+  p.add_op({.kind = OpKind::MatmulGeluForward, .name = "fc",
+            .operands = {{out, Access::Write}, {pre, Access::Write}, {inp, Access::Read}, {w, Access::Read}},
+            .attrs = {.C = 8, .OC = 16, .N = 4}});
+  ASSERT_TRUE(p.validate().is_ok()) << p.validate().to_string();
+  EXPECT_EQ(op_bytes_moved(p, p.ops[0]), 1152);
+  Machine m = slow_machine();
+  // The class rule: max(1024 / 1024, 1152 / 2048) + 0.25, and the GELU 512 / 2048 + 0.25.
+  EXPECT_EQ(m.op_seconds(p, 0), 1.25 + 0.5);
+  m.op_fits[kGelu] = {.rate = 4096};
+  m.op_fits[kMatmulFwd] = {.fixed_s = 0.5, .rate = 256, .bytes_per_s = 128};
+  // 0.25 + 0.5 + 1024 / 256 + 1152 / 128, then 0.25 + 512 / 4096.
+  EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.5 + 4 + 9 + 0.25 + 0.125);
+  m.op_fits[kGelu] = {};  // the GELU's kind unmeasured: the product alone
+  EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.5 + 4 + 9);
+  m.op_fits[static_cast<size_t>(OpKind::MatmulGeluForward)] = {.fixed_s = 0.125, .rate = 1024};
+  EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.125 + 1);
+}
+
 TEST(OpFits, AFittedKindTakesItsTermsAndTheOthersKeepTheClassRule) {
   const Program p = sample();
   Machine m = slow_machine();

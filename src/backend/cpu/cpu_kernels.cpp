@@ -250,10 +250,13 @@ void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias
   use_single_threaded_blas();
   const float beta = accumulate_dinp ? 1.0f : 0.0f;
   // dinp[r0:r1, c0:c1] (+)= dout[r0:r1, :] · weight[:, c0:c1]
-  for_each_tile(pool, N, C, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(r1 - r0), static_cast<int>(c1 - c0),
-                OC, 1.0f, dout + r0 * ld_dout, ld_dout, weight + c0, C, beta, dinp + r0 * C + c0, C);
-  });
+  if (dinp != nullptr) {
+    for_each_tile(pool, N, C, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(r1 - r0), static_cast<int>(c1 - c0),
+                  OC, 1.0f, dout + r0 * ld_dout, ld_dout, weight + c0, C, beta, dinp + r0 * C + c0, C);
+    });
+  }
+  if (dweight == nullptr) return;
   // dweight[o0:o1, c0:c1] += dout[:, o0:o1]ᵀ · inp[:, c0:c1]: the product over all N rows
   // is formed from zero in one call, then added into dweight once (sgemm with beta 1
   // would add some of its row blocks into dweight before others), so micro-batches

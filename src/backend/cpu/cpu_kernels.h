@@ -70,7 +70,8 @@ void matmul_forward(ThreadPool& pool, float* out, const float* inp, const float*
                     const float* bias, int N, int C, int OC, int ld_out);
 // dinp[N,C] = dout[N,OC] · weight[OC,C] (added into dinp when accumulate_dinp);
 // dweight[OC,C] += doutᵀ · inp[N,C]; dbias[OC] += Σ_n dout (when dbias is not null).
-// Rows of dout are ld_dout ≥ OC floats apart.
+// Rows of dout are ld_dout ≥ OC floats apart. dinp null: no input gradient; dweight
+// null: no parameter gradients (dbias must be null too).
 void matmul_backward(ThreadPool& pool, float* dinp, float* dweight, float* dbias, const float* dout,
                      const float* inp, const float* weight, int N, int C, int OC, int ld_dout,
                      bool accumulate_dinp);

@@ -1016,19 +1016,14 @@ class CudaBackend final : public Backend {
     record(std::move(s), "matmul_gelu_forward");
   }
 
-  // dbias and dweight as matmul_backward, then dpre with the DGELU epilogue.
-  void matmul_gelu_backward(void* dpre, void* dweight, void* dbias, const void* dout, const void* inp,
-                            const void* weight, const void* pre, int N, int C, int OC) override {
-    if (!gelu_epilogue_) return Backend::matmul_gelu_backward(dpre, dweight, dbias, dout, inp, weight, pre, N, C, OC);
-    matmul_backward(nullptr, dweight, dbias, dout, inp, weight, N, C, OC, OC, false);
+  // dpre through the DGELU epilogue (the same fallbacks as the forward).
+  void matmul_gelu_backward(void* dpre, const void* dout, const void* weight, const void* pre, int N, int C,
+                            int OC) override {
+    if (!gelu_epilogue_) return Backend::matmul_gelu_backward(dpre, dout, weight, pre, N, C, OC);
     if (!enter() || !lt_workspace(0, "matmul_gelu_backward")) return;
     Status s = mm_.backward_input_gelu(stream(), mb(dpre), cb(dout), cb(weight), cb(pre), N, C, OC);
-    if (s.code() == StatusCode::Unsupported) {
-      matmul_backward(dpre, nullptr, nullptr, dout, inp, weight, N, C, OC, OC, false);
-      gelu_backward(dpre, pre, dpre, static_cast<size_t>(N) * C);
-      return;
-    }
-    record(std::move(s), "matmul_gelu_backward (dpre)");
+    if (s.code() == StatusCode::Unsupported) return Backend::matmul_gelu_backward(dpre, dout, weight, pre, N, C, OC);
+    record(std::move(s), "matmul_gelu_backward");
   }
 
   using Backend::attention_backward;
