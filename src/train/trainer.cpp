@@ -269,10 +269,13 @@ Result<Plan> Trainer::confirm_auto_plan() {
     host_bytes = std::max(host_bytes, plan.host_arena_bytes());
     most_speculation = std::max(most_speculation, plan.speculation_bytes);
   }
+  double pin_s = 0;
   if (host_bytes <= options_.budgets.host && most_speculation <= options_.budgets.host - host_bytes) {
+    const auto pin_start = std::chrono::steady_clock::now();
     SPILLWAY_ASSIGN_OR_RETURN(void* pinned, backend_.host_alloc(host_bytes));
     shared_host_ = std::shared_ptr<void>(pinned, [b = &backend_](void* q) { b->host_free(q); });
     shared_host_bytes_ = host_bytes;
+    pin_s = seconds_since(pin_start);
   }
   for (size_t rank = 0; rank < candidates.size(); ++rank) {
     Plan& plan = candidates[rank];
@@ -306,9 +309,14 @@ Result<Plan> Trainer::confirm_auto_plan() {
                   i + 1, timed[i].plan.predicted_step_s, timed[i].measured_s, timed[i].trial_s);
     report += line;
   }
-  char searched[64];
+  char searched[128];
   std::snprintf(searched, sizeof searched, "; search %.1f s", search_s);
   report += searched;
+  if (shared_host_) {
+    std::snprintf(searched, sizeof searched, "; one pinned host region of %s for the trials in %.1f s",
+                  format_size(shared_host_bytes_).c_str(), pin_s);
+    report += searched;
+  }
   report += "; kept candidate " + std::to_string(best + 1);
   Plan chosen = std::move(timed[best].plan);
   chosen.description += report;
