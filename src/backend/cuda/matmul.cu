@@ -180,8 +180,14 @@ Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const v
                        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
                                                       sizeof(aux)));
   const float alpha = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
-  LT_RETURN_IF_ERROR("cublasLtMatmul", cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->c,
-                                                      D, p->c, &p->algo, workspace_, workspace_bytes_, stream));
+  const cublasStatus_t st = cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->c, D, p->c,
+                                           &p->algo, workspace_, workspace_bytes_, stream);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused before launching: refused for this problem from now on
+    Status s = lt_status("cublasLtMatmul", st);
+    unsupported_.emplace(key, s);  // checked before plans_ (which keeps the descriptors until ~LtMatmul)
+    return s;
+  }
+  LT_RETURN_IF_ERROR("cublasLtMatmul", st);
   return Status::ok();
 }
 
