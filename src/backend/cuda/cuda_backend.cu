@@ -367,27 +367,30 @@ class ComputeQueue {
   std::vector<cudaEvent_t> event_pool_;  // events of retired entries, to record again
 };
 
-// SPILLWAY_CUDA_MULTI_TENSOR: unset or 1, multi-tensor optimizer launches; 0, one
-// launch (or two) per tensor as before, for comparing the two.
-Result<bool> multi_tensor_from_environment() {
-  const char* v = std::getenv("SPILLWAY_CUDA_MULTI_TENSOR");
+// An on/off switch of the environment, for comparing two ways of running the same
+// ops: unset or "1" on (`on` says what that does, the default), "0" off (`off`); any
+// other value is an error naming the variable.
+Result<bool> switch_from_environment(const char* name, const char* on, const char* off) {
+  const char* v = std::getenv(name);
   if (v == nullptr || std::string(v) == "1") return true;
   if (std::string(v) == "0") return false;
-  return Status::invalid_argument(std::string("SPILLWAY_CUDA_MULTI_TENSOR is '") + v +
-                                  "'; expected 1 (multi-tensor optimizer launches, the default) or 0 (one launch "
-                                  "per tensor)");
+  return Status::invalid_argument(std::string(name) + " is '" + v + "'; expected 1 (" + on + ", the default) or 0 (" +
+                                  off + ")");
 }
 
-// SPILLWAY_CUDA_GELU_EPILOGUE: unset or 1, a product and its GELU (MatmulGeluForward,
-// MatmulGeluBackward) run as one cuBLASLt product with a GELU_AUX_BIAS or DGELU
-// epilogue; 0, as a product and a GELU kernel (Backend's default), for comparing the two.
+// SPILLWAY_CUDA_MULTI_TENSOR: multi-tensor optimizer launches, or one launch (or two)
+// per tensor as before.
+Result<bool> multi_tensor_from_environment() {
+  return switch_from_environment("SPILLWAY_CUDA_MULTI_TENSOR", "multi-tensor optimizer launches",
+                                 "one launch per tensor");
+}
+
+// SPILLWAY_CUDA_GELU_EPILOGUE: a product and its GELU (MatmulGeluForward,
+// MatmulGeluBackward) as one cuBLASLt product with a GELU_AUX_BIAS or DGELU epilogue,
+// or as a product and a GELU kernel (Backend's default).
 Result<bool> gelu_epilogue_from_environment() {
-  const char* v = std::getenv("SPILLWAY_CUDA_GELU_EPILOGUE");
-  if (v == nullptr || std::string(v) == "1") return true;
-  if (std::string(v) == "0") return false;
-  return Status::invalid_argument(std::string("SPILLWAY_CUDA_GELU_EPILOGUE is '") + v +
-                                  "'; expected 1 (the GELU in the product's cuBLASLt epilogue, the default) or 0 (a "
-                                  "product, then a GELU kernel)");
+  return switch_from_environment("SPILLWAY_CUDA_GELU_EPILOGUE", "the GELU in the product's cuBLASLt epilogue",
+                                 "a product, then a GELU kernel");
 }
 
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
