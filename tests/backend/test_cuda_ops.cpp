@@ -1443,6 +1443,13 @@ TEST_F(CudaOps, AttentionKernelSwitchIsChecked) {
 // and GELU kernel run apart: they differ only where the epilogue applies the GELU (or
 // its derivative) before rounding the product to bf16. Bits repeat run to run.
 TEST_F(CudaOps, MatmulWithGeluEpilogue) {
+  {  // the epilogue whatever the default: a backend made with the switch on
+    ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "1");
+    auto g = make_backend("cuda");
+    ASSERT_TRUE(g.ok()) << g.status().to_string();
+    gpu_ = std::move(*g);
+    ASSERT_TRUE(gpu_->use_own_workspace(kTestWorkspace).ok());
+  }
   struct Shape {
     int N, C, OC;
   };
