@@ -1506,7 +1506,7 @@ TEST_F(CudaOps, MatmulWithGeluEpilogue) {
   }
 }
 
-// A value other than 0 or 1 is an error naming the variable; 0 is described.
+// A value other than 0 or 1 is an error naming the variable; 1 is described.
 TEST_F(CudaOps, GeluEpilogueSwitchIsChecked) {
   {
     ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "on");
@@ -1515,10 +1515,10 @@ TEST_F(CudaOps, GeluEpilogueSwitchIsChecked) {
     EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
     EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_GELU_EPILOGUE"), std::string::npos) << b.status().to_string();
   }
-  ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "0");
+  ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "1");
   auto b = make_backend("cuda");
   ASSERT_TRUE(b.ok()) << b.status().to_string();
-  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_GELU_EPILOGUE=0"), std::string::npos) << (*b)->description();
+  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_GELU_EPILOGUE=1"), std::string::npos) << (*b)->description();
 }
 
 }  // namespace

@@ -368,28 +368,31 @@ class ComputeQueue {
 };
 
 // An on/off switch of the environment, for comparing two ways of running the same
-// ops: unset or "1" on (`on` says what that does, the default), "0" off (`off`); any
-// other value is an error naming the variable.
-Result<bool> switch_from_environment(const char* name, const char* on, const char* off) {
+// ops: "1" on (`on` says what that does), "0" off (`off`), unset `unset`; any other
+// value is an error naming the variable.
+Result<bool> switch_from_environment(const char* name, bool unset, const char* on, const char* off) {
   const char* v = std::getenv(name);
-  if (v == nullptr || std::string(v) == "1") return true;
+  if (v == nullptr) return unset;
+  if (std::string(v) == "1") return true;
   if (std::string(v) == "0") return false;
-  return Status::invalid_argument(std::string(name) + " is '" + v + "'; expected 1 (" + on + ", the default) or 0 (" +
-                                  off + ")");
+  return Status::invalid_argument(std::string(name) + " is '" + v + "'; expected 1 (" + on +
+                                  (unset ? ", the default" : "") + ") or 0 (" + off + (unset ? "" : ", the default") +
+                                  ")");
 }
 
-// SPILLWAY_CUDA_MULTI_TENSOR: multi-tensor optimizer launches, or one launch (or two)
-// per tensor as before.
+// SPILLWAY_CUDA_MULTI_TENSOR: multi-tensor optimizer launches (the default), or one
+// launch (or two) per tensor as before.
 Result<bool> multi_tensor_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_MULTI_TENSOR", "multi-tensor optimizer launches",
+  return switch_from_environment("SPILLWAY_CUDA_MULTI_TENSOR", true, "multi-tensor optimizer launches",
                                  "one launch per tensor");
 }
 
 // SPILLWAY_CUDA_GELU_EPILOGUE: a product and its GELU (MatmulGeluForward,
 // MatmulGeluBackward) as one cuBLASLt product with a GELU_AUX_BIAS or DGELU epilogue,
-// or as a product and a GELU kernel (Backend's default).
+// or as a product and a GELU kernel (Backend's default). Off unless asked for: the
+// epilogue path has not run on a GPU yet (README, "Backends").
 Result<bool> gelu_epilogue_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_GELU_EPILOGUE", "the GELU in the product's cuBLASLt epilogue",
+  return switch_from_environment("SPILLWAY_CUDA_GELU_EPILOGUE", false, "the GELU in the product's cuBLASLt epilogue",
                                  "a product, then a GELU kernel");
 }
 
@@ -704,7 +707,7 @@ class CudaBackend final : public Backend {
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
-           (gelu_epilogue_ ? "" : "; GELU after the product (SPILLWAY_CUDA_GELU_EPILOGUE=0)") +
+           (gelu_epilogue_ ? "; GELU in the products' cuBLASLt epilogue (SPILLWAY_CUDA_GELU_EPILOGUE=1)" : "") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
@@ -1233,7 +1236,7 @@ class CudaBackend final : public Backend {
   unsigned schedule_flags_ = cudaDeviceScheduleAuto;  // SPILLWAY_CUDA_SCHEDULE, set at init
   bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
-  bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
+  bool gelu_epilogue_ = false;                                  // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back
