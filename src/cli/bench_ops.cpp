@@ -225,13 +225,13 @@ Status run_ops(Backend& b, const Options& o) {
   // (MatmulGeluForward; MatmulGeluBackward and MatmulWeightBackward): shown beside those
   // rows, not summed.
   const double fc_flops = 2.0 * N * C * 4 * C;
-  SPILLWAY_RETURN_IF_ERROR(bench.row("fc fwd with its gelu (one op)", fc_flops, 0, [&] {
+  SPILLWAY_RETURN_IF_ERROR(bench.row("fc fwd + gelu, one op", fc_flops, 0, [&] {
     b.matmul_gelu_forward(big2, big, x, w, bias, N, C, 4 * C);
   }, &ms));
-  SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj bwd dinp through the gelu (one op)", fc_flops, 0, [&] {
+  SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj bwd dinp + dgelu, one op", fc_flops, 0, [&] {
     b.matmul_gelu_backward(big, y, w, big2, N, 4 * C, C);
   }, &ms));
-  SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj bwd dweight, dbias (one op)", fc_flops, 0, [&] {
+  SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj bwd weights, one op", fc_flops, 0, [&] {
     b.matmul_weight_backward(dw, dbias, y, big2, N, 4 * C, C);
   }, &ms));
   SPILLWAY_RETURN_IF_ERROR(bench.row("residual", 0, nc * a * 3, [&] { b.residual_forward(y, x, dx, N * C); }, &ms));
