@@ -956,6 +956,16 @@ class ScopedEnv {
   bool had_ = false;
 };
 
+// A switch of the environment set to `value`, which it does not take: making a backend
+// is an InvalidArgument error naming the variable, not a silent default.
+void expect_switch_refused(const char* name, const char* value) {
+  ScopedEnv env(name, value);
+  auto b = make_backend("cuda");
+  ASSERT_FALSE(b.ok()) << name << "=" << value << " accepted";
+  EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
+  EXPECT_NE(b.status().message().find(name), std::string::npos) << b.status().to_string();
+}
+
 struct OptimizerLaunches {
   uint64_t squared_norm = 0, adamw = 0;
 };
@@ -1303,13 +1313,7 @@ TEST_F(CudaOps, MultiTensorFlushOrdering) {
 }
 
 // A value other than 0 or 1 is an error naming the variable, not a silent default.
-TEST_F(CudaOps, MultiTensorSwitchIsChecked) {
-  ScopedEnv env("SPILLWAY_CUDA_MULTI_TENSOR", "yes");
-  auto b = make_backend("cuda");
-  ASSERT_FALSE(b.ok());
-  EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
-  EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_MULTI_TENSOR"), std::string::npos) << b.status().to_string();
-}
+TEST_F(CudaOps, MultiTensorSwitchIsChecked) { expect_switch_refused("SPILLWAY_CUDA_MULTI_TENSOR", "yes"); }
 
 // The Hopper attention kernels (wgmma, head dims 64, 80, 128; attention_sm90a.cu),
 // forward and backward, against the mma.sync kernels (SPILLWAY_CUDA_ATTENTION=mma) on
@@ -1429,13 +1433,7 @@ TEST_F(CudaOps, HopperAttentionAgreesWithMmaKernels) {
 }
 
 // A value other than auto or mma is an error naming the variable.
-TEST_F(CudaOps, AttentionKernelSwitchIsChecked) {
-  ScopedEnv env("SPILLWAY_CUDA_ATTENTION", "wgmma");
-  auto b = make_backend("cuda");
-  ASSERT_FALSE(b.ok());
-  EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
-  EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_ATTENTION"), std::string::npos) << b.status().to_string();
-}
+TEST_F(CudaOps, AttentionKernelSwitchIsChecked) { expect_switch_refused("SPILLWAY_CUDA_ATTENTION", "wgmma"); }
 
 // A product with its GELU in cuBLASLt's epilogue (MatmulGeluForward, MatmulGeluBackward)
 // and a product's parameter gradients alone (MatmulWeightBackward)
@@ -1508,13 +1506,7 @@ TEST_F(CudaOps, MatmulWithGeluEpilogue) {
 
 // A value other than 0 or 1 is an error naming the variable; 1 is described.
 TEST_F(CudaOps, GeluEpilogueSwitchIsChecked) {
-  {
-    ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "on");
-    auto b = make_backend("cuda");
-    ASSERT_FALSE(b.ok());
-    EXPECT_EQ(b.status().code(), StatusCode::InvalidArgument) << b.status().to_string();
-    EXPECT_NE(b.status().message().find("SPILLWAY_CUDA_GELU_EPILOGUE"), std::string::npos) << b.status().to_string();
-  }
+  expect_switch_refused("SPILLWAY_CUDA_GELU_EPILOGUE", "on");
   ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "1");
   auto b = make_backend("cuda");
   ASSERT_TRUE(b.ok()) << b.status().to_string();
