@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call for issue 14 (session 36): the GELU in the products' cuBLASLt
-# epilogue (SPILLWAY_CUDA_GELU_EPILOGUE=1) on a GPU for the first time.
-#   1. the CUDA op tests (all of CudaOps, the epilogue ones among them);
-#   2. exactness with the epilogue on: gpt2-124m resident against planned budgets with
+# epilogue (SPILLWAY_CUDA_GELU_EPILOGUE=1) and the software-pipelined Hopper attention
+# forward, on a GPU for the first time.
+#   1. the CUDA op tests (all of CudaOps: the epilogue and attention ones among them);
+#   2. exactness with the epilogue on: gpt2-124m resident against a planned budget with
 #      speculation, losses and saved weights; the resident run twice (same bits);
 #   3. one gpt2-124m step against PyTorch with the epilogue on (loss, every gradient);
-#   4. bench train, resident, switch 0 and 1 in the same call, beside torch.compile;
-#   5. bench ops at T 1024 with the switch at 0 and 1 (the fused rows beside the parts).
+#   4. bench train gpt2-124m B16 (MODELS), resident, switch 0 and 1, beside torch.compile;
+#   5. bench ops at T 1024 with the switch at 0 and 1 (the fused rows beside the parts,
+#      the attention rows) beside SDPA (bench/peers/torch_attention.py).
 # Each part writes into $OUT as it finishes. Usage (device tool, carry .deps):
 #   scripts/device-gelu.sh
 set -uo pipefail
@@ -24,18 +26,17 @@ nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && machine=mach
 # 1. CUDA op tests.
 timeout 240 build-device/test_backend --gtest_filter="${TESTS:-CudaOps.*}" > "$out/cudaops.log" 2>&1
 log "CudaOps: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/cudaops.log" | tr '\n' ' ')"
-grep -E '^\[  FAILED|Failure|error' "$out/cudaops.log" | head -12 | tee -a "$out/summary.txt"
+grep -E '^\[  FAILED|Failure' -A4 "$out/cudaops.log" | head -30 | tee -a "$out/summary.txt"
 
 # 2. Exactness with the epilogue on.
 export SPILLWAY_CUDA_GELU_EPILOGUE=1
 x="train --backend cuda --model gpt2-124m --context 256 --batch 4 --steps 6 --seed 5 --lr 3e-3 --warmup 0 --grad-clip 5 --machine $machine"
-for r in res res2; do timeout 90 $bin $x --metrics $out/x_$r.jsonl --save /tmp/x_$r > $out/x.log 2>&1 || tail -5 $out/x.log; done
-grep -m1 -i "epilogue\|backend" $out/x.log | cut -c1-300 | tee -a "$out/summary.txt"
+for r in res res2; do timeout 90 $bin $x --metrics $out/x_$r.jsonl --save /tmp/x_$r > $out/x_$r.log 2>&1 || tail -5 $out/x_$r.log; done
 scripts/same_losses.py "epilogue on, resident twice" $out/x_res.jsonl $out/x_res2.jsonl | tee -a "$out/summary.txt"
 cmp -s /tmp/x_res/model.safetensors /tmp/x_res2/model.safetensors && log "resident twice: weights IDENTICAL"
-for bud in 300MiB 200MiB; do
-  timeout 120 $bin $x --policy planned --device-budget $bud --speculate on --metrics $out/x_$bud.jsonl --save /tmp/x_$bud >> $out/x.log 2>&1 ||
-    tail -5 $out/x.log
+for bud in ${XBUDGETS:-200MiB}; do
+  timeout 120 $bin $x --policy planned --device-budget $bud --speculate on --metrics $out/x_$bud.jsonl --save /tmp/x_$bud > $out/x_$bud.log 2>&1 ||
+    tail -5 $out/x_$bud.log
   scripts/same_losses.py "epilogue on, 124m $bud speculate" $out/x_res.jsonl $out/x_$bud.jsonl | tee -a "$out/summary.txt"
   cmp -s /tmp/x_res/model.safetensors /tmp/x_$bud/model.safetensors && log "$bud weights IDENTICAL"
 done
@@ -55,24 +56,25 @@ log "gradcheck (epilogue on): $(tail -1 "$out/gradcheck.log")"
 log "parts 1-3 $(( $(date +%s) - t0 )) s"
 
 # 4. Resident training, the switch at 0 and 1, beside torch.compile.
-for mb in "gpt2-124m 16" "gpt2-1.5b 8"; do
-  set -- $mb
+for mb in ${MODELS:-gpt2-124m:16}; do
+  m=${mb%%:*}; b=${mb#*:}
   for s in 0 1; do
-    SPILLWAY_CUDA_GELU_EPILOGUE=$s timeout 150 $bin bench train --backend cuda --model $1 --batch $2 --steps 5 \
-      --machine $machine > "$out/bench_${1}_$s.log" 2>&1
-    log "$1 B$2 epilogue $s: $(grep -E 'own steps' "$out/bench_${1}_$s.log" | head -1 | cut -c1-160)"
-    grep -E 'MFU' "$out/bench_${1}_$s.log" | head -1 | cut -c1-160 | tee -a "$out/summary.txt"
+    SPILLWAY_CUDA_GELU_EPILOGUE=$s timeout 150 $bin bench train --backend cuda --model $m --batch $b --steps 5 \
+      --machine $machine > "$out/bench_${m}_$s.log" 2>&1
+    log "$m B$b epilogue $s: $(grep -E 'own steps' "$out/bench_${m}_$s.log" | head -1 | cut -c1-160)"
+    grep -E 'MFU|host issue' "$out/bench_${m}_$s.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
   done
 done
 unset SPILLWAY_CUDA_GELU_EPILOGUE
-for p in ${PEERS-124M:compile:16 1.5B:compile:8}; do
+for p in ${PEERS-124M:compile:16}; do
   log "peer $p: $(NMEAS=4 timeout 200 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1)"
 done
 
-# 5. bench ops with the switch at 0 and 1.
+# 5. bench ops with the switch at 0 and 1; SDPA at the 124M shape.
 for s in 0 1; do
   SPILLWAY_CUDA_GELU_EPILOGUE=$s timeout 90 $bin bench ops --backend cuda --T 1024 > "$out/ops_$s.txt" 2>&1
 done
 grep -E "fc|gelu|adamw|squared|step estimate|layernorm|residual|attention" "$out/ops_1.txt" | tee -a "$out/summary.txt"
 grep -E "step estimate" "$out/ops_0.txt" | sed 's/^/switch 0: /' | tee -a "$out/summary.txt"
+timeout 90 python3 bench/peers/torch_attention.py 16:1024:12:64 2>&1 | tail -3 | tee -a "$out/summary.txt"
 log "total $(( $(date +%s) - t0 )) s"
