@@ -88,11 +88,6 @@ constexpr uint32_t kSwizzle128 = 1, kSwizzle32 = 3;
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Waits until at most one committed group of this warpgroup's products is in flight
-// (groups complete in the order they were committed).
-__device__ __forceinline__ void wgmma_wait_all_but_one() {
-  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-}
 
 // Keeps the compiler from moving reads or writes of an accumulator across the
 // asynchronous product (the wait above names no registers).
@@ -152,11 +147,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // d = A·Bᵀ over the head dim (m64n64): A is rows a_row0 .. a_row0+63 of a tile of
 // a_rows rows, B the whole of a tile of 64 rows, both [rows][HD] in column blocks
 // (K-major): 32 bytes along a 128-byte row per step of 16, then the tail block's
-// 32-byte rows. issue_abt only issues the products (the caller fences, commits and
-// waits); product_abt also waits for them.
+// 32-byte rows. Issued, committed and waited for.
 template <int HD>
-__device__ __forceinline__ void issue_abt(float (&d)[32], uint32_t a_tile, int a_rows, int a_row0, uint32_t b_tile) {
+__device__ __forceinline__ void product_abt(float (&d)[32], uint32_t a_tile, int a_rows, int a_row0,
+                                            uint32_t b_tile) {
   using L = Cols<HD>;
+  wgmma_fence();
 #pragma unroll
   for (int c = 0; c < L::main; ++c)
 #pragma unroll
@@ -166,12 +162,6 @@ __device__ __forceinline__ void issue_abt(float (&d)[32], uint32_t a_tile, int a
   if constexpr (L::tail != 0)
     wgmma_ss(d, descriptor(a_tile + L::main * a_rows * 128 + a_row0 * 32, 0, 256, kSwizzle32),
              descriptor(b_tile + L::main * 64 * 128, 0, 256, kSwizzle32), 1);
-}
-template <int HD>
-__device__ __forceinline__ void product_abt(float (&d)[32], uint32_t a_tile, int a_rows, int a_row0,
-                                            uint32_t b_tile) {
-  wgmma_fence();
-  issue_abt<HD>(d, a_tile, a_rows, a_row0, b_tile);
   wgmma_commit();
   wgmma_wait_all();
   pin(d);
@@ -179,12 +169,13 @@ __device__ __forceinline__ void product_abt(float (&d)[32], uint32_t a_tile, int
 
 // o += P·B (m64 × HD): P the 64×64 A operand in registers (pa[ks]: columns 16ks ..
 // 16ks+15), B rows b_row0 .. b_row0+63 of a tile of b_rows rows, [rows][HD] in column
-// blocks, read N-major (transposed): 16 rows of a block per step. issue_pb only
-// issues; product_pb also fences, commits and waits.
+// blocks, read N-major (transposed): 16 rows of a block per step. Issued, committed
+// and waited for.
 template <int HD>
-__device__ __forceinline__ void issue_pb(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1],
-                                         const uint32_t (&pa)[4][4], uint32_t b_tile, int b_rows, int b_row0) {
+__device__ __forceinline__ void product_pb(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1],
+                                           const uint32_t (&pa)[4][4], uint32_t b_tile, int b_rows, int b_row0) {
   using L = Cols<HD>;
+  wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
 #pragma unroll
@@ -195,29 +186,11 @@ __device__ __forceinline__ void issue_pb(float (&o)[Cols<HD>::main][32], float (
       wgmma_rs_tb16(o_tail, pa[ks],
                     descriptor(b_tile + L::main * b_rows * 128 + (b_row0 + 16 * ks) * 32, 256, 256, kSwizzle32));
   }
-}
-// The same for the registers of an A operand: read by a product until it is waited
-// for, so they must not be reused before (the compiler sees them consumed at issue).
-__device__ __forceinline__ void pin(uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
-}
-template <int HD>
-__device__ __forceinline__ void pin_o(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1]) {
-#pragma unroll
-  for (int c = 0; c < Cols<HD>::main; ++c) pin(o[c]);
-  pin(o_tail);
-}
-template <int HD>
-__device__ __forceinline__ void product_pb(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1],
-                                           const uint32_t (&pa)[4][4], uint32_t b_tile, int b_rows, int b_row0) {
-  wgmma_fence();
-  issue_pb<HD>(o, o_tail, pa, b_tile, b_rows, b_row0);
   wgmma_commit();
   wgmma_wait_all();
-  pin_o<HD>(o, o_tail);
+#pragma unroll
+  for (int c = 0; c < L::main; ++c) pin(o[c]);
+  pin(o_tail);
 }
 
 // The A operand of a product over 64 columns from a 64×64 accumulator.
@@ -306,59 +279,9 @@ __device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, 
 
 #endif  // SPILLWAY_WGMMA_BODY
 
-#ifdef SPILLWAY_WGMMA_BODY
-// One key block's step of the online softmax (forward): masks keys past a row (the
-// diagonal block) or past T in the scores s of key block nb, for this thread's rows
-// row_a and row_a + 8; updates the running max (log2 units) and sum; leaves
-// P = 2^(s·scale_log2 − max) in s and the factor alpha by which the output
-// accumulated so far must be scaled.
-__device__ __forceinline__ void softmax_step(float (&s)[32], float (&row_max)[2], float (&row_sum)[2],
-                                             float (&alpha)[2], int nb, int wg_row0, int row_a, int t4, int T,
-                                             float scale_log2) {
-  if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
-        const int q = row_a + (e >> 1) * 8;
-        if (key > q || key >= T) s[4 * j + e] = -INFINITY;
-      }
-  }
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-  float neg_m[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    const float m_new = fmaxf(row_max[r], mx[r] * scale_log2);  // log2 units
-    alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(row_max[r] - m_new);
-    neg_m[r] = m_new == -INFINITY ? 0.0f : -m_new;
-    row_max[r] = m_new;
-    row_sum[r] *= alpha[r];
-  }
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int r = (i >> 1) & 1;
-    const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
-    s[i] = p;
-    row_sum[r] += p;
-  }
-}
-#endif  // SPILLWAY_WGMMA_BODY
-
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
 // B·NH), 256 threads. Query head h reads key/value head h/(NH/KVH) (kGrouped; else
 // KVH = NH and the [B,T,3C] layout).
-//
-// Software-pipelined per warpgroup: in step j the tensor cores compute S_j = Q·K_jᵀ
-// and O += P_{j-1}·V_{j-1} while the warpgroup's threads wait only for S_j, then run
-// the softmax of S_j (the exponentials) while P_{j-1}·V_{j-1} finishes; O is scaled
-// by step j's factor after that. The operations on O are those of the plain loop
-// (scale by alpha_j, then add P_j·V_j, in order), so the values are the same. Loads run one step ahead: step j's cp.async group holds V_j and K_{j+1}, each
-// double-buffered (K_j and V_{j-1} are read meanwhile).
 template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, float* lse, const bf16* qkv, int T,
                                                                   int C, int NH, int KVH, float scale_log2) {
@@ -372,75 +295,73 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 
   const QueryBlock qb = query_block(T, NH);
   const int m0 = qb.m0, bh = qb.bh, wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
-  const int wg_row0 = qb.wg_row0, n_blocks = qb.n_blocks;
+  const int wg_row0 = qb.wg_row0, n_blocks = qb.n_blocks, wg_last = qb.wg_last;
   const HeadView hv =
       head_view<HD, kGrouped>(qkv, nullptr, nullptr, nullptr, qb.b, qb.h, qb.h / (NH / KVH), T, C, NH, KVH);
   const size_t ld = hv.ld;
   const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v;
 
-  // Prologue: Q and K_0, then V_0 and K_1; S_0 and its softmax (every warpgroup
-  // needs key block 0).
   load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
   load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
-  cp_async_commit();
   load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
-  if (n_blocks > 1) load_swizzled<HD>(k_tile + kKVBytes, kg, kBN, kBN, T, ld);
   cp_async_commit();
-  cp_async_wait<1>();
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
 
   float o[kMain][32], o_tail[kTail ? 8 : 1], s[32];
   zero<HD>(o, o_tail);
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}, alpha[2];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
-  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, k_tile);  // S_0 = Q·K_0ᵀ
-  softmax_step(s, row_max, row_sum, alpha, 0, wg_row0, row_a, t4, T, scale_log2);
-  uint32_t pa[4][4];  // P_{j-1}, the A operand of the product in flight
-  to_a(pa, s);
-  __syncthreads();  // K_0's buffer is refilled in step 1
 
-  for (int j = 1; j < n_blocks; ++j) {
-    // V_j into buffer j % 2 (V_{j-2} is done), K_{j+1} into buffer (j+1) % 2 (K_{j-1} is done).
-    load_swizzled<HD>(v_tile + (j & 1) * kKVBytes, vg, j * kBN, kBN, T, ld);
-    if (j + 1 < n_blocks) load_swizzled<HD>(k_tile + ((j + 1) & 1) * kKVBytes, kg, (j + 1) * kBN, kBN, T, ld);
-    cp_async_commit();
-    cp_async_wait<1>();  // step j-1's group: K_j and V_{j-1}
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int cur = nb & 1;
+    next_kv_block<HD>(k_tile, v_tile, kg, vg, nb, n_blocks, T, ld);
 
-    // No branch around the products (a branch would serialize them): past its last key
-    // block a warpgroup's keys are all masked, so alpha is 1, P is 0 and the step
-    // leaves O, the max and the sum as they were. P_{j-1} stays in pa until its product
-    // is done; P_j is packed into pa only then (a write into the registers of an
-    // operand in flight would make the compiler serialize the products).
-    wgmma_fence();
-    issue_abt<HD>(s, q_tile, kBM, wg * kWgRows, k_tile + (j & 1) * kKVBytes);  // S_j = Q·K_jᵀ
-    wgmma_commit();
-    issue_pb<HD>(o, o_tail, pa, v_tile + ((j - 1) & 1) * kKVBytes, kBN, 0);  // O += P_{j-1}·V_{j-1}
-    wgmma_commit();
-    wgmma_wait_all_but_one();  // S_j
-    pin(s);
-    softmax_step(s, row_max, row_sum, alpha, j, wg_row0, row_a, t4, T, scale_log2);
-    wgmma_wait_all();  // P_{j-1}·V_{j-1}
-    pin_o<HD>(o, o_tail);
-    pin(pa);
+    if (nb <= wg_last) {  // uniform over the warpgroup
+      const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
+      // Mask keys past a row (only the diagonal block) or past T.
+      if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[(i >> 1) & 1];
-    if constexpr (kTail != 0) {
+          for (int e = 0; e < 4; ++e) {
+            const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
+            const int q = row_a + (e >> 1) * 8;
+            if (key > q || key >= T) s[4 * j + e] = -INFINITY;
+          }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o_tail[i] *= alpha[(i >> 1) & 1];
+      for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+      float alpha[2], neg_m[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(row_max[r], mx[r] * scale_log2);  // log2 units
+        alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(row_max[r] - m_new);
+        neg_m[r] = m_new == -INFINITY ? 0.0f : -m_new;
+        row_max[r] = m_new;
+        row_sum[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int r = (i >> 1) & 1;
+        const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
+        s[i] = p;
+        row_sum[r] += p;
+#pragma unroll
+        for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[r];
+      }
+      if constexpr (kTail != 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o_tail[i] *= alpha[(i >> 1) & 1];
+      }
+      uint32_t pa[4][4];
+      to_a(pa, s);
+      product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V
     }
-    to_a(pa, s);
-    __syncthreads();  // K_j's and V_{j-1}'s buffers are refilled in the next steps
+    __syncthreads();  // this buffer is refilled in the next iteration
   }
-  // The last P·V, once its V has arrived.
-  cp_async_wait<0>();
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();
-  product_pb<HD>(o, o_tail, pa, v_tile + ((n_blocks - 1) & 1) * kKVBytes, kBN, 0);
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
