@@ -937,14 +937,16 @@ TEST_F(CudaOps, ErrorsAreStatuses) {
 // must give the same bits, AdamW the host's bits too, and anything that touches the
 // compute stream after a held-back run must see its results.
 
-// Sets an environment variable for its lifetime, then puts back what was there.
+// Sets (or, with a null value, unsets) an environment variable for its lifetime, then
+// puts back what was there.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     const char* old = std::getenv(name);
     if (old != nullptr) old_ = old;
     had_ = old != nullptr;
-    ::setenv(name, value, 1);
+    if (value != nullptr) ::setenv(name, value, 1);
+    else ::unsetenv(name);  // nullptr: unset for the scope
   }
   ~ScopedEnv() {
     if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
@@ -1504,13 +1506,21 @@ TEST_F(CudaOps, MatmulWithGeluEpilogue) {
   }
 }
 
-// A value other than 0 or 1 is an error naming the variable; 1 is described.
+// A value other than 0 or 1 is an error naming the variable; on by default, and 0 is
+// described.
 TEST_F(CudaOps, GeluEpilogueSwitchIsChecked) {
   expect_switch_refused("SPILLWAY_CUDA_GELU_EPILOGUE", "on");
-  ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "1");
+  {
+    ScopedEnv unset("SPILLWAY_CUDA_GELU_EPILOGUE", nullptr);
+    auto b = make_backend("cuda");
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    EXPECT_NE((*b)->description().find("GELU in the products' cuBLASLt epilogue"), std::string::npos)
+        << (*b)->description();
+  }
+  ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "0");
   auto b = make_backend("cuda");
   ASSERT_TRUE(b.ok()) << b.status().to_string();
-  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_GELU_EPILOGUE=1"), std::string::npos) << (*b)->description();
+  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_GELU_EPILOGUE=0"), std::string::npos) << (*b)->description();
 }
 
 }  // namespace

@@ -389,10 +389,10 @@ Result<bool> multi_tensor_from_environment() {
 
 // SPILLWAY_CUDA_GELU_EPILOGUE: a product and its GELU (MatmulGeluForward,
 // MatmulGeluBackward) as one cuBLASLt product with a GELU_AUX_BIAS or DGELU epilogue,
-// or as a product and a GELU kernel (Backend's default). Off unless asked for: the
-// epilogue path has not run on a GPU yet (README, "Backends").
+// (the default: measured on an H100, bench/RESULTS.md), or as a product and a GELU
+// kernel (Backend's default, =0).
 Result<bool> gelu_epilogue_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_GELU_EPILOGUE", false, "the GELU in the product's cuBLASLt epilogue",
+  return switch_from_environment("SPILLWAY_CUDA_GELU_EPILOGUE", true, "the GELU in the product's cuBLASLt epilogue",
                                  "a product, then a GELU kernel");
 }
 
@@ -707,7 +707,8 @@ class CudaBackend final : public Backend {
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
-           (gelu_epilogue_ ? "; GELU in the products' cuBLASLt epilogue (SPILLWAY_CUDA_GELU_EPILOGUE=1)" : "") +
+           (gelu_epilogue_ ? "; GELU in the products' cuBLASLt epilogue"
+                           : "; GELU as a kernel after the product (SPILLWAY_CUDA_GELU_EPILOGUE=0)") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
@@ -1236,7 +1237,7 @@ class CudaBackend final : public Backend {
   unsigned schedule_flags_ = cudaDeviceScheduleAuto;  // SPILLWAY_CUDA_SCHEDULE, set at init
   bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
-  bool gelu_epilogue_ = false;                                  // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
+  bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back
