@@ -388,9 +388,9 @@ Result<bool> multi_tensor_from_environment() {
 }
 
 // SPILLWAY_CUDA_GELU_EPILOGUE: a product and its GELU (MatmulGeluForward,
-// MatmulGeluBackward) as one cuBLASLt product with a GELU_AUX_BIAS or DGELU epilogue,
-// (the default: measured on an H100, bench/RESULTS.md), or as a product and a GELU
-// kernel (Backend's default, =0).
+// MatmulGeluBackward) as one cuBLASLt product with a GELU_AUX_BIAS or DGELU epilogue
+// (the default, measured on an H100: bench/RESULTS.md), or with =0 as a product and a
+// GELU kernel (Backend's default implementation).
 Result<bool> gelu_epilogue_from_environment() {
   return switch_from_environment("SPILLWAY_CUDA_GELU_EPILOGUE", true, "the GELU in the product's cuBLASLt epilogue",
                                  "a product, then a GELU kernel");
