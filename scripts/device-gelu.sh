@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for issue 14 (session 36): the GELU in the products' cuBLASLt
-# epilogue (SPILLWAY_CUDA_GELU_EPILOGUE=1) and the software-pipelined Hopper attention
-# forward, on a GPU for the first time.
+# One device call for issue 14 (session 36, bench/RESULTS.md): the GELU in the
+# products' cuBLASLt epilogue against the product and GELU kernel
+# (SPILLWAY_CUDA_GELU_EPILOGUE=1|0), and the attention forward beside SDPA.
 #   1. the CUDA op tests (all of CudaOps: the epilogue and attention ones among them);
 #   2. bench ops at T 1024 with the switch at 0 and 1 (the fused rows beside the parts,
 #      the attention rows) beside SDPA (bench/peers/torch_attention.py);
