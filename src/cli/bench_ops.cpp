@@ -236,6 +236,11 @@ Status run_ops(Backend& b, const Options& o) {
   }, &ms));
   SPILLWAY_RETURN_IF_ERROR(bench.row("residual", 0, nc * a * 3, [&] { b.residual_forward(y, x, dx, N * C); }, &ms));
   add(layer_ms, 2);
+  // The op GPT-2's and Llama's programs run instead of attn proj fwd + residual (and of
+  // fc proj fwd + residual; MatmulResidualForward): shown beside those rows, not summed.
+  SPILLWAY_RETURN_IF_ERROR(bench.row("proj fwd + residual, one op", 2.0 * N * C * C, 0, [&] {
+    b.matmul_residual_forward(y, x, w, bias, dx, N, C, C);
+  }, &ms));
   SPILLWAY_RETURN_IF_ERROR(
       bench.row("embedding fwd", 0, nc * a * 2, [&] { b.embedding_forward(y, tok, wte, wpe, B, T, C); }, &ms));
   add(once_ms);
