@@ -256,6 +256,17 @@ class Backend : public BackendSizes {
   void matmul_weight_backward(void* dweight, void* dbias, const void* dout, const void* inp, int N, int C, int OC) {
     matmul_backward(nullptr, dweight, dbias, dout, inp, nullptr, N, C, OC, OC, false);
   }
+  // A product and the residual add after it (a block's proj and fc2): out[N,OC] =
+  // residual[N,OC] + (inp · weightᵀ + bias) (bias may be null); out is not residual.
+  // A backend may add the residual before the product is rounded to the activation
+  // dtype (the CUDA backend's cuBLASLt product with beta = 1); the default is
+  // matmul_forward into out, then residual_forward(out, residual, out): the bits of
+  // the product and the residual add run apart.
+  virtual void matmul_residual_forward(void* out, const void* inp, const void* weight, const void* bias,
+                                       const void* residual, int N, int C, int OC) {
+    matmul_forward(out, inp, weight, bias, N, C, OC, OC);
+    residual_forward(out, residual, out, static_cast<size_t>(N) * OC);
+  }
   // Causal self-attention, grouped-query when KVH < NH. qkv[B,T,(NH+2·KVH)·D], D = C/NH,
   // holds NH query heads, then KVH key heads, then KVH value heads, each D wide
   // (KVH = NH: [q C | k C | v C]); query head h attends with key/value head
@@ -293,7 +304,7 @@ class Backend : public BackendSizes {
   // GELU, tanh approximation: out = 0.5 x (1 + tanh(√(2/π)(x + 0.044715 x³)))
   virtual void gelu_forward(void* out, const void* inp, size_t n) = 0;
   virtual void gelu_backward(void* dinp, const void* inp, const void* dout, size_t n) = 0;
-  // out = a + b
+  // out = a + b, element by element; out may be a or b (in place).
   virtual void residual_forward(void* out, const void* a, const void* b, size_t n) = 0;
   // losses[N] = -log softmax(logits[N,V])[targets]; rows of logits are ld ≥ V elements
   // apart (a padded row stride keeps rows aligned; the columns past V are not read).

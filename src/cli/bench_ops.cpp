@@ -7,8 +7,10 @@
 // Inputs are pseudo-random (never zeros). Each op runs once untimed (warm-up,
 // algorithm choice), then `rounds` times `reps` back to back; a round is timed
 // from a synchronize() to a synchronize(), and the median round gives the time.
-// The last lines estimate one training step (L layers, fwd + bwd + AdamW) as the
-// sum of its ops.
+// Each row says how many times one training step (L layers, one micro-batch, fwd + bwd +
+// AdamW) runs it, as the GPT-2 program builds the step, or "part" for the pieces of a
+// fused op shown beside it; the last lines estimate the step as the sum of rows times
+// their counts.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -103,24 +105,27 @@ class Bench {
     return ms[ms.size() / 2];
   }
 
-  // Prints one row: name, ms, and the rate when flops > 0 (and bytes > 0).
-  Status row(const std::string& name, double flops, double bytes, const std::function<void()>& op,
-             double* ms_out = nullptr) {
+  // Prints one row: name, ms, how many times a step runs it (`per_step`; 0: a part of a
+  // fused op, not summed), and the rate when flops > 0 (and bytes > 0). Adds
+  // ms × per_step to the step estimate.
+  Status row(const std::string& name, double flops, double bytes, const std::function<void()>& op, int per_step) {
     SPILLWAY_ASSIGN_OR_RETURN(double ms, time(op));
-    std::printf("%-34s %10.3f ms", name.c_str(), ms);
+    std::printf("%-34s %10.3f ms  %6s", name.c_str(), ms, per_step > 0 ? ("x" + std::to_string(per_step)).c_str() : "part");
     if (flops > 0) std::printf("  %8.1f TFLOP/s", flops / (ms * 1e-3) / 1e12);
     if (bytes > 0) std::printf("  %8.1f GB/s", bytes / (ms * 1e-3) / 1e9);
     std::printf("\n");
     std::fflush(stdout);
-    if (ms_out) *ms_out = ms;
+    step_ms_ += ms * per_step;
     return Status::ok();
   }
+  double step_ms() const { return step_ms_; }  // the rows' sum, each times its count
 
  private:
   Backend& b_;
   const Options& o_;
   size_t act_bytes_;
   std::vector<void*> allocs_;
+  double step_ms_ = 0;
 };
 
 Status run_ops(Backend& b, const Options& o) {
@@ -164,21 +169,23 @@ Status run_ops(Backend& b, const Options& o) {
   SPILLWAY_ASSIGN_OR_RETURN(void* dbias, bench.tensor(static_cast<size_t>(4) * C, false, 0.02f));
   SPILLWAY_ASSIGN_OR_RETURN(void* sq, bench.tensor(2, true));
 
-  // Per-layer and per-step sums for the estimate.
-  double layer_ms = 0, once_ms = 0, ms = 0;
-  auto add = [&](double& acc, double times = 1.0) { acc += ms * times; };
-
+  // How many times one step runs an op: once per layer, or once.
+  const int per_layer = L, once = 1, part = 0;
   struct Mm {
     const char* name;
     int C, OC;
-    bool bias, per_layer;
+    bool bias;
+    int fwd, bwd;  // per step: the forward and the backward run as these rows, or parts
   };
-  const Mm mms[] = {{"qkv", C, 3 * C, true, true},
-                    {"attn proj", C, C, true, true},
-                    {"fc", C, 4 * C, true, true},
-                    {"fc proj", 4 * C, C, true, true},
-                    {"lm head", C, V, false, false}};
-  std::printf("%-34s %10s\n", "op", "time");
+  // proj's and fc proj's forwards run with the residual add (MatmulResidualForward),
+  // fc's with its GELU (MatmulGeluForward), fc proj's backward as its weight gradients
+  // and its input gradient through the GELU (rows below).
+  const Mm mms[] = {{"qkv", C, 3 * C, true, per_layer, per_layer},
+                    {"attn proj", C, C, true, part, per_layer},
+                    {"fc", C, 4 * C, true, part, per_layer},
+                    {"fc proj", 4 * C, C, true, part, part},
+                    {"lm head", C, V, false, once, once}};
+  std::printf("%-34s %10s  %6s\n", "op", "time", "step");
   for (const Mm& m : mms) {
     const double flops = 2.0 * N * m.C * m.OC;
     const void* wt = m.OC == V ? wte : w;
@@ -187,69 +194,62 @@ Status run_ops(Backend& b, const Options& o) {
     const void* in = m.C == 4 * C ? big2 : x;
     void* din = m.C == 4 * C ? big : dx;
     SPILLWAY_RETURN_IF_ERROR(bench.row(std::string("matmul fwd ") + m.name, flops, 0,
-                                       [&] { b.matmul_forward(out, in, wt, m.bias ? bias : nullptr, N, m.C, m.OC); }, &ms));
-    add(m.per_layer ? layer_ms : once_ms);
+                                       [&] { b.matmul_forward(out, in, wt, m.bias ? bias : nullptr, N, m.C, m.OC); }, m.fwd));
     SPILLWAY_RETURN_IF_ERROR(bench.row(std::string("matmul bwd ") + m.name, 2 * flops, 0,
                                        [&] { b.matmul_backward(din, dwt, m.bias ? dbias : nullptr, out, in, wt, N, m.C, m.OC); },
-                                       &ms));
-    add(m.per_layer ? layer_ms : once_ms);
+                                       m.bwd));
   }
   const double HD = static_cast<double>(C) / NH;
   const double attn_flops = 4.0 * B * NH * HD * T * (T + 1) / 2.0;  // causal QKᵀ and PV
   SPILLWAY_RETURN_IF_ERROR(bench.row("attention fwd", attn_flops, 0,
-                                     [&] { b.attention_forward(y, static_cast<float*>(stat), qkv, B, T, C, NH); }, &ms));
-  add(layer_ms);
+                                     [&] { b.attention_forward(y, static_cast<float*>(stat), qkv, B, T, C, NH); }, per_layer));
   SPILLWAY_RETURN_IF_ERROR(bench.row("attention bwd (2.5x fwd flops)", 2.5 * attn_flops, 0,
                                      [&] {
                                        b.attention_backward(dqkv, dx, qkv, y, static_cast<float*>(stat), B, T, C, NH);
                                      },
-                                     &ms));
-  add(layer_ms);
+                                     per_layer));
   const double nc = static_cast<double>(N) * C;
   SPILLWAY_RETURN_IF_ERROR(bench.row("layernorm fwd", 0, nc * a * 2, [&] {
     b.layernorm_forward(y, static_cast<float*>(mean), static_cast<float*>(rstd), x, w, bias, N, C);
-  }, &ms));
-  add(layer_ms, 2);
-  add(once_ms);
+  }, 2 * per_layer + once));
   SPILLWAY_RETURN_IF_ERROR(bench.row("layernorm bwd", 0, nc * a * 4, [&] {
     b.layernorm_backward(dx, dw, dbias, y, x, w, static_cast<float*>(mean), static_cast<float*>(rstd), N, C);
-  }, &ms));
-  add(layer_ms, 2);
-  add(once_ms);
-  SPILLWAY_RETURN_IF_ERROR(bench.row("gelu fwd", 0, 4 * nc * a * 2, [&] { b.gelu_forward(big2, big, N * 4 * C); }, &ms));
-  add(layer_ms);
+  }, 2 * per_layer + once));
+  SPILLWAY_RETURN_IF_ERROR(bench.row("gelu fwd", 0, 4 * nc * a * 2, [&] { b.gelu_forward(big2, big, N * 4 * C); }, part));
   SPILLWAY_RETURN_IF_ERROR(
-      bench.row("gelu bwd", 0, 4 * nc * a * 3, [&] { b.gelu_backward(big2, big, big2, N * 4 * C); }, &ms));
-  add(layer_ms);
-  // The ops GPT-2's program runs instead of fc + gelu fwd and fc proj bwd + gelu bwd
-  // (MatmulGeluForward; MatmulGeluBackward and MatmulWeightBackward): shown beside those
-  // rows, not summed.
+      bench.row("gelu bwd", 0, 4 * nc * a * 3, [&] { b.gelu_backward(big2, big, big2, N * 4 * C); }, part));
+  SPILLWAY_RETURN_IF_ERROR(bench.row("residual", 0, nc * a * 3, [&] { b.residual_forward(y, x, dx, N * C); }, part));
+  // The fused ops GPT-2's program runs in place of the parts above: fc + gelu fwd
+  // (MatmulGeluForward), fc proj bwd + gelu bwd (MatmulGeluBackward and
+  // MatmulWeightBackward), attn proj and fc proj fwd + residual (MatmulResidualForward).
+  // How a backend runs each (one kernel or its parts) is its own choice.
   const double fc_flops = 2.0 * N * C * 4 * C;
   SPILLWAY_RETURN_IF_ERROR(bench.row("fc fwd + gelu, one op", fc_flops, 0, [&] {
     b.matmul_gelu_forward(big2, big, x, w, bias, N, C, 4 * C);
-  }, &ms));
+  }, per_layer));
   SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj bwd dinp + dgelu, one op", fc_flops, 0, [&] {
     b.matmul_gelu_backward(big, y, w, big2, N, 4 * C, C);
-  }, &ms));
+  }, per_layer));
   SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj bwd weights, one op", fc_flops, 0, [&] {
     b.matmul_weight_backward(dw, dbias, y, big2, N, 4 * C, C);
-  }, &ms));
-  SPILLWAY_RETURN_IF_ERROR(bench.row("residual", 0, nc * a * 3, [&] { b.residual_forward(y, x, dx, N * C); }, &ms));
-  add(layer_ms, 2);
+  }, per_layer));
+  SPILLWAY_RETURN_IF_ERROR(bench.row("attn proj fwd + residual, one op", 2.0 * N * C * C, 0, [&] {
+    b.matmul_residual_forward(y, x, w, bias, dx, N, C, C);
+  }, per_layer));
+  SPILLWAY_RETURN_IF_ERROR(bench.row("fc proj fwd + residual, one op", fc_flops, 0, [&] {
+    b.matmul_residual_forward(y, big2, w, bias, dx, N, 4 * C, C);
+  }, per_layer));
   SPILLWAY_RETURN_IF_ERROR(
-      bench.row("embedding fwd", 0, nc * a * 2, [&] { b.embedding_forward(y, tok, wte, wpe, B, T, C); }, &ms));
-  add(once_ms);
+      bench.row("embedding fwd", 0, nc * a * 2, [&] { b.embedding_forward(y, tok, wte, wpe, B, T, C); }, once));
   SPILLWAY_RETURN_IF_ERROR(
-      bench.row("embedding bwd", 0, nc * a * 3, [&] { b.embedding_backward(dwte, dwpe, dx, tok, B, T, C); }, &ms));
-  add(once_ms);
+      bench.row("embedding bwd", 0, nc * a * 3, [&] { b.embedding_backward(dwte, dwpe, dx, tok, B, T, C); }, once));
   const double nv = static_cast<double>(N) * V;
   SPILLWAY_RETURN_IF_ERROR(bench.row("crossentropy fwd", 0, nv * a, [&] {
     b.crossentropy_forward(static_cast<float*>(losses), logits, tok, N, V);
-  }, &ms));
+  }, part));
   SPILLWAY_RETURN_IF_ERROR(bench.row("crossentropy fwd+bwd (fused)", 0, nv * a * 3, [&] {
     b.crossentropy_backward(static_cast<float*>(losses), logits, tok, N, V, 1.0f / N);
-  }, &ms));
-  add(once_ms);
+  }, once));
 
   // The optimizer over every parameter of the model, as one tensor.
   const size_t P = static_cast<size_t>(V) * C + static_cast<size_t>(T) * C +
@@ -264,18 +264,15 @@ Status run_ops(Backend& b, const Options& o) {
   SPILLWAY_RETURN_IF_ERROR(b.upload(scale_norm, one, sizeof(one)));
   const double pa = static_cast<double>(P);
   SPILLWAY_RETURN_IF_ERROR(bench.row("squared_norm (all params)", 0, pa * a,
-                                     [&] { b.squared_norm(static_cast<float*>(sq), grad, P); }, &ms));
-  add(once_ms);
+                                     [&] { b.squared_norm(static_cast<float*>(sq), grad, P); }, once));
   const AdamWHyper h = adamw_hyper(6e-4f, 10, 0.1f);
   SPILLWAY_RETURN_IF_ERROR(bench.row("adamw (all params)", 0, pa * (2 * a + 24), [&] {
     b.adamw(param, static_cast<float*>(master), static_cast<float*>(mom), static_cast<float*>(var), grad,
             static_cast<float*>(scale_norm), P, h);
-  }, &ms));
-  add(once_ms);
+  }, once));
 
-  const double step_ms = L * layer_ms + once_ms;
+  const double step_ms = bench.step_ms();
   const double step_flops = 6.0 * static_cast<double>(P) * N + L * 3.5 * attn_flops;
-  std::printf("\nper layer (fwd+bwd)                %10.3f ms\n", layer_ms);
   std::printf("step estimate (%zu params)   %10.3f ms  %8.1f TFLOP/s  %8.0f tok/s\n", P, step_ms,
               step_flops / (step_ms * 1e-3) / 1e12, static_cast<double>(N) / (step_ms * 1e-3));
   return b.synchronize();

@@ -129,7 +129,8 @@ uint64_t matmul_workspace(const BackendSizes& b, const Op& op) {
   return need;
 }
 
-// The whole products of op_registry.cpp's MatmulGelu*/MatmulWeightBackward kinds.
+// The whole products of op_registry.cpp's MatmulGelu*, MatmulWeightBackward and
+// MatmulResidualForward kinds.
 Status run_matmul_gelu_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
                                const OptimizerStep&) {
   const OpAttrs& a = op.attrs;
@@ -151,8 +152,15 @@ Status run_matmul_weight_backward(Backend& b, const Program&, const Op& op, cons
                            static_cast<int>(a.C), static_cast<int>(a.OC));
   return Status::ok();
 }
+Status run_matmul_residual_forward(Backend& b, const Program&, const Op& op, const std::vector<void*>& x,
+                                   const OptimizerStep&) {
+  const OpAttrs& a = op.attrs;
+  b.matmul_residual_forward(x[0], x[1], x[2], x.size() > 4 ? x[4] : nullptr, x[3], static_cast<int>(a.N),
+                            static_cast<int>(a.C), static_cast<int>(a.OC));
+  return Status::ok();
+}
 uint64_t whole_matmul_workspace(const BackendSizes& b, const Op& op) {
-  const bool backward = op.kind != OpKind::MatmulGeluForward;
+  const bool backward = op.kind == OpKind::MatmulGeluBackward || op.kind == OpKind::MatmulWeightBackward;
   const bool dbias = op.kind == OpKind::MatmulWeightBackward && op.operands.size() > 3;
   return b.matmul_workspace(static_cast<int>(op.attrs.N), static_cast<int>(op.attrs.OC), backward, dbias);
 }
@@ -417,6 +425,7 @@ constexpr DispatchEntry kDeviceOps[] = {
     {OpKind::MatmulGeluForward, run_matmul_gelu_forward, whole_matmul_workspace},
     {OpKind::MatmulGeluBackward, run_matmul_gelu_backward, whole_matmul_workspace},
     {OpKind::MatmulWeightBackward, run_matmul_weight_backward, whole_matmul_workspace},
+    {OpKind::MatmulResidualForward, run_matmul_residual_forward, whole_matmul_workspace},
     {OpKind::AttentionForward, run_attention_forward},
     {OpKind::AttentionBackward, run_attention_backward, attention_backward_workspace},
     {OpKind::GeluForward, run_gelu_forward},

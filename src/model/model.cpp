@@ -413,7 +413,6 @@ struct MicroBatch {
 // Per-layer scratch, shared by micro-batches; each is written before it is read.
 struct LayerScratch {
   TensorId qkv;                  // Llama [B,T,W]: q|k|v before the rotation
-  TensorId attn_proj, mlp_proj;  // [B,T,C]
   TensorId d_fch_act, d_fch;     // Llama [B,T,I], [B,T,2I]; GPT-2 only d_fch [B,T,4C] (of fch, through the GELU)
   TensorId d_ln2_out, d_atty;    // [B,T,C]
   TensorId d_qkv_rot;            // Llama [B,T,W]
@@ -496,8 +495,6 @@ class Builder {
       LayerScratch s{};
       s.qkv = s.d_qkv_rot = kNoTensor;
       if (llama_) s.qkv = add(h + "qkv", act_, {B_, T_, W_}, Role::Scratch);
-      s.attn_proj = add(h + "attn_proj", act_, {B_, T_, C}, Role::Scratch);
-      s.mlp_proj = add(h + "mlp_proj", act_, {B_, T_, C}, Role::Scratch);
       if (training_) {
         s.d_fch_act = llama_ ? add(h + "d_fch_act", act_, {B_, T_, H_}, Role::Scratch) : kNoTensor;
         s.d_fch = add(h + "d_fch", act_, {B_, T_, llama_ ? 2 * H_ : H_}, Role::Scratch);
@@ -676,7 +673,6 @@ class Builder {
  private:
   void forward_gpt2_block(int k, int i, const LayerActs& a, TensorId x) {
     const int64_t C = C_;
-    const LayerScratch& s = scratch_[i];
     const BlockParams bp = block_params(cfg_, i);
     const std::string h = "mb" + std::to_string(k) + ".h" + std::to_string(i) + ".";
     auto fwd = [&](OpKind kind, const std::string& what, std::vector<Operand> ops, OpAttrs attrs) {
@@ -686,16 +682,16 @@ class Builder {
     fwd(OpKind::MatmulForward, "qkv", {w(a.qkv), r(a.ln1_out), r(param(bp.qkv_w)), r(param(bp.qkv_b))},
         mm(C, 3 * C));
     fwd(OpKind::AttentionForward, "attn", {w(a.atty), w(a.att_lse), r(a.qkv)}, attention());
-    fwd(OpKind::MatmulForward, "proj", {w(s.attn_proj), r(a.atty), r(param(bp.proj_w)), r(param(bp.proj_b))},
-        mm(C, C));
-    fwd(OpKind::ResidualForward, "residual1", {w(a.res_attn), r(x), r(s.attn_proj)}, {.n = N_ * C});
+    // res_attn = x + (atty·proj_wᵀ + proj_b), one op (the residual added in the product on CUDA);
+    // res_mlp from fc2 and res_attn the same way.
+    fwd(OpKind::MatmulResidualForward, "proj",
+        {w(a.res_attn), r(a.atty), r(param(bp.proj_w)), r(x), r(param(bp.proj_b))}, mm(C, C));
     norm_forward(h + "ln2.forward", a.ln2_out, a.ln2_mean, a.ln2_rstd, a.res_attn, bp.ln2_w, bp.ln2_b, i, k);
     // fch = ln2_out·fc_wᵀ + fc_b and fch_gelu = gelu(fch), one op (the GELU in the product's epilogue on CUDA).
     fwd(OpKind::MatmulGeluForward, "fc",
         {w(a.fch_gelu), w(a.fch), r(a.ln2_out), r(param(bp.fc_w)), r(param(bp.fc_b))}, mm(C, 4 * C));
-    fwd(OpKind::MatmulForward, "fc2", {w(s.mlp_proj), r(a.fch_gelu), r(param(bp.fc2_w)), r(param(bp.fc2_b))},
-        mm(4 * C, C));
-    fwd(OpKind::ResidualForward, "residual2", {w(a.res_mlp), r(a.res_attn), r(s.mlp_proj)}, {.n = N_ * C});
+    fwd(OpKind::MatmulResidualForward, "fc2",
+        {w(a.res_mlp), r(a.fch_gelu), r(param(bp.fc2_w)), r(a.res_attn), r(param(bp.fc2_b))}, mm(4 * C, C));
   }
 
   void forward_llama_block(int k, int i, const LayerActs& a, TensorId x) {
@@ -714,14 +710,14 @@ class Builder {
     fwd(OpKind::MatmulForward, "v", {u(s.qkv), r(a.ln1_out), r(param(bp.v))}, columns(C, kv_w, q_w + kv_w, W_));
     fwd(OpKind::RopeForward, "rope", {w(a.qkv_rot), r(s.qkv)}, rope());
     fwd(OpKind::AttentionForward, "attn", {w(a.atty), w(a.att_lse), r(a.qkv_rot)}, attention());
-    fwd(OpKind::MatmulForward, "proj", {w(s.attn_proj), r(a.atty), r(param(bp.proj_w))}, mm(q_w, C));
-    fwd(OpKind::ResidualForward, "residual1", {w(a.res_attn), r(x), r(s.attn_proj)}, {.n = N_ * C});
+    // The projections with the residual add after them, one op each (as GPT-2's).
+    fwd(OpKind::MatmulResidualForward, "proj", {w(a.res_attn), r(a.atty), r(param(bp.proj_w)), r(x)}, mm(q_w, C));
     norm_forward(h + "ln2.forward", a.ln2_out, kNoTensor, a.ln2_rstd, a.res_attn, bp.ln2_w, n, i, k);
     fwd(OpKind::MatmulForward, "gate", {w(a.fch), r(a.ln2_out), r(param(bp.gate))}, columns(C, I, 0, 2 * I));
     fwd(OpKind::MatmulForward, "up", {u(a.fch), r(a.ln2_out), r(param(bp.up))}, columns(C, I, I, 2 * I));
     fwd(OpKind::SwiGluForward, "swiglu", {w(a.fch_act), r(a.fch)}, {.C = I, .N = N_});
-    fwd(OpKind::MatmulForward, "fc2", {w(s.mlp_proj), r(a.fch_act), r(param(bp.fc2_w))}, mm(I, C));
-    fwd(OpKind::ResidualForward, "residual2", {w(a.res_mlp), r(a.res_attn), r(s.mlp_proj)}, {.n = N_ * C});
+    fwd(OpKind::MatmulResidualForward, "fc2", {w(a.res_mlp), r(a.fch_act), r(param(bp.fc2_w)), r(a.res_attn)},
+        mm(I, C));
   }
 
   void backward_gpt2_block(int k, int i, const LayerActs& a, TensorId x, TensorId dres) {

@@ -31,7 +31,7 @@
 //               att_lse [B,NH,T] F32, res_attn, ln2_out [B,T,C], ln2_rstd [B,T] F32,
 //               fch [B,T,2I] (gate | up), fch_act [B,T,I], res_mlp [B,T,C]}; lnf_out, lnf_rstd,
 //               logits, losses as for GPT-2
-//   scratch     h{i}.qkv [B,T,W] (before the rotation), attn_proj, mlp_proj [B,T,C];
+//   scratch     h{i}.qkv [B,T,W] (before the rotation);
 //               gradients h{i}.{d_fch_act [B,T,I], d_fch [B,T,2I], d_ln2_out, d_atty [B,T,C],
 //               d_qkv_rot, d_qkv [B,T,W], d_ln1_out [B,T,C]}
 //
@@ -54,8 +54,7 @@
 //               mb{k}.logits [B,T,Vp] (Vp = logits_row_stride(V); becomes dlogits),
 //               mb{k}.losses [B·T] F32,
 //               mb{k}.dres [B,T,C] (residual-stream gradient of the backward pass)
-//   scratch     h{i}.attn_proj, h{i}.mlp_proj [B,T,C] (projection before the residual add);
-//               gradients d_lnf_out [B,T,C], h{i}.{d_fch [B,T,4C], d_ln2_out,
+//   scratch     gradients d_lnf_out [B,T,C], h{i}.{d_fch [B,T,4C], d_ln2_out,
 //               d_atty [B,T,C], d_qkv [B,T,3C], d_ln1_out [B,T,C]} — shared by micro-batches,
 //               each written before it is read; grad_sqnorms [P] F32 (one element per
 //               parameter, wte one per kVocabBlock rows: Σ grad² of each); bf16 only:
@@ -67,8 +66,8 @@
 //   outputs     mb{k}.losses ..., clip.scale_norm [2] F32 {clip scale, global grad norm}
 //
 // Op order: Zero of every grad; per micro-batch k: forward (embedding; per layer ln1,
-// qkv, attention, proj, residual, ln2, fc with its GELU (MatmulGeluForward), fc2,
-// residual; ln_f; LM head;
+// qkv, attention, proj with the residual add (MatmulResidualForward: res_attn), ln2,
+// fc with its GELU (MatmulGeluForward), fc2 with the residual add (res_mlp); ln_f; LM head;
 // CrossEntropyBackward with scale 1/(B·T·accum)), backward (LM head, Zero dres,
 // ln_f, per layer in reverse fc2's parameter gradients (MatmulWeightBackward), fc2's
 // input gradient through the GELU (MatmulGeluBackward), fc, ln2, proj, attention, qkv, ln1;

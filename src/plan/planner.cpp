@@ -9,7 +9,7 @@
 //   fetch                —          at first touch    as early as memory allows
 //   dead tensors         freed      written back      freed, never written back
 //   write-only hint      yes        no (persistent)   yes
-//   recompute            no         no                when cheaper than the swap
+//   recompute            no         no                when cheaper than the swap (chains too)
 //   optimizer            device     device            where its state lives
 #include "plan/planner.h"
 
@@ -459,15 +459,83 @@ class Scheduler {
       // was released, up to its next use, which is at or after `use`.
       if (next_use(o.tensor, use - 1) == kNever) return -1;
     }
-    // The producer re-runs right before the consumer: both working sets must fit at once.
-    std::set<TensorId> together;
-    uint64_t working = 0;
-    for (const Op* q : {&op, &p_.ops[use]})
-      for (const Operand& o : q->operands)
-        if (together.insert(o.tensor).second && !pinned_home(o.tensor)) working += device_bytes(o.tensor);
-    if (working > device_.capacity() - c_.pinned_end) return -1;
-    double swap_s = cost_.copy_seconds(bytes(t), false) + cost_.copy_seconds(bytes(t), true);
-    return cost_.op_seconds(p_, static_cast<size_t>(prod)) < swap_s ? prod : -1;
+    // The producer re-runs right before the consumer, after the producers of its inputs
+    // that are released for recomputation too (a chain): what the chain holds must fit
+    // at once, and its re-runs must take less time than writing t out and reading it back.
+    const uint64_t room = device_.capacity() - c_.pinned_end;
+    const ChainSet chain = recompute_working_set(use, prod, t, prod);
+    if (chain.bytes > room || !(chain.seconds < swap_seconds(t))) return -1;
+    // Releasing t also lengthens the chains of the values already released whose
+    // re-runs read it: each of those must still fit and pay.
+    for (TensorId u : released_reading(t)) {
+      const ChainSet longer = recompute_working_set(next_use(u, now - 1), st_[u].recompute_op, t, prod);
+      if (longer.bytes > room || !(longer.seconds < swap_seconds(u))) return -1;
+    }
+    return prod;
+  }
+
+  // Writing t out and reading it back: what a recompute saves.
+  double swap_seconds(TensorId t) const {
+    return cost_.copy_seconds(bytes(t), false) + cost_.copy_seconds(bytes(t), true);
+  }
+
+  // What a recompute holds on device at once (at most), and the time of its re-runs.
+  struct ChainSet {
+    uint64_t bytes = 0;
+    double seconds = 0;
+  };
+  // Op `use` needs a value that op `prod` re-makes: use's operands and prod's are held,
+  // and where prod reads a value itself released for recomputation, that value's
+  // producer re-runs first with its operands held too (ensure_on_device, recompute), and
+  // so on down the chain. Bytes: every operand of the chain's ops and of `use`, an upper
+  // bound (the re-runs for two inputs of one op hold their operands one after the
+  // other); seconds: every re-run of the chain, each once. `extra` counts as released,
+  // to be re-made by `extra_prod` (the choice evict is weighing).
+  ChainSet recompute_working_set(int use, int prod, TensorId extra, int extra_prod) const {
+    std::set<TensorId> held;
+    for (const Operand& o : p_.ops[use].operands) held.insert(o.tensor);
+    ChainSet chain;
+    std::set<int> rerun;
+    std::vector<int> todo{prod};
+    while (!todo.empty()) {
+      const int q = todo.back();
+      todo.pop_back();
+      if (!rerun.insert(q).second) continue;
+      chain.seconds += cost_.op_seconds(p_, static_cast<size_t>(q));
+      for (const Operand& o : p_.ops[q].operands) {
+        held.insert(o.tensor);
+        if (o.access != Access::Read) continue;
+        if (o.tensor == extra) {
+          todo.push_back(extra_prod);
+        } else if (st_[o.tensor].recompute_pending) {
+          todo.push_back(st_[o.tensor].recompute_op);
+        }
+      }
+    }
+    for (TensorId t : held)
+      if (!pinned_home(t)) chain.bytes += device_bytes(t);
+    return chain;
+  }
+  // The values released for recomputation whose re-run reads t, directly or through
+  // other released values' re-runs.
+  std::vector<TensorId> released_reading(TensorId t) const {
+    std::set<TensorId> reached{t};
+    std::vector<TensorId> out;
+    for (bool grew = true; grew;) {
+      grew = false;
+      for (size_t i = 0; i < st_.size(); ++i) {
+        const auto u = static_cast<TensorId>(i);
+        if (!st_[i].recompute_pending || reached.count(u)) continue;
+        for (const Operand& o : p_.ops[st_[i].recompute_op].operands) {
+          if (o.access != Access::Read || !reached.count(o.tensor)) continue;
+          reached.insert(u);
+          out.push_back(u);
+          grew = true;
+          break;
+        }
+      }
+    }
+    return out;
   }
 
   TensorId choose_victim(int now, int need_before) {

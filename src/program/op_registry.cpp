@@ -195,11 +195,15 @@ Status check_matmul(const OpCheck& c) {
   return c.numel_is(5, a.OC, "OC");
 }
 
-// A product and the GELU beside it (GPT-2's MLP), so that a backend can run the GELU
-// in the product's epilogue (cuBLASLt GELU_AUX_BIAS and DGELU), and the parameter
-// gradients of a product apart from its input gradient. Whole products only (ld,
-// begin and block 0). No op needs more device memory than the MatmulBackward and
-// GeluBackward it replaces.
+// A product and the elementwise op beside it, so that a backend can run that op in
+// the product's epilogue: the GELU of GPT-2's MLP (cuBLASLt GELU_AUX_BIAS and DGELU)
+// and the residual add after a block's proj and fc2 (beta = 1, the residual as C);
+// and the parameter gradients of a product apart from its input gradient. Whole
+// products only (ld, begin and block 0). No op needs more device memory than the
+// MatmulBackward and GeluBackward it replaces; MatmulResidualForward replaces a
+// MatmulForward, a ResidualForward and the [N,OC] scratch between them, and where
+// C ≥ OC (a block's proj and fc2) its working set is below the MatmulBackward's of
+// the same product.
 // MatmulGeluForward    (out W, pre W, inp R, weight R [, bias R])   attrs N C OC
 //   pre[N,OC] = inp·weightᵀ + bias, out[N,OC] = gelu(pre) (tanh approximation)
 // MatmulGeluBackward   (dpre W, dout R, weight R, pre R)            attrs N C OC
@@ -207,6 +211,9 @@ Status check_matmul(const OpCheck& c) {
 //   the GELU: dpre[N,C] = (dout[N,OC]·weight[OC,C]) ∘ gelu'(pre)
 // MatmulWeightBackward (dweight U, dout R, inp R [, dbias U])       attrs N C OC
 //   dweight[OC,C] += doutᵀ·inp, dbias[OC] += Σ_n dout
+// MatmulResidualForward (out W, inp R, weight R, residual R [, bias R])  attrs N C OC
+//   out[N,OC] = residual[N,OC] + (inp·weightᵀ + bias): a product and the residual add
+//   after it (cuBLASLt: beta = 1 with residual as C); out is not residual
 constexpr OpSlot kMatmulGeluForwardSlots[] = {{"out", A::Write, D::Act},
                                               {"pre", A::Write, D::Act},
                                               {"inp", A::Read, D::Act},
@@ -216,6 +223,11 @@ constexpr OpSlot kMatmulGeluBackwardSlots[] = {
     {"dpre", A::Write, D::Act}, {"dout", A::Read, D::Act}, {"weight", A::Read, D::Act}, {"pre", A::Read, D::Act}};
 constexpr OpSlot kMatmulWeightBackwardSlots[] = {
     {"dweight", A::Update, D::Act}, {"dout", A::Read, D::Act}, {"inp", A::Read, D::Act}, {"dbias", A::Update, D::Act, true}};
+constexpr OpSlot kMatmulResidualForwardSlots[] = {{"out", A::Write, D::Act},
+                                                  {"inp", A::Read, D::Act},
+                                                  {"weight", A::Read, D::Act},
+                                                  {"residual", A::Read, D::Act},
+                                                  {"bias", A::Read, D::Act, true}};
 
 Status check_whole_matmul(const OpCheck& c) {
   const OpAttrs& a = c.attrs();
@@ -236,6 +248,12 @@ Status check_whole_matmul(const OpCheck& c) {
       SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, noc, "N*OC"));
       SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, w, "OC*C"));
       return c.numel_is(3, nc, "N*C");
+    case OpKind::MatmulResidualForward:
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, noc, "N*OC"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, nc, "N*C"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(2, w, "OC*C"));
+      SPILLWAY_RETURN_IF_ERROR(c.numel_is(3, noc, "N*OC"));
+      return c.numel_is(4, a.OC, "OC");
     default:  // MatmulWeightBackward
       SPILLWAY_RETURN_IF_ERROR(c.numel_is(0, w, "OC*C"));
       SPILLWAY_RETURN_IF_ERROR(c.numel_is(1, noc, "N*OC"));
@@ -244,13 +262,15 @@ Status check_whole_matmul(const OpCheck& c) {
   }
 }
 
-// The bytes of the GELU a MatmulGelu op does, as GeluForward (pre read, out written)
-// and GeluBackward (pre and the product read, dpre written) would move them.
-double operand_bytes(const Program& program, const Op& op, size_t i) {
-  return static_cast<double>(program.tensors.info(op.operands[i].tensor).bytes());
+// The bytes of the elementwise part of a fused op, as its own kind's op would move
+// them: kTensors tensors of operand 0's size. The GELU of MatmulGeluForward as
+// GeluForward (pre read, out written: 2), of MatmulGeluBackward as GeluBackward (pre
+// and the product read, dpre written: 3); the add of MatmulResidualForward as
+// ResidualForward (residual and the product read, out written: 3).
+template <int kTensors>
+double elementwise_part_bytes(const Program& program, const Op& op) {
+  return kTensors * static_cast<double>(program.tensors.info(op.operands[0].tensor).bytes());
 }
-double gelu_forward_part_bytes(const Program& program, const Op& op) { return 2 * operand_bytes(program, op, 0); }
-double gelu_backward_part_bytes(const Program& program, const Op& op) { return 3 * operand_bytes(program, op, 0); }
 
 // One product: 2·N·C·OC (MatmulForward, and each half of MatmulBackward).
 double matmul_forward_flops(const OpAttrs& a) { return 2.0 * a.N * a.C * a.OC; }
@@ -544,14 +564,18 @@ constexpr OpKindInfo kOpKinds[] = {
     {.kind = OpKind::MatmulGeluForward, .name = "MatmulGeluForward", .slots = kMatmulGeluForwardSlots,
      .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
      .priced_as = OpKind::MatmulForward, .priced_with = OpKind::GeluForward,
-     .priced_with_bytes = gelu_forward_part_bytes},
+     .priced_with_bytes = elementwise_part_bytes<2>},
     {.kind = OpKind::MatmulGeluBackward, .name = "MatmulGeluBackward", .slots = kMatmulGeluBackwardSlots,
      .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
      .priced_as = OpKind::MatmulBackward, .priced_with = OpKind::GeluBackward,
-     .priced_with_bytes = gelu_backward_part_bytes},
+     .priced_with_bytes = elementwise_part_bytes<3>},
     {.kind = OpKind::MatmulWeightBackward, .name = "MatmulWeightBackward", .slots = kMatmulWeightBackwardSlots,
      .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
      .priced_as = OpKind::MatmulBackward},
+    {.kind = OpKind::MatmulResidualForward, .name = "MatmulResidualForward", .slots = kMatmulResidualForwardSlots,
+     .check = check_whole_matmul, .flops = matmul_forward_flops, .op_class = OpClass::Matmul,
+     .priced_as = OpKind::MatmulForward, .priced_with = OpKind::ResidualForward,
+     .priced_with_bytes = elementwise_part_bytes<3>},
     {.kind = OpKind::AttentionForward, .name = "AttentionForward", .slots = kAttentionForwardSlots,
      .check = check_attention, .flops = attention_forward_flops, .op_class = OpClass::Attention},
     {.kind = OpKind::AttentionBackward, .name = "AttentionBackward", .slots = kAttentionBackwardSlots,

@@ -49,9 +49,10 @@ enum class OpKind : uint8_t {
   RmsNormBackward,
   MatmulForward,
   MatmulBackward,
-  MatmulGeluForward,     // out = gelu(pre), pre = inp·weightᵀ + bias: a product and its GELU in one (GPT-2's fc)
-  MatmulGeluBackward,    // dpre = (dout·weight) ∘ gelu'(pre): an input gradient through the GELU (GPT-2's fc2)
-  MatmulWeightBackward,  // dweight += doutᵀ·inp, dbias += Σ dout: a product's parameter gradients alone
+  MatmulGeluForward,      // out = gelu(pre), pre = inp·weightᵀ + bias: a product and its GELU in one (GPT-2's fc)
+  MatmulGeluBackward,     // dpre = (dout·weight) ∘ gelu'(pre): an input gradient through the GELU (GPT-2's fc2)
+  MatmulWeightBackward,   // dweight += doutᵀ·inp, dbias += Σ dout: a product's parameter gradients alone
+  MatmulResidualForward,  // out = residual + (inp·weightᵀ + bias): a product and the residual add after it (proj, fc2)
   AttentionForward,
   AttentionBackward,
   GeluForward,

@@ -42,6 +42,27 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
+// Sets (or, with a null value, unsets) an environment variable for its lifetime, then
+// puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old != nullptr) old_ = old;
+    had_ = old != nullptr;
+    if (value != nullptr) ::setenv(name, value, 1);
+    else ::unsetenv(name);  // nullptr: unset for the scope
+  }
+  ~ScopedEnv() {
+    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
 // A tensor held on both backends: bf16 on the GPU, F32 on the CPU, same values.
 struct Pair {
   void* g = nullptr;
@@ -66,6 +87,17 @@ class CudaOps : public ::testing::Test {
     seed_ = std::random_device{}();
     rng_.seed(seed_);
     std::printf("[ seed     ] %u  (%s)\n", seed_, gpu_->description().c_str());
+  }
+
+  // gpu_ made again while the switch `name` is 1: a fused product's epilogue, tested
+  // whatever its default. Before any allocation.
+  void use_gpu_with_switch_on(const char* name) {
+    ASSERT_TRUE(gpu_allocs_.empty()) << "gpu_ replaced after allocations";
+    ScopedEnv env(name, "1");
+    auto g = make_backend("cuda");
+    ASSERT_TRUE(g.ok()) << g.status().to_string();
+    gpu_ = std::move(*g);
+    ASSERT_TRUE(gpu_->use_own_workspace(kTestWorkspace).ok());
   }
 
   void TearDown() override {
@@ -937,27 +969,6 @@ TEST_F(CudaOps, ErrorsAreStatuses) {
 // must give the same bits, AdamW the host's bits too, and anything that touches the
 // compute stream after a held-back run must see its results.
 
-// Sets (or, with a null value, unsets) an environment variable for its lifetime, then
-// puts back what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    if (old != nullptr) old_ = old;
-    had_ = old != nullptr;
-    if (value != nullptr) ::setenv(name, value, 1);
-    else ::unsetenv(name);  // nullptr: unset for the scope
-  }
-  ~ScopedEnv() {
-    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
-    else ::unsetenv(name_.c_str());
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
-
 // A switch of the environment set to `value`, which it does not take: making a backend
 // is an InvalidArgument error naming the variable, not a silent default.
 void expect_switch_refused(const char* name, const char* value) {
@@ -1443,13 +1454,7 @@ TEST_F(CudaOps, AttentionKernelSwitchIsChecked) { expect_switch_refused("SPILLWA
 // and GELU kernel run apart: they differ only where the epilogue applies the GELU (or
 // its derivative) before rounding the product to bf16. Bits repeat run to run.
 TEST_F(CudaOps, MatmulWithGeluEpilogue) {
-  {  // the epilogue whatever the default: a backend made with the switch on
-    ScopedEnv env("SPILLWAY_CUDA_GELU_EPILOGUE", "1");
-    auto g = make_backend("cuda");
-    ASSERT_TRUE(g.ok()) << g.status().to_string();
-    gpu_ = std::move(*g);
-    ASSERT_TRUE(gpu_->use_own_workspace(kTestWorkspace).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(use_gpu_with_switch_on("SPILLWAY_CUDA_GELU_EPILOGUE"));
   struct Shape {
     int N, C, OC;
   };
@@ -1521,6 +1526,63 @@ TEST_F(CudaOps, GeluEpilogueSwitchIsChecked) {
   auto b = make_backend("cuda");
   ASSERT_TRUE(b.ok()) << b.status().to_string();
   EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_GELU_EPILOGUE=0"), std::string::npos) << (*b)->description();
+}
+
+// A product with the residual added in the same cuBLASLt call (MatmulResidualForward:
+// beta = 1, the residual as C) against the CPU backend, and element by element
+// against the same backend's product and residual kernel run apart: they differ only
+// in the product's rounding to bf16 before the add. The residual is left as it was;
+// bits repeat run to run.
+TEST_F(CudaOps, MatmulWithResidualEpilogue) {
+  ASSERT_NO_FATAL_FAILURE(use_gpu_with_switch_on("SPILLWAY_CUDA_RESIDUAL_EPILOGUE"));
+  struct Shape {
+    int N, C, OC;
+  };
+  // OC 40; GPT-2 124M's proj and fc2 (C 768 and 3072 into 768); a leading dimension
+  // not a multiple of 8 (OC 20).
+  for (Shape s : {Shape{64, 96, 40}, Shape{512, 768, 768}, Shape{512, 3072, 768}, Shape{48, 32, 20}}) {
+    for (bool with_bias : {true, false}) {
+      SCOPED_TRACE("N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" + std::to_string(s.OC) +
+                   (with_bias ? " with bias" : " without bias"));
+      const size_t n_out = size_t(s.N) * s.OC;
+      Pair inp = act_random(size_t(s.N) * s.C), w = act_random(size_t(s.OC) * s.C, 0.08f), b = act_random(s.OC);
+      const std::vector<float> residual_values = normal(n_out);
+      Pair res = act(residual_values), out = act_poison(n_out), apart = act_poison(n_out), prod = act_poison(n_out);
+      const Pair* bias = with_bias ? &b : nullptr;
+      gpu_->matmul_residual_forward(out.g, inp.g, w.g, bias ? bias->g : nullptr, res.g, s.N, s.C, s.OC);
+      cpu_->matmul_residual_forward(out.c, inp.c, w.c, bias ? bias->c : nullptr, res.c, s.N, s.C, s.OC);
+      expect_close(out, "matmul_residual_forward");
+      EXPECT_EQ(gpu_values(res), residual_values) << "the residual was written";
+      gpu_->matmul_forward(prod.g, inp.g, w.g, bias ? bias->g : nullptr, s.N, s.C, s.OC);
+      gpu_->residual_forward(apart.g, res.g, prod.g, n_out);
+      const std::vector<float> fo = gpu_values(out), ao = gpu_values(apart), pv = gpu_values(prod);
+      double worst = 0;
+      for (size_t i = 0; i < n_out; ++i) {
+        // The product's rounding (2^-8 of it) and the sum's (2^-8 of each result), plus a floor.
+        const double d = std::isfinite(fo[i])
+                             ? std::fabs(fo[i] - ao[i]) - std::fabs(pv[i]) / 128 - std::fabs(ao[i]) / 64 - 1e-2
+                             : INFINITY;
+        worst = std::max(worst, d);
+      }
+      EXPECT_LE(worst, 0.0) << "out against the product and the residual kernel";
+      expect_deterministic({out}, [] {}, [&] {
+        gpu_->matmul_residual_forward(out.g, inp.g, w.g, bias ? bias->g : nullptr, res.g, s.N, s.C, s.OC);
+      }, "matmul_residual_forward");
+    }
+  }
+}
+
+// A value other than 0 or 1 is an error naming the variable; 1 is described, and the
+// default (off until the path has run on a GPU) is not.
+TEST_F(CudaOps, ResidualEpilogueSwitchIsChecked) {
+  expect_switch_refused("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", "on");
+  if (std::getenv("SPILLWAY_CUDA_RESIDUAL_EPILOGUE") == nullptr) {  // gpu_ was made with the default
+    EXPECT_EQ(gpu_->description().find("SPILLWAY_CUDA_RESIDUAL_EPILOGUE"), std::string::npos) << gpu_->description();
+  }
+  ScopedEnv env("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", "1");
+  auto b = make_backend("cuda");
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1"), std::string::npos) << (*b)->description();
 }
 
 }  // namespace

@@ -15,6 +15,8 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <regex>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -394,6 +396,53 @@ TEST(BenchTrainCli, ReportsThroughput) {
   ASSERT_EQ(r.code, 0) << r.output;
   for (const char* needle : {"tokens/s", "step time", "executor waits"})
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << " not in: " << r.output;
+}
+
+// bench ops prints each op with how many times a step runs it ("xN", or "part" for a
+// piece of a fused op shown beside it), and its step estimate is the sum of the rows
+// times their counts: the fused ops the program runs are summed, their parts are not.
+TEST(BenchOpsCli, StepEstimateSumsTheOpsTheProgramRuns) {
+  const int L = 3;
+  CliRun r = run("bench ops --backend cpu --threads 2 --B 1 --T 16 --C 32 --NH 2 --V 96 --L " + std::to_string(L) +
+                 " --reps 1 --rounds 1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::istringstream lines(r.output);
+  std::string line;
+  std::map<std::string, std::string> count;  // row name -> "xN" or "part"
+  double sum_ms = 0, estimate_ms = -1;
+  int summed_rows = 0;
+  while (std::getline(lines, line)) {
+    std::smatch m;
+    if (std::regex_search(line, m, std::regex(R"(^step estimate \(\d+ params\)\s+([0-9.]+) ms)"))) {
+      estimate_ms = std::stod(m[1]);
+    } else if (std::regex_search(line, m, std::regex(R"(^(.+?)\s+([0-9.]+) ms\s+(x\d+|part)\b)"))) {
+      count[m[1]] = m[3];
+      if (m[3] != "part") {
+        sum_ms += std::stod(m[2]) * std::stoi(m[3].str().substr(1));
+        ++summed_rows;
+      }
+    }
+  }
+  ASSERT_GE(estimate_ms, 0) << r.output;
+  // Each row is printed to 0.001 ms; the estimate sums unrounded times.
+  EXPECT_NEAR(estimate_ms, sum_ms, 0.0005 * (summed_rows * (2 * L + 1)) + 0.0005) << r.output;
+  const std::string per_layer = "x" + std::to_string(L);
+  for (const auto& [name, want] : std::vector<std::pair<std::string, std::string>>{
+           {"fc fwd + gelu, one op", per_layer},
+           {"fc proj bwd dinp + dgelu, one op", per_layer},
+           {"fc proj bwd weights, one op", per_layer},
+           {"attn proj fwd + residual, one op", per_layer},
+           {"fc proj fwd + residual, one op", per_layer},
+           {"matmul fwd qkv", per_layer},
+           {"matmul bwd fc", per_layer},
+           {"layernorm fwd", "x" + std::to_string(2 * L + 1)},
+           {"matmul fwd lm head", "x1"},
+           {"adamw (all params)", "x1"},
+           {"matmul fwd fc", "part"},
+           {"gelu fwd", "part"},
+           {"residual", "part"},
+           {"matmul bwd fc proj", "part"}})
+    EXPECT_EQ(count[name], want) << name << " in: " << r.output;
 }
 
 // bench train reports the device memory the process used (printed and as JSON), and

@@ -181,3 +181,32 @@ TEST(Dispatch, MatmulGeluOpsAreTheProductAndItsGelu) {
     EXPECT_NE(back[0], std::vector<float>(N * OC));
   }
 }
+
+// A product with the residual add after it (MatmulResidualForward) reaches the backend
+// with its operands in slot order: on the CPU backend it gives the bits of what the
+// programs ran before, the product into a scratch tensor, then a ResidualForward op
+// (out, residual, scratch), with and without the bias.
+TEST(Dispatch, MatmulResidualOpIsTheProductThenTheResidualAdd) {
+  const int N = 5, C = 7, OC = 6;
+  auto backend = make_backend("cpu", {.threads = 1});
+  ASSERT_TRUE(backend.ok());
+  const std::vector<float> inp = ramp(N * C, 0.31f), weight = ramp(OC * C, 0.17f), bias = ramp(OC, 0.53f);
+  const std::vector<float> residual = ramp(N * OC, 0.43f);
+  for (bool with_bias : {true, false}) {
+    SCOPED_TRACE(with_bias ? "with bias" : "without bias");
+    Op fused = probe(OpKind::MatmulResidualForward);
+    fused.attrs = {.C = C, .OC = OC, .N = N};
+    std::vector<std::vector<float>> operands = {std::vector<float>(N * OC), inp, weight, residual};
+    if (with_bias) operands.push_back(bias);
+    const auto got = run_on_cpu(fused, operands);
+
+    std::vector<float> proj(N * OC);
+    (*backend)->matmul_forward(proj.data(), inp.data(), weight.data(), with_bias ? bias.data() : nullptr, N, C, OC);
+    Op add = probe(OpKind::ResidualForward);
+    add.attrs = {.n = N * OC};
+    const std::vector<float> want = run_on_cpu(add, {std::vector<float>(N * OC), residual, proj})[0];
+    EXPECT_EQ(got[0], want);
+    EXPECT_NE(got[0], proj);  // the residual was added
+    EXPECT_EQ(got[3], residual);  // and left as it was
+  }
+}

@@ -199,3 +199,31 @@ TEST(Recompute, ValidateRefusesARecomputeOfATensorModifiedAfterItsProducer) {
   }
   EXPECT_TRUE(good.validate(program, {}).is_ok()) << good.validate(program, {}).to_string();
 }
+
+// A chain of recomputes (an input of the re-run op dropped too, its producer re-run
+// first) is planned only where the whole chain fits the device at once. GPT-2's
+// residual stream is recomputable since the projections add it themselves
+// (MatmulResidualForward), so at fc's backward the planner could drop ln2_out,
+// res_attn, atty and qkv one after the other, each re-run fitting beside its own
+// consumer but the four together not: before chains were weighed whole, every budget
+// here (around a tenth of the resident step) failed with OutOfMemory.
+TEST(Recompute, AChainIsPlannedOnlyWhereItFitsWhole) {
+  const ModelConfig cfg{2, 64, 2, 16, 64};
+  auto program = build_training_program(cfg, {.B = 2, .T = 16, .accum = 2}, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  Machine m = Machine::cpu_dev_box();  // recomputing pays: slower links, the class rule for ops
+  m.h2d_bytes_per_s = m.d2h_bytes_per_s = 5e9;
+  m.op_fits = {};
+  auto resident = make_plan(*program, Simulator(m), {}, {.policy = Policy::Resident, .alignment = 64});
+  ASSERT_TRUE(resident.ok()) << resident.status().to_string();
+  int recomputes = 0;
+  for (int64_t delta = -16 << 10; delta <= 16 << 10; delta += 4 << 10) {
+    const uint64_t budget = resident->device_bytes / 10 + delta;
+    auto plan = make_plan(*program, Simulator(m), {.device = budget},
+                          {.policy = Policy::Planned, .recompute = 1, .alignment = 64});
+    ASSERT_TRUE(plan.ok()) << "device budget " << budget << ": " << plan.status().to_string();
+    EXPECT_EQ(first_unsafe_recompute(*program, *plan), "") << "device budget " << budget;
+    for (const Instruction& in : plan->instructions) recomputes += in.recompute;
+  }
+  EXPECT_GT(recomputes, 0);
+}

@@ -299,7 +299,9 @@ void check_training_program(const ModelConfig& c, StepShape s, DType act) {
     EXPECT_EQ(info(p, mb + "h0.ln1_out").role, Role::Activation);
     EXPECT_EQ(info(p, mb + "dres").shape, (Shape{B, T, C}));
   }
-  EXPECT_EQ(info(p, "h0.attn_proj").role, Role::Scratch);
+  // The projections add into the residual stream themselves (MatmulResidualForward): no scratch between.
+  EXPECT_EQ(p.tensors.find("h0.attn_proj"), kNoTensor);
+  EXPECT_EQ(p.tensors.find("h0.mlp_proj"), kNoTensor);
   EXPECT_EQ(info(p, "clip.scale_norm").shape, (Shape{2}));
   ASSERT_EQ(p.inputs.size(), static_cast<size_t>(2 * s.accum));
   EXPECT_EQ(p.tensors.info(p.inputs[0]).name, "mb0.tokens");
@@ -309,7 +311,7 @@ void check_training_program(const ModelConfig& c, StepShape s, DType act) {
   EXPECT_EQ(p.tensors.info(p.outputs.back()).name, "clip.scale_norm");
 
   // Op order.
-  const size_t per_mb = 1 + 9 * L + 2 + 1 + 3 + 8 * L + 1;
+  const size_t per_mb = 1 + 7 * L + 2 + 1 + 3 + 8 * L + 1;
   ASSERT_EQ(p.ops.size(), P + s.accum * per_mb + 1 + P + 1 + P);
   std::set<std::string> op_names;
   for (const Op& op : p.ops) {
@@ -325,16 +327,39 @@ void check_training_program(const ModelConfig& c, StepShape s, DType act) {
     std::string mb = "mb" + std::to_string(k) + ".";
     size_t base = P + k * per_mb;
     EXPECT_EQ(p.ops[base].name, mb + "embedding.forward");
-    // fc with its GELU is one op (MatmulGeluForward).
-    const char* fwd[] = {"ln1", "qkv", "attn", "proj", "residual1", "ln2", "fc", "fc2", "residual2"};
+    // fc with its GELU is one op (MatmulGeluForward); proj and fc2 each with the
+    // residual add after it (MatmulResidualForward).
+    struct Step {
+      const char* name;
+      OpKind kind;
+    };
+    const Step fwd[] = {{"ln1", OpKind::LayerNormForward},      {"qkv", OpKind::MatmulForward},
+                        {"attn", OpKind::AttentionForward},     {"proj", OpKind::MatmulResidualForward},
+                        {"ln2", OpKind::LayerNormForward},      {"fc", OpKind::MatmulGeluForward},
+                        {"fc2", OpKind::MatmulResidualForward}};
     for (int i = 0; i < L; ++i)
-      for (int j = 0; j < 9; ++j) {
-        const Op& op = p.ops[base + 1 + 9 * i + j];
-        EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + fwd[j] + ".forward");
+      for (int j = 0; j < 7; ++j) {
+        const Op& op = p.ops[base + 1 + 7 * i + j];
+        EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + fwd[j].name + ".forward");
+        EXPECT_EQ(op.kind, fwd[j].kind) << op.name;
         EXPECT_EQ(op.layer, i);
         EXPECT_EQ(op.micro_batch, k);
         EXPECT_EQ(op.phase, Phase::Forward);
       }
+    // h0's proj: res_attn = encoded + atty·c_projᵀ + bias; its fc2: res_mlp = res_attn + ...
+    const Op& proj = p.ops[base + 1 + 3];
+    ASSERT_EQ(proj.operands.size(), 5u);
+    EXPECT_EQ(p.tensors.info(proj.operands[0].tensor).name, mb + "h0.res_attn");
+    EXPECT_EQ(p.tensors.info(proj.operands[1].tensor).name, mb + "h0.atty");
+    EXPECT_EQ(p.tensors.info(proj.operands[2].tensor).name, "transformer.h.0.attn.c_proj.weight");
+    EXPECT_EQ(p.tensors.info(proj.operands[3].tensor).name, mb + "encoded");
+    EXPECT_EQ(p.tensors.info(proj.operands[4].tensor).name, "transformer.h.0.attn.c_proj.bias");
+    const Op& fc2 = p.ops[base + 1 + 6];
+    ASSERT_EQ(fc2.operands.size(), 5u);
+    EXPECT_EQ(p.tensors.info(fc2.operands[0].tensor).name, mb + "h0.res_mlp");
+    EXPECT_EQ(p.tensors.info(fc2.operands[3].tensor).name, mb + "h0.res_attn");
+    EXPECT_EQ(fc2.attrs.C, 4 * C);
+    EXPECT_EQ(fc2.attrs.OC, C);
     size_t ce = find_op(p, mb + "crossentropy");
     EXPECT_EQ(p.ops[ce].kind, OpKind::CrossEntropyBackward);
     EXPECT_FLOAT_EQ(p.ops[ce].attrs.scale, static_cast<float>(1.0 / (double(B) * T * s.accum)));
@@ -352,7 +377,9 @@ void check_training_program(const ModelConfig& c, StepShape s, DType act) {
       for (int j = 0; j < 8; ++j) {
         const Op& op = p.ops[ce + 4 + 8 * n + j];
         EXPECT_EQ(op.name, mb + "h" + std::to_string(i) + "." + bwd[j] + ".backward");
-        if (j < 3) EXPECT_EQ(op.kind, bwd_kind[j]) << op.name;
+        if (j < 3) {
+          EXPECT_EQ(op.kind, bwd_kind[j]) << op.name;
+        }
         EXPECT_EQ(op.phase, Phase::Backward);
         EXPECT_EQ(op.layer, i);
       }
@@ -438,7 +465,7 @@ TEST(GPTProgram, ForwardProgram) {
   ASSERT_EQ(r->inputs.size(), 2u);
   ASSERT_EQ(r->outputs.size(), 1u);
   EXPECT_EQ(r->tensors.info(r->outputs[0]).name, "mb0.losses");
-  EXPECT_EQ(r->ops.size(), static_cast<size_t>(1 + 9 * c.layers + 3));
+  EXPECT_EQ(r->ops.size(), static_cast<size_t>(1 + 7 * c.layers + 3));
   EXPECT_EQ(r->ops.back().kind, OpKind::CrossEntropyForward);
   for (const Op& op : r->ops) EXPECT_EQ(op.phase, Phase::Forward);
 
@@ -585,6 +612,36 @@ TEST(LlamaProgram, StepHasRopeGqaAttentionAndSwiGlu) {
   EXPECT_EQ(rope, 2 * 4 * 2);  // forward and backward, 4 layers, 2 micro-batches
   EXPECT_EQ(swiglu, 2 * 4 * 2);
   EXPECT_EQ(attention, 4 * 2);
+  // A layer's forward: proj and fc2 each with the residual add after it (MatmulResidualForward).
+  struct Step {
+    const char* name;
+    OpKind kind;
+  };
+  const Step fwd[] = {{"ln1", OpKind::RmsNormForward},        {"q", OpKind::MatmulForward},
+                      {"k", OpKind::MatmulForward},           {"v", OpKind::MatmulForward},
+                      {"rope", OpKind::RopeForward},          {"attn", OpKind::AttentionForward},
+                      {"proj", OpKind::MatmulResidualForward}, {"ln2", OpKind::RmsNormForward},
+                      {"gate", OpKind::MatmulForward},        {"up", OpKind::MatmulForward},
+                      {"swiglu", OpKind::SwiGluForward},      {"fc2", OpKind::MatmulResidualForward}};
+  const size_t h1 = find_op(*p, "mb1.h1.ln1.forward");
+  for (size_t j = 0; j < std::size(fwd); ++j) {
+    ASSERT_LT(h1 + j, p->ops.size());
+    EXPECT_EQ(p->ops[h1 + j].name, std::string("mb1.h1.") + fwd[j].name + ".forward");
+    EXPECT_EQ(p->ops[h1 + j].kind, fwd[j].kind) << p->ops[h1 + j].name;
+  }
+  EXPECT_EQ(p->ops[h1 + std::size(fwd)].name, "mb1.h2.ln1.forward");
+  const Op& proj = p->ops[h1 + 6];
+  ASSERT_EQ(proj.operands.size(), 4u);  // no bias
+  EXPECT_EQ(proj.operands[0].tensor, p->tensors.find("mb1.h1.res_attn"));
+  EXPECT_EQ(proj.operands[3].tensor, p->tensors.find("mb1.h0.res_mlp"));
+  const Op& fc2 = p->ops[h1 + 11];
+  ASSERT_EQ(fc2.operands.size(), 4u);
+  EXPECT_EQ(fc2.operands[0].tensor, p->tensors.find("mb1.h1.res_mlp"));
+  EXPECT_EQ(fc2.operands[1].tensor, p->tensors.find("mb1.h1.fch_act"));
+  EXPECT_EQ(fc2.operands[3].tensor, p->tensors.find("mb1.h1.res_attn"));
+  for (const Op& op : p->ops) EXPECT_NE(op.kind, OpKind::ResidualForward) << op.name;
+  EXPECT_EQ(p->tensors.find("h0.attn_proj"), kNoTensor);
+  EXPECT_EQ(p->tensors.find("h0.mlp_proj"), kNoTensor);
   // An untied head adds its own product per micro-batch; the forward program ends with it.
   c.tied = false;
   auto f = build_forward_program(c, 1, 7, DType::F32, /*with_loss=*/false);

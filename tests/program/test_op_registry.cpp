@@ -161,7 +161,8 @@ TEST(OpRegistry, ComputeOpsCountPositiveFlops) {
     EXPECT_GT(op_flops(op), 0.0);
     EXPECT_GE(op_cost_flops(op), op_flops(op));
   }
-  EXPECT_EQ(compute, 7);  // matmul and attention, forward and backward; the GELU and weight-only products
+  // matmul and attention, forward and backward; the GELU, weight-only and residual products
+  EXPECT_EQ(compute, 8);
   // The figures Program::flops documents.
   EXPECT_DOUBLE_EQ(op_flops(make_op(OpKind::MatmulForward, attrs)), 2.0 * 6 * 16 * 5);
   EXPECT_DOUBLE_EQ(op_flops(make_op(OpKind::MatmulBackward, attrs)), 4.0 * 6 * 16 * 5);
@@ -450,4 +451,57 @@ TEST(OpRegistry, MatmulGeluValidatesWholeProducts) {
   q.ops[0].attrs.block = 5;
   e = error_of(q);
   EXPECT_TRUE(contains(e, "(MatmulGeluForward): attrs ld = 0, begin = 0, block = 5: this product is whole")) << e;
+}
+
+// A product with the residual add after it: out and residual [N,OC], inp [N,C], weight
+// [OC,C], bias [OC]; whole products only; the flops and bytes of one product, priced
+// as a MatmulForward and a ResidualForward.
+TEST(OpRegistry, MatmulResidualValidatesWholeProducts) {
+  const int64_t N = 4, C = 6, OC = 10;
+  Program p;
+  TensorId x = p.tensors.add({"x", DType::BF16, {N, C}, Role::Input});
+  TensorId w = p.tensors.add({"w", DType::BF16, {OC, C}, Role::Param});
+  TensorId b = p.tensors.add({"b", DType::BF16, {OC}, Role::Param});
+  TensorId res = p.tensors.add({"res", DType::BF16, {N, OC}, Role::Input});
+  TensorId out = p.tensors.add({"out", DType::BF16, {N, OC}, Role::Activation});
+  // For the wrong sizes below.
+  TensorId wide = p.tensors.add({"wide", DType::BF16, {N, OC}, Role::Input});
+  TensorId narrow = p.tensors.add({"narrow", DType::BF16, {N, C}, Role::Input});
+  p.inputs = {x, res, wide, narrow};
+  p.add_op(make_op(OpKind::MatmulResidualForward, {.C = C, .OC = OC, .N = N},
+                   {{out, Access::Write}, {x, Access::Read}, {w, Access::Read}, {res, Access::Read}, {b, Access::Read}}));
+  p.outputs = {out};
+  EXPECT_EQ(error_of(p), "");
+  EXPECT_DOUBLE_EQ(op_flops(p.ops[0]), op_flops(make_op(OpKind::MatmulForward, {.C = C, .OC = OC, .N = N})));
+  // out, x, w, res and b once each (bf16).
+  EXPECT_DOUBLE_EQ(op_bytes_moved(p, p.ops[0]), 2.0 * (N * OC + N * C + OC * C + N * OC + OC));
+  EXPECT_EQ(op_info(OpKind::MatmulResidualForward).priced_as, OpKind::MatmulForward);
+  EXPECT_EQ(op_info(OpKind::MatmulResidualForward).priced_with, OpKind::ResidualForward);
+  // The residual add's part: residual and product read, out written, as ResidualForward.
+  EXPECT_DOUBLE_EQ(op_info(OpKind::MatmulResidualForward).priced_with_bytes(p, p.ops[0]), 3 * 2.0 * N * OC);
+  Program q = p;
+  q.ops[0].operands.pop_back();  // no bias: valid
+  EXPECT_EQ(error_of(q), "");
+  q = p;
+  q.ops[0].operands[3].tensor = narrow;  // residual [N,C] where [N,OC] is due
+  std::string e = error_of(q);
+  EXPECT_TRUE(
+      contains(e, "(MatmulResidualForward): operand 3 (residual) 'narrow' has 24 elements; expected N*OC = 40"))
+      << e;
+  q = p;
+  q.ops[0].operands[1].tensor = wide;  // inp [N,OC] where [N,C] is due
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulResidualForward): operand 1 (inp) 'wide' has 40 elements; expected N*C = 24")) << e;
+  q = p;
+  q.ops[0].operands[4].tensor = wide;  // bias [N,OC] where [OC] is due
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulResidualForward): operand 4 (bias) 'wide' has 40 elements; expected OC = 10")) << e;
+  q = p;
+  q.ops[0].operands[3].tensor = out;  // out as its own residual (the backend's default would read the product)
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulResidualForward): operand 3 (residual) 'out' is the same tensor as operand 0")) << e;
+  q = p;
+  q.ops[0].attrs.begin = 2;
+  e = error_of(q);
+  EXPECT_TRUE(contains(e, "(MatmulResidualForward): attrs ld = 0, begin = 2, block = 0: this product is whole")) << e;
 }

@@ -16,6 +16,7 @@ namespace {
 constexpr size_t kGelu = static_cast<size_t>(OpKind::GeluForward);
 constexpr size_t kMatmulFwd = static_cast<size_t>(OpKind::MatmulForward);
 constexpr size_t kMatmulBwd = static_cast<size_t>(OpKind::MatmulBackward);
+constexpr size_t kResidual = static_cast<size_t>(OpKind::ResidualForward);
 
 TensorId add(Program& p, const std::string& name, int64_t n, Role role = Role::Activation) {
   return p.tensors.add({name, DType::F32, {n}, role});
@@ -120,6 +121,35 @@ TEST(OpFits, AFusedKindIsPricedAsTheKindsItStandsFor) {
   m.op_fits[kGelu] = {};  // the GELU's kind unmeasured: the product alone
   EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.5 + 4 + 9);
   m.op_fits[static_cast<size_t>(OpKind::MatmulGeluForward)] = {.fixed_s = 0.125, .rate = 1024};
+  EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.125 + 1);
+}
+
+// The same for a product with the residual add after it (MatmulResidualForward): the
+// product's kind over its flops and bytes plus ResidualForward's over the add's bytes.
+TEST(OpFits, AProductWithItsResidualIsPricedAsTheProductAndTheAdd) {
+  Program p;
+  // N 4, C 8, OC 16: 1024 flops; out and residual [4,16] F32 (256 bytes each), inp
+  // 128, weight 512: 1152 bytes; the add's part: residual and product read, out
+  // written, 768 bytes.
+  const TensorId inp = add(p, "inp", 32, Role::Input), w = add(p, "w", 128, Role::Param);
+  const TensorId res = add(p, "res", 64, Role::Input), out = add(p, "out", 64);
+  p.inputs = {inp, res};
+  p.add_op({.kind = OpKind::MatmulResidualForward, .name = "proj",
+            .operands = {{out, Access::Write}, {inp, Access::Read}, {w, Access::Read}, {res, Access::Read}},
+            .attrs = {.C = 8, .OC = 16, .N = 4}});
+  ASSERT_TRUE(p.validate().is_ok()) << p.validate().to_string();
+  EXPECT_EQ(op_bytes_moved(p, p.ops[0]), 1152);
+  Machine m = slow_machine();
+  // The class rule: max(1024 / 1024, 1152 / 2048) + 0.25, and the add 768 / 2048 + 0.25:
+  // here what the product (896 bytes) and a ResidualForward cost apart.
+  EXPECT_EQ(m.op_seconds(p, 0), 1.25 + 0.625);
+  m.op_fits[kResidual] = {.rate = 4096};
+  m.op_fits[kMatmulFwd] = {.fixed_s = 0.5, .rate = 256, .bytes_per_s = 128};
+  // 0.25 + 0.5 + 1024 / 256 + 1152 / 128, then 0.25 + 768 / 4096.
+  EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.5 + 4 + 9 + 0.25 + 0.1875);
+  m.op_fits[kResidual] = {};  // the add's kind unmeasured: the product alone
+  EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.5 + 4 + 9);
+  m.op_fits[static_cast<size_t>(OpKind::MatmulResidualForward)] = {.fixed_s = 0.125, .rate = 1024};
   EXPECT_EQ(m.op_seconds(p, 0), 0.25 + 0.125 + 1);
 }
 

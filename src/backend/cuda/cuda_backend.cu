@@ -396,6 +396,16 @@ Result<bool> gelu_epilogue_from_environment() {
                                  "a product, then a GELU kernel");
 }
 
+// SPILLWAY_CUDA_RESIDUAL_EPILOGUE: a product and the residual add after it
+// (MatmulResidualForward) as one cuBLASLt product with beta = 1 and the residual as C,
+// or as a product and a residual kernel (Backend's default). Off unless asked for: the
+// one-product path has not run on a GPU yet (README, "Backends").
+Result<bool> residual_epilogue_from_environment() {
+  return switch_from_environment("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", false,
+                                 "the residual added in the product's cuBLASLt call, beta = 1",
+                                 "a product, then a residual kernel");
+}
+
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
 // they apply (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
 // kernels everywhere, for comparing the two.
@@ -681,6 +691,7 @@ class CudaBackend final : public Backend {
     sm90_ = prop.major == 9 && prop.minor == 0;
     SPILLWAY_ASSIGN_OR_RETURN(attention_kernel_, attention_kernel_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(gelu_epilogue_, gelu_epilogue_from_environment());
+    SPILLWAY_ASSIGN_OR_RETURN(residual_epilogue_, residual_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
     SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, [this](Status s) { record(std::move(s), nullptr); }));
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, &queue_));
@@ -709,6 +720,8 @@ class CudaBackend final : public Backend {
                                                             schedule_name(schedule_flags_)) +
            (gelu_epilogue_ ? "; GELU in the products' cuBLASLt epilogue"
                            : "; GELU as a kernel after the product (SPILLWAY_CUDA_GELU_EPILOGUE=0)") +
+           (residual_epilogue_ ? "; residual adds in the products' cuBLASLt call (SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1)"
+                               : "") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
@@ -1033,6 +1046,20 @@ class CudaBackend final : public Backend {
     record(std::move(s), "matmul_gelu_backward");
   }
 
+  // The residual added in the product (beta = 1, C = residual): out = the fp32 sum of
+  // the product, its bias and the residual, rounded once; where cuBLASLt refuses the
+  // problem, or with SPILLWAY_CUDA_RESIDUAL_EPILOGUE unset or 0, a product and a
+  // residual kernel (Backend's default), the same way every time.
+  void matmul_residual_forward(void* out, const void* inp, const void* weight, const void* bias,
+                               const void* residual, int N, int C, int OC) override {
+    if (!residual_epilogue_) return Backend::matmul_residual_forward(out, inp, weight, bias, residual, N, C, OC);
+    if (!enter() || !lt_workspace(0, "matmul_residual_forward")) return;
+    Status s = mm_.forward_residual(stream(), mb(out), cb(inp), cb(weight), cb(bias), cb(residual), N, C, OC);
+    if (s.code() == StatusCode::Unsupported)
+      return Backend::matmul_residual_forward(out, inp, weight, bias, residual, N, C, OC);
+    record(std::move(s), "matmul_residual_forward");
+  }
+
   using Backend::attention_backward;
   using Backend::attention_forward;
   void attention_forward(void* out, float* lse, const void* qkv, int B, int T, int C, int NH, int KVH) override {
@@ -1238,6 +1265,7 @@ class CudaBackend final : public Backend {
   bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
   bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
+  bool residual_epilogue_ = false;                              // SPILLWAY_CUDA_RESIDUAL_EPILOGUE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back

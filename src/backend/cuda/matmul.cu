@@ -129,11 +129,11 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   } pref_guard{pref};
   uint64_t ws = workspace_bytes_;
   LT_RETURN_IF_ERROR("pref workspace", cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  // C and D are one buffer.
+  // C and D are one buffer, unless C is a residual matrix.
   const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.residual ? key.align_residual : key.align_c},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c}};
   for (const auto& [attr, align] : aligns) {
     LT_RETURN_IF_ERROR("pref alignment", cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
@@ -151,6 +151,7 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
     return Status::unsupported(std::string("cuBLASLt has no algorithm for a bf16 product") +
                                (key.gelu == 1 ? " with a GELU epilogue" : key.gelu == 2 ? " with a DGELU epilogue" : "") +
+                               (key.residual ? " adding a residual matrix (beta = 1)" : "") +
                                " of m=" + std::to_string(key.m) +
                                " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k) +
                                " (lda=" + std::to_string(key.lda) + " ldb=" + std::to_string(key.ldb) +
@@ -164,7 +165,7 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
 }
 
 Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias,
-                     const void* aux) {
+                     const void* aux, const void* C) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = unsupported_.find(key); it != unsupported_.end()) return it->second;
   Plan* p = nullptr;
@@ -179,9 +180,9 @@ Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const v
     LT_RETURN_IF_ERROR("set EPILOGUE_AUX_POINTER",
                        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
                                                       sizeof(aux)));
-  const float alpha = 1.0f, beta = key.accumulate ? 1.0f : 0.0f;
-  const cublasStatus_t st = cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, D, p->c, D, p->c,
-                                           &p->algo, workspace_, workspace_bytes_, stream);
+  const float alpha = 1.0f, beta = key.accumulate || key.residual ? 1.0f : 0.0f;
+  const cublasStatus_t st = cublasLtMatmul(handle_, p->desc, &alpha, A, p->a, B, p->b, &beta, key.residual ? C : D,
+                                           p->c, D, p->c, &p->algo, workspace_, workspace_bytes_, stream);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused before launching: refused for this problem from now on
     Status s = lt_status("cublasLtMatmul", st);
     unsupported_.emplace(key, s);  // checked before plans_ (which keeps the descriptors until ~LtMatmul)
@@ -215,6 +216,17 @@ Status LtMatmul::forward_gelu(cudaStream_t stream, bf16* out, bf16* pre, const b
   Key key{true, false, OC, N, C, C, C, OC, bias != nullptr, false,
           align_of(weight), align_of(inp), align_of(out), align_of(bias), 1, align_of(pre)};
   return run(stream, key, weight, inp, out, bias, pre);
+}
+
+Status LtMatmul::forward_residual(cudaStream_t stream, bf16* out, const bf16* inp, const bf16* weight,
+                                  const bf16* bias, const bf16* residual, int N, int C, int OC) {
+  if (N == 0 || OC == 0) return Status::ok();
+  // As forward, with C = residual (D's shape and leading dimension) and beta = 1.
+  Key key{true, false, OC, N, C, C, C, OC, bias != nullptr, false,
+          align_of(weight), align_of(inp), align_of(out), align_of(bias)};
+  key.residual = true;
+  key.align_residual = align_of(residual);
+  return run(stream, key, weight, inp, out, bias, nullptr, residual);
 }
 
 Status LtMatmul::backward_input_gelu(cudaStream_t stream, bf16* dpre, const bf16* dout, const bf16* weight,

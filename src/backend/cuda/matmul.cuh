@@ -1,10 +1,10 @@
 // Internal to the CUDA backend: bf16 matrix products through cuBLASLt with fp32
 // compute, each shape's algorithm chosen once and cached, so the bits never depend
 // on pointer addresses or on what ran before. The cache key is the whole problem:
-// shape, transposes, leading dimensions, bias, beta, and each operand's alignment
-// (min(256, largest power of two dividing its address)): every tensor is 256-aligned,
-// so the alignment is one of an offset into a tensor (a column block), which the
-// program fixes, never of where the allocator put it.
+// shape, transposes, leading dimensions, bias, epilogue, beta and whether C is D, and
+// each operand's alignment (min(256, largest power of two dividing its address)):
+// every tensor is 256-aligned, so the alignment is one of an offset into a tensor (a
+// column block), which the program fixes, never of where the allocator put it.
 //
 //   LtMatmul mm;
 //   SPILLWAY_RETURN_IF_ERROR(mm.init(workspace, 32 << 20));
@@ -63,15 +63,22 @@ class LtMatmul {
   // gelu'(pre), overwritten. Unsupported as above.
   Status backward_input_gelu(cudaStream_t stream, bf16* dpre, const bf16* dout, const bf16* weight, const bf16* pre,
                              int N, int C, int OC);
+  // The forward with the residual added in the product (beta = 1, residual as C beside
+  // D = out, the same layout): out[N,OC] = residual[N,OC] + inp · weightᵀ (+ bias[OC]),
+  // summed in fp32 and rounded to bf16 once; out is not residual. Unsupported as
+  // above: the caller then runs forward and a residual kernel.
+  Status forward_residual(cudaStream_t stream, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias,
+                          const bf16* residual, int N, int C, int OC);
 
   size_t cached_shapes() const { return plans_.size(); }
 
  private:
   // Column-major problem D[m,n] = op(A)[m,k] · op(B)[k,n] (+ beta·C) (+ bias[m]),
-  // beta = 1 when `accumulate` (C is D). lda/ldb/ldc: leading dimensions (elements)
-  // of A, B and C = D as stored. align_*: the operands' address alignments in bytes
-  // (2..256; see align_of), given to the heuristic so it picks only algorithms that
-  // can work with them.
+  // beta = 1 when `accumulate` (C is D) or `residual` (C is another matrix of D's
+  // shape and leading dimension, at alignment align_residual). lda/ldb/ldc: leading
+  // dimensions (elements) of A, B and C and D as stored. align_*: the operands'
+  // address alignments in bytes (2..256; see align_of), given to the heuristic so it
+  // picks only algorithms that can work with them.
   // gelu: 0 none; 1 D = gelu(sum) with the sum kept in the auxiliary matrix
   // (GELU_AUX[_BIAS]); 2 D = sum ∘ gelu'(auxiliary) (DGELU). The auxiliary matrix has
   // D's shape, leading dimension ldc.
@@ -84,9 +91,11 @@ class LtMatmul {
     uint32_t align_a, align_b, align_c, align_bias;
     int gelu = 0;
     uint32_t align_aux = 0;
+    bool residual = false;
+    uint32_t align_residual = 0;
     auto tie() const {
       return std::tie(ta, tb, m, n, k, lda, ldb, ldc, bias, accumulate, align_a, align_b, align_c, align_bias, gelu,
-                      align_aux);
+                      align_aux, residual, align_residual);
     }
     bool operator<(const Key& o) const { return tie() < o.tie(); }
   };
@@ -98,8 +107,9 @@ class LtMatmul {
     cublasLtMatmulAlgo_t algo{};
   };
   Status plan_for(const Key& key, Plan** out);
+  // C: the residual matrix when key.residual (else D is C).
   Status run(cudaStream_t stream, const Key& key, const void* A, const void* B, void* D, const void* bias,
-             const void* aux = nullptr);
+             const void* aux = nullptr, const void* C = nullptr);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

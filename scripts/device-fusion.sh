@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One device call for issue 14: the products' cuBLASLt epilogues (the GELU's, on by
+# default, SPILLWAY_CUDA_GELU_EPILOGUE; the residual add's, SPILLWAY_CUDA_RESIDUAL_EPILOGUE)
+# checked and timed beside torch.compile.
+#   1. the CUDA op tests (all of CudaOps, the epilogues' among them);
+#   2. bench ops at T 1024 with every epilogue on (the fused rows beside their parts);
+#   3. exactness (scripts/device-exactness.sh) for each of CONFIGS: gpt2-124m resident
+#      twice and under the planned budget XBUDGETS with speculation, losses and weights;
+#   4. bench train for each of MODELS (model:micro-batch), resident, for each of
+#      CONFIGS, then the PyTorch peers PEERS (bench/peers/torch_gpt.py);
+#   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
+# CONFIGS: names among none (no epilogue), gelu (the default), all (GELU and residual).
+# Each part writes into $OUT as it finishes; a short table ends summary.txt.
+# Usage (device tool, carry .deps):
+#   MODELS="gpt2-350m:16" PEERS="350M:compile:16" PARTS="train" scripts/device-fusion.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+log() { echo "== $*" | tee -a "$out/summary.txt"; }
+t0=$(date +%s)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+log "gpu: $gpu"
+scripts/device-build.sh spillway test_backend > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+log "build $(( $(date +%s) - t0 )) s"
+export BIN=build-device/spillway MACHINE=machines/h100.json OUT=$out
+[[ "$gpu" == *H200* ]] && MACHINE=machines/h200.json
+parts=" ${PARTS:-tests ops exact train gradcheck} "
+configs=${CONFIGS:-gelu all}
+# The environment of a configuration, as `env` arguments.
+config_env() {
+  case "$1" in
+    none) echo SPILLWAY_CUDA_GELU_EPILOGUE=0 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 ;;
+    gelu) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 ;;
+    all) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1 ;;
+    *) echo "unknown configuration '$1' (expected none, gelu or all)" >&2; exit 2 ;;
+  esac
+}
+
+if [[ "$parts" == *" tests "* ]]; then
+  timeout 240 build-device/test_backend --gtest_filter="${TESTS:-CudaOps.*}" > "$out/cudaops.log" 2>&1
+  log "CudaOps: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/cudaops.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED|Failure' -A4 "$out/cudaops.log" | head -30 | tee -a "$out/summary.txt"
+fi
+if [[ "$parts" == *" ops "* ]]; then
+  env $(config_env all) timeout 120 $BIN bench ops --backend cuda --T 1024 > "$out/ops_all.txt" 2>&1
+  grep -E "fc|gelu|proj|residual|attention|layernorm|adamw|step estimate" "$out/ops_all.txt" | tee -a "$out/summary.txt"
+fi
+if [[ "$parts" == *" exact "* ]]; then
+  for c in $configs; do
+    env $(config_env $c) scripts/device-exactness.sh budgets "epilogues $c" ${XBUDGETS:-200MiB} | tee -a "$out/summary.txt"
+  done
+fi
+table=""
+if [[ "$parts" == *" train "* ]]; then
+  for mb in ${MODELS:-gpt2-124m:16}; do
+    m=${mb%%:*}; b=${mb#*:}
+    for c in $configs; do
+      env $(config_env $c) timeout 200 $BIN bench train --backend cuda --model $m --batch $b --steps ${STEPS:-5} \
+        --machine $MACHINE > "$out/bench_${m}_$c.log" 2>&1
+      line=$(grep -E 'own steps' "$out/bench_${m}_$c.log" | head -1)
+      log "$m B$b epilogues $c: $(echo "$line" | cut -c1-160)"
+      grep -E 'MFU|host issue' "$out/bench_${m}_$c.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
+      table+="$m B$b spillway/$c: $(echo "$line" | grep -oE '[0-9.]+k? tokens/s' | head -1)"$'\n'
+    done
+  done
+  for p in ${PEERS-124M:compile:16}; do
+    r=$(NMEAS=4 timeout 240 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1)
+    log "peer $p: $r"
+    table+="peer $p: $(echo "$r" | cut -c1-120)"$'\n'
+  done
+fi
+if [[ "$parts" == *" gradcheck "* ]]; then
+  env $(config_env all) scripts/device-exactness.sh gradcheck "epilogues all" | tee -a "$out/summary.txt"
+fi
+log "total $(( $(date +%s) - t0 )) s"
+printf '%s' "$table" | tee -a "$out/summary.txt"
