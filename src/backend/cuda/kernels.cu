@@ -184,11 +184,14 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
   }
 }
 
-// One row of dinp[N,C] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)),
-// dnorm = dout * weight, by one warp (lane 0..31).
+// dinp[N,C] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm =
+// dout * weight. One warp per row.
 template <int VEC>
-__device__ __forceinline__ void layernorm_dinp_row(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight,
-                                                   const float* mean, const float* rstd, int row, int C, int lane) {
+__global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight,
+                                      const float* mean, const float* rstd, int N, int C) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
   const size_t off = static_cast<size_t>(row) * C;
   const float mu = mean[row], rs = rstd[row];
   float s1 = 0.0f, s2 = 0.0f;
@@ -235,18 +238,19 @@ __device__ __forceinline__ void layernorm_dinp_row(bf16* dinp, const bf16* dout,
 using cuda_workspace::column_chunks;
 using Chunks = cuda_workspace::ColumnChunks;
 
-// Chunk p's column sums, column c, by one thread, rows in order: partial_b[p,c] =
-// Σ_{rows r of chunk p} x[r,c]; with LN, also partial_w[p,c] = Σ dout[r,c] *
-// (inp[r,c] - mean[r]) * rstd[r] (x = dout). Rows of x are ldx ≥ C elements apart
-// (ldx == C with LN); inp[N,C]; partial_w, partial_b [P,C].
+// Per-chunk column sums: partial_b[P,C] = Σ_{rows of chunk} x[r,c]; with LN, also
+// partial_w[P,C] = Σ dout[r,c] * (inp[r,c] - mean[r]) * rstd[r] (x = dout).
+// Rows of x are ldx ≥ C elements apart (ldx == C with LN); inp[N,C].
+// grid (ceil(C/256), P), one thread per column, rows in order.
 template <bool LN>
-__device__ __forceinline__ void column_partial(float* partial_w, float* partial_b, const bf16* x, const bf16* inp,
-                                               const float* mean, const float* rstd, int N, int C, int ldx,
-                                               int rows, int p, int c) {
+__global__ void column_partials_kernel(float* partial_w, float* partial_b, const bf16* x, const bf16* inp,
+                                       const float* mean, const float* rstd, int N, int C, int ldx, int rows) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = blockIdx.y;
+  if (c >= C) return;
   const int r0 = p * rows;
   const int r1 = min(N, r0 + rows);
   float acc_w = 0.0f, acc_b = 0.0f;
-#pragma unroll 4
   for (int r = r0; r < r1; ++r) {
     const float d = __bfloat162float(x[static_cast<size_t>(r) * ldx + c]);
     acc_b += d;
@@ -254,13 +258,6 @@ __device__ __forceinline__ void column_partial(float* partial_w, float* partial_
   }
   partial_b[static_cast<size_t>(p) * C + c] = acc_b;
   if constexpr (LN) partial_w[static_cast<size_t>(p) * C + c] = acc_w;
-}
-// Every chunk's column sums: grid (ceil(C/256), P), one thread per column.
-template <bool LN>
-__global__ void column_partials_kernel(float* partial_w, float* partial_b, const bf16* x, const bf16* inp,
-                                       const float* mean, const float* rstd, int N, int C, int ldx, int rows) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c < C) column_partial<LN>(partial_w, partial_b, x, inp, mean, rstd, N, C, ldx, rows, blockIdx.y, c);
 }
 
 // out[C] += Σ_p partial[p, c], p in order (out may be null: nothing to do).
@@ -319,11 +316,14 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, 
   if (lane == 0 && rstd) rstd[row] = rs;
 }
 
-// One row of dinp[N,C] += rstd * (dnorm - norm * mean(dnorm * norm)), norm = inp * rstd,
-// dnorm = dout * weight, by one warp (lane 0..31).
+// dinp[N,C] += rstd * (dnorm - norm * mean(dnorm * norm)), norm = inp * rstd, dnorm =
+// dout * weight. One warp per row.
 template <int VEC>
-__device__ __forceinline__ void rmsnorm_dinp_row(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight,
-                                                 const float* rstd, int row, int C, int lane) {
+__global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight,
+                                    const float* rstd, int N, int C) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
   const size_t off = static_cast<size_t>(row) * C;
   const float rs = rstd[row];
   float s2 = 0.0f;
@@ -358,44 +358,21 @@ __device__ __forceinline__ void rmsnorm_dinp_row(bf16* dinp, const bf16* dout, c
   }
 }
 
-// Chunk p's column sum of the weight gradient, column c: partial_w[p,c] = Σ_{rows r of
-// chunk p, in order} dout[r,c] * inp[r,c] * rstd[r].
-__device__ __forceinline__ void rmsnorm_dweight_partial(float* partial_w, const bf16* dout, const bf16* inp,
-                                                        const float* rstd, int N, int C, int rows, int p, int c) {
+// Per-chunk column sums of the weight gradient: partial_w[P,C] = Σ_{rows of chunk}
+// dout[r,c] * inp[r,c] * rstd[r]. grid (ceil(C/256), P), one thread per column, rows in order.
+__global__ void rmsnorm_dweight_partials_kernel(float* partial_w, const bf16* dout, const bf16* inp,
+                                                const float* rstd, int N, int C, int rows) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = blockIdx.y;
+  if (c >= C) return;
   const int r0 = p * rows;
   const int r1 = min(N, r0 + rows);
   float acc = 0.0f;
-#pragma unroll 4
   for (int r = r0; r < r1; ++r) {
     const size_t i = static_cast<size_t>(r) * C + c;
     acc += __bfloat162float(dout[i]) * __bfloat162float(inp[i]) * rstd[r];
   }
   partial_w[static_cast<size_t>(p) * C + c] = acc;
-}
-
-// The backward of a LayerNorm (LN) or an RMSNorm (!LN) in one pass over a chunk of rows:
-// block p takes chunk p of column_chunks(N) (`rows` rows); its warps write dinp of the
-// chunk's rows, one row each at a time, then its threads write the chunk's column sums
-// (the weight's, and LN's bias'), one column each, rows in order, from the rows the
-// block has just read (in L1 or L2, not HBM again). The same bits as a dinp pass over
-// every row followed by a column pass: each value is the same sum in the same order.
-// grid P = column_chunks(N).count; dinp[N,C], dout[N,C], inp[N,C], weight[C], mean[N]
-// (LN), rstd[N]; partial_w[P,C], partial_b[P,C] (LN).
-template <bool LN, int VEC>
-__global__ void norm_backward_kernel(bf16* dinp, float* partial_w, float* partial_b, const bf16* dout,
-                                     const bf16* inp, const bf16* weight, const float* mean, const float* rstd,
-                                     int N, int C, int rows) {
-  const int p = blockIdx.x;
-  const int r1 = min(N, (p + 1) * rows);
-  const int warps = blockDim.x / 32, lane = threadIdx.x & 31;
-  for (int r = p * rows + static_cast<int>(threadIdx.x / 32); r < r1; r += warps) {
-    if constexpr (LN) layernorm_dinp_row<VEC>(dinp, dout, inp, weight, mean, rstd, r, C, lane);
-    else rmsnorm_dinp_row<VEC>(dinp, dout, inp, weight, rstd, r, C, lane);
-  }
-  for (int c = threadIdx.x; c < C; c += blockDim.x) {
-    if constexpr (LN) column_partial<true>(partial_w, partial_b, dout, inp, mean, rstd, N, C, C, rows, p, c);
-    else rmsnorm_dweight_partial(partial_w, dout, inp, rstd, N, C, rows, p, c);
-  }
 }
 
 // ---------------------------------------------------------------- element-wise
@@ -956,16 +933,21 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
                                       const float* rstd, int N, int C, void* scratch,
                                       cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
+    layernorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
+                                                                         rstd, N, C);
+  else
+    layernorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
+                                                                         rstd, N, C);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
   const Chunks ch = column_chunks(N);
   float* pw = static_cast<float*>(scratch);
   float* pb = pw + static_cast<size_t>(ch.count) * C;
-  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
-    norm_backward_kernel<true, 8><<<ch.count, kThreads, 0, stream>>>(dinp, pw, pb, dout, inp, weight, mean, rstd,
-                                                                     N, C, ch.rows);
-  else
-    norm_backward_kernel<true, 1><<<ch.count, kThreads, 0, stream>>>(dinp, pw, pb, dout, inp, weight, mean, rstd,
-                                                                     N, C, ch.rows);
-  cudaError_t e = launched();
+  dim3 grid(ceil_div(C, kThreads), ch.count);
+  column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, C, ch.rows);
+  e = launched();
   if (e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
   return launched();
@@ -986,15 +968,18 @@ cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout,
                                     const bf16* weight, const float* rstd, int N, int C, void* scratch,
                                     cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
+  const int warps = kThreads / 32;
+  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
+    rmsnorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
+  else
+    rmsnorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
   const Chunks ch = column_chunks(N);
   float* pw = static_cast<float*>(scratch);
-  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
-    norm_backward_kernel<false, 8><<<ch.count, kThreads, 0, stream>>>(dinp, pw, nullptr, dout, inp, weight, nullptr,
-                                                                      rstd, N, C, ch.rows);
-  else
-    norm_backward_kernel<false, 1><<<ch.count, kThreads, 0, stream>>>(dinp, pw, nullptr, dout, inp, weight, nullptr,
-                                                                      rstd, N, C, ch.rows);
-  cudaError_t e = launched();
+  dim3 grid(ceil_div(C, kThreads), ch.count);
+  rmsnorm_dweight_partials_kernel<<<grid, kThreads, 0, stream>>>(pw, dout, inp, rstd, N, C, ch.rows);
+  e = launched();
   if (e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, nullptr, nullptr, ch.count, C);
   return launched();
