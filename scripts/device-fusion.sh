@@ -6,8 +6,9 @@
 #   2. bench ops at T 1024 with every epilogue on (the fused rows beside their parts);
 #   3. exactness (scripts/device-exactness.sh) for each of CONFIGS: gpt2-124m resident
 #      twice and under the planned budget XBUDGETS with speculation, losses and weights;
-#   4. bench train for each of MODELS (model:micro-batch), resident, for each of
-#      CONFIGS, then the PyTorch peers PEERS (bench/peers/torch_gpt.py);
+#   4. bench train for each of MODELS (model:micro-batch[:repeats]), resident, for each
+#      of CONFIGS in turn, repeats (or REPEATS, default 1) times, then the PyTorch peers PEERS
+#      (bench/peers/torch_gpt.py);
 #   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
 # CONFIGS: names among none (no epilogue), gelu (the default), all (GELU and residual).
 # Each part writes into $OUT as it finishes; a short table ends summary.txt.
@@ -53,20 +54,27 @@ fi
 table=""
 if [[ "$parts" == *" train "* ]]; then
   for mb in ${MODELS:-gpt2-124m:16}; do
-    m=${mb%%:*}; b=${mb#*:}
+    IFS=: read -r m b reps <<< "$mb"
+    for i in $(seq ${reps:-${REPEATS:-1}}); do
     for c in $configs; do
       env $(config_env $c) timeout 200 $BIN bench train --backend cuda --model $m --batch $b --steps ${STEPS:-5} \
         --machine $MACHINE > "$out/bench_${m}_$c.log" 2>&1
-      line=$(grep -E 'own steps' "$out/bench_${m}_$c.log" | head -1)
-      log "$m B$b epilogues $c: $(echo "$line" | cut -c1-160)"
-      grep -E 'MFU|host issue' "$out/bench_${m}_$c.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
-      table+="$m B$b spillway/$c: $(echo "$line" | grep -oE '[0-9.]+k? tokens/s' | head -1)"$'\n'
+      cp "$out/bench_${m}_$c.log" "$out/bench_${m}_${c}_$i.log"
+      line=$(grep -E '^own steps' "$out/bench_${m}_$c.log" | head -1)
+      log "$m B$b epilogues $c (run $i): $(echo "$line" | cut -c1-160)"
+      grep -E '^MFU|^host issue' "$out/bench_${m}_$c.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
+      table+="$m B$b spillway/$c (run $i): $(echo "$line" | grep -oE '[0-9.]+k? tokens/s' | head -1)"$'\n'
+    done
     done
   done
   for p in ${PEERS-124M:compile:16}; do
     r=$(NMEAS=4 timeout 240 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1)
     log "peer $p: $r"
-    table+="peer $p: $(echo "$r" | cut -c1-120)"$'\n'
+    table+="peer $p: $(echo "$r" | python3 -c 'import json,sys
+try:
+    r = json.loads(sys.stdin.read()); print("%.1fk tokens/s, MFU %.3f" % (r["tok_s"] / 1e3, r["mfu_989"]))
+except Exception as e:
+    print("no result", e)')"$'\n'
   done
 fi
 if [[ "$parts" == *" gradcheck "* ]]; then
