@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 14: the products' cuBLASLt epilogues (the GELU's, on by
-# default, SPILLWAY_CUDA_GELU_EPILOGUE; the residual add's, SPILLWAY_CUDA_RESIDUAL_EPILOGUE)
-# checked and timed beside torch.compile.
+# default, SPILLWAY_CUDA_GELU_EPILOGUE; the residual add's, SPILLWAY_CUDA_RESIDUAL_EPILOGUE;
+# the bias gradient's, SPILLWAY_CUDA_BIAS_EPILOGUE) checked and timed beside torch.compile.
 #   1. the CUDA op tests (all of CudaOps, the epilogues' among them);
 #   2. bench ops at T 1024 with every epilogue on (the fused rows beside their parts);
 #   3. exactness (scripts/device-exactness.sh) for each of CONFIGS: gpt2-124m resident
@@ -10,7 +10,8 @@
 #      of CONFIGS in turn, repeats (or REPEATS, default 1) times, then the PyTorch peers PEERS
 #      (bench/peers/torch_gpt.py);
 #   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
-# CONFIGS: names among none (no epilogue), gelu (the default), all (GELU and residual).
+# CONFIGS: names among none (no epilogue), gelu (the default), bias (GELU and bias
+# gradient), all (GELU, residual and bias gradient).
 # Each part writes into $OUT as it finishes; a short table ends summary.txt.
 # Usage (device tool, carry .deps):
 #   MODELS="gpt2-350m:16" PEERS="350M:compile:16" PARTS="train" scripts/device-fusion.sh
@@ -30,10 +31,11 @@ configs=${CONFIGS:-gelu all}
 # The environment of a configuration, as `env` arguments.
 config_env() {
   case "$1" in
-    none) echo SPILLWAY_CUDA_GELU_EPILOGUE=0 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 ;;
-    gelu) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 ;;
-    all) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1 ;;
-    *) echo "unknown configuration '$1' (expected none, gelu or all)" >&2; exit 2 ;;
+    none) echo SPILLWAY_CUDA_GELU_EPILOGUE=0 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=0 ;;
+    gelu) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=0 ;;
+    all) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
+    bias) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
+    *) echo "unknown configuration '$1' (expected none, gelu, bias or all)" >&2; exit 2 ;;
   esac
 }
 

@@ -1574,6 +1574,60 @@ TEST_F(CudaOps, MatmulWithResidualEpilogue) {
   }
 }
 
+// A bias' gradient summed in the weight product's BGRADB epilogue
+// (SPILLWAY_CUDA_BIAS_EPILOGUE=1), through matmul_backward and matmul_weight_backward,
+// against the CPU backend; dbias and dweight are added into, dinp is overwritten or
+// added into; bits repeat run to run. Where cuBLASLt has no such algorithm (OC 20) the
+// column-sum kernel runs instead, the same way every time.
+TEST_F(CudaOps, MatmulWithBiasGradientEpilogue) {
+  ASSERT_NO_FATAL_FAILURE(use_gpu_with_switch_on("SPILLWAY_CUDA_BIAS_EPILOGUE"));
+  struct Shape {
+    int N, C, OC;
+  };
+  // GPT-2 124M's qkv, proj and fc (C 768 into 2304, 768, 3072) and fc2 (3072 into 768);
+  // a small one; OC 20 (a leading dimension not a multiple of 8).
+  for (Shape s : {Shape{512, 768, 2304}, Shape{512, 768, 768}, Shape{256, 768, 3072}, Shape{256, 3072, 768},
+                  Shape{64, 96, 40}, Shape{48, 32, 20}}) {
+    SCOPED_TRACE("N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" + std::to_string(s.OC));
+    Pair inp = act_random(size_t(s.N) * s.C), w = act_random(size_t(s.OC) * s.C, 0.05f);
+    Pair dout = act_random(size_t(s.N) * s.OC), dinp = act_random(size_t(s.N) * s.C);
+    Pair dw = act_random(size_t(s.OC) * s.C), db = act_random(s.OC);  // added into
+    auto ri = saver(dinp), rw = saver(dw), rb = saver(db);
+    gpu_->matmul_backward(dinp.g, dw.g, db.g, dout.g, inp.g, w.g, s.N, s.C, s.OC, s.OC, /*accumulate_dinp=*/true);
+    cpu_->matmul_backward(dinp.c, dw.c, db.c, dout.c, inp.c, w.c, s.N, s.C, s.OC, s.OC, true);
+    expect_close(dinp, "matmul_backward dinp");
+    expect_close(dw, "matmul_backward dweight");
+    expect_close(db, "matmul_backward dbias");
+    expect_deterministic({dinp, dw, db}, [&] { ri(); rw(); rb(); },
+                         [&] {
+                           gpu_->matmul_backward(dinp.g, dw.g, db.g, dout.g, inp.g, w.g, s.N, s.C, s.OC, s.OC, true);
+                         },
+                         "matmul_backward");
+    Pair dw2 = act_random(size_t(s.OC) * s.C), db2 = act_random(s.OC);
+    auto rw2 = saver(dw2), rb2 = saver(db2);
+    gpu_->matmul_weight_backward(dw2.g, db2.g, dout.g, inp.g, s.N, s.C, s.OC);
+    cpu_->matmul_weight_backward(dw2.c, db2.c, dout.c, inp.c, s.N, s.C, s.OC);
+    expect_close(dw2, "matmul_weight_backward dweight");
+    expect_close(db2, "matmul_weight_backward dbias");
+    expect_deterministic({dw2, db2}, [&] { rw2(); rb2(); },
+                         [&] { gpu_->matmul_weight_backward(dw2.g, db2.g, dout.g, inp.g, s.N, s.C, s.OC); },
+                         "matmul_weight_backward");
+  }
+}
+
+// A value other than 0 or 1 is an error naming the variable; 1 is described, and the
+// default (off until the path has run on a GPU) is not.
+TEST_F(CudaOps, BiasEpilogueSwitchIsChecked) {
+  expect_switch_refused("SPILLWAY_CUDA_BIAS_EPILOGUE", "on");
+  if (std::getenv("SPILLWAY_CUDA_BIAS_EPILOGUE") == nullptr) {  // gpu_ was made with the default
+    EXPECT_EQ(gpu_->description().find("SPILLWAY_CUDA_BIAS_EPILOGUE"), std::string::npos) << gpu_->description();
+  }
+  ScopedEnv env("SPILLWAY_CUDA_BIAS_EPILOGUE", "1");
+  auto b = make_backend("cuda");
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_BIAS_EPILOGUE=1"), std::string::npos) << (*b)->description();
+}
+
 // A value other than 0 or 1 is an error naming the variable; 1 is described, and the
 // default (off until the path has run on a GPU) is not.
 TEST_F(CudaOps, ResidualEpilogueSwitchIsChecked) {

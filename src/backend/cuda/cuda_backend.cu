@@ -406,6 +406,15 @@ Result<bool> residual_epilogue_from_environment() {
                                  "a product, then a residual kernel");
 }
 
+// SPILLWAY_CUDA_BIAS_EPILOGUE: a bias' gradient summed in its weight product's cuBLASLt
+// BGRADB epilogue (from the dout the product reads anyway), or by a column-sum kernel
+// over dout (the default until it has run on a GPU).
+Result<bool> bias_epilogue_from_environment() {
+  return switch_from_environment("SPILLWAY_CUDA_BIAS_EPILOGUE", false,
+                                 "the bias gradient in the weight product's cuBLASLt BGRADB epilogue",
+                                 "a column-sum kernel over the output gradient");
+}
+
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
 // they apply (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
 // kernels everywhere, for comparing the two.
@@ -692,6 +701,7 @@ class CudaBackend final : public Backend {
     SPILLWAY_ASSIGN_OR_RETURN(attention_kernel_, attention_kernel_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(gelu_epilogue_, gelu_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(residual_epilogue_, residual_epilogue_from_environment());
+    SPILLWAY_ASSIGN_OR_RETURN(bias_epilogue_, bias_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
     SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, [this](Status s) { record(std::move(s), nullptr); }));
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, &queue_));
@@ -722,6 +732,8 @@ class CudaBackend final : public Backend {
                            : "; GELU as a kernel after the product (SPILLWAY_CUDA_GELU_EPILOGUE=0)") +
            (residual_epilogue_ ? "; residual adds in the products' cuBLASLt call (SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1)"
                                : "") +
+           (bias_epilogue_ ? "; bias gradients in the weight products' BGRADB epilogue (SPILLWAY_CUDA_BIAS_EPILOGUE=1)"
+                           : "") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
@@ -1010,13 +1022,28 @@ class CudaBackend final : public Backend {
     if (!enter() || !leading_dim_ok(ld_dout, OC, "matmul_backward")) return;
     const size_t bias_bytes = dbias != nullptr ? align(bias_backward_scratch_bytes(N, OC)) : 0;
     if (!lt_workspace(bias_bytes, "matmul_backward")) return;
-    if (dbias != nullptr) {
+    bool dbias_done = false;
+    if (dbias != nullptr && bias_epilogue_ && dweight != nullptr) {
+      // The bias' column sums in the weight product's BGRADB epilogue, into the scratch
+      // (fp32 [OC], inside bias_backward_scratch_bytes), then added into dbias.
+      float* sums = static_cast<float*>(scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward"));
+      if (sums == nullptr) return;
+      Status s = mm_.backward_weight(stream(), mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout, sums);
+      if (s.is_ok()) {
+        if (!check(launch_bias_add_sums(mb(dbias), sums, OC, stream()), "matmul_backward (dbias)")) return;
+        dbias_done = true;
+      } else if (s.code() != StatusCode::Unsupported) {
+        record(std::move(s), "matmul_backward (dweight, dbias)");
+        return;
+      }
+    }
+    if (dbias != nullptr && !dbias_done) {
       void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");
       if (s == nullptr) return;
       if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, ld_dout, s, stream()), "matmul_backward (dbias)"))
         return;
     }
-    if (dweight != nullptr)
+    if (dweight != nullptr && !dbias_done)
       record(mm_.backward_weight(stream(), mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout),
              "matmul_backward (dweight)");
     if (dinp != nullptr)
@@ -1266,6 +1293,7 @@ class CudaBackend final : public Backend {
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
   bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
   bool residual_epilogue_ = false;                              // SPILLWAY_CUDA_RESIDUAL_EPILOGUE, set at init
+  bool bias_epilogue_ = false;                                  // SPILLWAY_CUDA_BIAS_EPILOGUE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back

@@ -80,7 +80,16 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   // (the workspace, or kAlign itself when none is set yet).
   const char* align_base =
       workspace_ ? static_cast<const char*>(workspace_) : reinterpret_cast<const char*>(uintptr_t{kAlign});
-  if (key.gelu != 0 || key.bias) {
+  if (key.bgrad) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BGRADB;
+    LT_RETURN_IF_ERROR("set EPILOGUE", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    const cudaDataType_t bt = CUDA_R_32F;
+    LT_RETURN_IF_ERROR("set BIAS_DATA_TYPE",
+                       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+    const void* bias = align_base + (key.align_bias % kAlign);
+    LT_RETURN_IF_ERROR("set BIAS_POINTER",
+                       cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  } else if (key.gelu != 0 || key.bias) {
     const cublasLtEpilogue_t epi = key.gelu == 2 ? CUBLASLT_EPILOGUE_DGELU
                                    : key.gelu == 1 ? (key.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
                                                                : CUBLASLT_EPILOGUE_GELU_AUX)
@@ -152,6 +161,7 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
     return Status::unsupported(std::string("cuBLASLt has no algorithm for a bf16 product") +
                                (key.gelu == 1 ? " with a GELU epilogue" : key.gelu == 2 ? " with a DGELU epilogue" : "") +
                                (key.residual ? " adding a residual matrix (beta = 1)" : "") +
+                               (key.bgrad ? " with a bias-gradient (BGRADB) epilogue" : "") +
                                " of m=" + std::to_string(key.m) +
                                " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k) +
                                " (lda=" + std::to_string(key.lda) + " ldb=" + std::to_string(key.ldb) +
@@ -173,7 +183,7 @@ Status LtMatmul::run(cudaStream_t stream, const Key& key, const void* A, const v
     if (s.code() == StatusCode::Unsupported) unsupported_.emplace(key, s);  // asked once per shape
     return s;
   }
-  if (key.bias)
+  if (key.bias || key.bgrad)
     LT_RETURN_IF_ERROR("set BIAS_POINTER",
                        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   if (key.gelu != 0)
@@ -257,13 +267,18 @@ Status LtMatmul::backward_input(cudaStream_t stream, bf16* dinp, const bf16* dou
 }
 
 Status LtMatmul::backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N,
-                                 int C, int OC, int ld_dout) {
-  if (OC == 0 || C == 0 || N == 0) return Status::ok();
+                                 int C, int OC, int ld_dout, float* dbias_sum) {
+  if (OC == 0 || C == 0) return Status::ok();
+  if (N == 0)  // an empty sum: dweight += 0, and the bias' column sums are 0
+    return dbias_sum == nullptr ? Status::ok()
+                                : cuda_status("cudaMemsetAsync (bias sums of an empty product)",
+                                              cudaMemsetAsync(dbias_sum, 0, static_cast<size_t>(OC) * sizeof(float), stream));
   // Column-major: D = dweight as [C,OC] (ld C) += A · Bᵀ, A = inp as [C,N] (ld C),
-  // B = dout as [OC,N] (ld ld_dout).
+  // B = dout as [OC,N] (ld ld_dout); BGRADB sums op(B) = doutᵀ [N,OC] over k = N.
   Key key{false, true, C, OC, N, C, ld_dout, C, false, true,
-          align_of(inp), align_of(dout), align_of(dweight), kAlign};
-  return run(stream, key, inp, dout, dweight, nullptr);
+          align_of(inp), align_of(dout), align_of(dweight), dbias_sum ? align_of(dbias_sum) : kAlign};
+  key.bgrad = dbias_sum != nullptr;
+  return run(stream, key, inp, dout, dweight, dbias_sum);
 }
 
 }  // namespace spillway::cuda_detail
