@@ -251,6 +251,8 @@ __global__ void column_partials_kernel(float* partial_w, float* partial_b, const
   const int r0 = p * rows;
   const int r1 = min(N, r0 + rows);
   float acc_w = 0.0f, acc_b = 0.0f;
+  // Unrolled so that several rows' loads are in flight; the sums keep their order.
+#pragma unroll 8
   for (int r = r0; r < r1; ++r) {
     const float d = __bfloat162float(x[static_cast<size_t>(r) * ldx + c]);
     acc_b += d;
@@ -368,6 +370,7 @@ __global__ void rmsnorm_dweight_partials_kernel(float* partial_w, const bf16* do
   const int r0 = p * rows;
   const int r1 = min(N, r0 + rows);
   float acc = 0.0f;
+#pragma unroll 8
   for (int r = r0; r < r1; ++r) {
     const size_t i = static_cast<size_t>(r) * C + c;
     acc += __bfloat162float(dout[i]) * __bfloat162float(inp[i]) * rstd[r];
