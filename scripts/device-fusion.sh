@@ -4,7 +4,8 @@
 # the bias gradient's, SPILLWAY_CUDA_BIAS_EPILOGUE) checked and timed beside torch.compile.
 #   1. the CUDA op tests (all of CudaOps, the epilogues' among them);
 #   2. bench ops at T 1024 with every epilogue on (the fused rows beside their parts);
-#   3. exactness (scripts/device-exactness.sh) for each of CONFIGS: gpt2-124m resident
+#   3. exactness (scripts/device-exactness.sh) for each of EXACT_CONFIGS (default
+#      CONFIGS): gpt2-124m resident
 #      twice and under the planned budget XBUDGETS with speculation, losses and weights;
 #   4. bench train for each of MODELS (model:micro-batch[:repeats]), resident, for each
 #      of CONFIGS in turn, repeats (or REPEATS, default 1) times, then the PyTorch peers PEERS
@@ -49,7 +50,7 @@ if [[ "$parts" == *" ops "* ]]; then
   grep -E "fc|gelu|proj|residual|attention|layernorm|adamw|step estimate" "$out/ops_all.txt" | tee -a "$out/summary.txt"
 fi
 if [[ "$parts" == *" exact "* ]]; then
-  for c in $configs; do
+  for c in ${EXACT_CONFIGS:-$configs}; do
     env $(config_env $c) scripts/device-exactness.sh budgets "epilogues $c" ${XBUDGETS:-200MiB} | tee -a "$out/summary.txt"
   done
 fi
