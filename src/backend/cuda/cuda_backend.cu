@@ -1025,12 +1025,14 @@ class CudaBackend final : public Backend {
     bool dbias_done = false;
     if (dbias != nullptr && bias_epilogue_ && dweight != nullptr) {
       // The bias' column sums in the weight product's BGRADB epilogue, into the scratch
-      // (fp32 [OC], inside bias_backward_scratch_bytes), then added into dbias.
-      float* sums = static_cast<float*>(scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward"));
+      // (bf16 [OC], inside bias_backward_scratch_bytes), then added into dbias.
+      bf16* sums = static_cast<bf16*>(scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward"));
       if (sums == nullptr) return;
       Status s = mm_.backward_weight(stream(), mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout, sums);
       if (s.is_ok()) {
-        if (!check(launch_bias_add_sums(mb(dbias), sums, OC, stream()), "matmul_backward (dbias)")) return;
+        if (!check(launch_residual_forward(mb(dbias), mb(dbias), sums, static_cast<size_t>(OC), stream()),
+                   "matmul_backward (dbias)"))
+          return;
         dbias_done = true;
       } else if (s.code() != StatusCode::Unsupported) {
         record(std::move(s), "matmul_backward (dweight, dbias)");

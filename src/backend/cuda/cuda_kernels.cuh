@@ -66,8 +66,6 @@ cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout,
 // dbias[OC] += Σ_n dout[n, :]; dout[N,OC] with rows ld_dout ≥ OC elements apart.
 cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, int ld_dout, void* scratch,
                                  cudaStream_t stream);
-// dbias[OC] += sums[OC] (fp32, a product's BGRADB epilogue), each rounded to bf16 once.
-cudaError_t launch_bias_add_sums(bf16* dbias, const float* sums, int OC, cudaStream_t stream);
 
 // out[n] = gelu(inp[n]) (tanh approximation); dinp[n] = gelu'(inp[n]) * dout[n].
 cudaError_t launch_gelu_forward(bf16* out, const bf16* inp, size_t n, cudaStream_t stream);

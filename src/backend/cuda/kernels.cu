@@ -1003,13 +1003,6 @@ cudaError_t launch_bias_backward(bf16* dbias, const bf16* dout, int N, int OC, i
   return launched();
 }
 
-cudaError_t launch_bias_add_sums(bf16* dbias, const float* sums, int OC, cudaStream_t stream) {
-  if (OC == 0 || dbias == nullptr) return cudaSuccess;
-  // One chunk: the finish of the column reductions.
-  column_finish_kernel<<<ceil_div(OC, kThreads), kThreads, 0, stream>>>(nullptr, nullptr, dbias, sums, 1, OC);
-  return launched();
-}
-
 cudaError_t launch_gelu_forward(bf16* out, const bf16* inp, size_t n, cudaStream_t stream) {
   return launch_elementwise<Ew::Gelu>(out, inp, nullptr, n, stream);
 }

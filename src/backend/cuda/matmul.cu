@@ -83,7 +83,9 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
   if (key.bgrad) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BGRADB;
     LT_RETURN_IF_ERROR("set EPILOGUE", cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    const cudaDataType_t bt = CUDA_R_32F;
+    // The bias gradient has D's type (bf16): cuBLASLt 13 refuses an fp32 one
+    // (INVALID_VALUE from the heuristic, on an H100).
+    const cudaDataType_t bt = CUDA_R_16BF;
     LT_RETURN_IF_ERROR("set BIAS_DATA_TYPE",
                        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
     const void* bias = align_base + (key.align_bias % kAlign);
@@ -155,8 +157,13 @@ Status LtMatmul::plan_for(const Key& key, Plan** out) {
                      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  LT_RETURN_IF_ERROR("cublasLtMatmulAlgoGetHeuristic",
-                     cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  // An epilogue this cuBLASLt does not take for the problem may be refused as an invalid
+  // value rather than as unsupported: for the bias-gradient epilogue, the caller's other
+  // path then runs, the same way every time.
+  if (key.bgrad && hs == CUBLAS_STATUS_INVALID_VALUE)
+    return Status::unsupported(cublas_error_text("cublasLtMatmulAlgoGetHeuristic (BGRADB epilogue)", hs));
+  LT_RETURN_IF_ERROR("cublasLtMatmulAlgoGetHeuristic", hs);
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
     return Status::unsupported(std::string("cuBLASLt has no algorithm for a bf16 product") +
                                (key.gelu == 1 ? " with a GELU epilogue" : key.gelu == 2 ? " with a DGELU epilogue" : "") +
@@ -267,12 +274,12 @@ Status LtMatmul::backward_input(cudaStream_t stream, bf16* dinp, const bf16* dou
 }
 
 Status LtMatmul::backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N,
-                                 int C, int OC, int ld_dout, float* dbias_sum) {
+                                 int C, int OC, int ld_dout, bf16* dbias_sum) {
   if (OC == 0 || C == 0) return Status::ok();
   if (N == 0)  // an empty sum: dweight += 0, and the bias' column sums are 0
     return dbias_sum == nullptr ? Status::ok()
                                 : cuda_status("cudaMemsetAsync (bias sums of an empty product)",
-                                              cudaMemsetAsync(dbias_sum, 0, static_cast<size_t>(OC) * sizeof(float), stream));
+                                              cudaMemsetAsync(dbias_sum, 0, static_cast<size_t>(OC) * sizeof(bf16), stream));
   // Column-major: D = dweight as [C,OC] (ld C) += A · Bᵀ, A = inp as [C,N] (ld C),
   // B = dout as [OC,N] (ld ld_dout); BGRADB sums op(B) = doutᵀ [N,OC] over k = N.
   Key key{false, true, C, OC, N, C, ld_dout, C, false, true,

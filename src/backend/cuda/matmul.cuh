@@ -50,12 +50,12 @@ class LtMatmul {
   Status backward_input(cudaStream_t stream, bf16* dinp, const bf16* dout, const bf16* weight, int N, int C, int OC,
                         int ld_dout, bool accumulate);
   // dweight[OC,C] += dout[N,OC]ᵀ · inp[N,C]; rows of dout are ld_dout ≥ OC elements apart.
-  // With dbias_sum (fp32 [OC], not null), the same product with a BGRADB epilogue
-  // also writes dbias_sum[oc] = Σ_n dout[n,oc] (overwritten, not added) from the dout
-  // it reads anyway; Unsupported where cuBLASLt has no such algorithm (the caller then
-  // sums the columns itself).
+  // With dbias_sum (bf16 [OC], not null), the same product with a BGRADB epilogue
+  // also writes dbias_sum[oc] = Σ_n dout[n,oc] (summed in fp32, rounded to bf16,
+  // overwritten, not added) from the dout it reads anyway; Unsupported where cuBLASLt
+  // has no such algorithm (the caller then sums the columns itself).
   Status backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC,
-                         int ld_dout, float* dbias_sum = nullptr);
+                         int ld_dout, bf16* dbias_sum = nullptr);
 
   // The forward with the GELU in cuBLASLt's epilogue (GELU_AUX_BIAS, or GELU_AUX
   // without a bias): pre[N,OC] = inp · weightᵀ + bias and out[N,OC] = gelu(the same
@@ -86,7 +86,7 @@ class LtMatmul {
   // gelu: 0 none; 1 D = gelu(sum) with the sum kept in the auxiliary matrix
   // (GELU_AUX[_BIAS]); 2 D = sum ∘ gelu'(auxiliary) (DGELU). The auxiliary matrix has
   // D's shape, leading dimension ldc.
-  // bgrad: the BGRADB epilogue, the column sums of op(B) over k into an fp32 vector of
+  // bgrad: the BGRADB epilogue, the column sums of op(B) over k into a bf16 vector of
   // n (at alignment align_bias); never with bias or gelu.
   struct Key {
     bool ta, tb;
