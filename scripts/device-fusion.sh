@@ -3,7 +3,8 @@
 # default, SPILLWAY_CUDA_GELU_EPILOGUE; the residual add's, SPILLWAY_CUDA_RESIDUAL_EPILOGUE;
 # the bias gradient's, SPILLWAY_CUDA_BIAS_EPILOGUE) checked and timed beside torch.compile.
 #   1. the CUDA op tests (all of CudaOps, the epilogues' among them);
-#   2. bench ops at T 1024 with every epilogue on (the fused rows beside their parts);
+#   2. bench ops at T 1024 for each of OPS_CONFIGS (default all: every epilogue on; the
+#      fused rows beside their parts);
 #   3. exactness (scripts/device-exactness.sh) for each of EXACT_CONFIGS (default
 #      CONFIGS): gpt2-124m resident
 #      twice and under the planned budget XBUDGETS with speculation, losses and weights;
@@ -46,8 +47,11 @@ if [[ "$parts" == *" tests "* ]]; then
   grep -E '^\[  FAILED|Failure' -A4 "$out/cudaops.log" | head -30 | tee -a "$out/summary.txt"
 fi
 if [[ "$parts" == *" ops "* ]]; then
-  env $(config_env all) timeout 120 $BIN bench ops --backend cuda --T 1024 > "$out/ops_all.txt" 2>&1
-  grep -E "fc|gelu|proj|residual|attention|layernorm|adamw|step estimate" "$out/ops_all.txt" | tee -a "$out/summary.txt"
+  for c in ${OPS_CONFIGS:-all}; do
+    env $(config_env $c) timeout 120 $BIN bench ops --backend cuda --T 1024 > "$out/ops_$c.txt" 2>&1
+    grep -E "matmul|fc|gelu|proj|residual|attention|layernorm|adamw|step estimate|rror" "$out/ops_$c.txt" |
+      sed "s/^/$c: /" | tee -a "$out/summary.txt"
+  done
 fi
 if [[ "$parts" == *" exact "* ]]; then
   for c in ${EXACT_CONFIGS:-$configs}; do
