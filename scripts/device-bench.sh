@@ -32,11 +32,7 @@ done
 scripts/same_losses.py "cuda exactness, gpt2-124m vocab tiles" "$out/tiles_unlimited.jsonl" "$out/tiles_150MiB.jsonl" | tee -a "$out/summary.txt"
 log "one gpt2-124m step against PyTorch: loss and every gradient"
 gc=/tmp/gradcheck
-python3 bench/peers/torch_gradient_check.py prepare $gc --T 1024 > "$out/gradcheck.log" 2>&1
-$bin train --backend cuda --data $gc/gc_train.bin --load $gc/init.safetensors --steps 1 --batch 4 --context 1024 \
-  --eval-every 0 --quiet --metrics $gc/m.jsonl --save-grads $gc/grads.safetensors >> "$out/gradcheck.log" 2>&1
-python3 bench/peers/torch_gradient_check.py compare $gc --B 4 --T 1024 >> "$out/gradcheck.log" 2>&1
-tail -1 "$out/gradcheck.log" | tee -a "$out/summary.txt"
+BIN=$bin OUT=$out scripts/device-exactness.sh gradcheck "gpt2-124m" | tee -a "$out/summary.txt"
 log "20 steps from the same weights, Spillway and PyTorch"
 $bin train --backend cuda --data $gc/gc_train.bin --load $gc/init.safetensors --steps 20 --batch 4 --context 1024 \
   --eval-every 0 --quiet --metrics $gc/curve.jsonl > "$out/curve.log" 2>&1

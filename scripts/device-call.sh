@@ -25,15 +25,8 @@ if [[ "$gpu" == *H200* ]] && [ "${PROFILE:-1}" = 1 ]; then
 fi
 # exactness: default plan (late zeros), speculation with drops, clipping in the first steps only
 if [ -n "${XBUDGETS-300MiB 200MiB}" ]; then
-x="train --backend cuda --model gpt2-124m --context 256 --batch 4 --steps 6 --seed 5 --lr 3e-3 --warmup 0 --grad-clip ${XCLIP:-5} --machine $machine"
-$bin $x --metrics $out/x_res.jsonl --save /tmp/x_res > $out/x.log 2>&1
-for bud in ${XBUDGETS:-300MiB 200MiB}; do
-  $bin $x --policy planned --device-budget $bud --speculate on --metrics $out/x_$bud.jsonl --save /tmp/x_$bud >> $out/x.log 2>&1
-  scripts/same_losses.py "cuda 124m $bud speculate" $out/x_res.jsonl $out/x_$bud.jsonl
-  cmp /tmp/x_res/model.safetensors /tmp/x_$bud/model.safetensors && echo "$bud weights IDENTICAL"
-done
-grep -E "speculat|plan:" $out/x.log | cut -c1-250
-python3 -c "import json,sys; print('grad norms:', [round(json.loads(l)['grad_norm'],3) for l in open(sys.argv[1])])" $out/x_res.jsonl
+  BIN=$bin MACHINE=$machine OUT=$out XCLIP=${XCLIP:-5} scripts/device-exactness.sh budgets "cuda 124m" ${XBUDGETS:-300MiB 200MiB}
+  grep -hE "speculat|plan:" $out/x_cuda_124m_*.log | cut -c1-250
 fi
 echo "peer start $(( $(date +%s) - t0 )) s"
 for p in ${PEERS-2.7B:full:8}; do NMEAS=${NMEAS:-3} python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1; done
