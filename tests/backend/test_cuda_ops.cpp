@@ -1616,7 +1616,7 @@ TEST_F(CudaOps, MatmulWithBiasGradientEpilogue) {
 }
 
 // A value other than 0 or 1 is an error naming the variable; 1 is described, and the
-// default (off until the path has run on a GPU) is not.
+// default (off) is not.
 TEST_F(CudaOps, BiasEpilogueSwitchIsChecked) {
   expect_switch_refused("SPILLWAY_CUDA_BIAS_EPILOGUE", "on");
   if (std::getenv("SPILLWAY_CUDA_BIAS_EPILOGUE") == nullptr) {  // gpu_ was made with the default
@@ -1629,7 +1629,7 @@ TEST_F(CudaOps, BiasEpilogueSwitchIsChecked) {
 }
 
 // A value other than 0 or 1 is an error naming the variable; 1 is described, and the
-// default (off until the path has run on a GPU) is not.
+// default (off) is not.
 TEST_F(CudaOps, ResidualEpilogueSwitchIsChecked) {
   expect_switch_refused("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", "on");
   if (std::getenv("SPILLWAY_CUDA_RESIDUAL_EPILOGUE") == nullptr) {  // gpu_ was made with the default
