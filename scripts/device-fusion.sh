@@ -14,19 +14,23 @@
 #   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
 # CONFIGS: names among none (no epilogue), gelu (the default), bias (GELU and bias
 # gradient), all (GELU, residual and bias gradient).
-# Each part writes into $OUT as it finishes; a short table ends summary.txt.
+# Each part adds to $OUT/summary.txt as it finishes (logs in $LOGS, default
+# /tmp/fusion-logs); a short table ends it.
 # Usage (device tool, carry .deps):
 #   MODELS="gpt2-350m:16" PEERS="350M:compile:16" PARTS="train" scripts/device-fusion.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
+# summary.txt and the bench ops tables in $OUT (the device tool brings back only a
+# few files); every log in $LOGS.
+logs=${LOGS:-/tmp/fusion-logs}; mkdir -p "$logs"
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 t0=$(date +%s)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 log "gpu: $gpu"
-scripts/device-build.sh spillway test_backend > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+scripts/device-build.sh spillway test_backend > "$logs/build.log" 2>&1 || { tail -40 "$logs/build.log"; exit 1; }
 log "build $(( $(date +%s) - t0 )) s"
-export BIN=build-device/spillway MACHINE=machines/h100.json OUT=$out
+export BIN=build-device/spillway MACHINE=machines/h100.json OUT=$logs
 [[ "$gpu" == *H200* ]] && MACHINE=machines/h200.json
 parts=" ${PARTS:-tests ops exact train gradcheck} "
 configs=${CONFIGS:-gelu all}
@@ -42,9 +46,9 @@ config_env() {
 }
 
 if [[ "$parts" == *" tests "* ]]; then
-  timeout 240 build-device/test_backend --gtest_filter="${TESTS:-CudaOps.*}" > "$out/cudaops.log" 2>&1
-  log "CudaOps: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$out/cudaops.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED|Failure' -A4 "$out/cudaops.log" | head -30 | tee -a "$out/summary.txt"
+  timeout 240 build-device/test_backend --gtest_filter="${TESTS:-CudaOps.*}" > "$logs/cudaops.log" 2>&1
+  log "CudaOps: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$logs/cudaops.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED|Failure' -A4 "$logs/cudaops.log" | head -30 | tee -a "$out/summary.txt"
 fi
 if [[ "$parts" == *" ops "* ]]; then
   for c in ${OPS_CONFIGS:-all}; do
@@ -65,11 +69,11 @@ if [[ "$parts" == *" train "* ]]; then
     for i in $(seq ${reps:-${REPEATS:-1}}); do
     for c in $configs; do
       env $(config_env $c) timeout 200 $BIN bench train --backend cuda --model $m --batch $b --steps ${STEPS:-5} \
-        --machine $MACHINE > "$out/bench_${m}_$c.log" 2>&1
-      cp "$out/bench_${m}_$c.log" "$out/bench_${m}_${c}_$i.log"
-      line=$(grep -E '^own steps' "$out/bench_${m}_$c.log" | head -1)
+        --machine $MACHINE > "$logs/bench_${m}_$c.log" 2>&1
+      cp "$logs/bench_${m}_$c.log" "$logs/bench_${m}_${c}_$i.log"
+      line=$(grep -E '^own steps' "$logs/bench_${m}_$c.log" | head -1)
       log "$m B$b epilogues $c (run $i): $(echo "$line" | cut -c1-160)"
-      grep -E '^MFU|^host issue' "$out/bench_${m}_$c.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
+      grep -E '^MFU|^host issue' "$logs/bench_${m}_$c.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
       table+="$m B$b spillway/$c (run $i): $(echo "$line" | grep -oE '[0-9.]+k? tokens/s' | head -1)"$'\n'
     done
     done
