@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -279,8 +280,14 @@ Status run_ops(Backend& b, const Options& o) {
 }
 
 int run(const Options& o) {
-  if (o.B < 1 || o.T < 1 || o.C < 1 || o.NH < 1 || o.V < 1 || o.L < 1 || o.C % o.NH != 0)
-    return fail(Status::invalid_argument("bench ops: B, T, C, NH, V, L must be positive and C a multiple of NH"));
+  for (auto [flag, value] : {std::pair{"--B", o.B}, std::pair{"--T", o.T}, std::pair{"--C", o.C},
+                              std::pair{"--NH", o.NH}, std::pair{"--V", o.V}, std::pair{"--L", o.L}})
+    if (value < 1)
+      return fail(Status::invalid_argument(std::string("bench ops: ") + flag + " is " + std::to_string(value) +
+                                           "; expected a positive whole number"));
+  if (o.C % o.NH != 0)
+    return fail(Status::invalid_argument("bench ops: --C " + std::to_string(o.C) + " is not a multiple of --NH " +
+                                         std::to_string(o.NH) + " (each head takes C/NH channels)"));
   if (o.reps < 1 || o.rounds < 1) return fail(Status::invalid_argument("bench ops: --reps and --rounds must be >= 1"));
   auto backend = make_backend(o.backend, {.threads = o.threads});
   if (!backend) return fail(backend.status());

@@ -445,6 +445,14 @@ TEST(BenchOpsCli, StepEstimateSumsTheOpsTheProgramRuns) {
     EXPECT_EQ(count[name], want) << name << " in: " << r.output;
 }
 
+// bench ops refuses a shape it cannot run, naming the flag and its value.
+TEST(BenchOpsCli, BadShapesAreRefusedByName) {
+  expect_rejected("bench ops --backend cpu --L 0", {"--L is 0", "positive"});
+  expect_rejected("bench ops --backend cpu --B -1", {"--B is -1"});
+  expect_rejected("bench ops --backend cpu --C 7 --NH 2", {"--C 7", "multiple of --NH 2"});
+  expect_rejected("bench ops --backend cpu --reps 0", {"--reps"});
+}
+
 // bench train reports the device memory the process used (printed and as JSON), and
 // a budgeted run's peak, workspace included, stays within --device-budget.
 TEST(BenchTrainCli, ReportsDeviceMemoryUsedWithinTheBudget) {
