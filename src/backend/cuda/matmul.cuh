@@ -51,7 +51,7 @@ class LtMatmul {
                         int ld_dout, bool accumulate);
   // dweight[OC,C] += dout[N,OC]ᵀ · inp[N,C]; rows of dout are ld_dout ≥ OC elements apart.
   // With dbias_sum (bf16 [OC], not null), the same product with a BGRADB epilogue
-  // also writes dbias_sum[oc] = Σ_n dout[n,oc] (summed in fp32, rounded to bf16,
+  // also writes dbias_sum[oc] = Σ_n dout[n,oc] (summed by cuBLASLt, written in bf16,
   // overwritten, not added) from the dout it reads anyway; Unsupported where cuBLASLt
   // has no such algorithm (the caller then sums the columns itself).
   Status backward_weight(cudaStream_t stream, bf16* dweight, const bf16* dout, const bf16* inp, int N, int C, int OC,
