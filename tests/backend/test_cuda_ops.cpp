@@ -981,6 +981,20 @@ void expect_switch_refused(const char* name, const char* value) {
   EXPECT_NE(b.status().message().find(name), std::string::npos) << b.status().to_string();
 }
 
+// A switch that is off by default: a value other than 0 or 1 is refused by name, the
+// default backend (`current`, made with the variable unset) does not mention it, and
+// one made with it at 1 says so in its description.
+void expect_off_by_default_switch(const Backend& current, const char* name) {
+  expect_switch_refused(name, "on");
+  if (std::getenv(name) == nullptr) {  // `current` was made with the default
+    EXPECT_EQ(current.description().find(name), std::string::npos) << current.description();
+  }
+  ScopedEnv env(name, "1");
+  auto b = make_backend("cuda");
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_NE((*b)->description().find(std::string(name) + "=1"), std::string::npos) << (*b)->description();
+}
+
 struct OptimizerLaunches {
   uint64_t squared_norm = 0, adamw = 0;
 };
@@ -1618,27 +1632,13 @@ TEST_F(CudaOps, MatmulWithBiasGradientEpilogue) {
 // A value other than 0 or 1 is an error naming the variable; 1 is described, and the
 // default (off) is not.
 TEST_F(CudaOps, BiasEpilogueSwitchIsChecked) {
-  expect_switch_refused("SPILLWAY_CUDA_BIAS_EPILOGUE", "on");
-  if (std::getenv("SPILLWAY_CUDA_BIAS_EPILOGUE") == nullptr) {  // gpu_ was made with the default
-    EXPECT_EQ(gpu_->description().find("SPILLWAY_CUDA_BIAS_EPILOGUE"), std::string::npos) << gpu_->description();
-  }
-  ScopedEnv env("SPILLWAY_CUDA_BIAS_EPILOGUE", "1");
-  auto b = make_backend("cuda");
-  ASSERT_TRUE(b.ok()) << b.status().to_string();
-  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_BIAS_EPILOGUE=1"), std::string::npos) << (*b)->description();
+  expect_off_by_default_switch(*gpu_, "SPILLWAY_CUDA_BIAS_EPILOGUE");
 }
 
 // A value other than 0 or 1 is an error naming the variable; 1 is described, and the
 // default (off) is not.
 TEST_F(CudaOps, ResidualEpilogueSwitchIsChecked) {
-  expect_switch_refused("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", "on");
-  if (std::getenv("SPILLWAY_CUDA_RESIDUAL_EPILOGUE") == nullptr) {  // gpu_ was made with the default
-    EXPECT_EQ(gpu_->description().find("SPILLWAY_CUDA_RESIDUAL_EPILOGUE"), std::string::npos) << gpu_->description();
-  }
-  ScopedEnv env("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", "1");
-  auto b = make_backend("cuda");
-  ASSERT_TRUE(b.ok()) << b.status().to_string();
-  EXPECT_NE((*b)->description().find("SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1"), std::string::npos) << (*b)->description();
+  expect_off_by_default_switch(*gpu_, "SPILLWAY_CUDA_RESIDUAL_EPILOGUE");
 }
 
 }  // namespace
