@@ -67,15 +67,15 @@ if [[ "$parts" == *" train "* ]]; then
   for mb in ${MODELS:-gpt2-124m:16}; do
     IFS=: read -r m b reps <<< "$mb"
     for i in $(seq ${reps:-${REPEATS:-1}}); do
-    for c in $configs; do
-      env $(config_env $c) timeout 200 $BIN bench train --backend cuda --model $m --batch $b --steps ${STEPS:-5} \
-        --machine $MACHINE > "$logs/bench_${m}_$c.log" 2>&1
-      cp "$logs/bench_${m}_$c.log" "$logs/bench_${m}_${c}_$i.log"
-      line=$(grep -E '^own steps' "$logs/bench_${m}_$c.log" | head -1)
-      log "$m B$b epilogues $c (run $i): $(echo "$line" | cut -c1-160)"
-      grep -E '^MFU|^host issue' "$logs/bench_${m}_$c.log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
-      table+="$m B$b spillway/$c (run $i): $(echo "$line" | grep -oE '[0-9.]+k? tokens/s' | head -1)"$'\n'
-    done
+      for c in $configs; do
+        run_log="$logs/bench_${m}_${c}_$i.log"
+        env $(config_env $c) timeout 200 $BIN bench train --backend cuda --model $m --batch $b --steps ${STEPS:-5} \
+          --machine $MACHINE > "$run_log" 2>&1
+        line=$(grep -E '^own steps' "$run_log" | head -1)
+        log "$m B$b epilogues $c (run $i): $(echo "$line" | cut -c1-160)"
+        grep -E '^MFU|^host issue' "$run_log" | head -2 | cut -c1-200 | tee -a "$out/summary.txt"
+        table+="$m B$b spillway/$c (run $i): $(echo "$line" | grep -oE '[0-9.]+k? tokens/s' | head -1)"$'\n'
+      done
     done
   done
   for p in ${PEERS-124M:compile:16}; do

@@ -409,7 +409,8 @@ Result<bool> residual_epilogue_from_environment() {
 
 // SPILLWAY_CUDA_BIAS_EPILOGUE: a bias' gradient summed in its weight product's cuBLASLt
 // BGRADB epilogue (from the dout the product reads anyway), or by a column-sum kernel
-// over dout (the default until it has run on a GPU).
+// over dout (the default: cuBLASLt refused the epilogue's first form on an H100, and
+// the present one has not run on a GPU; bench/RESULTS.md, session 37).
 Result<bool> bias_epilogue_from_environment() {
   return switch_from_environment("SPILLWAY_CUDA_BIAS_EPILOGUE", false,
                                  "the bias gradient in the weight product's cuBLASLt BGRADB epilogue",
@@ -1023,30 +1024,29 @@ class CudaBackend final : public Backend {
     if (!enter() || !leading_dim_ok(ld_dout, OC, "matmul_backward")) return;
     const size_t bias_bytes = dbias != nullptr ? align(bias_backward_scratch_bytes(N, OC)) : 0;
     if (!lt_workspace(bias_bytes, "matmul_backward")) return;
-    bool dbias_done = false;
+    void* bias_scratch = nullptr;  // the bias' column sums: partials, or the epilogue's [OC]
+    if (dbias != nullptr && (bias_scratch = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward")) == nullptr)
+      return;
+    bool fused = false;  // dweight and dbias from one product (the BGRADB epilogue)
     if (dbias != nullptr && bias_epilogue_ && dweight != nullptr) {
-      // The bias' column sums in the weight product's BGRADB epilogue, into the scratch
-      // (bf16 [OC], inside bias_backward_scratch_bytes), then added into dbias.
-      bf16* sums = static_cast<bf16*>(scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward"));
-      if (sums == nullptr) return;
+      // The bias' column sums into the scratch (bf16 [OC]), then added into dbias.
+      bf16* sums = static_cast<bf16*>(bias_scratch);
       Status s = mm_.backward_weight(stream(), mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout, sums);
       if (s.is_ok()) {
         if (!check(launch_residual_forward(mb(dbias), mb(dbias), sums, static_cast<size_t>(OC), stream()),
                    "matmul_backward (dbias)"))
           return;
-        dbias_done = true;
+        fused = true;
       } else if (s.code() != StatusCode::Unsupported) {
         record(std::move(s), "matmul_backward (dweight, dbias)");
         return;
       }
     }
-    if (dbias != nullptr && !dbias_done) {
-      void* s = scratch(bias_backward_scratch_bytes(N, OC), "matmul_backward");
-      if (s == nullptr) return;
-      if (!check(launch_bias_backward(mb(dbias), cb(dout), N, OC, ld_dout, s, stream()), "matmul_backward (dbias)"))
-        return;
-    }
-    if (dweight != nullptr && !dbias_done)
+    if (dbias != nullptr && !fused &&
+        !check(launch_bias_backward(mb(dbias), cb(dout), N, OC, ld_dout, bias_scratch, stream()),
+               "matmul_backward (dbias)"))
+      return;
+    if (dweight != nullptr && !fused)
       record(mm_.backward_weight(stream(), mb(dweight), cb(dout), cb(inp), N, C, OC, ld_dout),
              "matmul_backward (dweight)");
     if (dinp != nullptr)
