@@ -3,7 +3,7 @@
 # default, SPILLWAY_CUDA_GELU_EPILOGUE; the residual add's, SPILLWAY_CUDA_RESIDUAL_EPILOGUE;
 # the bias gradient's, SPILLWAY_CUDA_BIAS_EPILOGUE) checked and timed beside torch.compile.
 #   1. the CUDA op tests (all of CudaOps, the epilogues' among them);
-#   2. bench ops at T 1024 for each of OPS_CONFIGS (default all: every epilogue on; the
+#   2. bench ops at T 1024 for each of OPS_CONFIGS (default: default; the
 #      fused rows beside their parts);
 #   3. exactness (scripts/device-exactness.sh) for each of EXACT_CONFIGS (default
 #      CONFIGS): gpt2-124m resident
@@ -12,8 +12,9 @@
 #      of CONFIGS in turn, repeats (or REPEATS, default 1) times, then the PyTorch peers PEERS
 #      (bench/peers/torch_gpt.py);
 #   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
-# CONFIGS: names among none (no epilogue), gelu (the default), bias (GELU and bias
-# gradient), all (GELU, residual and bias gradient).
+# CONFIGS: names among default (the environment untouched: every epilogue, since
+# session 38), none (no epilogue), gelu, bias (GELU and bias gradient), all (GELU,
+# residual and bias gradient).
 # Each part adds to $OUT/summary.txt as it finishes (logs in $LOGS, default
 # /tmp/fusion-logs); a short table ends it.
 # Usage (device tool, carry .deps):
@@ -33,15 +34,16 @@ log "build $(( $(date +%s) - t0 )) s"
 export BIN=build-device/spillway MACHINE=machines/h100.json OUT=$logs
 [[ "$gpu" == *H200* ]] && MACHINE=machines/h200.json
 parts=" ${PARTS:-tests ops exact train gradcheck} "
-configs=${CONFIGS:-gelu all}
+configs=${CONFIGS:-default}
 # The environment of a configuration, as `env` arguments.
 config_env() {
   case "$1" in
+    default) echo ;;
     none) echo SPILLWAY_CUDA_GELU_EPILOGUE=0 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=0 ;;
     gelu) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=0 ;;
     all) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
     bias) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
-    *) echo "unknown configuration '$1' (expected none, gelu, bias or all)" >&2; exit 2 ;;
+    *) echo "unknown configuration '$1' (expected default, none, gelu, bias or all)" >&2; exit 2 ;;
   esac
 }
 
@@ -51,7 +53,7 @@ if [[ "$parts" == *" tests "* ]]; then
   grep -E '^\[  FAILED|Failure' -A4 "$logs/cudaops.log" | head -30 | tee -a "$out/summary.txt"
 fi
 if [[ "$parts" == *" ops "* ]]; then
-  for c in ${OPS_CONFIGS:-all}; do
+  for c in ${OPS_CONFIGS:-default}; do
     env $(config_env $c) timeout 120 $BIN bench ops --backend cuda --T 1024 > "$out/ops_$c.txt" 2>&1
     grep -E "matmul|fc|gelu|proj|residual|attention|layernorm|adamw|step estimate|rror" "$out/ops_$c.txt" |
       sed "s/^/$c: /" | tee -a "$out/summary.txt"

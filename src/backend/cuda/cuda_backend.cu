@@ -397,22 +397,22 @@ Result<bool> gelu_epilogue_from_environment() {
 }
 
 // SPILLWAY_CUDA_RESIDUAL_EPILOGUE: a product and the residual add after it
-// (MatmulResidualForward) as one cuBLASLt product with beta = 1 and the residual as C,
-// or as a product and a residual kernel (Backend's default). Off unless asked for: on
-// an H100 it saved 0.04 ms a layer in bench ops but no gain showed in training yet
-// (bench/RESULTS.md, session 37).
+// (MatmulResidualForward) as one cuBLASLt product with beta = 1 and the residual as C
+// (the default), or with =0 as a product and a residual kernel (Backend's default
+// implementation). On by default since an H100 measured GPT-2 124M 1.6% faster with it
+// and the bias epilogue than without them (bench/RESULTS.md, session 38).
 Result<bool> residual_epilogue_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", false,
+  return switch_from_environment("SPILLWAY_CUDA_RESIDUAL_EPILOGUE", true,
                                  "the residual added in the product's cuBLASLt call, beta = 1",
                                  "a product, then a residual kernel");
 }
 
 // SPILLWAY_CUDA_BIAS_EPILOGUE: a bias' gradient summed in its weight product's cuBLASLt
-// BGRADB epilogue (from the dout the product reads anyway), or by a column-sum kernel
-// over dout (the default: cuBLASLt refused the epilogue's first form on an H100, and
-// the present one has not run on a GPU; bench/RESULTS.md, session 37).
+// BGRADB epilogue, from the dout the product reads anyway (the default), or with =0 by
+// a column-sum kernel over dout. Where cuBLASLt has no algorithm for the epilogue the
+// column-sum kernel runs anyway. On by default since session 38 (see above).
 Result<bool> bias_epilogue_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_BIAS_EPILOGUE", false,
+  return switch_from_environment("SPILLWAY_CUDA_BIAS_EPILOGUE", true,
                                  "the bias gradient in the weight product's cuBLASLt BGRADB epilogue",
                                  "a column-sum kernel over the output gradient");
 }
@@ -732,10 +732,10 @@ class CudaBackend final : public Backend {
                                                             schedule_name(schedule_flags_)) +
            (gelu_epilogue_ ? "; GELU in the products' cuBLASLt epilogue"
                            : "; GELU as a kernel after the product (SPILLWAY_CUDA_GELU_EPILOGUE=0)") +
-           (residual_epilogue_ ? "; residual adds in the products' cuBLASLt call (SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1)"
-                               : "") +
-           (bias_epilogue_ ? "; bias gradients in the weight products' BGRADB epilogue (SPILLWAY_CUDA_BIAS_EPILOGUE=1)"
-                           : "") +
+           (residual_epilogue_ ? "; residual adds in the products' cuBLASLt call"
+                               : "; residual adds as a kernel after the product (SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0)") +
+           (bias_epilogue_ ? "; bias gradients in the weight products' BGRADB epilogue"
+                           : "; bias gradients by a column-sum kernel (SPILLWAY_CUDA_BIAS_EPILOGUE=0)") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
                                                        : "") +
@@ -1078,7 +1078,7 @@ class CudaBackend final : public Backend {
 
   // The residual added in the product (beta = 1, C = residual): out = the fp32 sum of
   // the product, its bias and the residual, rounded once; where cuBLASLt refuses the
-  // problem, or with SPILLWAY_CUDA_RESIDUAL_EPILOGUE unset or 0, a product and a
+  // problem, or with SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0, a product and a
   // residual kernel (Backend's default), the same way every time.
   void matmul_residual_forward(void* out, const void* inp, const void* weight, const void* bias,
                                const void* residual, int N, int C, int OC) override {
@@ -1295,8 +1295,8 @@ class CudaBackend final : public Backend {
   bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
   bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
-  bool residual_epilogue_ = false;                              // SPILLWAY_CUDA_RESIDUAL_EPILOGUE, set at init
-  bool bias_epilogue_ = false;                                  // SPILLWAY_CUDA_BIAS_EPILOGUE, set at init
+  bool residual_epilogue_ = true;                               // SPILLWAY_CUDA_RESIDUAL_EPILOGUE, set at init
+  bool bias_epilogue_ = true;                                   // SPILLWAY_CUDA_BIAS_EPILOGUE, set at init
   std::string gpu_name_;
   size_t capacity_ = 0;
   ComputeQueue queue_;                // the compute stream, and the optimizer calls held back
