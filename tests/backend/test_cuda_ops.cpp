@@ -289,8 +289,13 @@ TEST_F(CudaOps, Matmul) {
 
 // The backward's column sums go by row chunks (column_chunks): N 8200 has 256 chunks of
 // 33 rows, the last ones empty.
+// Up to 1024 columns (a multiple of 8) the backward runs in one pass
+// (norm_backward_onepass_kernel): C 768, 264 (a second 256-column chunk of one vector
+// per row), 1024, and 64 with empty last row chunks (N 8200); C 100 and 1600 run the two
+// passes.
 TEST_F(CudaOps, LayerNorm) {
-  for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 1600}, std::pair{8200, 64}}) {
+  for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 1600}, std::pair{8200, 64},
+                      std::pair{300, 264}, std::pair{2048, 1024}}) {
     SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
     std::vector<float> xs = normal(size_t(N) * C, 2.0f);
     for (size_t i = 0; i < xs.size(); ++i) xs[i] = bf16_to_float(float_to_bf16(xs[i] + 0.5f));
@@ -319,8 +324,10 @@ TEST_F(CudaOps, LayerNorm) {
   }
 }
 
+// The backward's one pass and two passes as in LayerNorm above (C 2048 and 100: two).
 TEST_F(CudaOps, RmsNorm) {
-  for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 2048}, std::pair{8200, 64}}) {
+  for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 2048}, std::pair{8200, 64},
+                      std::pair{300, 264}, std::pair{2048, 1024}}) {
     SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
     Pair inp = act_random(size_t(N) * C, 2.0f), w = act_random(C);
     Pair out = act_poison(size_t(N) * C), rstd = f32_poison(N);

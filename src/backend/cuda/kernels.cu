@@ -378,6 +378,135 @@ __global__ void rmsnorm_dweight_partials_kernel(float* partial_w, const bf16* do
   partial_w[static_cast<size_t>(p) * C + c] = acc;
 }
 
+// The backward of a LayerNorm (LN) or an RMSNorm (!LN) of at most 1024 columns, in
+// one pass: block p takes chunk p of column_chunks(N) (`rows` rows), its 8 warps a row
+// each at a time (rows r0 + warp, r0 + warp + 8, ...). A warp writes its row of dinp
+// exactly as layernorm_dinp_kernel / rmsnorm_dinp_kernel do (the same sums in the same
+// order, so the same bits), and adds the row into its lanes' column sums in registers
+// (lane l holds columns l·8 + k·256 + j, k < NCH, j < 8) while the row is there; the
+// 8 warps' sums are then added in warp order through shared memory into the chunk's
+// partial_w[p,:] (Σ dout·norm) and, with LN, partial_b[p,:] (Σ dout). Each row is
+// read from HBM once, against twice for the two passes. NCH = ceil(C/256) ≤ 4,
+// C % 8 == 0, rows 16-byte aligned. dinp[N,C], dout[N,C], inp[N,C], weight[C],
+// mean[N] (LN), rstd[N]; partial_w, partial_b [P,C].
+constexpr int kNormRowWarps = 8;
+template <bool LN, int NCH>
+__global__ void __launch_bounds__(kNormRowWarps * 32, 2)
+    norm_backward_onepass_kernel(bf16* dinp, float* partial_w, float* partial_b, const bf16* dout, const bf16* inp,
+                                 const bf16* weight, const float* mean, const float* rstd, int N, int C, int rows) {
+  __shared__ float sums[kNormRowWarps][NCH * 256];  // one warp's column sums each
+  const int p = blockIdx.x;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x & 31);
+  const int r0 = p * rows, r1 = min(N, r0 + rows);
+  float aw[NCH][8], ab[NCH][8];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) aw[k][j] = ab[k][j] = 0.0f;
+  for (int r = r0 + warp; r < r1; r += kNormRowWarps) {
+    const size_t off = static_cast<size_t>(r) * C;
+    const float mu = LN ? mean[r] : 0.0f, rs = rstd[r];
+    Bf16x8 xv[NCH], dv[NCH], gv[NCH];
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c = lane * 8 + k * 256;
+      if (c < C) {
+        xv[k] = load8(inp + off + c);
+        dv[k] = load8(dout + off + c);
+        gv[k] = load8(dinp + off + c);
+      }
+    }
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c = lane * 8 + k * 256;
+      if (c < C) {
+        float x[8], d[8], w[8];
+        unpack8(xv[k], x);
+        unpack8(dv[k], d);
+        unpack8(load8(weight + c), w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if constexpr (LN) {
+            float dn = d[j] * w[j];
+            s1 += dn;
+            s2 += dn * (x[j] - mu) * rs;
+          } else {
+            s2 += d[j] * w[j] * x[j] * rs;
+          }
+        }
+      }
+    }
+    const float m1 = LN ? warp_sum(s1) / C : 0.0f, m2 = warp_sum(s2) / C;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c = lane * 8 + k * 256;
+      if (c < C) {
+        float x[8], d[8], w[8], g[8];
+        unpack8(xv[k], x);
+        unpack8(dv[k], d);
+        unpack8(load8(weight + c), w);
+        unpack8(gv[k], g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if constexpr (LN) {
+            g[j] += rs * (d[j] * w[j] - m1 - (x[j] - mu) * rs * m2);
+            ab[k][j] += d[j];
+            aw[k][j] += d[j] * (x[j] - mu) * rs;
+          } else {
+            g[j] += rs * (d[j] * w[j] - x[j] * rs * m2);
+            aw[k][j] += d[j] * x[j] * rs;
+          }
+        }
+        store8(dinp + off + c, pack8(g));
+      }
+    }
+  }
+  // The chunk's column sums: the warps' in warp order, one thread per column.
+  auto combine = [&](float (&acc)[NCH][8], float* partial) {
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) {
+      const int c = lane * 8 + k * 256;
+      if (c < C)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sums[warp][c + j] = acc[k][j];
+    }
+    __syncthreads();
+    for (int c = static_cast<int>(threadIdx.x); c < C; c += blockDim.x) {
+      float t = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kNormRowWarps; ++w) t += sums[w][c];
+      partial[static_cast<size_t>(p) * C + c] = t;
+    }
+    __syncthreads();
+  };
+  combine(aw, partial_w);
+  if constexpr (LN) combine(ab, partial_b);
+}
+
+// Launches norm_backward_onepass_kernel when its conditions hold (C % 8 == 0, C ≤ 1024,
+// every row 16-byte aligned); false when they do not (nothing launched).
+template <bool LN>
+bool launch_norm_backward_onepass(bf16* dinp, float* partial_w, float* partial_b, const bf16* dout, const bf16* inp,
+                                  const bf16* weight, const float* mean, const float* rstd, int N, int C,
+                                  const cuda_workspace::ColumnChunks& ch, cudaStream_t stream) {
+  if (C % 8 != 0 || C > 1024 || !aligned16(dinp) || !aligned16(dout) || !aligned16(inp) || !aligned16(weight))
+    return false;
+  const int nch = (C + 255) / 256;
+  const dim3 grid(ch.count), block(kNormRowWarps * 32);
+#define SPILLWAY_NORM_ONEPASS(K)                                                                                  \
+  norm_backward_onepass_kernel<LN, K><<<grid, block, 0, stream>>>(dinp, partial_w, partial_b, dout, inp, weight, \
+                                                                  mean, rstd, N, C, ch.rows)
+  switch (nch) {
+    case 1: SPILLWAY_NORM_ONEPASS(1); break;
+    case 2: SPILLWAY_NORM_ONEPASS(2); break;
+    case 3: SPILLWAY_NORM_ONEPASS(3); break;
+    default: SPILLWAY_NORM_ONEPASS(4); break;
+  }
+#undef SPILLWAY_NORM_ONEPASS
+  return true;
+}
+
 // ---------------------------------------------------------------- element-wise
 
 constexpr float kGeluS = 0.7978845608028654f;  // sqrt(2/pi)
@@ -954,6 +1083,15 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
                                       const float* rstd, int N, int C, void* scratch,
                                       cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
+  const Chunks ch = column_chunks(N);
+  float* pw = static_cast<float*>(scratch);
+  float* pb = pw + static_cast<size_t>(ch.count) * C;
+  if (launch_norm_backward_onepass<true>(dinp, pw, pb, dout, inp, weight, mean, rstd, N, C, ch, stream)) {
+    cudaError_t e = launched();
+    if (e != cudaSuccess) return e;
+    column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
+    return launched();
+  }
   const int warps = kThreads / 32;
   if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
     layernorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
@@ -963,9 +1101,6 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
                                                                          rstd, N, C);
   cudaError_t e = launched();
   if (e != cudaSuccess) return e;
-  const Chunks ch = column_chunks(N);
-  float* pw = static_cast<float*>(scratch);
-  float* pb = pw + static_cast<size_t>(ch.count) * C;
   dim3 grid(ceil_div(C, kThreads), ch.count);
   column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, C, ch.rows);
   e = launched();
@@ -989,6 +1124,14 @@ cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout,
                                     const bf16* weight, const float* rstd, int N, int C, void* scratch,
                                     cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
+  const Chunks ch = column_chunks(N);
+  float* pw = static_cast<float*>(scratch);
+  if (launch_norm_backward_onepass<false>(dinp, pw, nullptr, dout, inp, weight, nullptr, rstd, N, C, ch, stream)) {
+    cudaError_t e = launched();
+    if (e != cudaSuccess) return e;
+    column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, nullptr, nullptr, ch.count, C);
+    return launched();
+  }
   const int warps = kThreads / 32;
   if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
     rmsnorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
@@ -996,8 +1139,6 @@ cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout,
     rmsnorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
   cudaError_t e = launched();
   if (e != cudaSuccess) return e;
-  const Chunks ch = column_chunks(N);
-  float* pw = static_cast<float*>(scratch);
   dim3 grid(ceil_div(C, kThreads), ch.count);
   rmsnorm_dweight_partials_kernel<<<grid, kThreads, 0, stream>>>(pw, dout, inp, rstd, N, C, ch.rows);
   e = launched();
