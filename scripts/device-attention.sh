@@ -2,30 +2,62 @@
 # One call on the lent GPU for issue 14's attention kernels: builds, runs the CUDA
 # attention tests (against the CPU reference, and the Hopper wgmma kernels against the
 # mma.sync ones element by element), then times the attention rows of `spillway bench
-# ops` with each kernel (SPILLWAY_CUDA_ATTENTION=auto|mma) beside PyTorch's SDPA
-# (bench/peers/torch_attention.py) at the gpt2-124m, gpt2-1.5b and gpt-2.7b shapes.
-# Stops after the tests when they fail. Usage (device tool, carry .deps):
+# ops` with each kernel (KERNELS, default "auto mma": SPILLWAY_CUDA_ATTENTION) beside
+# PyTorch's SDPA (bench/peers/torch_attention.py) at the gpt2-124m, gpt2-1.5b and
+# gpt-2.7b shapes.
+# VARIANTS: builds to compare in the same call, each a list of nvcc defines with ','
+# for spaces ("-" for none); default "-". For example
+#   VARIANTS="- -DSPILLWAY_ATTENTION_QUERY_WARPGROUPS=1" KERNELS=auto scripts/device-attention.sh
+# builds the default and a one-warpgroup query block side by side (build-device,
+# build-device-2, ...). TRAIN: models to train with each variant, model:batch:runs
+# (`bench train --backend cuda --steps 5`), then PEERS (torch_gpt.py configurations).
+# Stops after the tests of a variant that fails them. Usage (device tool, carry .deps):
 #   scripts/device-attention.sh        (summary in $OUT/summary.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
+logs=${LOGS:-/tmp/attention-logs}; mkdir -p "$logs"
 log() { echo "$*" | tee -a "$out/summary.txt"; }
 t0=$(date +%s)
-scripts/device-build.sh spillway test_backend > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-log "build $(( $(date +%s) - t0 )) s"
-timeout 300 build-device/test_backend --gtest_filter='CudaOps.*Attention*' > "$out/attention-tests.log" 2>&1
-rc=$?
-log "CudaOps.*Attention*: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$out/attention-tests.log" | tr '\n' ' ')"
-grep -E '^\[  FAILED|Failure' -A3 "$out/attention-tests.log" | head -30 | tee -a "$out/summary.txt"
-[ "$rc" = 0 ] || exit 0
+machine=machines/h100.json
+[[ "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" == *H200* ]] && machine=machines/h200.json
+i=0; dirs=()
+for v in ${VARIANTS:--}; do
+  i=$((i + 1)); dir=build-device; [ $i -gt 1 ] && dir=build-device-$i
+  defs=${v//,/ }; [ "$defs" = "-" ] && defs=""
+  BUILD_DIR=$dir CUDA_DEFINES="$defs" scripts/device-build.sh spillway test_backend > "$logs/build-$i.log" 2>&1 ||
+    { tail -40 "$logs/build-$i.log"; exit 1; }
+  log "variant $i [$defs]: build $(( $(date +%s) - t0 )) s"
+  timeout 300 $dir/test_backend --gtest_filter='CudaOps.*Attention*' > "$logs/attention-tests-$i.log" 2>&1
+  rc=$?
+  log "variant $i CudaOps.*Attention*: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$logs/attention-tests-$i.log" | tr '\n' ' ')"
+  grep -E '^\[  FAILED|Failure' -A3 "$logs/attention-tests-$i.log" | head -30 | tee -a "$out/summary.txt"
+  [ "$rc" = 0 ] || exit 0
+  dirs+=("$dir")
+done
 for shape in "16 768 12" "8 1600 25" "8 2560 32"; do
   set -- $shape
-  for k in auto mma; do
-    r=$(SPILLWAY_CUDA_ATTENTION=$k timeout 120 build-device/spillway bench ops --backend cuda --B "$1" --T 1024 \
-      --C "$2" --NH "$3" --V 50304 2>&1 | grep -E '^attention' | tr -s ' ' | tr '\n' ';')
-    log "ours B=$1 C=$2 NH=$3 SPILLWAY_CUDA_ATTENTION=$k: $r"
+  for k in ${KERNELS:-auto mma}; do
+    for i in "${!dirs[@]}"; do
+      r=$(SPILLWAY_CUDA_ATTENTION=$k timeout 120 ${dirs[$i]}/spillway bench ops --backend cuda --B "$1" --T 1024 \
+        --C "$2" --NH "$3" --V 50304 2>&1 | grep -E '^attention' | tr -s ' ' | tr '\n' ';')
+      log "variant $((i + 1)) B=$1 C=$2 NH=$3 SPILLWAY_CUDA_ATTENTION=$k: $r"
+    done
   done
 done
 timeout 180 python3 bench/peers/torch_attention.py 16:1024:12:64 8:1024:25:64 8:1024:32:80 2>&1 |
   tee -a "$out/summary.txt"
+for mb in ${TRAIN:-}; do
+  IFS=: read -r m b runs <<< "$mb"
+  for r in $(seq ${runs:-1}); do
+    for i in "${!dirs[@]}"; do
+      timeout 200 ${dirs[$i]}/spillway bench train --backend cuda --model $m --batch $b --steps 5 \
+        --machine $machine > "$logs/train_${m}_$((i + 1))_$r.log" 2>&1
+      log "variant $((i + 1)) $m B$b (run $r): $(grep -E '^own steps' "$logs/train_${m}_$((i + 1))_$r.log" | cut -c1-80)"
+    done
+  done
+done
+for p in ${PEERS:-}; do
+  log "peer $p: $(NMEAS=4 timeout 240 python3 bench/peers/torch_gpt.py $p 2>&1 | tail -1)"
+done
 log "done $(( $(date +%s) - t0 )) s"
