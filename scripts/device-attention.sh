@@ -7,9 +7,10 @@
 # gpt-2.7b shapes.
 # VARIANTS: builds to compare in the same call, each a list of nvcc defines with ','
 # for spaces ("-" for none); default "-". For example
-#   VARIANTS="- -DSPILLWAY_ATTENTION_QUERY_WARPGROUPS=1" KERNELS=auto scripts/device-attention.sh
-# builds the default and a one-warpgroup query block side by side (build-device,
-# build-device-2, ...). TRAIN: models to train with each variant, model:batch:runs
+#   VARIANTS="- -DMY_SWITCH=1" KERNELS=auto scripts/device-attention.sh
+# builds the default and a variant that a #ifdef in the kernels selects, side by side
+# (build-device, build-device-2, ...): session 38 compared one warpgroup a query block
+# with two that way (bench/RESULTS.md) and kept two. TRAIN: models to train with each variant, model:batch:runs
 # (`bench train --backend cuda --steps 5`), then PEERS (torch_gpt.py configurations).
 # Stops after the tests of a variant that fails them. Usage (device tool, carry .deps):
 #   scripts/device-attention.sh        (summary in $OUT/summary.txt)

@@ -2,7 +2,7 @@
 # Builds Spillway on the lent GPU machine (Ubuntu, no liburing/xxhash headers):
 # unpacks the Debian packages carried in .deps/ into .deps/prefix, then configures
 # and builds with ninja into build-device/ (or $BUILD_DIR). Usage: scripts/device-build.sh [targets...]
-# CUDA_DEFINES (for example -DSPILLWAY_ATTENTION_QUERY_WARPGROUPS=1) is passed to nvcc,
+# CUDA_DEFINES (-D flags for an experiment's #ifdef) is passed to nvcc,
 # for a second build to compare against in the same call.
 # .deps/ is not committed: on the dev box, before the device call, run
 #   mkdir -p .deps && (cd .deps && apt-get download liburing-dev liburing2 libxxhash-dev libxxhash0 libpcre2-dev)

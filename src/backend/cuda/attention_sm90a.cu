@@ -33,20 +33,10 @@ namespace spillway::cuda_detail {
 namespace {
 
 constexpr int kWgRows = 64;              // query rows per warpgroup
-constexpr int kWarpgroups = 2;           // of the dK/dV kernel
+constexpr int kWarpgroups = 2;
 constexpr int kThreads = 128 * kWarpgroups;
-constexpr int kBM = kWgRows * kWarpgroups;  // keys per block of the dK/dV kernel
-constexpr int kBN = 64;                     // keys (queries in dK/dV) per iteration
-// Warpgroups per block of the query-block kernels (the forward and dQ): each block
-// synchronizes its threads once per key block, so with one warpgroup a block the
-// warpgroups of an SM run their products and softmax out of step.
-#ifndef SPILLWAY_ATTENTION_QUERY_WARPGROUPS
-#define SPILLWAY_ATTENTION_QUERY_WARPGROUPS 2
-#endif
-constexpr int kQueryWarpgroups = SPILLWAY_ATTENTION_QUERY_WARPGROUPS;
-static_assert(kQueryWarpgroups == 1 || kQueryWarpgroups == 2, "one or two warpgroups a query block");
-constexpr int kQueryThreads = 128 * kQueryWarpgroups;
-constexpr int kQueryRows = kWgRows * kQueryWarpgroups;  // query rows per block
+constexpr int kBM = kWgRows * kWarpgroups;  // query rows per block
+constexpr int kBN = 64;                     // keys per iteration
 
 // The column blocks of a head dim: `main` blocks of 64 columns (128-byte rows) and,
 // when `tail` is 16, one block of 16 columns (32-byte rows).
@@ -59,7 +49,7 @@ struct Cols {
 };
 template <int HD>
 constexpr size_t smem_bytes() {
-  return static_cast<size_t>(Cols<HD>::bytes(kQueryRows) + 4 * Cols<HD>::bytes(kBN)) + 1024;  // Q, K[2], V[2], alignment
+  return static_cast<size_t>(Cols<HD>::bytes(kBM) + 4 * Cols<HD>::bytes(kBN)) + 1024;  // Q, K[2], V[2], alignment
 }
 using namespace attention_ptx;  // smem_addr, cp_async16, cp_async_commit/wait, pack_bf16, kLog2e, kLn2
 
@@ -68,11 +58,10 @@ using namespace attention_ptx;  // smem_addr, cp_async16, cp_async_commit/wait, 
 // Rows row0 .. row0+rows-1 of a [T, HD] bf16 matrix (row stride ld elements) into
 // the tile at `tile` (shared address, 1024-aligned) in its column blocks; rows at or
 // past T are zero.
-// THREADS: the block's threads, which share the loads.
-template <int HD, int THREADS = kThreads>
+template <int HD>
 __device__ __forceinline__ void load_swizzled(uint32_t tile, const bf16* g, int row0, int rows, int T, size_t ld) {
   constexpr int kChunks = HD / 8, kMainChunks = 8 * Cols<HD>::main;
-  for (int i = threadIdx.x; i < rows * kChunks; i += THREADS) {
+  for (int i = threadIdx.x; i < rows * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const bool valid = row0 + r < T;
     const bf16* src = valid ? g + static_cast<size_t>(row0 + r) * ld + c * 8 : g;
@@ -246,7 +235,7 @@ __device__ __forceinline__ void zero(float (&o)[Cols<HD>::main][32], float (&o_t
   for (int i = 0; i < (Cols<HD>::tail ? 8 : 1); ++i) o_tail[i] = 0.0f;
 }
 
-// The query block a thread of the forward or dQ kernel works on (grid (ceil(T/kQueryRows),
+// The query block a thread of the forward or dQ kernel works on (grid (ceil(T/kBM),
 // B·NH), longest rows first) and its place in it.
 struct QueryBlock {
   int m0;        // first query row of the block
@@ -259,7 +248,7 @@ struct QueryBlock {
 
 __device__ __forceinline__ QueryBlock query_block(int T, int NH) {
   QueryBlock qb;
-  qb.m0 = (gridDim.x - 1 - blockIdx.x) * kQueryRows;
+  qb.m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
   qb.bh = blockIdx.y;
   qb.b = qb.bh / NH;
   qb.h = qb.bh % NH;
@@ -268,7 +257,7 @@ __device__ __forceinline__ QueryBlock query_block(int T, int NH) {
   qb.g = (threadIdx.x & 31) >> 2;
   qb.t4 = threadIdx.x & 3;
   qb.wg_row0 = qb.m0 + qb.wg * kWgRows;
-  qb.n_blocks = min((T + kBN - 1) / kBN, (qb.m0 + kQueryRows - 1) / kBN + 1);
+  qb.n_blocks = min((T + kBN - 1) / kBN, (qb.m0 + kBM - 1) / kBN + 1);
   qb.wg_last = min(qb.n_blocks - 1, (qb.wg_row0 + kWgRows - 1) / kBN);
   return qb;
 }
@@ -283,23 +272,23 @@ __device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, 
   constexpr int kKVBytes = Cols<HD>::bytes(kBN);
   const int other = (nb & 1) ^ 1;
   double_buffer_step<true>(nb + 1 < n_blocks, [&] {
-    load_swizzled<HD, kQueryThreads>(k_tile + other * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
-    load_swizzled<HD, kQueryThreads>(v_tile + other * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
+    load_swizzled<HD>(k_tile + other * kKVBytes, kg, (nb + 1) * kBN, kBN, T, ld);
+    load_swizzled<HD>(v_tile + other * kKVBytes, vg, (nb + 1) * kBN, kBN, T, ld);
   });
 }
 
 #endif  // SPILLWAY_WGMMA_BODY
 
-// out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid
-// (ceil(T/kQueryRows), B·NH), kQueryThreads threads. Query head h reads key/value head h/(NH/KVH) (kGrouped; else
+// out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
+// B·NH), 256 threads. Query head h reads key/value head h/(NH/KVH) (kGrouped; else
 // KVH = NH and the [B,T,3C] layout).
 template <int HD, bool kGrouped>
-__global__ void __launch_bounds__(kQueryThreads) attention_forward_wgmma(bf16* out, float* lse, const bf16* qkv, int T,
+__global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, float* lse, const bf16* qkv, int T,
                                                                   int C, int NH, int KVH, float scale_log2) {
 #ifdef SPILLWAY_WGMMA_BODY
   using L = Cols<HD>;
   constexpr int kMain = L::main, kTail = L::tail;
-  constexpr int kQBytes = L::bytes(kQueryRows), kKVBytes = L::bytes(kBN);
+  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + 2 * kKVBytes;
@@ -312,9 +301,9 @@ __global__ void __launch_bounds__(kQueryThreads) attention_forward_wgmma(bf16* o
   const size_t ld = hv.ld;
   const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v;
 
-  load_swizzled<HD, kQueryThreads>(q_tile, qg, m0, kQueryRows, T, ld);
-  load_swizzled<HD, kQueryThreads>(k_tile, kg, 0, kBN, T, ld);
-  load_swizzled<HD, kQueryThreads>(v_tile, vg, 0, kBN, T, ld);
+  load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
+  load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
+  load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
   cp_async_commit();
 
   float o[kMain][32], o_tail[kTail ? 8 : 1], s[32];
@@ -328,7 +317,7 @@ __global__ void __launch_bounds__(kQueryThreads) attention_forward_wgmma(bf16* o
 
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
-      product_abt<HD>(s, q_tile, kQueryRows, wg * kWgRows, kt);  // S = Q·Kᵀ
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
       // Mask keys past a row (only the diagonal block) or past T.
       if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
 #pragma unroll
@@ -490,19 +479,18 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
-// dQ of kQueryRows queries per block (64 per warpgroup): dqkv[B,T,(NH+2·KVH)·HD] (its
-// q part) from dout, qkv, lse and D as above. grid (ceil(T/kQueryRows), B·NH),
-// kQueryThreads threads;
+// dQ of 128 queries per block (64 per warpgroup): dqkv[B,T,(NH+2·KVH)·HD] (its q
+// part) from dout, qkv, lse and D as above. grid (ceil(T/128), B·NH), 256 threads;
 // the key blocks of key/value head h/(NH/KVH) stream through shared memory
 // (double-buffered): S = Q·Kᵀ, dP = dO·Vᵀ, P, dS = P ∘ (dP − D), dQ += dS·K.
 template <int HD, bool kGrouped>
-__global__ void __launch_bounds__(kQueryThreads) attention_backward_dq_wgmma(bf16* dqkv, const bf16* dout,
+__global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dqkv, const bf16* dout,
                                                                       const bf16* qkv, const float* lse,
                                                                       const float* Dg, int T, int C, int NH,
                                                                       int KVH, float scale, float scale_log2) {
 #ifdef SPILLWAY_WGMMA_BODY
   using L = Cols<HD>;
-  constexpr int kQBytes = L::bytes(kQueryRows), kKVBytes = L::bytes(kBN);
+  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, do_tile = base + kQBytes, k_tile = do_tile + kQBytes,
@@ -515,10 +503,10 @@ __global__ void __launch_bounds__(kQueryThreads) attention_backward_dq_wgmma(bf1
   const size_t ld = hv.ld;
   const bf16 *qg = hv.q, *kg = hv.k, *vg = hv.v, *dog = hv.dout;
 
-  load_swizzled<HD, kQueryThreads>(q_tile, qg, m0, kQueryRows, T, ld);
-  load_swizzled<HD, kQueryThreads>(do_tile, dog, m0, kQueryRows, T, C);
-  load_swizzled<HD, kQueryThreads>(k_tile, kg, 0, kBN, T, ld);
-  load_swizzled<HD, kQueryThreads>(v_tile, vg, 0, kBN, T, ld);
+  load_swizzled<HD>(q_tile, qg, m0, kBM, T, ld);
+  load_swizzled<HD>(do_tile, dog, m0, kBM, T, C);
+  load_swizzled<HD>(k_tile, kg, 0, kBN, T, ld);
+  load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
   cp_async_commit();
 
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
@@ -539,8 +527,8 @@ __global__ void __launch_bounds__(kQueryThreads) attention_backward_dq_wgmma(bf1
     if (nb <= wg_last) {
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
       float s[32], dp[32];
-      product_abt<HD>(s, q_tile, kQueryRows, wg * kWgRows, kt);    // S = Q·Kᵀ
-      product_abt<HD>(dp, do_tile, kQueryRows, wg * kWgRows, vt);  // dP = dO·Vᵀ
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);    // S = Q·Kᵀ
+      product_abt<HD>(dp, do_tile, kBM, wg * kWgRows, vt);  // dP = dO·Vᵀ
       const bool need_mask = nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -574,7 +562,7 @@ cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const 
   using L = Cols<HD>;
   const float scale = 1.0f / sqrtf(static_cast<float>(HD)), scale_log2 = scale * kLog2e;
   constexpr size_t smem_kv = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 4 * kBN * sizeof(float) + 1024;
-  constexpr size_t smem_q = 2 * L::bytes(kQueryRows) + 4 * L::bytes(kBN) + 1024;
+  constexpr size_t smem_q = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 1024;
   const bool grouped = KVH != NH;
   auto dkv = grouped ? attention_backward_dkv_wgmma<HD, true> : attention_backward_dkv_wgmma<HD, false>;
   auto dq = grouped ? attention_backward_dq_wgmma<HD, true> : attention_backward_dq_wgmma<HD, false>;
@@ -586,7 +574,7 @@ cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const 
                                                                        scale, scale_log2);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  dq<<<dim3(ceil_div(T, kQueryRows), B * NH), kQueryThreads, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale,
+  dq<<<dim3(ceil_div(T, kBM), B * NH), kThreads, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale,
                                                                     scale_log2);
   return cudaGetLastError();
 }
@@ -599,8 +587,8 @@ cudaError_t forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, 
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
-  dim3 grid(ceil_div(T, kQueryRows), B * NH);
-  kernel<<<grid, kQueryThreads, smem, stream>>>(out, lse, qkv, T, C, NH, KVH, scale_log2);
+  dim3 grid(ceil_div(T, kBM), B * NH);
+  kernel<<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, C, NH, KVH, scale_log2);
   return cudaGetLastError();
 }
 
