@@ -19,6 +19,9 @@
 // g = lane / 4, t = lane % 4): d[4j + e] is row 16q + g + 8·(e / 2), column
 // 8j + 2t + (e % 2), which is also the A-operand layout of a product over those
 // columns, so P never leaves registers.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <cmath>
 
 #include "backend/cuda/attention.cuh"
@@ -377,6 +380,188 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
+// ---- the forward with a producer warp: TMA loads, mbarriers, no block-wide sync ----
+//
+// Block: the two consumer warpgroups of attention_forward_wgmma (query rows m0 + 64w
+// .. +63) and one producer warp (threads 256 .. 287). The producer's lane 0 loads the
+// Q tile once and the K and V tiles of each key block into a ring of kStages stages
+// with the Tensor Memory Accelerator (cp.async.bulk.tensor, 128-byte swizzle: the
+// layout the tensor cores read, as load_swizzled writes it), each stage's arrival
+// counted by its `full` mbarrier (transaction bytes). A consumer waits on `full` for
+// every key block, computes as attention_forward_wgmma does when the block has keys
+// its rows need, and arrives on the stage's `empty` mbarrier (all 256 consumer
+// threads) once its products have read the stage; the producer waits on `empty`
+// before it refills. So no consumer waits for the other warpgroup, and no consumer
+// thread computes a load address. Head dims 64 and 128 (no 16-column tail).
+
+#ifdef SPILLWAY_WGMMA_BODY
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of the given parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// A box of the 3-D tensor map (columns, tokens, batch) into shared memory at `dst`,
+// its bytes counted on `bar`. Coordinates out of range read as zero.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+#endif  // SPILLWAY_WGMMA_BODY
+
+constexpr int kStages = 2;                      // K/V stages in the ring
+constexpr int kTmaThreads = kThreads + 32;      // two consumer warpgroups, one producer warp
+template <int HD>
+constexpr size_t tma_smem_bytes() {
+  return static_cast<size_t>(Cols<HD>::bytes(kBM) + 2 * kStages * Cols<HD>::bytes(kBN)) + 1024 +
+         (1 + 2 * kStages) * sizeof(uint64_t);  // Q, K/V stages, alignment, barriers
+}
+
+// out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
+// (boxes of 64 columns × kBM tokens) and kv_map (64 columns × kBN tokens), both over
+// (ld columns, T tokens, B); grid (ceil(T/kBM), B·NH), kTmaThreads threads.
+template <int HD, bool kGrouped>
+__global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
+    attention_forward_tma(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
+                          const __grid_constant__ CUtensorMap kv_map, int T, int C, int NH, int KVH,
+                          float scale_log2) {
+#ifdef SPILLWAY_WGMMA_BODY
+  using L = Cols<HD>;
+  static_assert(L::tail == 0, "the TMA forward takes head dims 64 and 128");
+  constexpr int kMain = L::main;
+  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + kStages * kKVBytes;
+  const uint32_t bars = v_tile + kStages * kKVBytes;  // q_full, full[kStages], empty[kStages]
+  const uint32_t q_full = bars;
+  auto full = [&](int s) { return bars + 8u * (1 + s); };
+  auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
+
+  const QueryBlock qb = query_block(T, NH);
+  const int m0 = qb.m0, bh = qb.bh, n_blocks = qb.n_blocks;
+  const int kvh = qb.h / (NH / KVH);
+  const int q_col = qb.h * HD;
+  const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
+  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + qb.h * HD;
+
+  if (threadIdx.x == kThreads) {
+    mbar_init(q_full, 1);
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(full(st), 1);
+      mbar_init(empty(st), kThreads);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= kThreads) {  // the producer warp
+    if (threadIdx.x == kThreads) {
+      mbar_expect_tx(q_full, kQBytes);
+#pragma unroll
+      for (int c = 0; c < kMain; ++c) tma_load_3d(q_tile + c * kBM * 128, &q_map, q_col + 64 * c, m0, qb.b, q_full);
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        const int st = nb % kStages;
+        if (nb >= kStages) mbar_wait(empty(st), ((nb / kStages) + 1) & 1);
+        mbar_expect_tx(full(st), 2 * kKVBytes);
+        const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
+#pragma unroll
+        for (int c = 0; c < kMain; ++c) {
+          tma_load_3d(kt + c * kBN * 128, &kv_map, k_col + 64 * c, nb * kBN, qb.b, full(st));
+          tma_load_3d(vt + c * kBN * 128, &kv_map, v_col + 64 * c, nb * kBN, qb.b, full(st));
+        }
+      }
+    }
+    return;
+  }
+
+  const int wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
+  const int wg_row0 = qb.wg_row0, wg_last = qb.wg_last;
+  float o[kMain][32], o_tail[1], s[32];
+  zero<HD>(o, o_tail);
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
+  mbar_wait(q_full, 0);
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int st = nb % kStages;
+    mbar_wait(full(st), (nb / kStages) & 1);
+    if (nb <= wg_last) {  // uniform over the warpgroup
+      const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
+      if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
+            const int q = row_a + (e >> 1) * 8;
+            if (key > q || key >= T) s[4 * j + e] = -INFINITY;
+          }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+      float alpha[2], neg_m[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(row_max[r], mx[r] * scale_log2);  // log2 units
+        alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(row_max[r] - m_new);
+        neg_m[r] = m_new == -INFINITY ? 0.0f : -m_new;
+        row_max[r] = m_new;
+        row_sum[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int r = (i >> 1) & 1;
+        const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
+        s[i] = p;
+        row_sum[r] += p;
+#pragma unroll
+        for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[r];
+      }
+      uint32_t pa[4][4];
+      to_a(pa, s);
+      product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V (waited for: the stage is read)
+    }
+    mbar_arrive(empty(st));
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row_a + r * 8;
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (q >= T) continue;
+    const float inv = 1.0f / l;
+    if (t4 == 0) lse[static_cast<size_t>(bh) * T + q] = row_max[r] * kLn2 + logf(l);
+    store_row<HD>(out + (static_cast<size_t>(qb.b) * T + q) * C + qb.h * HD, o, o_tail, r, t4, inv);
+  }
+#endif  // SPILLWAY_WGMMA_BODY
+}
+
 // dK, dV of 128 keys per block (64 per warpgroup) of key/value head kvh:
 // dqkv[B,T,(NH+2·KVH)·HD] (its k and v parts), from dout[B,T,C], qkv, lse[B,NH,T]
 // and D[B,NH,T] = rowsum(dout ∘ out). grid (ceil(T/128), B·KVH), 256 threads. The
@@ -579,9 +764,66 @@ cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const 
   return cudaGetLastError();
 }
 
+// cuTensorMapEncodeTiled from the driver (no link to libcuda: the runtime hands out
+// the entry point); null where the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A tensor map over qkv as (ld columns, T tokens, B) bf16, boxes of 64 columns (128
+// bytes, the 128-byte swizzle) × `rows` tokens × 1.
+bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, int rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {ld, static_cast<cuuint64_t>(T), static_cast<cuuint64_t>(B)};
+  const cuuint64_t strides[2] = {ld * sizeof(bf16), ld * sizeof(bf16) * static_cast<cuuint64_t>(T)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The TMA forward where it applies (head dims 64 and 128, qkv rows a multiple of 16
+// bytes, the driver's encoder present); cudaErrorNotSupported where it does not, and
+// the caller runs attention_forward_wgmma.
+template <int HD>
+cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
+                        cudaStream_t stream) {
+  if constexpr (Cols<HD>::tail != 0) {
+    return cudaErrorNotSupported;
+  } else {
+    const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+    CUtensorMap q_map, kv_map;
+    if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN))
+      return cudaErrorNotSupported;
+    constexpr size_t smem = tma_smem_bytes<HD>();
+    auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
+    kernel<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem, stream>>>(out, lse, q_map, kv_map, T, C, NH, KVH,
+                                                                          scale_log2);
+    return cudaGetLastError();
+  }
+}
+
 template <int HD>
 cudaError_t forward_wgmma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
                           cudaStream_t stream) {
+#ifndef SPILLWAY_ATTENTION_NO_TMA  // a build without it, to time both in one call (scripts/device-attention.sh VARIANTS)
+  if (const cudaError_t e = forward_tma<HD>(out, lse, qkv, B, T, C, NH, KVH, stream); e != cudaErrorNotSupported)
+    return e;
+#endif
   constexpr size_t smem = smem_bytes<HD>();
   auto kernel = KVH == NH ? attention_forward_wgmma<HD, false> : attention_forward_wgmma<HD, true>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
