@@ -425,14 +425,53 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
+
+// The mbarriers of a producer warp and its consumers, at `bars` in shared memory:
+// `once` (tiles loaded once per block), then full[kStages] and empty[kStages] of a ring
+// of stages. Item i of the stream goes to stage i % kStages; its `full` counts the
+// producer's arrival and the TMA bytes, its `empty` the consumers' arrivals.
+struct TmaRing {
+  uint32_t bars;
+  __device__ uint32_t once() const { return bars; }
+  __device__ uint32_t full(int i) const;
+  __device__ uint32_t empty(int i) const;
+  // One thread, before the block's __syncthreads: every barrier, `consumers` arrivals
+  // completing a phase of `empty`.
+  __device__ void init(uint32_t consumers) const;
+  // The producer, before it fills item i: waits until the consumers have released item
+  // i - kStages of the same stage.
+  __device__ void acquire(int i) const;
+  // A consumer: waits for item i; then, once nothing reads its stage any more, releases it.
+  __device__ void wait_full(int i) const;
+  __device__ void release(int i) const;
+};
 #endif  // SPILLWAY_WGMMA_BODY
 
-constexpr int kStages = 2;                      // K/V stages in the ring
+constexpr int kStages = 2;                      // stages in a TMA ring
+#ifdef SPILLWAY_WGMMA_BODY
+__device__ uint32_t TmaRing::full(int i) const { return bars + 8u * (1 + i % kStages); }
+__device__ uint32_t TmaRing::empty(int i) const { return bars + 8u * (1 + kStages + i % kStages); }
+__device__ void TmaRing::init(uint32_t consumers) const {
+  mbar_init(once(), 1);
+#pragma unroll
+  for (int st = 0; st < kStages; ++st) {
+    mbar_init(full(st), 1);
+    mbar_init(empty(st), consumers);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ void TmaRing::acquire(int i) const {
+  if (i >= kStages) mbar_wait(empty(i), ((i / kStages) + 1) & 1);
+}
+__device__ void TmaRing::wait_full(int i) const { mbar_wait(full(i), (i / kStages) & 1); }
+__device__ void TmaRing::release(int i) const { mbar_arrive(empty(i)); }
+#endif  // SPILLWAY_WGMMA_BODY
+constexpr size_t kRingBarrierBytes = (1 + 2 * kStages) * sizeof(uint64_t);
 constexpr int kTmaThreads = kThreads + 32;      // two consumer warpgroups, one producer warp
 template <int HD>
 constexpr size_t tma_smem_bytes() {
   return static_cast<size_t>(Cols<HD>::bytes(kBM) + 2 * kStages * Cols<HD>::bytes(kBN)) + 1024 +
-         (1 + 2 * kStages) * sizeof(uint64_t);  // Q, K/V stages, alignment, barriers
+         kRingBarrierBytes;  // Q, K/V stages, alignment, barriers
 }
 
 // out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
@@ -451,10 +490,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + kStages * kKVBytes;
-  const uint32_t bars = v_tile + kStages * kKVBytes;  // q_full, full[kStages], empty[kStages]
-  const uint32_t q_full = bars;
-  auto full = [&](int s) { return bars + 8u * (1 + s); };
-  auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
+  const TmaRing ring{v_tile + kStages * kKVBytes};  // once: Q; the ring: K and V
 
   const QueryBlock qb = query_block(T, NH);
   const int m0 = qb.m0, bh = qb.bh, n_blocks = qb.n_blocks;
@@ -463,31 +499,23 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
   const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
   const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + qb.h * HD;
 
-  if (threadIdx.x == kThreads) {
-    mbar_init(q_full, 1);
-#pragma unroll
-    for (int st = 0; st < kStages; ++st) {
-      mbar_init(full(st), 1);
-      mbar_init(empty(st), kThreads);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  if (threadIdx.x == kThreads) ring.init(kThreads);
   __syncthreads();
 
   if (threadIdx.x >= kThreads) {  // the producer warp
     if (threadIdx.x == kThreads) {
-      mbar_expect_tx(q_full, kQBytes);
+      mbar_expect_tx(ring.once(), kQBytes);
 #pragma unroll
-      for (int c = 0; c < kMain; ++c) tma_load_3d(q_tile + c * kBM * 128, &q_map, q_col + 64 * c, m0, qb.b, q_full);
+      for (int c = 0; c < kMain; ++c)
+        tma_load_3d(q_tile + c * kBM * 128, &q_map, q_col + 64 * c, m0, qb.b, ring.once());
       for (int nb = 0; nb < n_blocks; ++nb) {
-        const int st = nb % kStages;
-        if (nb >= kStages) mbar_wait(empty(st), ((nb / kStages) + 1) & 1);
-        mbar_expect_tx(full(st), 2 * kKVBytes);
-        const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
+        ring.acquire(nb);
+        mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
+        const uint32_t kt = k_tile + (nb % kStages) * kKVBytes, vt = v_tile + (nb % kStages) * kKVBytes;
 #pragma unroll
         for (int c = 0; c < kMain; ++c) {
-          tma_load_3d(kt + c * kBN * 128, &kv_map, k_col + 64 * c, nb * kBN, qb.b, full(st));
-          tma_load_3d(vt + c * kBN * 128, &kv_map, v_col + 64 * c, nb * kBN, qb.b, full(st));
+          tma_load_3d(kt + c * kBN * 128, &kv_map, k_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
+          tma_load_3d(vt + c * kBN * 128, &kv_map, v_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
         }
       }
     }
@@ -500,11 +528,11 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
   zero<HD>(o, o_tail);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
-  mbar_wait(q_full, 0);
+  mbar_wait(ring.once(), 0);
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int st = nb % kStages;
-    mbar_wait(full(st), (nb / kStages) & 1);
+    ring.wait_full(nb);
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
       product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
@@ -545,7 +573,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
       to_a(pa, s);
       product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V (waited for: the stage is read)
     }
-    mbar_arrive(empty(st));
+    ring.release(nb);
   }
 
 #pragma unroll
@@ -741,9 +769,323 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
+// ---- the backward with a producer warp (head dim 64) ----
+//
+// The dK/dV and dQ kernels above with their loads by TMA under a TmaRing, as the
+// forward's: a producer warp loads the tiles each block keeps (K and V; Q and dO) once
+// and streams the others (Q, dO and their lse and D; K and V) through kStages stages;
+// the consumer warpgroups compute exactly as above and synchronize only through the
+// ring's barriers. Head dim 64 only: at 128 the producer warp's registers push the
+// kernels into spilling (dK/dV: 224 a thread at one block of 288 per SM).
+
+template <int HD>
+constexpr size_t tma_dkv_smem_bytes() {
+  return static_cast<size_t>(2 * Cols<HD>::bytes(kBM) + 2 * kStages * Cols<HD>::bytes(kBN)) +
+         2 * kStages * kBN * sizeof(float) + 1024 + kRingBarrierBytes;  // K, V, Q/dO stages, lse/D, barriers
+}
+template <int HD>
+constexpr size_t tma_dq_smem_bytes() {
+  return static_cast<size_t>(2 * Cols<HD>::bytes(kBM) + 2 * kStages * Cols<HD>::bytes(kBN)) + 1024 +
+         kRingBarrierBytes;  // Q, dO, K/V stages, alignment, barriers
+}
+
+// dK, dV as attention_backward_dkv_wgmma. qkv128 and qkv64: tensor maps over qkv with
+// boxes of kBM and kBN tokens; dout64: over dout (ld = C), boxes of kBN tokens.
+template <int HD, bool kGrouped>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    attention_backward_dkv_tma(bf16* dqkv, const float* lse, const float* Dg,
+                               const __grid_constant__ CUtensorMap qkv128, const __grid_constant__ CUtensorMap qkv64,
+                               const __grid_constant__ CUtensorMap dout64, int T, int C, int NH, int KVH, float scale,
+                               float scale_log2) {
+#ifdef SPILLWAY_WGMMA_BODY
+  using L = Cols<HD>;
+  static_assert(HD == 64, "the TMA backward takes head dim 64");
+  constexpr int kMain = L::main;
+  constexpr int kKeys = kBM, kQ = kBN;
+  constexpr int kKBytes = L::bytes(kKeys), kQBytes = L::bytes(kQ);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw), base = (raw + 1023u) & ~1023u;
+  const uint32_t k_tile = base, v_tile = base + kKBytes, q_tile = v_tile + kKBytes,
+                 do_tile = q_tile + kStages * kQBytes;
+  float* Ls = reinterpret_cast<float*>(smem_raw + (do_tile + kStages * kQBytes - raw));  // [kStages][kQ], log2 units
+  float* Ds = Ls + kStages * kQ;                                                          // [kStages][kQ]
+  const TmaRing ring{do_tile + kStages * kQBytes + 2 * kStages * kQ * static_cast<uint32_t>(sizeof(float))};
+
+  const int n0 = blockIdx.x * kKeys;
+  const int bg = blockIdx.y, b = bg / KVH, kvh = bg % KVH;
+  const int group = kGrouped ? NH / KVH : 1, h0 = kvh * group;
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
+  const int k_col = kGrouped ? (NH + kvh) * HD : C + kvh * HD;
+  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + kvh * HD;
+  const int mb_first = n0 / kQ, n_mb = (T + kQ - 1) / kQ - mb_first;
+  const int n_it = group * n_mb;
+  // Iteration it covers query block mb_first + it % n_mb of query head h0 + it / n_mb.
+  auto head_of = [&](int it) { return kGrouped ? it / n_mb : 0; };
+  auto block_of = [&](int it) { return mb_first + (kGrouped ? it % n_mb : it); };
+
+  if (threadIdx.x == kThreads) ring.init(kThreads);
+  __syncthreads();
+
+  if (threadIdx.x >= kThreads) {  // the producer warp
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) {
+      mbar_expect_tx(ring.once(), 2 * kKBytes);
+#pragma unroll
+      for (int c = 0; c < kMain; ++c) {
+        tma_load_3d(k_tile + c * kKeys * 128, &qkv128, k_col + 64 * c, n0, b, ring.once());
+        tma_load_3d(v_tile + c * kKeys * 128, &qkv128, v_col + 64 * c, n0, b, ring.once());
+      }
+    }
+    for (int it = 0; it < n_it; ++it) {
+      const int st = it % kStages, hh = head_of(it), mb = block_of(it);
+      ring.acquire(it);  // every lane: the stage's lse and D are rewritten below
+      const float* lse_h = lse + (static_cast<size_t>(b) * NH + h0 + hh) * T;
+      const float* D_h = Dg + (static_cast<size_t>(b) * NH + h0 + hh) * T;
+      for (int i = lane; i < kQ; i += 32) {
+        const int q = mb * kQ + i;
+        Ls[st * kQ + i] = q < T ? lse_h[q] * kLog2e : INFINITY;
+        Ds[st * kQ + i] = q < T ? D_h[q] : 0.0f;
+      }
+      __syncwarp();  // the lanes' stores before lane 0's arrival (a release) on `full`
+      if (lane == 0) {
+        mbar_expect_tx(ring.full(it), 2 * kQBytes);
+        const int q_col = (h0 + hh) * HD;
+#pragma unroll
+        for (int c = 0; c < kMain; ++c) {
+          tma_load_3d(q_tile + st * kQBytes + c * kQ * 128, &qkv64, q_col + 64 * c, mb * kQ, b, ring.full(it));
+          tma_load_3d(do_tile + st * kQBytes + c * kQ * 128, &dout64, q_col + 64 * c, mb * kQ, b, ring.full(it));
+        }
+      }
+    }
+    return;
+  }
+
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wg_key0 = n0 + wg * kWgRows;  // this warpgroup's first key
+  float dk[kMain][32], dk_tail[1], dv[kMain][32], dv_tail[1];
+  zero<HD>(dk, dk_tail);
+  zero<HD>(dv, dv_tail);
+  const int key_a = wg_key0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
+  mbar_wait(ring.once(), 0);
+
+  for (int it = 0; it < n_it; ++it) {
+    const int mb = block_of(it), st = it % kStages;
+    ring.wait_full(it);
+    if (mb * kQ + kQ - 1 >= wg_key0) {  // some query of the block sees a key of this warpgroup
+      const uint32_t qt = q_tile + st * kQBytes, dot = do_tile + st * kQBytes;
+      float sT[32], dpt[32];
+      product_abt<HD>(sT, k_tile, kKeys, wg * kWgRows, qt);    // Sᵀ = K·Qᵀ
+      product_abt<HD>(dpt, v_tile, kKeys, wg * kWgRows, dot);  // dPᵀ = V·dOᵀ
+      const float* Lc = Ls + st * kQ;
+      const float* Dc = Ds + st * kQ;
+      const bool need_mask = wg_key0 + kWgRows - 1 > mb * kQ;  // a key can pass a query
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e, qi = 8 * j + 2 * t4 + (e & 1);
+          float p = fast_exp2(fmaf(sT[i], scale_log2, -Lc[qi]));
+          if (need_mask && key_a + (e >> 1) * 8 > mb * kQ + qi) p = 0.0f;
+          sT[i] = p;
+          dpt[i] = p * (dpt[i] - Dc[qi]);
+        }
+      uint32_t pa[4][4];
+      to_a(pa, sT);
+      product_pb<HD>(dv, dv_tail, pa, dot, kQ, 0);  // dV += Pᵀ·dO
+      to_a(pa, dpt);
+      product_pb<HD>(dk, dk_tail, pa, qt, kQ, 0);  // dK += dSᵀ·Q (waited for: the stage is read)
+    }
+    ring.release(it);
+  }
+
+  const int v_off = kGrouped ? KVH * HD : C;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_a + r * 8;
+    if (key >= T) continue;
+    bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + (NH + kvh) * HD;
+    store_row<HD>(dst, dk, dk_tail, r, t4, scale);
+    store_row<HD>(dst + v_off, dv, dv_tail, r, t4, 1.0f);
+  }
+#endif  // SPILLWAY_WGMMA_BODY
+}
+
+// dQ as attention_backward_dq_wgmma. qkv128, qkv64: tensor maps over qkv with boxes of
+// kBM and kBN tokens; dout128: over dout (ld = C), boxes of kBM tokens. 112 registers a
+// thread, so that two blocks of 288 threads fit an SM (it needs 112 without spilling).
+template <int HD, bool kGrouped>
+__global__ void __maxnreg__(112)
+    attention_backward_dq_tma(bf16* dqkv, const float* lse, const float* Dg,
+                              const __grid_constant__ CUtensorMap qkv128, const __grid_constant__ CUtensorMap qkv64,
+                              const __grid_constant__ CUtensorMap dout128, int T, int C, int NH, int KVH, float scale,
+                              float scale_log2) {
+#ifdef SPILLWAY_WGMMA_BODY
+  using L = Cols<HD>;
+  static_assert(HD == 64, "the TMA backward takes head dim 64");
+  constexpr int kMain = L::main;
+  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t q_tile = base, do_tile = base + kQBytes, k_tile = do_tile + kQBytes,
+                 v_tile = k_tile + kStages * kKVBytes;
+  const TmaRing ring{v_tile + kStages * kKVBytes};  // once: Q and dO; the ring: K and V
+
+  const QueryBlock qb = query_block(T, NH);
+  const int m0 = qb.m0, n_blocks = qb.n_blocks;
+  const int kvh = qb.h / (NH / KVH);
+  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
+  const int q_col = qb.h * HD;
+  const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
+  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + qb.h * HD;
+
+  if (threadIdx.x == kThreads) ring.init(kThreads);
+  __syncthreads();
+
+  if (threadIdx.x >= kThreads) {  // the producer warp
+    if (threadIdx.x == kThreads) {
+      mbar_expect_tx(ring.once(), 2 * kQBytes);
+#pragma unroll
+      for (int c = 0; c < kMain; ++c) {
+        tma_load_3d(q_tile + c * kBM * 128, &qkv128, q_col + 64 * c, m0, qb.b, ring.once());
+        tma_load_3d(do_tile + c * kBM * 128, &dout128, q_col + 64 * c, m0, qb.b, ring.once());
+      }
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        ring.acquire(nb);
+        mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
+        const uint32_t kt = k_tile + (nb % kStages) * kKVBytes, vt = v_tile + (nb % kStages) * kKVBytes;
+#pragma unroll
+        for (int c = 0; c < kMain; ++c) {
+          tma_load_3d(kt + c * kBN * 128, &qkv64, k_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
+          tma_load_3d(vt + c * kBN * 128, &qkv64, v_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
+        }
+      }
+    }
+    return;
+  }
+
+  const int wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
+  const int wg_row0 = qb.wg_row0, wg_last = qb.wg_last;
+  const float* lse_bh = lse + static_cast<size_t>(qb.bh) * T;
+  const float* D_bh = Dg + static_cast<size_t>(qb.bh) * T;
+  const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
+  float lse2[2], Dr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row_a + 8 * r;
+    lse2[r] = q < T ? lse_bh[q] * kLog2e : INFINITY;
+    Dr[r] = q < T ? D_bh[q] : 0.0f;
+  }
+  float dq[kMain][32], dq_tail[1];
+  zero<HD>(dq, dq_tail);
+  mbar_wait(ring.once(), 0);
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int st = nb % kStages;
+    ring.wait_full(nb);
+    if (nb <= wg_last) {
+      const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
+      float s[32], dp[32];
+      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);    // S = Q·Kᵀ
+      product_abt<HD>(dp, do_tile, kBM, wg * kWgRows, vt);  // dP = dO·Vᵀ
+      const bool need_mask = nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e, r = e >> 1;
+          const int key = nb * kBN + 8 * j + 2 * t4 + (e & 1);
+          float p = fast_exp2(fmaf(s[i], scale_log2, -lse2[r]));
+          if (need_mask && (key > row_a + 8 * r || key >= T)) p = 0.0f;
+          dp[i] = p * (dp[i] - Dr[r]);
+        }
+      uint32_t sa[4][4];
+      to_a(sa, dp);
+      product_pb<HD>(dq, dq_tail, sa, kt, kBN, 0);  // dQ += dS·K (waited for: the stage is read)
+    }
+    ring.release(nb);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row_a + r * 8;
+    if (q >= T) continue;
+    store_row<HD>(dqkv + (static_cast<size_t>(qb.b) * T + q) * ld + qb.h * HD, dq, dq_tail, r, t4, scale);
+  }
+#endif  // SPILLWAY_WGMMA_BODY
+}
+
+// cuTensorMapEncodeTiled from the driver (no link to libcuda: the runtime hands out
+// the entry point); null where the driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A tensor map over a [B,T,ld] bf16 tensor (qkv, or dout with ld = C) as (ld columns,
+// T tokens, B), boxes of 64 columns (128 bytes, the 128-byte swizzle) × `rows` tokens × 1.
+bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, int rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {ld, static_cast<cuuint64_t>(T), static_cast<cuuint64_t>(B)};
+  const cuuint64_t strides[2] = {ld * sizeof(bf16), ld * sizeof(bf16) * static_cast<cuuint64_t>(T)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The TMA backward where it applies (head dim 64, qkv and dout rows a multiple of 16
+// bytes, the driver's encoder present); cudaErrorNotSupported where it does not, and
+// the caller runs the kernels above.
+template <int HD>
+cudaError_t backward_tma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
+                         int T, int C, int NH, int KVH, cudaStream_t stream) {
+  if constexpr (HD != 64) {
+    return cudaErrorNotSupported;
+  } else {
+    const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+    CUtensorMap qkv128, qkv64, dout128, dout64;
+    if (ld % 8 != 0 || C % 8 != 0 || !encode_qkv_map(&qkv128, qkv, ld, T, B, kBM) ||
+        !encode_qkv_map(&qkv64, qkv, ld, T, B, kBN) || !encode_qkv_map(&dout128, dout, C, T, B, kBM) ||
+        !encode_qkv_map(&dout64, dout, C, T, B, kBN))
+      return cudaErrorNotSupported;
+    const float scale = 1.0f / sqrtf(static_cast<float>(HD)), scale_log2 = scale * kLog2e;
+    constexpr size_t smem_kv = tma_dkv_smem_bytes<HD>(), smem_q = tma_dq_smem_bytes<HD>();
+    const bool grouped = KVH != NH;
+    auto dkv = grouped ? attention_backward_dkv_tma<HD, true> : attention_backward_dkv_tma<HD, false>;
+    auto dq = grouped ? attention_backward_dq_tma<HD, true> : attention_backward_dq_tma<HD, false>;
+    cudaError_t e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv));
+    if (e != cudaSuccess) return e;
+    e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q));
+    if (e != cudaSuccess) return e;
+    dkv<<<dim3(ceil_div(T, kBM), B * KVH), kTmaThreads, smem_kv, stream>>>(dqkv, lse, D, qkv128, qkv64, dout64, T, C,
+                                                                           NH, KVH, scale, scale_log2);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    dq<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem_q, stream>>>(dqkv, lse, D, qkv128, qkv64, dout128, T, C,
+                                                                        NH, KVH, scale, scale_log2);
+    return cudaGetLastError();
+  }
+}
+
 template <int HD>
 cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
                            int T, int C, int NH, int KVH, cudaStream_t stream) {
+#ifndef SPILLWAY_ATTENTION_NO_TMA
+  if (const cudaError_t e = backward_tma<HD>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
+      e != cudaErrorNotSupported)
+    return e;
+#endif
   using L = Cols<HD>;
   const float scale = 1.0f / sqrtf(static_cast<float>(HD)), scale_log2 = scale * kLog2e;
   constexpr size_t smem_kv = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 4 * kBN * sizeof(float) + 1024;
@@ -762,35 +1104,6 @@ cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const 
   dq<<<dim3(ceil_div(T, kBM), B * NH), kThreads, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale,
                                                                     scale_log2);
   return cudaGetLastError();
-}
-
-// cuTensorMapEncodeTiled from the driver (no link to libcuda: the runtime hands out
-// the entry point); null where the driver has none.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// A tensor map over qkv as (ld columns, T tokens, B) bf16, boxes of 64 columns (128
-// bytes, the 128-byte swizzle) × `rows` tokens × 1.
-bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, int rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {ld, static_cast<cuuint64_t>(T), static_cast<cuuint64_t>(B)};
-  const cuuint64_t strides[2] = {ld * sizeof(bf16), ld * sizeof(bf16) * static_cast<cuuint64_t>(T)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(rows), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // The TMA forward where it applies (head dims 64 and 128, qkv rows a multiple of 16
