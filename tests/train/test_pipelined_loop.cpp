@@ -6,6 +6,8 @@
 // evaluation and saving in the middle of the run.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -51,7 +53,13 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
   for (const TokenBatch& b : learnable_batches(1, 4, 16, 99))
     for (int32_t tok : b.tokens) stream.push_back(static_cast<uint16_t>(tok));
   TokenSplit split{.source = "test", .tokens = std::make_shared<const std::vector<uint16_t>>(stream)};
-  const std::string dir = testing::TempDir();
+  // The files are this process's and this test's own: ctest runs the tests of this
+  // file at once, as separate processes sharing TempDir (a shared name let one test
+  // read the other's saved weights).
+  const testing::TestInfo* test = testing::UnitTest::GetInstance()->current_test_info();
+  const std::string dir = testing::TempDir() + "/pipelined_" + (test ? test->name() : "run") + "_" +
+                          std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
   for (int s = 1; s <= 6; ++s) {
     auto r = tr.step(learnable_batches(o.shape.accum, o.shape.B, o.shape.T, 100 + s));
     EXPECT_TRUE(r.ok()) << tag << " step " << s << ": " << r.status().to_string();
@@ -77,6 +85,7 @@ PipelinedRun train(Backend& backend, const TrainerOptions& o, const std::string&
   }
   EXPECT_TRUE(tr.drain().is_ok());
   run.tally = tr.executor().speculation_tally();
+  std::filesystem::remove_all(dir);
   return run;
 }
 

@@ -280,6 +280,63 @@ __device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, 
   });
 }
 
+// One key block of the forward for one warpgroup: S = Q·Kᵀ for its 64 query rows
+// (from wg_row0; this thread's are row_a and row_a + 8), the causal mask and the one
+// past T, the online softmax (row_max in log2 units, row_sum) and O += P·V. kt and vt:
+// the block's K and V tiles (kBN rows each); nb: its index. Shared by the cp.async and
+// the TMA forward.
+template <int HD>
+__device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32],
+                                                  float (&o_tail)[Cols<HD>::tail ? 8 : 1], float (&row_max)[2],
+                                                  float (&row_sum)[2], uint32_t q_tile, int wg, int wg_row0,
+                                                  int row_a, int t4, uint32_t kt, uint32_t vt, int nb, int T,
+                                                  float scale_log2) {
+  constexpr int kMain = Cols<HD>::main, kTail = Cols<HD>::tail;
+  float s[32];
+  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
+  // Mask keys past a row (only the diagonal block) or past T.
+  if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
+        const int q = row_a + (e >> 1) * 8;
+        if (key > q || key >= T) s[4 * j + e] = -INFINITY;
+      }
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  float alpha[2], neg_m[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(row_max[r], mx[r] * scale_log2);  // log2 units
+    alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(row_max[r] - m_new);
+    neg_m[r] = m_new == -INFINITY ? 0.0f : -m_new;
+    row_max[r] = m_new;
+    row_sum[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int r = (i >> 1) & 1;
+    const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
+    s[i] = p;
+    row_sum[r] += p;
+#pragma unroll
+    for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[r];
+  }
+  if constexpr (kTail != 0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o_tail[i] *= alpha[(i >> 1) & 1];
+  }
+  uint32_t pa[4][4];
+  to_a(pa, s);
+  product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V
+}
+
 #endif  // SPILLWAY_WGMMA_BODY
 
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
@@ -309,7 +366,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
   load_swizzled<HD>(v_tile, vg, 0, kBN, T, ld);
   cp_async_commit();
 
-  float o[kMain][32], o_tail[kTail ? 8 : 1], s[32];
+  float o[kMain][32], o_tail[kTail ? 8 : 1];
   zero<HD>(o, o_tail);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
@@ -320,48 +377,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
-      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
-      // Mask keys past a row (only the diagonal block) or past T.
-      if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
-            const int q = row_a + (e >> 1) * 8;
-            if (key > q || key >= T) s[4 * j + e] = -INFINITY;
-          }
-      }
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-      float alpha[2], neg_m[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(row_max[r], mx[r] * scale_log2);  // log2 units
-        alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(row_max[r] - m_new);
-        neg_m[r] = m_new == -INFINITY ? 0.0f : -m_new;
-        row_max[r] = m_new;
-        row_sum[r] *= alpha[r];
-      }
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int r = (i >> 1) & 1;
-        const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
-        s[i] = p;
-        row_sum[r] += p;
-#pragma unroll
-        for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[r];
-      }
-      if constexpr (kTail != 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o_tail[i] *= alpha[(i >> 1) & 1];
-      }
-      uint32_t pa[4][4];
-      to_a(pa, s);
-      product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V
+      forward_key_block<HD>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, nb, T,
+                            scale_log2);
     }
     __syncthreads();  // this buffer is refilled in the next iteration
   }
@@ -524,7 +541,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
 
   const int wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
   const int wg_row0 = qb.wg_row0, wg_last = qb.wg_last;
-  float o[kMain][32], o_tail[1], s[32];
+  float o[kMain][32], o_tail[1];
   zero<HD>(o, o_tail);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
@@ -535,43 +552,9 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     ring.wait_full(nb);
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
-      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
-      if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
-            const int q = row_a + (e >> 1) * 8;
-            if (key > q || key >= T) s[4 * j + e] = -INFINITY;
-          }
-      }
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-      float alpha[2], neg_m[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(row_max[r], mx[r] * scale_log2);  // log2 units
-        alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(row_max[r] - m_new);
-        neg_m[r] = m_new == -INFINITY ? 0.0f : -m_new;
-        row_max[r] = m_new;
-        row_sum[r] *= alpha[r];
-      }
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int r = (i >> 1) & 1;
-        const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
-        s[i] = p;
-        row_sum[r] += p;
-#pragma unroll
-        for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[r];
-      }
-      uint32_t pa[4][4];
-      to_a(pa, s);
-      product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V (waited for: the stage is read)
+      // Waits for its products: the stage is read when it returns.
+      forward_key_block<HD>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, nb, T,
+                            scale_log2);
     }
     ring.release(nb);
   }
