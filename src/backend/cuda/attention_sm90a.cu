@@ -337,6 +337,69 @@ __device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32]
   product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V
 }
 
+// One key block of the dQ kernels for one warpgroup: S = Q·Kᵀ and dP = dO·Vᵀ for its
+// 64 query rows (from wg_row0; this thread's are row_a and row_a + 8, with lse2 in log2
+// units and D), P, dS = P ∘ (dP − D), dQ += dS·K. kt and vt: the block's K and V tiles;
+// nb: its index. Waits for its products. Shared by the cp.async and TMA dQ kernels.
+template <int HD>
+__device__ __forceinline__ void dq_key_block(float (&dq)[Cols<HD>::main][32], float (&dq_tail)[Cols<HD>::tail ? 8 : 1],
+                                             uint32_t q_tile, uint32_t do_tile, int wg, int wg_row0, int row_a,
+                                             int t4, const float (&lse2)[2], const float (&Dr)[2], uint32_t kt,
+                                             uint32_t vt, int nb, int T, float scale_log2) {
+  float s[32], dp[32];
+  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);    // S = Q·Kᵀ
+  product_abt<HD>(dp, do_tile, kBM, wg * kWgRows, vt);  // dP = dO·Vᵀ
+  const bool need_mask = nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * j + e, r = e >> 1;
+      const int key = nb * kBN + 8 * j + 2 * t4 + (e & 1);
+      float p = fast_exp2(fmaf(s[i], scale_log2, -lse2[r]));
+      if (need_mask && (key > row_a + 8 * r || key >= T)) p = 0.0f;
+      dp[i] = p * (dp[i] - Dr[r]);
+    }
+  uint32_t sa[4][4];
+  to_a(sa, dp);
+  product_pb<HD>(dq, dq_tail, sa, kt, kBN, 0);  // dQ += dS·K
+}
+
+// One query block of the dK/dV kernels for one warpgroup: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
+// for its 64 keys (from wg_key0; this thread's are key_a and key_a + 8), Pᵀ with the
+// block's lse (Lc, log2 units) and D (Dc), dSᵀ, then dV += Pᵀ·dO and dK += dSᵀ·Q. qt
+// and dot: the block's Q and dO tiles; mb: its index. Waits for its products. Shared by
+// the cp.async and TMA dK/dV kernels.
+template <int HD>
+__device__ __forceinline__ void dkv_query_block(float (&dk)[Cols<HD>::main][32],
+                                                float (&dk_tail)[Cols<HD>::tail ? 8 : 1],
+                                                float (&dv)[Cols<HD>::main][32],
+                                                float (&dv_tail)[Cols<HD>::tail ? 8 : 1], uint32_t k_tile,
+                                                uint32_t v_tile, int wg, int wg_key0, int key_a, int t4,
+                                                const float* Lc, const float* Dc, uint32_t qt, uint32_t dot, int mb,
+                                                float scale_log2) {
+  constexpr int kKeys = kBM, kQ = kBN;
+  float st[32], dpt[32];
+  product_abt<HD>(st, k_tile, kKeys, wg * kWgRows, qt);    // Sᵀ = K·Qᵀ
+  product_abt<HD>(dpt, v_tile, kKeys, wg * kWgRows, dot);  // dPᵀ = V·dOᵀ
+  const bool need_mask = wg_key0 + kWgRows - 1 > mb * kQ;  // a key can pass a query
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * j + e, qi = 8 * j + 2 * t4 + (e & 1);
+      float p = fast_exp2(fmaf(st[i], scale_log2, -Lc[qi]));
+      if (need_mask && key_a + (e >> 1) * 8 > mb * kQ + qi) p = 0.0f;
+      st[i] = p;
+      dpt[i] = p * (dpt[i] - Dc[qi]);
+    }
+  uint32_t pa[4][4];
+  to_a(pa, st);
+  product_pb<HD>(dv, dv_tail, pa, dot, kQ, 0);  // dV += Pᵀ·dO
+  to_a(pa, dpt);
+  product_pb<HD>(dk, dk_tail, pa, qt, kQ, 0);  // dK += dSᵀ·Q
+}
+
 #endif  // SPILLWAY_WGMMA_BODY
 
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
@@ -637,27 +700,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
 
     if (mb * kQ + kQ - 1 >= wg_key0) {  // some query of the block sees a key of this warpgroup
       const uint32_t qt = q_tile + cur * kQBytes, dot = do_tile + cur * kQBytes;
-      float st[32], dpt[32];
-      product_abt<HD>(st, k_tile, kKeys, wg * kWgRows, qt);    // Sᵀ = K·Qᵀ
-      product_abt<HD>(dpt, v_tile, kKeys, wg * kWgRows, dot);  // dPᵀ = V·dOᵀ
-      const float* Lc = Ls + cur * kQ;
-      const float* Dc = Ds + cur * kQ;
-      const bool need_mask = wg_key0 + kWgRows - 1 > mb * kQ;  // a key can pass a query
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 4 * j + e, qi = 8 * j + 2 * t4 + (e & 1);
-          float p = fast_exp2(fmaf(st[i], scale_log2, -Lc[qi]));
-          if (need_mask && key_a + (e >> 1) * 8 > mb * kQ + qi) p = 0.0f;
-          st[i] = p;
-          dpt[i] = p * (dpt[i] - Dc[qi]);
-        }
-      uint32_t pa[4][4];
-      to_a(pa, st);
-      product_pb<HD>(dv, dv_tail, pa, dot, kQ, 0);  // dV += Pᵀ·dO
-      to_a(pa, dpt);
-      product_pb<HD>(dk, dk_tail, pa, qt, kQ, 0);  // dK += dSᵀ·Q
+      dkv_query_block<HD>(dk, dk_tail, dv, dv_tail, k_tile, v_tile, wg, wg_key0, key_a, t4, Ls + cur * kQ,
+                          Ds + cur * kQ, qt, dot, mb, scale_log2);
     }
     __syncthreads();  // this buffer is refilled in the next iteration
   }
@@ -722,23 +766,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
 
     if (nb <= wg_last) {
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
-      float s[32], dp[32];
-      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);    // S = Q·Kᵀ
-      product_abt<HD>(dp, do_tile, kBM, wg * kWgRows, vt);  // dP = dO·Vᵀ
-      const bool need_mask = nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 4 * j + e, r = e >> 1;
-          const int key = nb * kBN + 8 * j + 2 * t4 + (e & 1);
-          float p = fast_exp2(fmaf(s[i], scale_log2, -lse2[r]));
-          if (need_mask && (key > row_a + 8 * r || key >= T)) p = 0.0f;
-          dp[i] = p * (dp[i] - Dr[r]);
-        }
-      uint32_t sa[4][4];
-      to_a(sa, dp);
-      product_pb<HD>(dq, dq_tail, sa, kt, kBN, 0);  // dQ += dS·K
+      dq_key_block<HD>(dq, dq_tail, q_tile, do_tile, wg, wg_row0, row_a, t4, lse2, Dr, kt, vt, nb, T, scale_log2);
     }
     __syncthreads();
   }
@@ -857,27 +885,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     ring.wait_full(it);
     if (mb * kQ + kQ - 1 >= wg_key0) {  // some query of the block sees a key of this warpgroup
       const uint32_t qt = q_tile + st * kQBytes, dot = do_tile + st * kQBytes;
-      float sT[32], dpt[32];
-      product_abt<HD>(sT, k_tile, kKeys, wg * kWgRows, qt);    // Sᵀ = K·Qᵀ
-      product_abt<HD>(dpt, v_tile, kKeys, wg * kWgRows, dot);  // dPᵀ = V·dOᵀ
-      const float* Lc = Ls + st * kQ;
-      const float* Dc = Ds + st * kQ;
-      const bool need_mask = wg_key0 + kWgRows - 1 > mb * kQ;  // a key can pass a query
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 4 * j + e, qi = 8 * j + 2 * t4 + (e & 1);
-          float p = fast_exp2(fmaf(sT[i], scale_log2, -Lc[qi]));
-          if (need_mask && key_a + (e >> 1) * 8 > mb * kQ + qi) p = 0.0f;
-          sT[i] = p;
-          dpt[i] = p * (dpt[i] - Dc[qi]);
-        }
-      uint32_t pa[4][4];
-      to_a(pa, sT);
-      product_pb<HD>(dv, dv_tail, pa, dot, kQ, 0);  // dV += Pᵀ·dO
-      to_a(pa, dpt);
-      product_pb<HD>(dk, dk_tail, pa, qt, kQ, 0);  // dK += dSᵀ·Q (waited for: the stage is read)
+      // Waits for its products: the stage is read when it returns.
+      dkv_query_block<HD>(dk, dk_tail, dv, dv_tail, k_tile, v_tile, wg, wg_key0, key_a, t4, Ls + st * kQ,
+                          Ds + st * kQ, qt, dot, mb, scale_log2);
     }
     ring.release(it);
   }
@@ -968,23 +978,8 @@ __global__ void __maxnreg__(112)
     ring.wait_full(nb);
     if (nb <= wg_last) {
       const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
-      float s[32], dp[32];
-      product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);    // S = Q·Kᵀ
-      product_abt<HD>(dp, do_tile, kBM, wg * kWgRows, vt);  // dP = dO·Vᵀ
-      const bool need_mask = nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 4 * j + e, r = e >> 1;
-          const int key = nb * kBN + 8 * j + 2 * t4 + (e & 1);
-          float p = fast_exp2(fmaf(s[i], scale_log2, -lse2[r]));
-          if (need_mask && (key > row_a + 8 * r || key >= T)) p = 0.0f;
-          dp[i] = p * (dp[i] - Dr[r]);
-        }
-      uint32_t sa[4][4];
-      to_a(sa, dp);
-      product_pb<HD>(dq, dq_tail, sa, kt, kBN, 0);  // dQ += dS·K (waited for: the stage is read)
+      // Waits for its products: the stage is read when it returns.
+      dq_key_block<HD>(dq, dq_tail, q_tile, do_tile, wg, wg_row0, row_a, t4, lse2, Dr, kt, vt, nb, T, scale_log2);
     }
     ring.release(nb);
   }
