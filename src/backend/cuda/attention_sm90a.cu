@@ -794,24 +794,22 @@ bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, 
 // attention_forward_wgmma.
 template <int HD>
 cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
-                        cudaStream_t stream) {
-  {
-    const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
-    constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
-    CUtensorMap q_map, kv_map, q_tail_map, kv_tail_map;
-    if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN) ||
-        !encode_qkv_map(&q_tail_map, qkv, ld, T, B, kBM, tail) ||
-        !encode_qkv_map(&kv_tail_map, qkv, ld, T, B, kBN, tail))
-      return cudaErrorNotSupported;
-    constexpr size_t smem = tma_smem_bytes<HD>();
-    auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-    const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
-    kernel<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem, stream>>>(out, lse, q_map, kv_map, q_tail_map,
-                                                                          kv_tail_map, T, C, NH, KVH, scale_log2);
-    return cudaGetLastError();
-  }
+                      cudaStream_t stream) {
+  const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+  constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
+  CUtensorMap q_map, kv_map, q_tail_map, kv_tail_map;
+  if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN) ||
+      !encode_qkv_map(&q_tail_map, qkv, ld, T, B, kBM, tail) ||
+      !encode_qkv_map(&kv_tail_map, qkv, ld, T, B, kBN, tail))
+    return cudaErrorNotSupported;
+  constexpr size_t smem = tma_smem_bytes<HD>();
+  auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
+  kernel<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem, stream>>>(out, lse, q_map, kv_map, q_tail_map,
+                                                                        kv_tail_map, T, C, NH, KVH, scale_log2);
+  return cudaGetLastError();
 }
 
 template <int HD>
