@@ -794,7 +794,7 @@ bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, 
 // attention_forward_wgmma.
 template <int HD>
 cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
-                      cudaStream_t stream) {
+                        cudaStream_t stream) {
   const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
   constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
   CUtensorMap q_map, kv_map, q_tail_map, kv_tail_map;
