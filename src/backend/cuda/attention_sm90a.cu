@@ -472,7 +472,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 // its rows need, and arrives on the stage's `empty` mbarrier (all 256 consumer
 // threads) once its products have read the stage; the producer waits on `empty`
 // before it refills. So no consumer waits for the other warpgroup, and no consumer
-// thread computes a load address. Head dims 64 and 128 (no 16-column tail).
+// thread computes a load address. Head dims 64, 80 and 128: the 16-column tail block of
+// head dim 80 comes through tensor maps of its own, boxes of 16 columns (32 bytes) in
+// the 32-byte swizzle, as load_swizzled lays it out.
 
 #ifdef SPILLWAY_WGMMA_BODY
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -556,16 +558,19 @@ constexpr size_t tma_smem_bytes() {
 
 // out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
 // (boxes of 64 columns × kBM tokens) and kv_map (64 columns × kBN tokens), both over
-// (ld columns, T tokens, B); grid (ceil(T/kBM), B·NH), kTmaThreads threads.
+// (ld columns, T tokens, B), and for head dim 80 q_tail_map and kv_tail_map (16
+// columns); grid (ceil(T/kBM), B·NH), kTmaThreads threads.
+// At head dim 80 ptxas takes 110 registers with the bound of one block, and two blocks
+// of 288 threads still fit an SM at run time (a bound of two makes it spill at 93).
 template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     attention_forward_tma(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
-                          const __grid_constant__ CUtensorMap kv_map, int T, int C, int NH, int KVH,
+                          const __grid_constant__ CUtensorMap kv_map, const __grid_constant__ CUtensorMap q_tail_map,
+                          const __grid_constant__ CUtensorMap kv_tail_map, int T, int C, int NH, int KVH,
                           float scale_log2) {
 #ifdef SPILLWAY_WGMMA_BODY
   using L = Cols<HD>;
-  static_assert(L::tail == 0, "the TMA forward takes head dims 64 and 128");
-  constexpr int kMain = L::main;
+  constexpr int kMain = L::main, kTail = L::tail;
   constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -588,6 +593,8 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
 #pragma unroll
       for (int c = 0; c < kMain; ++c)
         tma_load_3d(q_tile + c * kBM * 128, &q_map, q_col + 64 * c, m0, qb.b, ring.once());
+      if constexpr (kTail != 0)
+        tma_load_3d(q_tile + kMain * kBM * 128, &q_tail_map, q_col + 64 * kMain, m0, qb.b, ring.once());
       for (int nb = 0; nb < n_blocks; ++nb) {
         ring.acquire(nb);
         mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
@@ -597,6 +604,10 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
           tma_load_3d(kt + c * kBN * 128, &kv_map, k_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
           tma_load_3d(vt + c * kBN * 128, &kv_map, v_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
         }
+        if constexpr (kTail != 0) {
+          tma_load_3d(kt + kMain * kBN * 128, &kv_tail_map, k_col + 64 * kMain, nb * kBN, qb.b, ring.full(nb));
+          tma_load_3d(vt + kMain * kBN * 128, &kv_tail_map, v_col + 64 * kMain, nb * kBN, qb.b, ring.full(nb));
+        }
       }
     }
     return;
@@ -604,7 +615,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
 
   const int wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
   const int wg_row0 = qb.wg_row0, wg_last = qb.wg_last;
-  float o[kMain][32], o_tail[1];
+  float o[kMain][32], o_tail[kTail ? 8 : 1];
   zero<HD>(o, o_tail);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
@@ -1009,16 +1020,18 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // A tensor map over a [B,T,ld] bf16 tensor (qkv, or dout with ld = C) as (ld columns,
-// T tokens, B), boxes of 64 columns (128 bytes, the 128-byte swizzle) × `rows` tokens × 1.
-bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, int rows) {
+// T tokens, B), boxes of `cols` columns × `rows` tokens × 1: 64 columns (128 bytes) in
+// the 128-byte swizzle, or 16 (32 bytes, head dim 80's tail) in the 32-byte swizzle.
+bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, int rows, int cols = 64) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[3] = {ld, static_cast<cuuint64_t>(T), static_cast<cuuint64_t>(B)};
   const cuuint64_t strides[2] = {ld * sizeof(bf16), ld * sizeof(bf16) * static_cast<cuuint64_t>(T)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(cols), static_cast<cuuint32_t>(rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(qkv), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_32B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -1084,28 +1097,27 @@ cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const 
   return cudaGetLastError();
 }
 
-// The TMA forward where it applies (head dims 64 and 128, qkv rows a multiple of 16
-// bytes, the driver's encoder present); cudaErrorNotSupported where it does not, and
-// the caller runs attention_forward_wgmma.
+// The TMA forward where it applies (qkv rows a multiple of 16 bytes, the driver's
+// encoder present); cudaErrorNotSupported where it does not, and the caller runs
+// attention_forward_wgmma.
 template <int HD>
 cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
                         cudaStream_t stream) {
-  if constexpr (Cols<HD>::tail != 0) {
+  const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+  constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
+  CUtensorMap q_map, kv_map, q_tail_map, kv_tail_map;
+  if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN) ||
+      !encode_qkv_map(&q_tail_map, qkv, ld, T, B, kBM, tail) ||
+      !encode_qkv_map(&kv_tail_map, qkv, ld, T, B, kBN, tail))
     return cudaErrorNotSupported;
-  } else {
-    const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
-    CUtensorMap q_map, kv_map;
-    if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN))
-      return cudaErrorNotSupported;
-    constexpr size_t smem = tma_smem_bytes<HD>();
-    auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-    const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
-    kernel<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem, stream>>>(out, lse, q_map, kv_map, T, C, NH, KVH,
-                                                                          scale_log2);
-    return cudaGetLastError();
-  }
+  constexpr size_t smem = tma_smem_bytes<HD>();
+  auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
+  kernel<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem, stream>>>(out, lse, q_map, kv_map, q_tail_map,
+                                                                        kv_tail_map, T, C, NH, KVH, scale_log2);
+  return cudaGetLastError();
 }
 
 template <int HD>

@@ -738,7 +738,7 @@ class CudaBackend final : public Backend {
                            : "; bias gradients by a column-sum kernel (SPILLWAY_CUDA_BIAS_EPILOGUE=0)") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
-                                                         " (forward loads by TMA at 64 and 128)"
+                                                         " (forward loads by TMA)"
                                                        : "") +
            ")";
   }
