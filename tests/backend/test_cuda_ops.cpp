@@ -288,11 +288,9 @@ TEST_F(CudaOps, Matmul) {
 }
 
 // The backward's column sums go by row chunks (column_chunks): N 8200 has 256 chunks of
-// 33 rows, the last ones empty.
-// Up to 1024 columns (a multiple of 8) the backward runs in one pass
-// (norm_backward_onepass_kernel): C 768, 264 (a second 256-column chunk of one vector
-// per row), 1024, and 64 with empty last row chunks (N 8200); C 100 and 1600 run the two
-// passes.
+// 33 rows, the last ones empty. Up to 1024 columns (a multiple of 8) the backward runs
+// in one pass (norm_backward_onepass_kernel): C 768, 264 (a second 256-column chunk of
+// one vector per row), 1024, and 64 over N 8200; C 100 and 1600 run the two passes.
 TEST_F(CudaOps, LayerNorm) {
   for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 1600}, std::pair{8200, 64},
                       std::pair{300, 264}, std::pair{2048, 1024}}) {

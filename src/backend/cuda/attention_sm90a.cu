@@ -400,6 +400,27 @@ __device__ __forceinline__ void dkv_query_block(float (&dk)[Cols<HD>::main][32],
   product_pb<HD>(dk, dk_tail, pa, qt, kQ, 0);  // dK += dSᵀ·Q
 }
 
+// The end of the forward for this thread's two rows (row_a, row_a + 8) of query block
+// qb: the row sums over the quad, lse[B,NH,T] (natural log) and out[B,T,C] = O / sum.
+// Shared by the cp.async and the TMA forward.
+template <int HD>
+__device__ __forceinline__ void forward_finish(bf16* out, float* lse, const float (&o)[Cols<HD>::main][32],
+                                               const float (&o_tail)[Cols<HD>::tail ? 8 : 1],
+                                               const float (&row_max)[2], const float (&row_sum)[2], int row_a,
+                                               int t4, int T, int C, const QueryBlock& qb) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row_a + r * 8;
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (q >= T) continue;
+    const float inv = 1.0f / l;
+    if (t4 == 0) lse[static_cast<size_t>(qb.bh) * T + q] = row_max[r] * kLn2 + logf(l);
+    store_row<HD>(out + (static_cast<size_t>(qb.b) * T + q) * C + qb.h * HD, o, o_tail, r, t4, inv);
+  }
+}
+
 #endif  // SPILLWAY_WGMMA_BODY
 
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
@@ -417,7 +438,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
   const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + 2 * kKVBytes;
 
   const QueryBlock qb = query_block(T, NH);
-  const int m0 = qb.m0, bh = qb.bh, wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
+  const int m0 = qb.m0, wg = qb.wg, warp = qb.warp, g = qb.g, t4 = qb.t4;
   const int wg_row0 = qb.wg_row0, n_blocks = qb.n_blocks, wg_last = qb.wg_last;
   const HeadView hv =
       head_view<HD, kGrouped>(qkv, nullptr, nullptr, nullptr, qb.b, qb.h, qb.h / (NH / KVH), T, C, NH, KVH);
@@ -446,17 +467,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
     __syncthreads();  // this buffer is refilled in the next iteration
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int q = row_a + r * 8;
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (q >= T) continue;
-    const float inv = 1.0f / l;
-    if (t4 == 0) lse[static_cast<size_t>(bh) * T + q] = row_max[r] * kLn2 + logf(l);
-    store_row<HD>(out + (static_cast<size_t>(qb.b) * T + q) * C + qb.h * HD, o, o_tail, r, t4, inv);
-  }
+  forward_finish<HD>(out, lse, o, o_tail, row_max, row_sum, row_a, t4, T, C, qb);
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
@@ -578,7 +589,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
   const TmaRing ring{v_tile + kStages * kKVBytes};  // once: Q; the ring: K and V
 
   const QueryBlock qb = query_block(T, NH);
-  const int m0 = qb.m0, bh = qb.bh, n_blocks = qb.n_blocks;
+  const int m0 = qb.m0, n_blocks = qb.n_blocks;
   const int kvh = qb.h / (NH / KVH);
   const int q_col = qb.h * HD;
   const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
@@ -633,17 +644,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     ring.release(nb);
   }
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int q = row_a + r * 8;
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (q >= T) continue;
-    const float inv = 1.0f / l;
-    if (t4 == 0) lse[static_cast<size_t>(bh) * T + q] = row_max[r] * kLn2 + logf(l);
-    store_row<HD>(out + (static_cast<size_t>(qb.b) * T + q) * C + qb.h * HD, o, o_tail, r, t4, inv);
-  }
+  forward_finish<HD>(out, lse, o, o_tail, row_max, row_sum, row_a, t4, T, C, qb);
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
