@@ -1357,9 +1357,11 @@ TEST_F(CudaOps, MultiTensorSwitchIsChecked) { expect_switch_refused("SPILLWAY_CU
 
 // The Hopper attention kernels (wgmma, head dims 64, 80, 128; attention_sm90a.cu),
 // forward and backward, against the mma.sync kernels (SPILLWAY_CUDA_ATTENTION=mma) on
-// the same inputs, element by element: T not a multiple of the 64- or 128-row tiles, T = 1, grouped heads. The
-// two differ only in rounding (bf16 P, the exponent instruction). Elsewhere than on
-// compute capability 9.0 both sides run the mma.sync kernel, and the test says so.
+// the same inputs, element by element: T not a multiple of the 64- or 128-row tiles
+// (the TMA forward's boxes then reach past T and read zeros), T = 1, grouped heads. At
+// head dims 64 and 128 the forward is the TMA one. The two differ only in rounding (bf16
+// P, the exponent instruction). Elsewhere than on compute capability 9.0 both sides run
+// the mma.sync kernel, and the test says so.
 TEST_F(CudaOps, HopperAttentionAgreesWithMmaKernels) {
   ScopedEnv env("SPILLWAY_CUDA_ATTENTION", "mma");
   auto made = make_backend("cuda");
