@@ -465,8 +465,9 @@ constexpr size_t tma_smem_bytes() {
 
 // out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
 // (boxes of 64 columns × kBM tokens) and kv_map (64 columns × kBN tokens), both over
-// (ld columns, T tokens, B); grid (ceil(T/kBM), B·NH), kTmaThreads threads.
-template <int HD, bool kGrouped>
+// (ld columns, T tokens, B); grid (ceil(T/kBM), B·NH), kTmaThreads threads. Grouped
+// heads or not, the tensor maps' columns say where each head is.
+template <int HD>
 __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     attention_forward_tma(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
                           const __grid_constant__ CUtensorMap kv_map, int T, int C, int NH, int KVH,
@@ -486,10 +487,10 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
 
   const QueryBlock qb = query_block(T, NH);
   const int m0 = qb.m0, n_blocks = qb.n_blocks;
+  // Columns of qkv's rows: query head h, then key/value head kvh (h itself without
+  // grouping, where NH·HD = C, so K at C + h·HD and V at 2C + h·HD).
   const int kvh = qb.h / (NH / KVH);
-  const int q_col = qb.h * HD;
-  const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
-  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + qb.h * HD;
+  const int q_col = qb.h * HD, k_col = (NH + kvh) * HD, v_col = (NH + KVH + kvh) * HD;
 
   if (threadIdx.x == kThreads) {
     mbar_init(q_full, 1);
@@ -786,12 +787,12 @@ cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, in
   if constexpr (Cols<HD>::tail != 0) {
     return cudaErrorNotSupported;
   } else {
-    const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+    const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
     CUtensorMap q_map, kv_map;
     if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN))
       return cudaErrorNotSupported;
     constexpr size_t smem = tma_smem_bytes<HD>();
-    auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
+    auto kernel = attention_forward_tma<HD>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
     const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));
