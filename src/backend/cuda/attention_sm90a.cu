@@ -570,10 +570,11 @@ constexpr size_t tma_smem_bytes() {
 // out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
 // (boxes of 64 columns × kBM tokens) and kv_map (64 columns × kBN tokens), both over
 // (ld columns, T tokens, B), and for head dim 80 q_tail_map and kv_tail_map (16
-// columns); grid (ceil(T/kBM), B·NH), kTmaThreads threads.
+// columns); grid (ceil(T/kBM), B·NH), kTmaThreads threads. Grouped heads or not, the
+// tensor maps' columns say where each head is.
 // At head dim 80 ptxas takes 110 registers with the bound of one block, and two blocks
 // of 288 threads still fit an SM at run time (a bound of two makes it spill at 93).
-template <int HD, bool kGrouped>
+template <int HD>
 __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     attention_forward_tma(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
                           const __grid_constant__ CUtensorMap kv_map, const __grid_constant__ CUtensorMap q_tail_map,
@@ -590,10 +591,10 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
 
   const QueryBlock qb = query_block(T, NH);
   const int m0 = qb.m0, n_blocks = qb.n_blocks;
+  // Columns of qkv's rows: query head h, then key/value head kvh (h itself without
+  // grouping, where NH·HD = C, so K at C + h·HD and V at 2C + h·HD).
   const int kvh = qb.h / (NH / KVH);
-  const int q_col = qb.h * HD;
-  const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
-  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + qb.h * HD;
+  const int q_col = qb.h * HD, k_col = (NH + kvh) * HD, v_col = (NH + KVH + kvh) * HD;
 
   if (threadIdx.x == kThreads) ring.init(kThreads);
   __syncthreads();
@@ -837,9 +838,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int n0 = blockIdx.x * kKeys;
   const int bg = blockIdx.y, b = bg / KVH, kvh = bg % KVH;
   const int group = kGrouped ? NH / KVH : 1, h0 = kvh * group;
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
-  const int k_col = kGrouped ? (NH + kvh) * HD : C + kvh * HD;
-  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + kvh * HD;
+  // qkv's row length and the columns of key/value head kvh: the grouped formulas are
+  // also the ungrouped ones (NH·HD = C).
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;
+  const int k_col = (NH + kvh) * HD, v_col = (NH + KVH + kvh) * HD;
   const int mb_first = n0 / kQ, n_mb = (T + kQ - 1) / kQ - mb_first;
   const int n_it = group * n_mb;
   // Iteration it covers query block mb_first + it % n_mb of query head h0 + it / n_mb.
@@ -919,7 +921,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // dQ as attention_backward_dq_wgmma. qkv128, qkv64: tensor maps over qkv with boxes of
 // kBM and kBN tokens; dout128: over dout (ld = C), boxes of kBM tokens. 112 registers a
 // thread, so that two blocks of 288 threads fit an SM (it needs 112 without spilling).
-template <int HD, bool kGrouped>
+template <int HD>
 __global__ void __maxnreg__(112)
     attention_backward_dq_tma(bf16* dqkv, const float* lse, const float* Dg,
                               const __grid_constant__ CUtensorMap qkv128, const __grid_constant__ CUtensorMap qkv64,
@@ -939,10 +941,9 @@ __global__ void __maxnreg__(112)
   const QueryBlock qb = query_block(T, NH);
   const int m0 = qb.m0, n_blocks = qb.n_blocks;
   const int kvh = qb.h / (NH / KVH);
-  const size_t ld = kGrouped ? static_cast<size_t>(NH + 2 * KVH) * HD : 3 * static_cast<size_t>(C);
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
   const int q_col = qb.h * HD;
-  const int k_col = kGrouped ? (NH + kvh) * HD : C + qb.h * HD;
-  const int v_col = kGrouped ? (NH + KVH + kvh) * HD : 2 * C + qb.h * HD;
+  const int k_col = (NH + kvh) * HD, v_col = (NH + KVH + kvh) * HD;  // as the forward's
 
   if (threadIdx.x == kThreads) ring.init(kThreads);
   __syncthreads();
@@ -1045,7 +1046,7 @@ cudaError_t backward_tma(bf16* dqkv, const bf16* dout, const bf16* qkv, const fl
   if constexpr (HD != 64) {
     return cudaErrorNotSupported;
   } else {
-    const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+    const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
     CUtensorMap qkv128, qkv64, dout128, dout64;
     if (ld % 8 != 0 || C % 8 != 0 || !encode_qkv_map(&qkv128, qkv, ld, T, B, kBM) ||
         !encode_qkv_map(&qkv64, qkv, ld, T, B, kBN) || !encode_qkv_map(&dout128, dout, C, T, B, kBM) ||
@@ -1055,7 +1056,7 @@ cudaError_t backward_tma(bf16* dqkv, const bf16* dout, const bf16* qkv, const fl
     constexpr size_t smem_kv = tma_dkv_smem_bytes<HD>(), smem_q = tma_dq_smem_bytes<HD>();
     const bool grouped = KVH != NH;
     auto dkv = grouped ? attention_backward_dkv_tma<HD, true> : attention_backward_dkv_tma<HD, false>;
-    auto dq = grouped ? attention_backward_dq_tma<HD, true> : attention_backward_dq_tma<HD, false>;
+    auto dq = attention_backward_dq_tma<HD>;
     cudaError_t e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv));
     if (e != cudaSuccess) return e;
     e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q));
@@ -1104,7 +1105,7 @@ cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const 
 template <int HD>
 cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, int KVH,
                         cudaStream_t stream) {
-  const size_t ld = KVH == NH ? 3 * static_cast<size_t>(C) : static_cast<size_t>(NH + 2 * KVH) * HD;
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
   constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
   CUtensorMap q_map, kv_map, q_tail_map, kv_tail_map;
   if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN) ||
@@ -1112,7 +1113,7 @@ cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, in
       !encode_qkv_map(&kv_tail_map, qkv, ld, T, B, kBN, tail))
     return cudaErrorNotSupported;
   constexpr size_t smem = tma_smem_bytes<HD>();
-  auto kernel = KVH == NH ? attention_forward_tma<HD, false> : attention_forward_tma<HD, true>;
+  auto kernel = attention_forward_tma<HD>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));

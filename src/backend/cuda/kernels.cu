@@ -184,6 +184,36 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
   }
 }
 
+// A norm's input gradient over 8 columns of a row, one definition for the dinp kernels
+// below and norm_backward_onepass_kernel, so that their bits agree. dnorm = dout ·
+// weight, norm = (inp - mu) · rs (RMSNorm: inp · rs, mu unused). The row sums, in
+// column order: LN s1 += Σ dnorm and s2 += Σ dnorm·norm; RMSNorm s2 only.
+template <bool LN>
+__device__ __forceinline__ void norm_row_sums8(const float (&x)[8], const float (&d)[8], const float (&w)[8],
+                                               float mu, float rs, float& s1, float& s2) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    if constexpr (LN) {
+      float dn = d[k] * w[k];
+      s1 += dn;
+      s2 += dn * (x[k] - mu) * rs;
+    } else {
+      s2 += d[k] * w[k] * x[k] * rs;
+    }
+  }
+}
+// g += rs · (dnorm - m1 - norm · m2) (RMSNorm: no m1), with m1, m2 the row means of
+// the sums above.
+template <bool LN>
+__device__ __forceinline__ void norm_dinp8(float (&g)[8], const float (&x)[8], const float (&d)[8],
+                                           const float (&w)[8], float mu, float rs, float m1, float m2) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    if constexpr (LN) g[k] += rs * (d[k] * w[k] - m1 - (x[k] - mu) * rs * m2);
+    else g[k] += rs * (d[k] * w[k] - x[k] * rs * m2);
+  }
+}
+
 // dinp[N,C] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm =
 // dout * weight. One warp per row.
 template <int VEC>
@@ -201,12 +231,7 @@ __global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* 
       unpack8(load8(inp + off + c), x);
       unpack8(load8(dout + off + c), d);
       unpack8(load8(weight + c), w);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        float dn = d[k] * w[k];
-        s1 += dn;
-        s2 += dn * (x[k] - mu) * rs;
-      }
+      norm_row_sums8<true>(x, d, w, mu, rs, s1, s2);
     } else {
       float dn = __bfloat162float(dout[off + c]) * __bfloat162float(weight[c]);
       s1 += dn;
@@ -221,8 +246,7 @@ __global__ void layernorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* 
       unpack8(load8(dout + off + c), d);
       unpack8(load8(weight + c), w);
       unpack8(load8(dinp + off + c), g);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] += rs * (d[k] * w[k] - m1 - (x[k] - mu) * rs * m2);
+      norm_dinp8<true>(g, x, d, w, mu, rs, m1, m2);
       store8(dinp + off + c, pack8(g));
     } else {
       float x = (__bfloat162float(inp[off + c]) - mu) * rs;
@@ -328,15 +352,14 @@ __global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* in
   if (row >= N) return;
   const size_t off = static_cast<size_t>(row) * C;
   const float rs = rstd[row];
-  float s2 = 0.0f;
+  float s1 = 0.0f, s2 = 0.0f;  // s1 stays 0: LayerNorm's alone
   for (int c = lane * VEC; c < C; c += 32 * VEC) {
     if constexpr (VEC == 8) {
       float x[8], d[8], w[8];
       unpack8(load8(inp + off + c), x);
       unpack8(load8(dout + off + c), d);
       unpack8(load8(weight + c), w);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) s2 += d[k] * w[k] * x[k] * rs;
+      norm_row_sums8<false>(x, d, w, 0.0f, rs, s1, s2);
     } else {
       s2 += __bfloat162float(dout[off + c]) * __bfloat162float(weight[c]) * __bfloat162float(inp[off + c]) * rs;
     }
@@ -349,8 +372,7 @@ __global__ void rmsnorm_dinp_kernel(bf16* dinp, const bf16* dout, const bf16* in
       unpack8(load8(dout + off + c), d);
       unpack8(load8(weight + c), w);
       unpack8(load8(dinp + off + c), g);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) g[k] += rs * (d[k] * w[k] - x[k] * rs * m2);
+      norm_dinp8<false>(g, x, d, w, 0.0f, rs, 0.0f, m2);
       store8(dinp + off + c, pack8(g));
     } else {
       float x = __bfloat162float(inp[off + c]) * rs;
@@ -425,16 +447,7 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
         unpack8(xv[k], x);
         unpack8(dv[k], d);
         unpack8(load8(weight + c), w);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if constexpr (LN) {
-            float dn = d[j] * w[j];
-            s1 += dn;
-            s2 += dn * (x[j] - mu) * rs;
-          } else {
-            s2 += d[j] * w[j] * x[j] * rs;
-          }
-        }
+        norm_row_sums8<LN>(x, d, w, mu, rs, s1, s2);
       }
     }
     const float m1 = LN ? warp_sum(s1) / C : 0.0f, m2 = warp_sum(s2) / C;
@@ -447,14 +460,13 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
         unpack8(dv[k], d);
         unpack8(load8(weight + c), w);
         unpack8(gv[k], g);
+        norm_dinp8<LN>(g, x, d, w, mu, rs, m1, m2);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if constexpr (LN) {
-            g[j] += rs * (d[j] * w[j] - m1 - (x[j] - mu) * rs * m2);
+        for (int j = 0; j < 8; ++j) {  // the column sums, as column_partials_kernel and
+          if constexpr (LN) {          // rmsnorm_dweight_partials_kernel form them
             ab[k][j] += d[j];
             aw[k][j] += d[j] * (x[j] - mu) * rs;
           } else {
-            g[j] += rs * (d[j] * w[j] - x[j] * rs * m2);
             aw[k][j] += d[j] * x[j] * rs;
           }
         }
@@ -1086,25 +1098,21 @@ cudaError_t launch_layernorm_backward(bf16* dinp, bf16* dweight, bf16* dbias, co
   const Chunks ch = column_chunks(N);
   float* pw = static_cast<float*>(scratch);
   float* pb = pw + static_cast<size_t>(ch.count) * C;
-  if (launch_norm_backward_onepass<true>(dinp, pw, pb, dout, inp, weight, mean, rstd, N, C, ch, stream)) {
-    cudaError_t e = launched();
-    if (e != cudaSuccess) return e;
-    column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
-    return launched();
+  // dinp and the chunks' column sums: in one pass where it applies, else a row pass and
+  // a column pass; then the sums over the chunks.
+  if (!launch_norm_backward_onepass<true>(dinp, pw, pb, dout, inp, weight, mean, rstd, N, C, ch, stream)) {
+    const int warps = kThreads / 32;
+    if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
+      layernorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
+                                                                           rstd, N, C);
+    else
+      layernorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
+                                                                           rstd, N, C);
+    if (const cudaError_t e = launched(); e != cudaSuccess) return e;
+    dim3 grid(ceil_div(C, kThreads), ch.count);
+    column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, C, ch.rows);
   }
-  const int warps = kThreads / 32;
-  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
-    layernorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
-                                                                         rstd, N, C);
-  else
-    layernorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, mean,
-                                                                         rstd, N, C);
-  cudaError_t e = launched();
-  if (e != cudaSuccess) return e;
-  dim3 grid(ceil_div(C, kThreads), ch.count);
-  column_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pw, pb, dout, inp, mean, rstd, N, C, C, ch.rows);
-  e = launched();
-  if (e != cudaSuccess) return e;
+  if (const cudaError_t e = launched(); e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, dbias, pb, ch.count, C);
   return launched();
 }
@@ -1126,23 +1134,18 @@ cudaError_t launch_rmsnorm_backward(bf16* dinp, bf16* dweight, const bf16* dout,
   if (N == 0 || C == 0) return cudaSuccess;
   const Chunks ch = column_chunks(N);
   float* pw = static_cast<float*>(scratch);
-  if (launch_norm_backward_onepass<false>(dinp, pw, nullptr, dout, inp, weight, nullptr, rstd, N, C, ch, stream)) {
-    cudaError_t e = launched();
-    if (e != cudaSuccess) return e;
-    column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, nullptr, nullptr, ch.count, C);
-    return launched();
+  // As the LayerNorm's: one pass or two, then the sums over the chunks.
+  if (!launch_norm_backward_onepass<false>(dinp, pw, nullptr, dout, inp, weight, nullptr, rstd, N, C, ch, stream)) {
+    const int warps = kThreads / 32;
+    if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
+      rmsnorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
+    else
+      rmsnorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
+    if (const cudaError_t e = launched(); e != cudaSuccess) return e;
+    dim3 grid(ceil_div(C, kThreads), ch.count);
+    rmsnorm_dweight_partials_kernel<<<grid, kThreads, 0, stream>>>(pw, dout, inp, rstd, N, C, ch.rows);
   }
-  const int warps = kThreads / 32;
-  if (C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight))
-    rmsnorm_dinp_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
-  else
-    rmsnorm_dinp_kernel<1><<<ceil_div(N, warps), kThreads, 0, stream>>>(dinp, dout, inp, weight, rstd, N, C);
-  cudaError_t e = launched();
-  if (e != cudaSuccess) return e;
-  dim3 grid(ceil_div(C, kThreads), ch.count);
-  rmsnorm_dweight_partials_kernel<<<grid, kThreads, 0, stream>>>(pw, dout, inp, rstd, N, C, ch.rows);
-  e = launched();
-  if (e != cudaSuccess) return e;
+  if (const cudaError_t e = launched(); e != cudaSuccess) return e;
   column_finish_kernel<<<ceil_div(C, kThreads), kThreads, 0, stream>>>(dweight, pw, nullptr, nullptr, ch.count, C);
   return launched();
 }
