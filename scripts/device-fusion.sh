@@ -14,7 +14,8 @@
 #   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
 # CONFIGS: names among default (the environment untouched: every epilogue, since
 # session 38), none (no epilogue), gelu, bias (GELU and bias gradient), all (GELU,
-# residual and bias gradient).
+# residual and bias gradient), inorder (the defaults with the AdamW batches on the
+# compute stream, SPILLWAY_CUDA_OPTIMIZER_STREAM=0).
 # Each part adds to $OUT/summary.txt as it finishes (logs in $LOGS, default
 # /tmp/fusion-logs); a short table ends it.
 # Usage (device tool, carry .deps):
@@ -29,7 +30,10 @@ log() { echo "== $*" | tee -a "$out/summary.txt"; }
 t0=$(date +%s)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 log "gpu: $gpu"
-scripts/device-build.sh spillway test_backend > "$logs/build.log" 2>&1 || { tail -40 "$logs/build.log"; exit 1; }
+# MORE_TESTS: other test binaries' GPU tests for part "tests", each binary:filter, for
+# example "test_train:CudaOptimizerStream.* test_dist:CudaCollectiveStream.*".
+more_bins=$(for t in ${MORE_TESTS:-}; do echo "${t%%:*}"; done | sort -u | tr '\n' ' ')
+scripts/device-build.sh spillway test_backend $more_bins > "$logs/build.log" 2>&1 || { tail -40 "$logs/build.log"; exit 1; }
 log "build $(( $(date +%s) - t0 )) s"
 export BIN=build-device/spillway MACHINE=machines/h100.json OUT=$logs
 [[ "$gpu" == *H200* ]] && MACHINE=machines/h200.json
@@ -43,7 +47,8 @@ config_env() {
     gelu) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=0 ;;
     all) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
     bias) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
-    *) echo "unknown configuration '$1' (expected default, none, gelu, bias or all)" >&2; exit 2 ;;
+    inorder) echo SPILLWAY_CUDA_OPTIMIZER_STREAM=0 ;;
+    *) echo "unknown configuration '$1' (expected default, none, gelu, bias, all or inorder)" >&2; exit 2 ;;
   esac
 }
 
@@ -51,6 +56,11 @@ if [[ "$parts" == *" tests "* ]]; then
   timeout 240 build-device/test_backend --gtest_filter="${TESTS:-CudaOps.*}" > "$logs/cudaops.log" 2>&1
   log "CudaOps: rc $? $(grep -E '^\[  (PASSED|FAILED)' "$logs/cudaops.log" | tr '\n' ' ')"
   grep -E '^\[  FAILED|Failure' -A4 "$logs/cudaops.log" | head -30 | tee -a "$out/summary.txt"
+  for t in ${MORE_TESTS:-}; do
+    timeout 240 build-device/${t%%:*} --gtest_filter="${t#*:}" > "$logs/more.log" 2>&1
+    log "$t: rc $? $(grep -E '^\[  (PASSED|FAILED|  SKIPPED)' "$logs/more.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED|Failure' -A4 "$logs/more.log" | head -30 | tee -a "$out/summary.txt"
+  done
 fi
 if [[ "$parts" == *" ops "* ]]; then
   for c in ${OPS_CONFIGS:-default}; do

@@ -82,6 +82,17 @@ class Backend : public BackendSizes {
   virtual CopyEngine& copy_engine() = 0;
   // Blocks until all submitted compute and copies finished; reports async errors.
   virtual Status synchronize() = 0;
+  // As synchronize(), except for the optimizer's updates where the backend runs them
+  // on a stream of their own (optimizer_on_own_stream(): CUDA, SPILLWAY_CUDA_OPTIMIZER_STREAM):
+  // those go on, and what comes later waits for them on the device only where it
+  // touches their memory (order_compute_for, upload, download), or for all of them
+  // (synchronize, the copy engine's copies after compute). The executor ends a step
+  // that moves nothing with it, so that the next step's forward overlaps the updates
+  // (DESIGN.md, "The step is a loop"). Default: synchronize().
+  virtual Status synchronize_compute() { return synchronize(); }
+  // True where adamw calls run on a stream of their own: every op then says what it
+  // touches (order_compute_for) before it runs.
+  virtual bool optimizer_on_own_stream() const { return false; }
   // Synchronous helpers for set-up and tests (not for the hot path).
   virtual Status upload(void* dev, const void* host, size_t bytes) = 0;
   virtual Status download(void* host, const void* dev, size_t bytes) = 0;
@@ -147,6 +158,7 @@ class Backend : public BackendSizes {
   struct DeviceRange {
     const void* p = nullptr;
     size_t bytes = 0;
+    bool write = true;  // false: only read, so it waits for the work that writes it only
   };
   // Work enqueued on `stream` (a native stream of this device: a cudaStream_t on CUDA)
   // after this call runs after all compute submitted before it, held-back launches
@@ -154,15 +166,16 @@ class Backend : public BackendSizes {
   virtual Status order_stream_after_compute(void* stream);
   // The work enqueued on `stream` so far reads or writes `ranges`. Compute submitted
   // later waits for it on the device only where it touches one of them (which the
-  // caller says with order_compute_for before submitting it); whatever shows device
-  // memory outside the compute queue waits for all of it: synchronize(), upload(),
-  // download(), and the copy engine's copies after compute. Default: a null stream
+  // caller says with order_compute_for before submitting it); upload() and download()
+  // wait for the part that touches their range, and synchronize() and the copy
+  // engine's copies after compute for all of it. Default: a null stream
   // (work that finished before the call returned) needs nothing; any other is an
   // Unsupported error (the CPU backend has no streams).
   virtual Status order_after_stream(void* stream, const std::vector<DeviceRange>& ranges);
   // Compute submitted after this call that touches `ranges` waits (on the device) for
-  // the stream work of every earlier order_after_stream whose ranges overlap them.
-  // Default: nothing is ever pending.
+  // the stream work of every earlier order_after_stream, and the optimizer's updates on
+  // their own stream, that writes one of them, or reads one that `ranges` writes
+  // (DeviceRange::write). Default: nothing is ever pending.
   virtual Status order_compute_for(const std::vector<DeviceRange>& ranges) {
     (void)ranges;
     return Status::ok();

@@ -288,7 +288,9 @@ std::vector<Backend::DeviceRange> operand_ranges(const Program& program, const O
   std::vector<Backend::DeviceRange> r;
   r.reserve(x.size());
   for (size_t i = 0; i < x.size() && i < op.operands.size(); ++i)
-    if (x[i] != nullptr) r.push_back({x[i], static_cast<size_t>(program.tensors.info(op.operands[i].tensor).bytes())});
+    if (x[i] != nullptr)
+      r.push_back({x[i], static_cast<size_t>(program.tensors.info(op.operands[i].tensor).bytes()),
+                   op.operands[i].access != Access::Read});
   return r;
 }
 
@@ -481,11 +483,11 @@ Status run_device_op(Backend& b, const Program& program, const Op& op, const std
   const DispatchEntry* e = dispatch_entry(op.kind);
   if (e == nullptr) return Status::internal("op " + op.name + ": unknown kind");
   SPILLWAY_RETURN_IF_ERROR(check_count(op, x));
-  // Compute waits for a collective still on its own stream only where it touches the
-  // collective's tensors (collectives are ordered among themselves on their stream).
-  // Without a communicator no collective ran: the ranges are not built (every op of
-  // every single-process step passes here).
-  if (b.communicator() != nullptr && !op_is_collective(op.kind)) {
+  // Compute waits for a collective still on its own stream, or the optimizer's updates
+  // on theirs, only where it touches their tensors (collectives are ordered among
+  // themselves on their stream). Without either nothing is pending: the ranges are
+  // not built (every op of every step passes here).
+  if ((b.communicator() != nullptr || b.optimizer_on_own_stream()) && !op_is_collective(op.kind)) {
     const Status waited = b.order_compute_for(operand_ranges(program, op, x));
     if (!waited.is_ok()) return waited.with_context("op " + op.name);
   }

@@ -96,6 +96,13 @@ class PlanExecutor final : public Executor {
     if (plan_.workspace_bytes > 0) workspace_ = static_cast<char*>(arena_memory_) + workspace_offset_;
     arena_ = std::make_unique<DeviceArena>(arena_memory_, arena_bytes, align);
     used_since_sync_.assign(arena_bytes / kUseGranule + 1, 0);
+    // A plan that moves nothing between tiers and runs no op on host: no copy or host
+    // op of a later step can touch memory behind the compute queue, so a step may end
+    // with the device's optimizer updates still running (finish).
+    moves_nothing_ = std::none_of(plan_.instructions.begin(), plan_.instructions.end(), [](const Instruction& in) {
+      return in.kind == InstrKind::Fetch || in.kind == InstrKind::Evict || in.kind == InstrKind::Flush ||
+             in.kind == InstrKind::Load || in.kind == InstrKind::Store;
+    }) && std::find(plan_.op_place.begin(), plan_.op_place.end(), Place::Host) == plan_.op_place.end();
     for (size_t i = 0; i < slots_.size(); ++i) {
       auto t = static_cast<TensorId>(i);
       if (p_.is_persistent(t) && plan_.home[i] == Tier::Device)
@@ -1139,7 +1146,12 @@ class PlanExecutor final : public Executor {
   }
 
   Status finish() {
-    SPILLWAY_RETURN_IF_ERROR(b_.synchronize());
+    // Where the plan moves nothing, the optimizer's device updates of this step go on
+    // past its end (Backend::synchronize_compute): the next step's ops wait for them on
+    // the device where they touch their memory, so its forward overlaps them. Reading
+    // or writing a tensor between steps waits for them (download, upload), and drain()
+    // for all.
+    SPILLWAY_RETURN_IF_ERROR(moves_nothing_ ? b_.synchronize_compute() : b_.synchronize());
     std::fill(used_since_sync_.begin(), used_since_sync_.end(), uint8_t{0});
     SPILLWAY_RETURN_IF_ERROR(b_.copy_engine().wait_all());
     SPILLWAY_RETURN_IF_ERROR(host_.failure());
@@ -1234,6 +1246,7 @@ class PlanExecutor final : public Executor {
   // last synchronization (conservative: a copy into a marked granule waits for compute).
   static constexpr uint64_t kUseGranule = uint64_t{1} << 20;
   std::vector<uint8_t> used_since_sync_;
+  bool moves_nothing_ = false;  // no transfer instruction, no host op (see finish)
   std::vector<OpenSlice> open_slices_;
   StepMetrics metrics_;
   OptimizerStep step_;

@@ -1355,6 +1355,54 @@ TEST_F(CudaOps, MultiTensorFlushOrdering) {
 // A value other than 0 or 1 is an error naming the variable, not a silent default.
 TEST_F(CudaOps, MultiTensorSwitchIsChecked) { expect_switch_refused("SPILLWAY_CUDA_MULTI_TENSOR", "yes"); }
 
+// ---- AdamW batches on the optimizer stream (SPILLWAY_CUDA_OPTIMIZER_STREAM) ----
+TEST_F(CudaOps, OptimizerStreamSwitch) {
+  expect_on_by_default_switch("SPILLWAY_CUDA_OPTIMIZER_STREAM", "AdamW on a stream of its own");
+}
+
+// Updates left running on the optimizer stream (synchronize_compute) are seen by
+// every later reader and writer of their memory, and by nothing they do not touch:
+// (1) a copy of the parameter on the compute stream reads the updated values; (2)
+// zeroing the gradient (a write of what the update reads) waits for the update to
+// read it; (3) download, of the master weights, waits for the update that writes them.
+// The reference: the same calls on the compute stream, in order. The tensors are large
+// (64M elements: milliseconds of updates), so that a missing wait reads stale values.
+TEST_F(CudaOps, UpdatesOnTheOptimizerStreamAreSeenByLaterWork) {
+  const std::vector<OptTensor> tensors = {{size_t{40} << 20, 0, 0.1f}, {size_t{24} << 20 | 5, 1, 0.0f}};
+  const OptState s = make_opt_state(tensors, rng_);
+  const float scale_norm[2] = {0.61f, 1.64f};
+  std::vector<std::vector<uint8_t>> want, got;
+  std::vector<uint8_t> want_copy(s.total * 2), got_copy(s.total * 2);
+  for (const char* own : {"0", "1"}) {
+    ScopedEnv env("SPILLWAY_CUDA_OPTIMIZER_STREAM", own);
+    OwnedBackend o("1", size_t{64} << 20);
+    ASSERT_TRUE(o.b);
+    Backend& b = *o.b;
+    EXPECT_EQ(b.optimizer_on_own_stream(), std::string(own) == "1") << b.description();
+    DeviceOpt d(o, s, scale_norm);
+    auto* copy = static_cast<uint16_t*>(o.alloc(s.total * 2));
+    ASSERT_TRUE(b.synchronize().is_ok());
+    d.adamw(b, s, 1);
+    ASSERT_TRUE(b.synchronize_compute().is_ok());  // the updates may still run
+    b.copy_device(copy, d.param, s.total * 2);       // (1)
+    b.fill_zero(d.grad, s.total * 2);                 // (2)
+    d.adamw(b, s, 2);                                 // a second step, from the zeroed gradient
+    std::vector<uint8_t> master(s.total * 4);
+    ASSERT_TRUE(b.download(master.data(), d.master, master.size()).is_ok());  // (3), before any synchronize
+    auto& out = std::string(own) == "1" ? got : want;
+    out = d.bytes(b, s);
+    out[4] = master;  // the master weights as the download found them (out_sq is not used)
+    ASSERT_TRUE(b.download((std::string(own) == "1" ? got_copy : want_copy).data(), copy, s.total * 2).is_ok());
+    ASSERT_TRUE(b.synchronize().is_ok());
+  }
+  const char* names[] = {"param", "master", "m", "v", "master (downloaded right after the update)"};
+  for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(want[k] == got[k]) << names[k] << " differs";
+  EXPECT_TRUE(want_copy == got_copy) << "the copy of the parameter did not see the first update";
+  // Not two equal wrong answers: the first update moved the parameter.
+  EXPECT_FALSE(want_copy == std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(s.param.data()),
+                                                 reinterpret_cast<const uint8_t*>(s.param.data() + s.total)));
+}
+
 // The Hopper attention kernels (wgmma, head dims 64, 80, 128; attention_sm90a.cu),
 // forward and backward, against the mma.sync kernels (SPILLWAY_CUDA_ATTENTION=mma) on
 // the same inputs, element by element: T not a multiple of the 64- or 128-row tiles

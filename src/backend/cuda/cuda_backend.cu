@@ -106,6 +106,10 @@ class ComputeQueue {
   // batch, gpt2-1.5b's (44 GB) eleven. (A host that blocks flushes first anyway: the
   // executor's stall probes and CopyEngine::wait use the stream.)
   static constexpr uint64_t kFlushTrafficBytes = uint64_t{4} << 30;
+  // On the optimizer stream, smaller batches (about 0.2 ms of an H100's bandwidth
+  // each), so that the next step's forward waits only for the batch that updates
+  // the parameters it reads first, not for every update.
+  static constexpr uint64_t kOptimizerStreamFlushTrafficBytes = uint64_t{512} << 20;
   // What launches the optimizer calls took (kernels on the stream).
   struct Launches {
     uint64_t squared_norm = 0;
@@ -119,12 +123,24 @@ class ComputeQueue {
 
   // on_error receives the error of each failed launch; it runs with this queue's lock
   // held, so it must not use the queue.
-  Status init(int device, bool multi_tensor, std::function<void(Status)> on_error) {
+  // optimizer_stream: the held-back AdamW batches run on a stream of their own (see
+  // adamw); needs multi_tensor.
+  Status init(int device, bool multi_tensor, bool optimizer_stream, std::function<void(Status)> on_error) {
     device_ = device;
     multi_tensor_ = multi_tensor;
     on_error_ = std::move(on_error);
+    int least = 0, greatest = 0;
     SPILLWAY_RETURN_IF_ERROR(
-        cuda_status("cudaStreamCreate (compute)", cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)));
+        cuda_status("cudaDeviceGetStreamPriorityRange", cudaDeviceGetStreamPriorityRange(&least, &greatest)));
+    const bool own = optimizer_stream && multi_tensor;
+    // With the optimizer on its own stream, the compute stream's blocks go to the SMs
+    // first and the updates fill what is left.
+    SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaStreamCreate (compute)",
+                                         cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking,
+                                                                      own ? greatest : 0)));
+    if (own)
+      SPILLWAY_RETURN_IF_ERROR(cuda_status(
+          "cudaStreamCreate (optimizer)", cudaStreamCreateWithPriority(&optimizer_stream_, cudaStreamNonBlocking, least)));
     return cuda_status("cudaEventCreate (compute fence for other streams)",
                        cudaEventCreateWithFlags(&other_fence_, cudaEventDisableTiming));
   }
@@ -138,6 +154,11 @@ class ComputeQueue {
     (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
     stream_ = nullptr;
+    if (optimizer_stream_ != nullptr) {
+      (void)cudaStreamSynchronize(optimizer_stream_);
+      (void)cudaStreamDestroy(optimizer_stream_);
+      optimizer_stream_ = nullptr;
+    }
     for (cudaEvent_t e : event_pool_) (void)cudaEventDestroy(e);
     event_pool_.clear();
     if (other_fence_ != nullptr) (void)cudaEventDestroy(other_fence_);
@@ -160,6 +181,40 @@ class ComputeQueue {
   // `other` now, pending until compute waits for it (wait_for, join_pending).
   Status add_pending(cudaStream_t other, const std::vector<Backend::DeviceRange>& ranges) {
     std::lock_guard<std::mutex> lock(mu_);
+    // Every range counts as written (DeviceRange::write left aside): a collective's
+    // buffers may be scratch it writes whatever the op's access says.
+    RangeSet touched;
+    for (const Backend::DeviceRange& r : ranges) touched.add(r.p, r.bytes);
+    RangeSet written = touched;
+    return add_pending_locked(other, std::move(touched), std::move(written), /*optimizer=*/false);
+  }
+  // Compute submitted from now on waits for the latest pending work that conflicts
+  // with `ranges` (and so for all earlier work of its stream, which runs in order): work
+  // that writes a range, or reads one that `ranges` writes (DeviceRange::write).
+  // Held-back calls that conflict with them are launched first.
+  Status wait_for(const std::vector<Backend::DeviceRange>& ranges) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return wait_for_locked(ranges);
+  }
+  // Compute submitted from now on waits for all pending work on other streams
+  // (before anything that shows device memory outside the compute queue).
+  Status join_pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_locked();
+    return join_pending_locked();
+  }
+  // Pending entries of collectives (order_after_stream), not of the optimizer stream.
+  size_t pending_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (const Pending& p : pending_) n += p.optimizer ? 0 : 1;
+    return n;
+  }
+  // Whether held-back AdamW batches run on the optimizer stream.
+  bool optimizer_stream() const { return optimizer_stream_ != nullptr; }
+
+ private:
+  Status add_pending_locked(cudaStream_t other, RangeSet touched, RangeSet written, bool optimizer) {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
     cudaEvent_t ev = nullptr;
     if (!event_pool_.empty()) {
@@ -172,29 +227,35 @@ class ComputeQueue {
     cudaError_t e = cudaEventRecord(ev, other);
     if (e != cudaSuccess) {
       event_pool_.push_back(ev);
-      return cuda_status("cudaEventRecord (collective done)", e);
+      return cuda_status(optimizer ? "cudaEventRecord (optimizer batch done)" : "cudaEventRecord (collective done)", e);
     }
-    Pending p{other, ev, {}};
-    for (const Backend::DeviceRange& r : ranges) {
-      p.ranges.add(r.p, r.bytes);
-      pending_ranges_.add(r.p, r.bytes);
-    }
-    pending_.push_back(std::move(p));
+    pending_ranges_.add_all(touched);
+    pending_writes_.add_all(written);
+    pending_.push_back(Pending{other, ev, std::move(touched), std::move(written), optimizer});
     return Status::ok();
   }
-  // Compute submitted from now on waits for the latest pending work whose ranges
-  // overlap `ranges` (and so for all earlier work of its stream, which runs in order).
-  Status wait_for(const std::vector<Backend::DeviceRange>& ranges) {
-    std::lock_guard<std::mutex> lock(mu_);
+
+  static bool conflicts(const RangeSet& touched, const RangeSet& written, const Backend::DeviceRange& r) {
+    return written.overlaps(r.p, r.bytes) || (r.write && touched.overlaps(r.p, r.bytes));
+  }
+
+  Status wait_for_locked(const std::vector<Backend::DeviceRange>& ranges) {
+    // A held-back batch that conflicts goes out first (on its stream: then pending).
+    if (kind_ != Kind::None)
+      for (const Backend::DeviceRange& r : ranges)
+        if (conflicts(reads_, writes_, r)) {
+          flush_locked();
+          break;
+        }
     if (pending_.empty()) return Status::ok();
-    // Most ops touch none of it: one look-up per range in the union decides.
+    // Most ops touch none of it: one look-up per range in the unions decides.
     bool any = false;
-    for (const Backend::DeviceRange& r : ranges) any = any || pending_ranges_.overlaps(r.p, r.bytes);
+    for (const Backend::DeviceRange& r : ranges) any = any || conflicts(pending_ranges_, pending_writes_, r);
     if (!any) return Status::ok();
     size_t hit = pending_.size();
     for (size_t i = pending_.size(); i-- > 0 && hit == pending_.size();)
       for (const Backend::DeviceRange& r : ranges)
-        if (pending_[i].ranges.overlaps(r.p, r.bytes)) {
+        if (conflicts(pending_[i].ranges, pending_[i].writes, r)) {
           hit = i;
           break;
         }
@@ -208,29 +269,21 @@ class ComputeQueue {
     // recorded again at once: a wait uses the record made before it.)
     std::deque<Pending> rest;
     pending_ranges_.clear();
+    pending_writes_.clear();
     for (size_t i = 0; i < pending_.size(); ++i) {
       if (i <= hit && pending_[i].stream == other) {
         event_pool_.push_back(pending_[i].event);
       } else {
         pending_ranges_.add_all(pending_[i].ranges);
+        pending_writes_.add_all(pending_[i].writes);
         rest.push_back(std::move(pending_[i]));
       }
     }
     pending_ = std::move(rest);
     return Status::ok();
   }
-  // Compute submitted from now on waits for all pending work on other streams
-  // (before anything that shows device memory outside the compute queue).
-  Status join_pending() {
-    std::lock_guard<std::mutex> lock(mu_);
-    flush_locked();
-    return join_pending_locked();
-  }
-  size_t pending_count() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return pending_.size();
-  }
 
+ public:
   bool multi_tensor() const { return multi_tensor_; }
 
   // The compute stream, after launching every held-back call: the one way to it.
@@ -290,7 +343,8 @@ class ComputeQueue {
     for (const auto& [p, bytes] : writes) writes_.add(p, bytes);
     for (const auto& [p, bytes] : reads) reads_.add(p, bytes);
     traffic_ += c.n * (2 * sizeof(bf16) + 6 * sizeof(float));
-    if (traffic_ >= kFlushTrafficBytes) flush_locked();
+    if (traffic_ >= (optimizer_stream_ != nullptr ? kOptimizerStreamFlushTrafficBytes : kFlushTrafficBytes))
+      flush_locked();
   }
 
   // The kernels launched so far, after launching what is held back.
@@ -307,6 +361,8 @@ class ComputeQueue {
     cudaStream_t stream;  // where it runs
     cudaEvent_t event;    // recorded there after it
     RangeSet ranges;      // the device memory it reads or writes
+    RangeSet writes;      // the part it writes
+    bool optimizer;       // an AdamW batch on the optimizer stream (else a collective)
   };
 
   Status join_pending_locked() {
@@ -318,11 +374,38 @@ class ComputeQueue {
     }
     pending_.clear();
     pending_ranges_.clear();
-    return cuda_status("cudaStreamWaitEvent (compute after every pending collective)", e);
+    pending_writes_.clear();
+    return cuda_status("cudaStreamWaitEvent (compute after all work pending on other streams)", e);
   }
 
   void report(cudaError_t e, const char* what) {
     if (e != cudaSuccess && on_error_) on_error_(cuda_status(what, e));
+  }
+
+  // The held-back AdamW batch on the optimizer stream, after everything submitted to
+  // the compute stream so far (the gradients' and the clip scale's producers, and the
+  // ops that read the old parameters), pending until compute waits for it where it
+  // touches the batch's memory (wait_for_locked), or for all of it (join_pending).
+  cudaError_t launch_adamws_on_optimizer_stream_locked() {
+    cudaError_t e = cudaEventRecord(other_fence_, stream_);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(optimizer_stream_, other_fence_, 0);
+    if (e == cudaSuccess) e = launch_adamws(adamws_.data(), adamws_.size(), optimizer_stream_, &launches_.adamw);
+    if (e != cudaSuccess) {
+      // Compute waits for whatever went out before the error.
+      (void)cudaEventRecord(other_fence_, optimizer_stream_);
+      (void)cudaStreamWaitEvent(stream_, other_fence_, 0);
+      return e;
+    }
+    RangeSet touched = reads_;
+    touched.add_all(writes_);
+    const Status pending = add_pending_locked(optimizer_stream_, std::move(touched), writes_, /*optimizer=*/true);
+    if (!pending.is_ok()) {
+      // Not tracked: the compute stream waits for the optimizer stream here.
+      if (on_error_) on_error_(pending);
+      (void)cudaEventRecord(other_fence_, optimizer_stream_);
+      (void)cudaStreamWaitEvent(stream_, other_fence_, 0);
+    }
+    return cudaSuccess;
   }
 
   void flush_locked() {
@@ -332,8 +415,10 @@ class ComputeQueue {
       if (kind_ == Kind::SquaredNorm)
         e = launch_squared_norms(norms_.data(), norms_.size(), norm_scratch_, norm_scratch_bytes_, stream_,
                                  &launches_.squared_norm);
-      else
+      else if (optimizer_stream_ == nullptr)
         e = launch_adamws(adamws_.data(), adamws_.size(), stream_, &launches_.adamw);
+      else
+        e = launch_adamws_on_optimizer_stream_locked();
     }
     if (e != cudaSuccess && on_error_) {
       const size_t calls = kind_ == Kind::SquaredNorm ? norms_.size() : adamws_.size();
@@ -364,6 +449,8 @@ class ComputeQueue {
   cudaEvent_t other_fence_ = nullptr;    // recorded on the compute stream for order_stream_after
   std::deque<Pending> pending_;          // other streams' work not yet waited for, in order
   RangeSet pending_ranges_;              // the union of their ranges
+  RangeSet pending_writes_;              // the union of their writes
+  cudaStream_t optimizer_stream_ = nullptr;  // the AdamW batches' stream, if they have one
   std::vector<cudaEvent_t> event_pool_;  // events of retired entries, to record again
 };
 
@@ -385,6 +472,17 @@ Result<bool> switch_from_environment(const char* name, bool unset, const char* o
 Result<bool> multi_tensor_from_environment() {
   return switch_from_environment("SPILLWAY_CUDA_MULTI_TENSOR", true, "multi-tensor optimizer launches",
                                  "one launch per tensor");
+}
+
+// SPILLWAY_CUDA_OPTIMIZER_STREAM: the multi-tensor AdamW batches on a stream of their
+// own, of the lowest priority, that later ops wait for on the device only where they
+// touch what a batch reads or writes (the default), so that where the step leaves
+// them running (Backend::synchronize_compute) the next step's forward overlaps them;
+// or with =0 on the compute stream, in order.
+Result<bool> optimizer_stream_from_environment() {
+  return switch_from_environment("SPILLWAY_CUDA_OPTIMIZER_STREAM", true,
+                                 "AdamW batches on a stream of their own, overlapping later ops",
+                                 "AdamW batches on the compute stream");
 }
 
 // SPILLWAY_CUDA_GELU_EPILOGUE: a product and its GELU (MatmulGeluForward,
@@ -705,7 +803,9 @@ class CudaBackend final : public Backend {
     SPILLWAY_ASSIGN_OR_RETURN(residual_epilogue_, residual_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(bias_epilogue_, bias_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
-    SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, [this](Status s) { record(std::move(s), nullptr); }));
+    SPILLWAY_ASSIGN_OR_RETURN(const bool optimizer_stream, optimizer_stream_from_environment());
+    SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, optimizer_stream,
+                                         [this](Status s) { record(std::move(s), nullptr); }));
     SPILLWAY_RETURN_IF_ERROR(copy_.init(device_, &queue_));
     // No workspace yet: the caller gives one (set_workspace) before running ops.
     SPILLWAY_RETURN_IF_ERROR(mm_.init(nullptr, kLtWorkspaceBytes));
@@ -725,8 +825,10 @@ class CudaBackend final : public Backend {
   std::string description() const override {
     return gpu_name_ + ", " + format_size(capacity_) + " (device " + std::to_string(device_) +
            "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace; " +
-           (queue_.multi_tensor() ? "multi-tensor optimizer launches"
-                                  : "one optimizer launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0)") +
+           (!queue_.multi_tensor()       ? "one optimizer launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0)"
+            : queue_.optimizer_stream() ? "multi-tensor optimizer launches, AdamW on a stream of its own"
+                                        : "multi-tensor optimizer launches, AdamW on the compute stream "
+                                          "(SPILLWAY_CUDA_OPTIMIZER_STREAM=0)") +
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
@@ -738,7 +840,7 @@ class CudaBackend final : public Backend {
                            : "; bias gradients by a column-sum kernel (SPILLWAY_CUDA_BIAS_EPILOGUE=0)") +
            (attention_kernel_ == AttentionKernel::kMma ? "; attention: mma.sync (SPILLWAY_CUDA_ATTENTION=mma)"
             : sm90_ && attention_wgmma_built()         ? "; attention: wgmma at head dims 64, 80, 128"
-                                                         " (forward loads by TMA)"
+                                                         " (loads by TMA: the forward's, and the backward's at 64)"
                                                        : "") +
            ")";
   }
@@ -834,6 +936,27 @@ class CudaBackend final : public Backend {
     return queue_.add_pending(static_cast<cudaStream_t>(other), ranges);
   }
   Status order_compute_for(const std::vector<DeviceRange>& ranges) override { return queue_.wait_for(ranges); }
+  bool optimizer_on_own_stream() const override { return queue_.optimizer_stream(); }
+  // The compute stream and the copies; the AdamW batches on the optimizer stream go
+  // on (backend.h).
+  Status synchronize_compute() override {
+    Status first;
+    auto keep = [&](Status s) {
+      if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
+    };
+    keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
+    keep(copy_.wait_all());
+    {
+      std::lock_guard<std::mutex> lock(err_mu_);
+      if (!error_.is_ok()) {
+        Status recorded = error_;
+        static_cast<void>(error_ = Status::ok());
+        return recorded;
+      }
+    }
+    return first;
+  }
   // Entries of order_after_stream that compute has not waited for yet (tests).
   size_t pending_collectives() { return queue_.pending_count(); }
 
@@ -860,7 +983,8 @@ class CudaBackend final : public Backend {
 
   Status upload(void* dev, const void* host, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending());  // after the collectives on their own stream
+    // After the work on other streams that touches the range (collectives, updates).
+    SPILLWAY_RETURN_IF_ERROR(queue_.wait_for({{dev, bytes, /*write=*/true}}));
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
         cuda_status("cudaMemcpyAsync (upload)", cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s)));
@@ -869,7 +993,8 @@ class CudaBackend final : public Backend {
 
   Status download(void* host, const void* dev, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending());  // after the collectives on their own stream
+    // After the work on other streams that writes the range (collectives, updates).
+    SPILLWAY_RETURN_IF_ERROR(queue_.wait_for({{dev, bytes, /*write=*/false}}));
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
         cuda_status("cudaMemcpyAsync (download)", cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s)));
@@ -878,11 +1003,13 @@ class CudaBackend final : public Backend {
 
   void fill_zero(void* dev, size_t bytes) override {
     if (!enter()) return;
+    record(queue_.wait_for({{dev, bytes, /*write=*/true}}), "fill_zero");
     check(cudaMemsetAsync(dev, 0, bytes, stream()), "fill_zero");
   }
 
   void copy_device(void* dst, const void* src, size_t bytes) override {
     if (!enter()) return;
+    record(queue_.wait_for({{dst, bytes, /*write=*/true}, {src, bytes, /*write=*/false}}), "copy_device");
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()), "copy_device");
   }
 
