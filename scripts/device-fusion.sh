@@ -14,8 +14,9 @@
 #   5. one gpt2-124m step against PyTorch with every epilogue on (loss, every gradient).
 # CONFIGS: names among default (the environment untouched: every epilogue, since
 # session 38), none (no epilogue), gelu, bias (GELU and bias gradient), all (GELU,
-# residual and bias gradient), inorder (the defaults with the AdamW batches on the
-# compute stream, SPILLWAY_CUDA_OPTIMIZER_STREAM=0).
+# residual and bias gradient), inorder and overlap (the defaults with the AdamW batches
+# on the compute stream, SPILLWAY_CUDA_OPTIMIZER_STREAM=0, or on a stream of their own
+# that the next step's forward overlaps, =1).
 # Each part adds to $OUT/summary.txt as it finishes (logs in $LOGS, default
 # /tmp/fusion-logs); a short table ends it.
 # Usage (device tool, carry .deps):
@@ -48,7 +49,8 @@ config_env() {
     all) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=1 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
     bias) echo SPILLWAY_CUDA_GELU_EPILOGUE=1 SPILLWAY_CUDA_RESIDUAL_EPILOGUE=0 SPILLWAY_CUDA_BIAS_EPILOGUE=1 ;;
     inorder) echo SPILLWAY_CUDA_OPTIMIZER_STREAM=0 ;;
-    *) echo "unknown configuration '$1' (expected default, none, gelu, bias, all or inorder)" >&2; exit 2 ;;
+    overlap) echo SPILLWAY_CUDA_OPTIMIZER_STREAM=1 ;;
+    *) echo "unknown configuration '$1' (expected default, none, gelu, bias, all, inorder or overlap)" >&2; exit 2 ;;
   esac
 }
 

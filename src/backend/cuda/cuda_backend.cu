@@ -474,13 +474,14 @@ Result<bool> multi_tensor_from_environment() {
                                  "one launch per tensor");
 }
 
-// SPILLWAY_CUDA_OPTIMIZER_STREAM: the multi-tensor AdamW batches on a stream of their
-// own, of the lowest priority, that later ops wait for on the device only where they
-// touch what a batch reads or writes (the default), so that where the step leaves
-// them running (Backend::synchronize_compute) the next step's forward overlaps them;
-// or with =0 on the compute stream, in order.
+// SPILLWAY_CUDA_OPTIMIZER_STREAM: with =1, the multi-tensor AdamW batches on a stream of
+// their own, of the lowest priority, that later ops wait for on the device only where
+// they touch what a batch reads or writes, so that where the step leaves them running
+// (Backend::synchronize_compute) the next step's forward overlaps them; unset or =0
+// (the default until a GPU has run its tests and timed it), on the compute stream, in
+// order.
 Result<bool> optimizer_stream_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_OPTIMIZER_STREAM", true,
+  return switch_from_environment("SPILLWAY_CUDA_OPTIMIZER_STREAM", false,
                                  "AdamW batches on a stream of their own, overlapping later ops",
                                  "AdamW batches on the compute stream");
 }
@@ -826,9 +827,9 @@ class CudaBackend final : public Backend {
     return gpu_name_ + ", " + format_size(capacity_) + " (device " + std::to_string(device_) +
            "; cuBLASLt workspace " + format_size(kLtWorkspaceBytes) + " per product, inside the step's workspace; " +
            (!queue_.multi_tensor()       ? "one optimizer launch per tensor (SPILLWAY_CUDA_MULTI_TENSOR=0)"
-            : queue_.optimizer_stream() ? "multi-tensor optimizer launches, AdamW on a stream of its own"
-                                        : "multi-tensor optimizer launches, AdamW on the compute stream "
-                                          "(SPILLWAY_CUDA_OPTIMIZER_STREAM=0)") +
+            : queue_.optimizer_stream() ? "multi-tensor optimizer launches, AdamW on a stream of its own "
+                                          "(SPILLWAY_CUDA_OPTIMIZER_STREAM=1)"
+                                        : "multi-tensor optimizer launches, AdamW on the compute stream") +
            (schedule_flags_ == cudaDeviceScheduleAuto ? std::string()
                                                       : std::string("; waits: SPILLWAY_CUDA_SCHEDULE=") +
                                                             schedule_name(schedule_flags_)) +
