@@ -85,8 +85,9 @@ class Backend : public BackendSizes {
   // As synchronize(), except for the optimizer's updates where the backend runs them
   // on a stream of their own (optimizer_on_own_stream(): CUDA, SPILLWAY_CUDA_OPTIMIZER_STREAM):
   // those go on, and what comes later waits for them on the device only where it
-  // touches their memory (order_compute_for, upload, download), or for all of them
-  // (synchronize, the copy engine's copies after compute). The executor ends a step
+  // touches their memory (order_compute_for; upload and download, where they touch
+  // the range copied), or for all of them (synchronize, the copy engine's copies after
+  // compute). Collectives on their own stream are waited for, as by synchronize(). The executor ends a step
   // that moves nothing with it, so that the next step's forward overlaps the updates
   // (DESIGN.md, "The step is a loop"). Default: synchronize().
   virtual Status synchronize_compute() { return synchronize(); }
@@ -166,9 +167,9 @@ class Backend : public BackendSizes {
   virtual Status order_stream_after_compute(void* stream);
   // The work enqueued on `stream` so far reads or writes `ranges`. Compute submitted
   // later waits for it on the device only where it touches one of them (which the
-  // caller says with order_compute_for before submitting it); upload() and download()
-  // wait for the part that touches their range, and synchronize() and the copy
-  // engine's copies after compute for all of it. Default: a null stream
+  // caller says with order_compute_for before submitting it); whatever shows device
+  // memory outside the compute queue waits for all of it: synchronize(), upload(),
+  // download(), and the copy engine's copies after compute. Default: a null stream
   // (work that finished before the call returned) needs nothing; any other is an
   // Unsupported error (the CPU backend has no streams).
   virtual Status order_after_stream(void* stream, const std::vector<DeviceRange>& ranges);

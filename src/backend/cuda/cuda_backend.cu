@@ -197,11 +197,13 @@ class ComputeQueue {
     return wait_for_locked(ranges);
   }
   // Compute submitted from now on waits for all pending work on other streams
-  // (before anything that shows device memory outside the compute queue).
-  Status join_pending() {
+  // (before anything that shows device memory outside the compute queue); with
+  // optimizer false, for the collectives only, the optimizer stream's batches staying
+  // pending.
+  Status join_pending(bool optimizer = true) {
     std::lock_guard<std::mutex> lock(mu_);
     flush_locked();
-    return join_pending_locked();
+    return join_pending_locked(optimizer);
   }
   // Pending entries of collectives (order_after_stream), not of the optimizer stream.
   size_t pending_count() {
@@ -365,17 +367,24 @@ class ComputeQueue {
     bool optimizer;       // an AdamW batch on the optimizer stream (else a collective)
   };
 
-  Status join_pending_locked() {
+  Status join_pending_locked(bool optimizer = true) {
     if (pending_.empty()) return Status::ok();
     cudaError_t e = cudaSetDevice(device_);
+    std::deque<Pending> rest;
+    pending_ranges_.clear();
+    pending_writes_.clear();
     for (Pending& p : pending_) {
+      if (p.optimizer && !optimizer) {
+        pending_ranges_.add_all(p.ranges);
+        pending_writes_.add_all(p.writes);
+        rest.push_back(std::move(p));
+        continue;
+      }
       if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, p.event, 0);
       event_pool_.push_back(p.event);
     }
-    pending_.clear();
-    pending_ranges_.clear();
-    pending_writes_.clear();
-    return cuda_status("cudaStreamWaitEvent (compute after all work pending on other streams)", e);
+    pending_ = std::move(rest);
+    return cuda_status("cudaStreamWaitEvent (compute after the work pending on other streams)", e);
   }
 
   void report(cudaError_t e, const char* what) {
@@ -941,11 +950,13 @@ class CudaBackend final : public Backend {
   // The compute stream and the copies; the AdamW batches on the optimizer stream go
   // on (backend.h).
   Status synchronize_compute() override {
+    if (!queue_.optimizer_stream()) return synchronize();
     Status first;
     auto keep = [&](Status s) {
       if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
     };
     keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    keep(queue_.join_pending(/*optimizer=*/false));  // the collectives, as synchronize() does
     keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
     keep(copy_.wait_all());
     {
@@ -984,7 +995,8 @@ class CudaBackend final : public Backend {
 
   Status upload(void* dev, const void* host, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    // After the work on other streams that touches the range (collectives, updates).
+    // After every collective on its own stream, and the updates that touch the range.
+    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending(/*optimizer=*/false));
     SPILLWAY_RETURN_IF_ERROR(queue_.wait_for({{dev, bytes, /*write=*/true}}));
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
@@ -994,7 +1006,8 @@ class CudaBackend final : public Backend {
 
   Status download(void* host, const void* dev, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    // After the work on other streams that writes the range (collectives, updates).
+    // After every collective on its own stream, and the updates that write the range.
+    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending(/*optimizer=*/false));
     SPILLWAY_RETURN_IF_ERROR(queue_.wait_for({{dev, bytes, /*write=*/false}}));
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
