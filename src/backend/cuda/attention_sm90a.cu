@@ -421,6 +421,25 @@ __device__ __forceinline__ void forward_finish(bf16* out, float* lse, const floa
   }
 }
 
+// The end of the dK/dV kernels for this thread's two keys (key_a, key_a + 8) of batch
+// b: dK·scale at column k_col of each key's row of dqkv (ld elements a row; the key/value
+// head's K columns), dV v_off columns after it. Shared by the cp.async and the TMA kernel.
+template <int HD>
+__device__ __forceinline__ void dkv_finish(bf16* dqkv, const float (&dk)[Cols<HD>::main][32],
+                                           const float (&dk_tail)[Cols<HD>::tail ? 8 : 1],
+                                           const float (&dv)[Cols<HD>::main][32],
+                                           const float (&dv_tail)[Cols<HD>::tail ? 8 : 1], int key_a, int t4, int T,
+                                           int b, size_t ld, int k_col, int v_off, float scale) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_a + r * 8;
+    if (key >= T) continue;
+    bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + k_col;
+    store_row<HD>(dst, dk, dk_tail, r, t4, scale);
+    store_row<HD>(dst + v_off, dv, dv_tail, r, t4, 1.0f);
+  }
+}
+
 #endif  // SPILLWAY_WGMMA_BODY
 
 // out[B,T,C], lse[B,NH,T] (natural log), qkv[B,T,(NH+2·KVH)·HD]; grid (ceil(T/128),
@@ -719,16 +738,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_wgmma(bf16* d
     __syncthreads();  // this buffer is refilled in the next iteration
   }
 
-  const int v_off = kGrouped ? KVH * HD : C;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key_a + r * 8;
-    if (key >= T) continue;
-    // dK of key/value head kvh (for multi-head attention, at C + h·HD); dV follows.
-    bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + (NH + kvh) * HD;
-    store_row<HD>(dst, dk, dk_tail, r, t4, scale);
-    store_row<HD>(dst + v_off, dv, dv_tail, r, t4, 1.0f);
-  }
+  dkv_finish<HD>(dqkv, dk, dk_tail, dv, dv_tail, key_a, t4, T, b, ld, (NH + kvh) * HD, kGrouped ? KVH * HD : C,
+                 scale);
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
@@ -906,15 +917,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     ring.release(it);
   }
 
-  const int v_off = kGrouped ? KVH * HD : C;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key_a + r * 8;
-    if (key >= T) continue;
-    bf16* dst = dqkv + (static_cast<size_t>(b) * T + key) * ld + (NH + kvh) * HD;
-    store_row<HD>(dst, dk, dk_tail, r, t4, scale);
-    store_row<HD>(dst + v_off, dv, dv_tail, r, t4, 1.0f);
-  }
+  dkv_finish<HD>(dqkv, dk, dk_tail, dv, dv_tail, key_a, t4, T, b, ld, (NH + kvh) * HD, kGrouped ? KVH * HD : C,
+                 scale);
 #endif  // SPILLWAY_WGMMA_BODY
 }
 

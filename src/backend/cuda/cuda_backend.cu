@@ -949,49 +949,11 @@ class CudaBackend final : public Backend {
   bool optimizer_on_own_stream() const override { return queue_.optimizer_stream(); }
   // The compute stream and the copies; the AdamW batches on the optimizer stream go
   // on (backend.h).
-  Status synchronize_compute() override {
-    if (!queue_.optimizer_stream()) return synchronize();
-    Status first;
-    auto keep = [&](Status s) {
-      if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
-    };
-    keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    keep(queue_.join_pending(/*optimizer=*/false));  // the collectives, as synchronize() does
-    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
-    keep(copy_.wait_all());
-    {
-      std::lock_guard<std::mutex> lock(err_mu_);
-      if (!error_.is_ok()) {
-        Status recorded = error_;
-        static_cast<void>(error_ = Status::ok());
-        return recorded;
-      }
-    }
-    return first;
-  }
+  Status synchronize_compute() override { return synchronize_all(/*optimizer=*/false); }
   // Entries of order_after_stream that compute has not waited for yet (tests).
   size_t pending_collectives() { return queue_.pending_count(); }
 
-  Status synchronize() override {
-    Status first;
-    auto keep = [&](Status s) {
-      if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
-    };
-    keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    keep(queue_.join_pending());  // the collectives still on their own stream too
-    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
-    keep(copy_.wait_all());
-    {
-      std::lock_guard<std::mutex> lock(err_mu_);
-      if (!error_.is_ok()) {
-        // The recorded error happened first: report it, then forget it.
-        Status recorded = error_;
-        static_cast<void>(error_ = Status::ok());
-        return recorded;
-      }
-    }
-    return first;
-  }
+  Status synchronize() override { return synchronize_all(/*optimizer=*/true); }
 
   Status upload(void* dev, const void* host, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
@@ -1332,6 +1294,29 @@ class CudaBackend final : public Backend {
  private:
   // Makes this backend's device current for the calling thread.
   bool enter() { return check(cudaSetDevice(device_), "cudaSetDevice"); }
+  // The compute stream, the copies and every collective on its own stream, and with
+  // `optimizer` the AdamW batches on theirs; then the first error recorded since the
+  // last call, if any (reported once), else the first error of these waits.
+  Status synchronize_all(bool optimizer) {
+    Status first;
+    auto keep = [&](Status s) {
+      if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
+    };
+    keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    keep(queue_.join_pending(optimizer));
+    keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
+    keep(copy_.wait_all());
+    {
+      std::lock_guard<std::mutex> lock(err_mu_);
+      if (!error_.is_ok()) {
+        // The recorded error happened first: report it, then forget it.
+        Status recorded = error_;
+        static_cast<void>(error_ = Status::ok());
+        return recorded;
+      }
+    }
+    return first;
+  }
   // The compute stream, after the held-back optimizer calls were launched: every op
   // and copy on it goes through here (ComputeQueue).
   cudaStream_t stream() { return queue_.stream(); }
