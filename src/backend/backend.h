@@ -83,13 +83,14 @@ class Backend : public BackendSizes {
   // Blocks until all submitted compute and copies finished; reports async errors.
   virtual Status synchronize() = 0;
   // As synchronize(), except for the optimizer's updates where the backend runs them
-  // on a stream of their own (optimizer_on_own_stream(): CUDA, SPILLWAY_CUDA_OPTIMIZER_STREAM):
-  // those go on, and what comes later waits for them on the device only where it
-  // touches their memory (order_compute_for; upload and download, where they touch
-  // the range copied), or for all of them (synchronize, the copy engine's copies after
-  // compute). Collectives on their own stream are waited for, as by synchronize(). The executor ends a step
-  // that moves nothing with it, so that the next step's forward overlaps the updates
-  // (DESIGN.md, "The step is a loop"). Default: synchronize().
+  // on a stream of their own (optimizer_on_own_stream(): CUDA,
+  // SPILLWAY_CUDA_OPTIMIZER_STREAM): those go on, and what comes later waits for them on
+  // the device only where it touches their memory (order_compute_for; upload and
+  // download, where they touch the range copied), or for all of them (synchronize, a
+  // collective's stream, the copy engine's copies after compute). Collectives on their
+  // own stream are waited for, as by synchronize(). The executor ends a step that moves
+  // nothing with it, so that the next step's forward overlaps the updates (DESIGN.md,
+  // "The step is a loop"). Default: synchronize().
   virtual Status synchronize_compute() { return synchronize(); }
   // True where adamw calls run on a stream of their own: every op then says what it
   // touches (order_compute_for) before it runs.

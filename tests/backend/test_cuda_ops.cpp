@@ -21,6 +21,8 @@
 #include "backend/backend.h"
 #include "optim/adamw.h"
 #ifdef SPILLWAY_HAVE_CUDA
+#include <cuda_runtime.h>
+
 #include "backend/cuda/cuda_backend.h"
 #endif
 #include "support/gpu_support.h"
@@ -1379,10 +1381,11 @@ TEST_F(CudaOps, OptimizerStreamSwitch) {
 }
 
 // Updates left running on the optimizer stream (synchronize_compute) are seen by
-// every later reader and writer of their memory, and by nothing they do not touch:
-// (1) a copy of the parameter on the compute stream reads the updated values; (2)
-// zeroing the gradient (a write of what the update reads) waits for the update to
-// read it; (3) download, of the master weights, waits for the update that writes them.
+// every later reader and writer of their memory: (1) a copy of the parameter on the
+// compute stream reads the updated values; (2) zeroing the gradient (a write of what
+// the update reads) waits for the update to read it; (3) download, of the master
+// weights, waits for the update that writes them; (4) work on another stream ordered
+// after compute (a collective's, Backend::order_stream_after_compute) waits for them.
 // The reference: the same calls on the compute stream, in order. The tensors are large
 // (64M elements: milliseconds of updates), so that a missing wait reads stale values.
 TEST_F(CudaOps, UpdatesOnTheOptimizerStreamAreSeenByLaterWork) {
@@ -1390,7 +1393,7 @@ TEST_F(CudaOps, UpdatesOnTheOptimizerStreamAreSeenByLaterWork) {
   const OptState s = make_opt_state(tensors, rng_);
   const float scale_norm[2] = {0.61f, 1.64f};
   std::vector<std::vector<uint8_t>> want, got;
-  std::vector<uint8_t> want_copy(s.total * 2), got_copy(s.total * 2);
+  std::vector<uint8_t> want_copy(s.total * 2), got_copy(s.total * 2), want_side(s.total * 2), got_side(s.total * 2);
   for (const char* own : {"0", "1"}) {
     ScopedEnv env("SPILLWAY_CUDA_OPTIMIZER_STREAM", own);
     OwnedBackend o("1", size_t{64} << 20);
@@ -1402,6 +1405,19 @@ TEST_F(CudaOps, UpdatesOnTheOptimizerStreamAreSeenByLaterWork) {
     ASSERT_TRUE(b.synchronize().is_ok());
     d.adamw(b, s, 1);
     ASSERT_TRUE(b.synchronize_compute().is_ok());  // the updates may still run
+#ifdef SPILLWAY_HAVE_CUDA
+    {  // (4): a copy of the parameter on a stream of the test's own
+      auto* side_copy = static_cast<uint16_t*>(o.alloc(s.total * 2));
+      cudaStream_t side = nullptr;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+      ASSERT_TRUE(b.order_stream_after_compute(side).is_ok());
+      ASSERT_EQ(cudaMemcpyAsync(side_copy, d.param, s.total * 2, cudaMemcpyDeviceToDevice, side), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+      ASSERT_EQ(cudaStreamDestroy(side), cudaSuccess);
+      ASSERT_TRUE(
+          b.download((std::string(own) == "1" ? got_side : want_side).data(), side_copy, s.total * 2).is_ok());
+    }
+#endif
     b.copy_device(copy, d.param, s.total * 2);       // (1)
     b.fill_zero(d.grad, s.total * 2);                 // (2)
     d.adamw(b, s, 2);                                 // a second step, from the zeroed gradient
@@ -1416,6 +1432,7 @@ TEST_F(CudaOps, UpdatesOnTheOptimizerStreamAreSeenByLaterWork) {
   const char* names[] = {"param", "master", "m", "v", "master (downloaded right after the update)"};
   for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(want[k] == got[k]) << names[k] << " differs";
   EXPECT_TRUE(want_copy == got_copy) << "the copy of the parameter did not see the first update";
+  EXPECT_TRUE(want_side == got_side) << "work on another stream ordered after compute did not see the first update";
   // Not two equal wrong answers: the first update moved the parameter.
   EXPECT_FALSE(want_copy == std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(s.param.data()),
                                                  reinterpret_cast<const uint8_t*>(s.param.data() + s.total)));

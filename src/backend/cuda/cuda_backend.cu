@@ -172,6 +172,9 @@ class ComputeQueue {
   Status order_stream_after(cudaStream_t other) {
     std::lock_guard<std::mutex> lock(mu_);
     flush_locked();
+    // The optimizer stream's batches count as compute submitted so far (a broadcast of a
+    // parameter reads what its update wrote).
+    SPILLWAY_RETURN_IF_ERROR(join_pending_locked(Join::Optimizer));
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
     SPILLWAY_RETURN_IF_ERROR(
         cuda_status("cudaEventRecord (compute, before a collective)", cudaEventRecord(other_fence_, stream_)));
@@ -196,14 +199,14 @@ class ComputeQueue {
     std::lock_guard<std::mutex> lock(mu_);
     return wait_for_locked(ranges);
   }
-  // Compute submitted from now on waits for all pending work on other streams
-  // (before anything that shows device memory outside the compute queue); with
-  // optimizer false, for the collectives only, the optimizer stream's batches staying
-  // pending.
-  Status join_pending(bool optimizer = true) {
+  // Which pending work join_pending waits for.
+  enum class Join { All, Collectives, Optimizer };
+  // Compute submitted from now on waits for the pending work on other streams (all of
+  // it before anything that shows device memory outside the compute queue).
+  Status join_pending(Join which = Join::All) {
     std::lock_guard<std::mutex> lock(mu_);
     flush_locked();
-    return join_pending_locked(optimizer);
+    return join_pending_locked(which);
   }
   // Pending entries of collectives (order_after_stream), not of the optimizer stream.
   size_t pending_count() {
@@ -367,14 +370,14 @@ class ComputeQueue {
     bool optimizer;       // an AdamW batch on the optimizer stream (else a collective)
   };
 
-  Status join_pending_locked(bool optimizer = true) {
+  Status join_pending_locked(Join which = Join::All) {
     if (pending_.empty()) return Status::ok();
     cudaError_t e = cudaSetDevice(device_);
     std::deque<Pending> rest;
     pending_ranges_.clear();
     pending_writes_.clear();
     for (Pending& p : pending_) {
-      if (p.optimizer && !optimizer) {
+      if ((p.optimizer && which == Join::Collectives) || (!p.optimizer && which == Join::Optimizer)) {
         pending_ranges_.add_all(p.ranges);
         pending_writes_.add_all(p.writes);
         rest.push_back(std::move(p));
@@ -949,16 +952,16 @@ class CudaBackend final : public Backend {
   bool optimizer_on_own_stream() const override { return queue_.optimizer_stream(); }
   // The compute stream and the copies; the AdamW batches on the optimizer stream go
   // on (backend.h).
-  Status synchronize_compute() override { return synchronize_all(/*optimizer=*/false); }
+  Status synchronize_compute() override { return synchronize_all(ComputeQueue::Join::Collectives); }
   // Entries of order_after_stream that compute has not waited for yet (tests).
   size_t pending_collectives() { return queue_.pending_count(); }
 
-  Status synchronize() override { return synchronize_all(/*optimizer=*/true); }
+  Status synchronize() override { return synchronize_all(ComputeQueue::Join::All); }
 
   Status upload(void* dev, const void* host, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
     // After every collective on its own stream, and the updates that touch the range.
-    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending(/*optimizer=*/false));
+    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending(ComputeQueue::Join::Collectives));
     SPILLWAY_RETURN_IF_ERROR(queue_.wait_for({{dev, bytes, /*write=*/true}}));
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
@@ -969,7 +972,7 @@ class CudaBackend final : public Backend {
   Status download(void* host, const void* dev, size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
     // After every collective on its own stream, and the updates that write the range.
-    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending(/*optimizer=*/false));
+    SPILLWAY_RETURN_IF_ERROR(queue_.join_pending(ComputeQueue::Join::Collectives));
     SPILLWAY_RETURN_IF_ERROR(queue_.wait_for({{dev, bytes, /*write=*/false}}));
     const cudaStream_t s = stream();
     SPILLWAY_RETURN_IF_ERROR(
@@ -1294,16 +1297,17 @@ class CudaBackend final : public Backend {
  private:
   // Makes this backend's device current for the calling thread.
   bool enter() { return check(cudaSetDevice(device_), "cudaSetDevice"); }
-  // The compute stream, the copies and every collective on its own stream, and with
-  // `optimizer` the AdamW batches on theirs; then the first error recorded since the
-  // last call, if any (reported once), else the first error of these waits.
-  Status synchronize_all(bool optimizer) {
+  // The compute stream, the copies and the pending work `which` says (every collective
+  // on its own stream, and with Join::All the AdamW batches on theirs); then the first
+  // error recorded since the last call, if any (reported once), else the first error of
+  // these waits.
+  Status synchronize_all(ComputeQueue::Join which) {
     Status first;
     auto keep = [&](Status s) {
       if (!s.is_ok() && first.is_ok()) static_cast<void>(first = std::move(s));
     };
     keep(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
-    keep(queue_.join_pending(optimizer));
+    keep(queue_.join_pending(which));
     keep(cuda_status("cudaStreamSynchronize (compute)", cudaStreamSynchronize(stream())));
     keep(copy_.wait_all());
     {
