@@ -577,6 +577,37 @@ __device__ void TmaRing::acquire(int i) const {
 }
 __device__ void TmaRing::wait_full(int i) const { mbar_wait(full(i), (i / kStages) & 1); }
 __device__ void TmaRing::release(int i) const { mbar_arrive(empty(i)); }
+
+// One head's tile of `rows` tokens from column `col`, token row0, batch b: its 64-column
+// boxes from `map` and, at head dim 80, its 16-column tail from `tail_map` (unused
+// otherwise), into `dst` as load_swizzled lays the tile out; the bytes counted on `bar`.
+// Every TMA producer loads its tiles through here.
+template <int HD>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, int rows, const CUtensorMap* map,
+                                              const CUtensorMap* tail_map, int col, int row0, int b, uint32_t bar) {
+  using L = Cols<HD>;
+#pragma unroll
+  for (int c = 0; c < L::main; ++c) tma_load_3d(dst + c * rows * 128, map, col + 64 * c, row0, b, bar);
+  if constexpr (L::tail != 0) tma_load_3d(dst + L::main * rows * 128, tail_map, col + 64 * L::main, row0, b, bar);
+}
+
+// A query block's producer loop over its n_blocks key blocks: block nb's K and V tiles
+// (kBN tokens, columns k_col and v_col of qkv through map and tail_map) into stage
+// nb % kStages of the ring at k_tile and v_tile, once the consumers have released it.
+// The TMA forward's and the TMA dQ kernel's.
+template <int HD>
+__device__ __forceinline__ void produce_kv_blocks(const TmaRing& ring, uint32_t k_tile, uint32_t v_tile,
+                                                  const CUtensorMap* map, const CUtensorMap* tail_map, int k_col,
+                                                  int v_col, int n_blocks, int b) {
+  constexpr int kKVBytes = Cols<HD>::bytes(kBN);
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    ring.acquire(nb);
+    mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
+    const uint32_t st = static_cast<uint32_t>(nb % kStages) * kKVBytes;
+    tma_load_tile<HD>(k_tile + st, kBN, map, tail_map, k_col, nb * kBN, b, ring.full(nb));
+    tma_load_tile<HD>(v_tile + st, kBN, map, tail_map, v_col, nb * kBN, b, ring.full(nb));
+  }
+}
 #endif  // SPILLWAY_WGMMA_BODY
 constexpr size_t kRingBarrierBytes = (1 + 2 * kStages) * sizeof(uint64_t);
 constexpr int kTmaThreads = kThreads + 32;      // two consumer warpgroups, one producer warp
@@ -621,25 +652,8 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
   if (threadIdx.x >= kThreads) {  // the producer warp
     if (threadIdx.x == kThreads) {
       mbar_expect_tx(ring.once(), kQBytes);
-#pragma unroll
-      for (int c = 0; c < kMain; ++c)
-        tma_load_3d(q_tile + c * kBM * 128, &q_map, q_col + 64 * c, m0, qb.b, ring.once());
-      if constexpr (kTail != 0)
-        tma_load_3d(q_tile + kMain * kBM * 128, &q_tail_map, q_col + 64 * kMain, m0, qb.b, ring.once());
-      for (int nb = 0; nb < n_blocks; ++nb) {
-        ring.acquire(nb);
-        mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
-        const uint32_t kt = k_tile + (nb % kStages) * kKVBytes, vt = v_tile + (nb % kStages) * kKVBytes;
-#pragma unroll
-        for (int c = 0; c < kMain; ++c) {
-          tma_load_3d(kt + c * kBN * 128, &kv_map, k_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
-          tma_load_3d(vt + c * kBN * 128, &kv_map, v_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
-        }
-        if constexpr (kTail != 0) {
-          tma_load_3d(kt + kMain * kBN * 128, &kv_tail_map, k_col + 64 * kMain, nb * kBN, qb.b, ring.full(nb));
-          tma_load_3d(vt + kMain * kBN * 128, &kv_tail_map, v_col + 64 * kMain, nb * kBN, qb.b, ring.full(nb));
-        }
-      }
+      tma_load_tile<HD>(q_tile, kBM, &q_map, &q_tail_map, q_col, m0, qb.b, ring.once());
+      produce_kv_blocks<HD>(ring, k_tile, v_tile, &kv_map, &kv_tail_map, k_col, v_col, n_blocks, qb.b);
     }
     return;
   }
@@ -866,11 +880,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const int lane = threadIdx.x & 31;
     if (lane == 0) {
       mbar_expect_tx(ring.once(), 2 * kKBytes);
-#pragma unroll
-      for (int c = 0; c < kMain; ++c) {
-        tma_load_3d(k_tile + c * kKeys * 128, &qkv128, k_col + 64 * c, n0, b, ring.once());
-        tma_load_3d(v_tile + c * kKeys * 128, &qkv128, v_col + 64 * c, n0, b, ring.once());
-      }
+      tma_load_tile<HD>(k_tile, kKeys, &qkv128, &qkv128, k_col, n0, b, ring.once());
+      tma_load_tile<HD>(v_tile, kKeys, &qkv128, &qkv128, v_col, n0, b, ring.once());
     }
     for (int it = 0; it < n_it; ++it) {
       const int st = it % kStages, hh = head_of(it), mb = block_of(it);
@@ -886,11 +897,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       if (lane == 0) {
         mbar_expect_tx(ring.full(it), 2 * kQBytes);
         const int q_col = (h0 + hh) * HD;
-#pragma unroll
-        for (int c = 0; c < kMain; ++c) {
-          tma_load_3d(q_tile + st * kQBytes + c * kQ * 128, &qkv64, q_col + 64 * c, mb * kQ, b, ring.full(it));
-          tma_load_3d(do_tile + st * kQBytes + c * kQ * 128, &dout64, q_col + 64 * c, mb * kQ, b, ring.full(it));
-        }
+        tma_load_tile<HD>(q_tile + st * kQBytes, kQ, &qkv64, &qkv64, q_col, mb * kQ, b, ring.full(it));
+        tma_load_tile<HD>(do_tile + st * kQBytes, kQ, &dout64, &dout64, q_col, mb * kQ, b, ring.full(it));
       }
     }
     return;
@@ -955,21 +963,9 @@ __global__ void __maxnreg__(112)
   if (threadIdx.x >= kThreads) {  // the producer warp
     if (threadIdx.x == kThreads) {
       mbar_expect_tx(ring.once(), 2 * kQBytes);
-#pragma unroll
-      for (int c = 0; c < kMain; ++c) {
-        tma_load_3d(q_tile + c * kBM * 128, &qkv128, q_col + 64 * c, m0, qb.b, ring.once());
-        tma_load_3d(do_tile + c * kBM * 128, &dout128, q_col + 64 * c, m0, qb.b, ring.once());
-      }
-      for (int nb = 0; nb < n_blocks; ++nb) {
-        ring.acquire(nb);
-        mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
-        const uint32_t kt = k_tile + (nb % kStages) * kKVBytes, vt = v_tile + (nb % kStages) * kKVBytes;
-#pragma unroll
-        for (int c = 0; c < kMain; ++c) {
-          tma_load_3d(kt + c * kBN * 128, &qkv64, k_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
-          tma_load_3d(vt + c * kBN * 128, &qkv64, v_col + 64 * c, nb * kBN, qb.b, ring.full(nb));
-        }
-      }
+      tma_load_tile<HD>(q_tile, kBM, &qkv128, &qkv128, q_col, m0, qb.b, ring.once());
+      tma_load_tile<HD>(do_tile, kBM, &dout128, &dout128, q_col, m0, qb.b, ring.once());
+      produce_kv_blocks<HD>(ring, k_tile, v_tile, &qkv64, &qkv64, k_col, v_col, n_blocks, qb.b);
     }
     return;
   }
