@@ -26,12 +26,14 @@
 #include "backend/cuda/cuda_backend.h"
 #endif
 #include "support/gpu_support.h"
+#include "support/test_support.h"
 
 using namespace spillway;
 
 namespace {
 
 using testing_support::gpu_present;
+using testing_support::ScopedEnv;
 
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
@@ -43,27 +45,6 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   if (std::isnan(num)) return INFINITY;
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
-
-// Sets (or, with a null value, unsets) an environment variable for its lifetime, then
-// puts back what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    if (old != nullptr) old_ = old;
-    had_ = old != nullptr;
-    if (value != nullptr) ::setenv(name, value, 1);
-    else ::unsetenv(name);  // nullptr: unset for the scope
-  }
-  ~ScopedEnv() {
-    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
-    else ::unsetenv(name_.c_str());
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
 
 // A tensor held on both backends: bf16 on the GPU, F32 on the CPU, same values.
 struct Pair {

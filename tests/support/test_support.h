@@ -6,6 +6,7 @@
 //   std::vector<int32_t> t = random_ints(n, 8, /*hi=*/vocab);
 //   std::string bytes = read_file(f);               // a whole file ("" when it cannot be read)
 //   std::vector<std::string> names = names_in(dir.path());  // its entries' names, sorted
+//   ScopedEnv env("SPILLWAY_CUDA_ATTENTION", "mma");  // set (nullptr: unset) until scope end
 #pragma once
 
 #include <gtest/gtest.h>
@@ -78,5 +79,28 @@ inline std::vector<int32_t> random_ints(size_t n, uint32_t seed, int32_t hi) {
   for (auto& x : v) x = d(rng);
   return v;
 }
+
+// Sets (or, with a null value, unsets) an environment variable for its lifetime, then
+// puts back what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old != nullptr) old_ = old;
+    had_ = old != nullptr;
+    if (value != nullptr) ::setenv(name, value, 1);
+    else ::unsetenv(name);  // nullptr: unset for the scope
+  }
+  ~ScopedEnv() {
+    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
 
 }  // namespace spillway::testing_support

@@ -8,7 +8,6 @@
 // scripts/device-*.sh run it on the lent GPU.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "train/data.h"
 #include "train/trainer.h"
 #include "support/gpu_support.h"
+#include "support/test_support.h"
 
 namespace spillway {
 namespace {
@@ -37,12 +37,10 @@ struct TrainedRun {
 // after step 3, and the state read straight after step 6.
 TrainedRun train(const char* optimizer_stream) {
   TrainedRun out;
-  const char* old = std::getenv("SPILLWAY_CUDA_OPTIMIZER_STREAM");
-  const std::string saved = old ? old : "";
-  ::setenv("SPILLWAY_CUDA_OPTIMIZER_STREAM", optimizer_stream, 1);
-  auto backend = make_backend("cuda");
-  if (old) ::setenv("SPILLWAY_CUDA_OPTIMIZER_STREAM", saved.c_str(), 1);
-  else ::unsetenv("SPILLWAY_CUDA_OPTIMIZER_STREAM");
+  auto backend = [&] {
+    testing_support::ScopedEnv env("SPILLWAY_CUDA_OPTIMIZER_STREAM", optimizer_stream);
+    return make_backend("cuda");
+  }();
   EXPECT_TRUE(backend.ok()) << backend.status().to_string();
   if (!backend.ok()) return out;
   Backend& b = **backend;
