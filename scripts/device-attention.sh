@@ -12,6 +12,11 @@
 # (build-device, build-device-2, ...): session 38 compared one warpgroup a query block
 # with two that way (bench/RESULTS.md) and kept two. TRAIN: models to train with each variant, model:batch:runs
 # (`bench train --backend cuda --steps 5`), then PEERS (torch_gpt.py configurations).
+# TESTS: the test_backend filter for the first variant (default 'CudaOps.*Attention*'),
+# TESTS_LATER for the others (default TESTS; '-' runs none). OPS_ROWS: the rows of
+# bench ops to print (an extended regular expression, default '^attention'). EXACT=1:
+# the budgeted-against-resident exactness check (scripts/device-exactness.sh) with the
+# first variant.
 # Stops after the tests of a variant that fails them. Usage (device tool, carry .deps):
 #   scripts/device-attention.sh        (summary in $OUT/summary.txt)
 set -uo pipefail
@@ -22,6 +27,9 @@ log() { echo "$*" | tee -a "$out/summary.txt"; }
 t0=$(date +%s)
 machine=machines/h100.json
 [[ "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" == *H200* ]] && machine=machines/h200.json
+# SHAPES: the bench ops shapes, "B C NH" each, ';' between them (default the three
+# above).
+IFS=';' read -r -a SHAPES <<< "${SHAPES:-16 768 12;8 1600 25;8 2560 32}"
 i=0; dirs=()
 for v in ${VARIANTS:--}; do
   i=$((i + 1)); dir=build-device; [ $i -gt 1 ] && dir=build-device-$i
@@ -29,19 +37,27 @@ for v in ${VARIANTS:--}; do
   BUILD_DIR=$dir CUDA_DEFINES="$defs" scripts/device-build.sh spillway test_backend > "$logs/build-$i.log" 2>&1 ||
     { tail -40 "$logs/build-$i.log"; exit 1; }
   log "variant $i [$defs]: build $(( $(date +%s) - t0 )) s"
-  timeout 300 $dir/test_backend --gtest_filter='CudaOps.*Attention*' > "$logs/attention-tests-$i.log" 2>&1
-  rc=$?
-  log "variant $i CudaOps.*Attention*: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$logs/attention-tests-$i.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED|Failure' -A3 "$logs/attention-tests-$i.log" | head -30 | tee -a "$out/summary.txt"
-  [ "$rc" = 0 ] || exit 0
+  filter=${TESTS:-CudaOps.*Attention*}
+  [ $i -gt 1 ] && filter=${TESTS_LATER:-$filter}
+  if [ "$filter" != "-" ]; then
+    timeout 300 $dir/test_backend --gtest_filter="$filter" > "$logs/attention-tests-$i.log" 2>&1
+    rc=$?
+    log "variant $i $filter: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$logs/attention-tests-$i.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED|Failure' -A3 "$logs/attention-tests-$i.log" | head -30 | tee -a "$out/summary.txt"
+    [ "$rc" = 0 ] || exit 0
+  fi
   dirs+=("$dir")
 done
-for shape in "16 768 12" "8 1600 25" "8 2560 32"; do
+if [ "${EXACT:-0}" = 1 ]; then
+  BIN=${dirs[0]}/spillway MACHINE=$machine OUT=$logs scripts/device-exactness.sh budgets "variant 1" 200MiB |
+    tee -a "$out/summary.txt"
+fi
+for shape in "${SHAPES[@]}"; do
   set -- $shape
   for k in ${KERNELS:-auto mma}; do
     for i in "${!dirs[@]}"; do
       r=$(SPILLWAY_CUDA_ATTENTION=$k timeout 120 ${dirs[$i]}/spillway bench ops --backend cuda --B "$1" --T 1024 \
-        --C "$2" --NH "$3" --V 50304 2>&1 | grep -E '^attention' | tr -s ' ' | tr '\n' ';')
+        --C "$2" --NH "$3" --V 50304 2>&1 | grep -E "${OPS_ROWS:-^attention}" | tr -s ' ' | tr '\n' ';')
       log "variant $((i + 1)) B=$1 C=$2 NH=$3 SPILLWAY_CUDA_ATTENTION=$k: $r"
     done
   done

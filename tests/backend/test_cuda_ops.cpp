@@ -122,6 +122,19 @@ class CudaOps : public ::testing::Test {
     return p;
   }
   Pair act_random(size_t n, float scale = 1.0f) { return act(normal(n, scale)); }
+  // A norm's weight near 1 and an output gradient that follows its input (0.5·x + 0.3
+  // + noise), so that the backward's row means (of dnorm and dnorm·norm) are far from
+  // 0 and a wrong row sum shows in dinp beyond the tolerance.
+  Pair norm_weight(size_t C) {
+    std::vector<float> w = normal(C, 0.5f);
+    for (auto& v : w) v = bf16_to_float(float_to_bf16(v + 1.0f));
+    return act(w);
+  }
+  Pair norm_dout(const std::vector<float>& xs) {
+    std::vector<float> d = normal(xs.size(), 0.5f);
+    for (size_t i = 0; i < d.size(); ++i) d[i] = bf16_to_float(float_to_bf16(d[i] + 0.5f * xs[i] + 0.3f));
+    return act(d);
+  }
   // An output that is overwritten: poisoned with NaN so that unwritten elements fail.
   Pair act_poison(size_t n) { return act(std::vector<float>(n, NAN)); }
 
@@ -271,16 +284,20 @@ TEST_F(CudaOps, Matmul) {
 }
 
 // The backward's column sums go by row chunks (column_chunks): N 8200 has 256 chunks of
-// 33 rows, the last ones empty. Up to 1024 columns (a multiple of 8) the backward runs
-// in one pass (norm_backward_onepass_kernel): C 768, 264 (a second 256-column chunk of
-// one vector per row), 1024, and 64 over N 8200; C 100 and 1600 run the two passes.
+// 33 rows, the last ones empty. Up to 8192 columns (a multiple of 8) the backward runs
+// in one pass (norm_backward_onepass_kernel), one warp to a row up to 1024 columns: C
+// 768, 264 (a second 256-column slot of one vector per row), 1024, and 64 over N 8200;
+// two warps at 1600 (parts of 4 and 3 slots), four at 2560 (3, 3, 3 and 1) and 4096
+// (4 each), eight at 4104 (the last part one vector) and 8192. C 100 and 8200 run the
+// two passes.
 TEST_F(CudaOps, LayerNorm) {
   for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 1600}, std::pair{8200, 64},
-                      std::pair{300, 264}, std::pair{2048, 1024}}) {
+                      std::pair{300, 264}, std::pair{2048, 1024}, std::pair{333, 2560}, std::pair{130, 4096},
+                      std::pair{97, 4104}, std::pair{70, 8192}, std::pair{50, 8200}}) {
     SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
     std::vector<float> xs = normal(size_t(N) * C, 2.0f);
     for (size_t i = 0; i < xs.size(); ++i) xs[i] = bf16_to_float(float_to_bf16(xs[i] + 0.5f));
-    Pair inp = act(xs), w = act_random(C), b = act_random(C);
+    Pair inp = act(xs), w = norm_weight(C), b = act_random(C);
     Pair out = act_poison(size_t(N) * C), mean = f32_poison(N), rstd = f32_poison(N);
     gpu_->layernorm_forward(out.g, (float*)mean.g, (float*)rstd.g, inp.g, w.g, b.g, N, C);
     cpu_->layernorm_forward(out.c, (float*)mean.c, (float*)rstd.c, inp.c, w.c, b.c, N, C);
@@ -288,7 +305,7 @@ TEST_F(CudaOps, LayerNorm) {
     expect_close(mean, "layernorm_forward mean", 1e-4);
     expect_close(rstd, "layernorm_forward rstd", 1e-4);
 
-    Pair dout = act_random(size_t(N) * C), dinp = act_random(size_t(N) * C);
+    Pair dout = norm_dout(xs), dinp = act_random(size_t(N) * C);
     Pair dw = act_random(C), db = act_random(C);
     auto r1 = saver(dinp), r2 = saver(dw), r3 = saver(db);
     gpu_->layernorm_backward(dinp.g, dw.g, db.g, dout.g, inp.g, w.g, (float*)mean.g, (float*)rstd.g, N, C);
@@ -305,19 +322,22 @@ TEST_F(CudaOps, LayerNorm) {
   }
 }
 
-// The backward's one pass and two passes as in LayerNorm above (C 2048 and 100: two).
+// The backward's one pass and two passes as in LayerNorm above (C 100 and 8200: two;
+// 2048: two warps to a row, 3072: four, 4104: eight).
 TEST_F(CudaOps, RmsNorm) {
   for (auto [N, C] : {std::pair{64, 768}, std::pair{37, 100}, std::pair{1000, 2048}, std::pair{8200, 64},
-                      std::pair{300, 264}, std::pair{2048, 1024}}) {
+                      std::pair{300, 264}, std::pair{2048, 1024}, std::pair{129, 3072}, std::pair{97, 4104},
+                      std::pair{50, 8200}}) {
     SCOPED_TRACE("N=" + std::to_string(N) + " C=" + std::to_string(C));
-    Pair inp = act_random(size_t(N) * C, 2.0f), w = act_random(C);
+    const std::vector<float> xs = normal(size_t(N) * C, 2.0f);
+    Pair inp = act(xs), w = norm_weight(C);
     Pair out = act_poison(size_t(N) * C), rstd = f32_poison(N);
     gpu_->rmsnorm_forward(out.g, (float*)rstd.g, inp.g, w.g, N, C, 1e-5f);
     cpu_->rmsnorm_forward(out.c, (float*)rstd.c, inp.c, w.c, N, C, 1e-5f);
     expect_close(out, "rmsnorm_forward out");
     expect_close(rstd, "rmsnorm_forward rstd", 1e-4);
 
-    Pair dout = act_random(size_t(N) * C), dinp = act_random(size_t(N) * C), dw = act_random(C);
+    Pair dout = norm_dout(xs), dinp = act_random(size_t(N) * C), dw = act_random(C);
     auto r1 = saver(dinp), r2 = saver(dw);
     gpu_->rmsnorm_backward(dinp.g, dw.g, dout.g, inp.g, w.g, (float*)rstd.g, N, C);
     cpu_->rmsnorm_backward(dinp.c, dw.c, dout.c, inp.c, w.c, (float*)rstd.c, N, C);

@@ -818,14 +818,16 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_wgmma(bf16* dq
 #endif  // SPILLWAY_WGMMA_BODY
 }
 
-// ---- the backward with a producer warp (head dim 64) ----
+// ---- the backward with a producer warp (head dims 64 and 80) ----
 //
 // The dK/dV and dQ kernels above with their loads by TMA under a TmaRing, as the
 // forward's: a producer warp loads the tiles each block keeps (K and V; Q and dO) once
 // and streams the others (Q, dO and their lse and D; K and V) through kStages stages;
 // the consumer warpgroups compute exactly as above and synchronize only through the
-// ring's barriers. Head dim 64 only: at 128 the producer warp's registers push the
-// kernels into spilling (dK/dV: 224 a thread at one block of 288 per SM).
+// ring's barriers. Head dims 64 and 80 (gpt-2.7b's), whose 16-column tail comes
+// through the 32-byte-swizzled tail maps as in the forward; not 128: there the
+// producer warp's registers push the kernels into spilling (dK/dV: 224 a thread at
+// one block of 288 per SM).
 
 template <int HD>
 constexpr size_t tma_dkv_smem_bytes() {
@@ -844,12 +846,15 @@ template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_backward_dkv_tma(bf16* dqkv, const float* lse, const float* Dg,
                                const __grid_constant__ CUtensorMap qkv128, const __grid_constant__ CUtensorMap qkv64,
-                               const __grid_constant__ CUtensorMap dout64, int T, int C, int NH, int KVH, float scale,
-                               float scale_log2) {
+                               const __grid_constant__ CUtensorMap dout64,
+                               const __grid_constant__ CUtensorMap qkv128_tail,
+                               const __grid_constant__ CUtensorMap qkv64_tail,
+                               const __grid_constant__ CUtensorMap dout64_tail, int T, int C, int NH, int KVH,
+                               float scale, float scale_log2) {
 #ifdef SPILLWAY_WGMMA_BODY
   using L = Cols<HD>;
-  static_assert(HD == 64, "the TMA backward takes head dim 64");
-  constexpr int kMain = L::main;
+  static_assert(HD == 64 || HD == 80, "the TMA backward takes head dims 64 and 80");
+  constexpr int kMain = L::main, kTail = L::tail;
   constexpr int kKeys = kBM, kQ = kBN;
   constexpr int kKBytes = L::bytes(kKeys), kQBytes = L::bytes(kQ);
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -880,8 +885,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const int lane = threadIdx.x & 31;
     if (lane == 0) {
       mbar_expect_tx(ring.once(), 2 * kKBytes);
-      tma_load_tile<HD>(k_tile, kKeys, &qkv128, &qkv128, k_col, n0, b, ring.once());
-      tma_load_tile<HD>(v_tile, kKeys, &qkv128, &qkv128, v_col, n0, b, ring.once());
+      tma_load_tile<HD>(k_tile, kKeys, &qkv128, &qkv128_tail, k_col, n0, b, ring.once());
+      tma_load_tile<HD>(v_tile, kKeys, &qkv128, &qkv128_tail, v_col, n0, b, ring.once());
     }
     for (int it = 0; it < n_it; ++it) {
       const int st = it % kStages, hh = head_of(it), mb = block_of(it);
@@ -897,8 +902,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       if (lane == 0) {
         mbar_expect_tx(ring.full(it), 2 * kQBytes);
         const int q_col = (h0 + hh) * HD;
-        tma_load_tile<HD>(q_tile + st * kQBytes, kQ, &qkv64, &qkv64, q_col, mb * kQ, b, ring.full(it));
-        tma_load_tile<HD>(do_tile + st * kQBytes, kQ, &dout64, &dout64, q_col, mb * kQ, b, ring.full(it));
+        tma_load_tile<HD>(q_tile + st * kQBytes, kQ, &qkv64, &qkv64_tail, q_col, mb * kQ, b, ring.full(it));
+        tma_load_tile<HD>(do_tile + st * kQBytes, kQ, &dout64, &dout64_tail, q_col, mb * kQ, b, ring.full(it));
       }
     }
     return;
@@ -907,7 +912,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int wg_key0 = n0 + wg * kWgRows;  // this warpgroup's first key
-  float dk[kMain][32], dk_tail[1], dv[kMain][32], dv_tail[1];
+  float dk[kMain][32], dk_tail[kTail ? 8 : 1], dv[kMain][32], dv_tail[kTail ? 8 : 1];
   zero<HD>(dk, dk_tail);
   zero<HD>(dv, dv_tail);
   const int key_a = wg_key0 + warp * 16 + g;  // this thread's keys: key_a and key_a + 8
@@ -934,15 +939,18 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // kBM and kBN tokens; dout128: over dout (ld = C), boxes of kBM tokens. 112 registers a
 // thread, so that two blocks of 288 threads fit an SM (it needs 112 without spilling).
 template <int HD>
-__global__ void __maxnreg__(112)
+__global__ void __maxnreg__(HD == 64 ? 112 : 168)
     attention_backward_dq_tma(bf16* dqkv, const float* lse, const float* Dg,
                               const __grid_constant__ CUtensorMap qkv128, const __grid_constant__ CUtensorMap qkv64,
-                              const __grid_constant__ CUtensorMap dout128, int T, int C, int NH, int KVH, float scale,
-                              float scale_log2) {
+                              const __grid_constant__ CUtensorMap dout128,
+                              const __grid_constant__ CUtensorMap qkv128_tail,
+                              const __grid_constant__ CUtensorMap qkv64_tail,
+                              const __grid_constant__ CUtensorMap dout128_tail, int T, int C, int NH, int KVH,
+                              float scale, float scale_log2) {
 #ifdef SPILLWAY_WGMMA_BODY
   using L = Cols<HD>;
-  static_assert(HD == 64, "the TMA backward takes head dim 64");
-  constexpr int kMain = L::main;
+  static_assert(HD == 64 || HD == 80, "the TMA backward takes head dims 64 and 80");
+  constexpr int kMain = L::main, kTail = L::tail;
   constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -963,9 +971,9 @@ __global__ void __maxnreg__(112)
   if (threadIdx.x >= kThreads) {  // the producer warp
     if (threadIdx.x == kThreads) {
       mbar_expect_tx(ring.once(), 2 * kQBytes);
-      tma_load_tile<HD>(q_tile, kBM, &qkv128, &qkv128, q_col, m0, qb.b, ring.once());
-      tma_load_tile<HD>(do_tile, kBM, &dout128, &dout128, q_col, m0, qb.b, ring.once());
-      produce_kv_blocks<HD>(ring, k_tile, v_tile, &qkv64, &qkv64, k_col, v_col, n_blocks, qb.b);
+      tma_load_tile<HD>(q_tile, kBM, &qkv128, &qkv128_tail, q_col, m0, qb.b, ring.once());
+      tma_load_tile<HD>(do_tile, kBM, &dout128, &dout128_tail, q_col, m0, qb.b, ring.once());
+      produce_kv_blocks<HD>(ring, k_tile, v_tile, &qkv64, &qkv64_tail, k_col, v_col, n_blocks, qb.b);
     }
     return;
   }
@@ -982,7 +990,7 @@ __global__ void __maxnreg__(112)
     lse2[r] = q < T ? lse_bh[q] * kLog2e : INFINITY;
     Dr[r] = q < T ? D_bh[q] : 0.0f;
   }
-  float dq[kMain][32], dq_tail[1];
+  float dq[kMain][32], dq_tail[kTail ? 8 : 1];
   zero<HD>(dq, dq_tail);
   mbar_wait(ring.once(), 0);
 
@@ -1037,65 +1045,94 @@ bool encode_qkv_map(CUtensorMap* map, const bf16* qkv, size_t ld, int T, int B, 
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The TMA backward where it applies (head dim 64, qkv and dout rows a multiple of 16
-// bytes, the driver's encoder present); cudaErrorNotSupported where it does not, and
-// the caller runs the kernels above.
+// Which backward kernels load by TMA at a head dim: dQ at 64 and 80; dK/dV at 64, and
+// at 80 unless -DSPILLWAY_ATTENTION_CP_ASYNC_DKV_80 (there the TMA dK/dV kernel has
+// 168 registers, the most that 288 threads allow, and ptxas serializes its products;
+// the cp.async one has 206). -DSPILLWAY_ATTENTION_TMA_BACKWARD_64_ONLY keeps head dim
+// 80 on the cp.async kernels, -DSPILLWAY_ATTENTION_NO_TMA every head dim: builds to
+// time against each other in one call.
 template <int HD>
-cudaError_t backward_tma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
-                         int T, int C, int NH, int KVH, cudaStream_t stream) {
-  if constexpr (HD != 64) {
-    return cudaErrorNotSupported;
-  } else {
-    const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
-    CUtensorMap qkv128, qkv64, dout128, dout64;
-    if (ld % 8 != 0 || C % 8 != 0 || !encode_qkv_map(&qkv128, qkv, ld, T, B, kBM) ||
-        !encode_qkv_map(&qkv64, qkv, ld, T, B, kBN) || !encode_qkv_map(&dout128, dout, C, T, B, kBM) ||
-        !encode_qkv_map(&dout64, dout, C, T, B, kBN))
-      return cudaErrorNotSupported;
-    const float scale = 1.0f / sqrtf(static_cast<float>(HD)), scale_log2 = scale * kLog2e;
-    constexpr size_t smem_kv = tma_dkv_smem_bytes<HD>(), smem_q = tma_dq_smem_bytes<HD>();
-    const bool grouped = KVH != NH;
-    auto dkv = grouped ? attention_backward_dkv_tma<HD, true> : attention_backward_dkv_tma<HD, false>;
-    auto dq = attention_backward_dq_tma<HD>;
-    cudaError_t e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv));
-    if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q));
-    if (e != cudaSuccess) return e;
-    dkv<<<dim3(ceil_div(T, kBM), B * KVH), kTmaThreads, smem_kv, stream>>>(dqkv, lse, D, qkv128, qkv64, dout64, T, C,
-                                                                           NH, KVH, scale, scale_log2);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    dq<<<dim3(ceil_div(T, kBM), B * NH), kTmaThreads, smem_q, stream>>>(dqkv, lse, D, qkv128, qkv64, dout128, T, C,
-                                                                        NH, KVH, scale, scale_log2);
-    return cudaGetLastError();
-  }
+struct TmaBackward {
+#if defined(SPILLWAY_ATTENTION_NO_TMA)
+  static constexpr bool dq = false, dkv = false;
+#elif defined(SPILLWAY_ATTENTION_TMA_BACKWARD_64_ONLY)
+  static constexpr bool dq = HD == 64, dkv = HD == 64;
+#elif defined(SPILLWAY_ATTENTION_CP_ASYNC_DKV_80)
+  static constexpr bool dq = HD == 64 || HD == 80, dkv = HD == 64;
+#else
+  static constexpr bool dq = HD == 64 || HD == 80, dkv = HD == 64 || HD == 80;
+#endif
+};
+
+// The tensor maps of the TMA backward over qkv [B,T,ld] and dout [B,T,C]: boxes of kBM
+// and kBN tokens, 64 columns, and at head dim 80 the same boxes of the 16-column tail.
+struct BackwardMaps {
+  CUtensorMap qkv128, qkv64, dout128, dout64, qkv128_tail, qkv64_tail, dout128_tail, dout64_tail;
+};
+// False where the TMA backward does not apply (rows not a multiple of 16 bytes, no
+// encoder in the driver).
+template <int HD>
+bool encode_backward_maps(BackwardMaps& m, const bf16* dout, const bf16* qkv, size_t ld, int B, int T, int C) {
+  constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
+  return ld % 8 == 0 && C % 8 == 0 && encode_qkv_map(&m.qkv128, qkv, ld, T, B, kBM) &&
+         encode_qkv_map(&m.qkv64, qkv, ld, T, B, kBN) && encode_qkv_map(&m.dout128, dout, C, T, B, kBM) &&
+         encode_qkv_map(&m.dout64, dout, C, T, B, kBN) && encode_qkv_map(&m.qkv128_tail, qkv, ld, T, B, kBM, tail) &&
+         encode_qkv_map(&m.qkv64_tail, qkv, ld, T, B, kBN, tail) &&
+         encode_qkv_map(&m.dout128_tail, dout, C, T, B, kBM, tail) &&
+         encode_qkv_map(&m.dout64_tail, dout, C, T, B, kBN, tail);
 }
 
+// dK/dV, then dQ, each by its TMA kernel where TmaBackward<HD> says so and the maps
+// encode, else by its cp.async kernel above.
 template <int HD>
 cudaError_t backward_wgmma(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B,
                            int T, int C, int NH, int KVH, cudaStream_t stream) {
-#ifndef SPILLWAY_ATTENTION_NO_TMA
-  if (const cudaError_t e = backward_tma<HD>(dqkv, dout, qkv, lse, D, B, T, C, NH, KVH, stream);
-      e != cudaErrorNotSupported)
-    return e;
-#endif
   using L = Cols<HD>;
   const float scale = 1.0f / sqrtf(static_cast<float>(HD)), scale_log2 = scale * kLog2e;
-  constexpr size_t smem_kv = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 4 * kBN * sizeof(float) + 1024;
-  constexpr size_t smem_q = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 1024;
   const bool grouped = KVH != NH;
-  auto dkv = grouped ? attention_backward_dkv_wgmma<HD, true> : attention_backward_dkv_wgmma<HD, false>;
-  auto dq = grouped ? attention_backward_dq_wgmma<HD, true> : attention_backward_dq_wgmma<HD, false>;
-  cudaError_t e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_kv));
-  if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_q));
-  if (e != cudaSuccess) return e;
-  dkv<<<dim3(ceil_div(T, kBM), B * KVH), kThreads, smem_kv, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH,
-                                                                       scale, scale_log2);
+  const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
+  BackwardMaps maps;
+  const bool tma = (TmaBackward<HD>::dq || TmaBackward<HD>::dkv) &&
+                   encode_backward_maps<HD>(maps, dout, qkv, ld, B, T, C);
+  const dim3 dkv_grid(ceil_div(T, kBM), B * KVH), dq_grid(ceil_div(T, kBM), B * NH);
+  cudaError_t e = cudaSuccess;
+  if constexpr (TmaBackward<HD>::dkv) {
+    if (tma) {
+      constexpr size_t smem = tma_dkv_smem_bytes<HD>();
+      auto dkv = grouped ? attention_backward_dkv_tma<HD, true> : attention_backward_dkv_tma<HD, false>;
+      e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (e != cudaSuccess) return e;
+      dkv<<<dkv_grid, kTmaThreads, smem, stream>>>(dqkv, lse, D, maps.qkv128, maps.qkv64, maps.dout64,
+                                                   maps.qkv128_tail, maps.qkv64_tail, maps.dout64_tail, T, C, NH,
+                                                   KVH, scale, scale_log2);
+    }
+  }
+  if (!TmaBackward<HD>::dkv || !tma) {
+    constexpr size_t smem = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 4 * kBN * sizeof(float) + 1024;
+    auto dkv = grouped ? attention_backward_dkv_wgmma<HD, true> : attention_backward_dkv_wgmma<HD, false>;
+    e = cudaFuncSetAttribute(dkv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    dkv<<<dkv_grid, kThreads, smem, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale, scale_log2);
+  }
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  dq<<<dim3(ceil_div(T, kBM), B * NH), kThreads, smem_q, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale,
-                                                                    scale_log2);
+  if constexpr (TmaBackward<HD>::dq) {
+    if (tma) {
+      constexpr size_t smem = tma_dq_smem_bytes<HD>();
+      auto dq = attention_backward_dq_tma<HD>;
+      e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (e != cudaSuccess) return e;
+      dq<<<dq_grid, kTmaThreads, smem, stream>>>(dqkv, lse, D, maps.qkv128, maps.qkv64, maps.dout128,
+                                                 maps.qkv128_tail, maps.qkv64_tail, maps.dout128_tail, T, C, NH, KVH,
+                                                 scale, scale_log2);
+      return cudaGetLastError();
+    }
+  }
+  constexpr size_t smem = 2 * L::bytes(kBM) + 4 * L::bytes(kBN) + 1024;
+  auto dq = grouped ? attention_backward_dq_wgmma<HD, true> : attention_backward_dq_wgmma<HD, false>;
+  e = cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  dq<<<dq_grid, kThreads, smem, stream>>>(dqkv, dout, qkv, lse, D, T, C, NH, KVH, scale, scale_log2);
   return cudaGetLastError();
 }
 

@@ -400,38 +400,52 @@ __global__ void rmsnorm_dweight_partials_kernel(float* partial_w, const bf16* do
   partial_w[static_cast<size_t>(p) * C + c] = acc;
 }
 
-// The backward of a LayerNorm (LN) or an RMSNorm (!LN) of at most 1024 columns, in
-// one pass: block p takes chunk p of column_chunks(N) (`rows` rows), its 8 warps a row
-// each at a time (rows r0 + warp, r0 + warp + 8, ...). A warp writes its row of dinp
-// exactly as layernorm_dinp_kernel / rmsnorm_dinp_kernel do (the same sums in the same
-// order, so the same bits), and adds the row into its lanes' column sums in registers
-// (lane l holds columns l·8 + k·256 + j, k < NCH, j < 8) while the row is there; the
-// 8 warps' sums are then added in warp order through shared memory into the chunk's
-// partial_w[p,:] (Σ dout·norm) and, with LN, partial_b[p,:] (Σ dout). Each row is
-// read from HBM once, against twice for the two passes. NCH = ceil(C/256) ≤ 4,
-// C % 8 == 0, rows 16-byte aligned. dinp[N,C], dout[N,C], inp[N,C], weight[C],
-// mean[N] (LN), rstd[N]; partial_w, partial_b [P,C].
+// The backward of a LayerNorm (LN) or an RMSNorm (!LN) of at most 8192 columns, in
+// one pass: block p takes chunk p of column_chunks(N) (`rows` rows) with its 8 warps,
+// S warps to a row (S = 1, 2, 4 or 8: 8/S row groups). Warp `part` q of row group g
+// takes rows r0 + g, r0 + g + 8/S, ... and, of each, the columns of 256-column slots
+// q·KP .. q·KP + KP - 1 (lane l: columns l·8 + 256·k + j, j < 8). It writes its part of
+// dinp with norm_row_sums8 and norm_dinp8, and adds the part into its lanes' column
+// sums in registers while the row is there; the row groups' sums are then added in
+// group order through shared memory into the chunk's partial_w[p,:] (Σ dout·norm) and,
+// with LN, partial_b[p,:] (Σ dout). Each row is read from HBM once, against twice for
+// the two passes.
+// The row sums: each part's lanes sum their columns in order and the warp adds the
+// lanes (warp_sum); with S = 1 that is the row's sum, as layernorm_dinp_kernel and
+// rmsnorm_dinp_kernel form it, so up to 1024 columns the bits are theirs. With S > 1
+// the parts' sums are added in part order through shared memory (a named barrier per
+// row group): a fixed order, so the same bits in every run, but not the two-pass
+// kernels' (which run only where this kernel does not).
+// C % 8 == 0, rows 16-byte aligned, ceil(C/256) ≤ S·KP, KP ≤ 4. dinp[N,C], dout[N,C],
+// inp[N,C], weight[C], mean[N] (LN), rstd[N]; partial_w, partial_b [P,C].
 constexpr int kNormRowWarps = 8;
-template <bool LN, int NCH>
+template <bool LN, int KP, int S>
 __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
     norm_backward_onepass_kernel(bf16* dinp, float* partial_w, float* partial_b, const bf16* dout, const bf16* inp,
                                  const bf16* weight, const float* mean, const float* rstd, int N, int C, int rows) {
-  __shared__ float sums[kNormRowWarps][NCH * 256];  // one warp's column sums each
+  static_assert(S == 1 || S == 2 || S == 4 || S == 8, "1, 2, 4 or 8 warps to a row");
+  constexpr int kGroups = kNormRowWarps / S;  // rows in flight in a block
+  constexpr int kWidth = S * KP * 256;        // columns a row group covers (≥ C)
+  __shared__ float sums[kGroups * kWidth];    // [kGroups][kWidth] each row group's column sums
+  __shared__ float part_sums[2][kNormRowWarps][2];  // [row parity][warp][s1, s2] with S > 1
   const int p = blockIdx.x;
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x & 31);
+  const int group = warp / S, part = warp % S;
+  const int col0 = lane * 8 + part * KP * 256;  // this lane's first column
   const int r0 = p * rows, r1 = min(N, r0 + rows);
-  float aw[NCH][8], ab[NCH][8];
+  float aw[KP][8], ab[KP][8];
 #pragma unroll
-  for (int k = 0; k < NCH; ++k)
+  for (int k = 0; k < KP; ++k)
 #pragma unroll
     for (int j = 0; j < 8; ++j) aw[k][j] = ab[k][j] = 0.0f;
-  for (int r = r0 + warp; r < r1; r += kNormRowWarps) {
+  int parity = 0;
+  for (int r = r0 + group; r < r1; r += kGroups, parity ^= 1) {
     const size_t off = static_cast<size_t>(r) * C;
     const float mu = LN ? mean[r] : 0.0f, rs = rstd[r];
-    Bf16x8 xv[NCH], dv[NCH], gv[NCH];
+    Bf16x8 xv[KP], dv[KP], gv[KP];
 #pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c = lane * 8 + k * 256;
+    for (int k = 0; k < KP; ++k) {
+      const int c = col0 + k * 256;
       if (c < C) {
         xv[k] = load8(inp + off + c);
         dv[k] = load8(dout + off + c);
@@ -440,8 +454,8 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
     }
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c = lane * 8 + k * 256;
+    for (int k = 0; k < KP; ++k) {
+      const int c = col0 + k * 256;
       if (c < C) {
         float x[8], d[8], w[8];
         unpack8(xv[k], x);
@@ -450,10 +464,29 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
         norm_row_sums8<LN>(x, d, w, mu, rs, s1, s2);
       }
     }
-    const float m1 = LN ? warp_sum(s1) / C : 0.0f, m2 = warp_sum(s2) / C;
+    float t1 = LN ? warp_sum(s1) : 0.0f, t2 = warp_sum(s2);
+    if constexpr (S > 1) {
+      // The row group's parts, added in part order. Two buffers by row parity: a warp
+      // rewrites one only after every warp of its group has passed the next row's
+      // barrier, that is, has read it.
+      if (lane == 0) {
+        part_sums[parity][warp][0] = t1;
+        part_sums[parity][warp][1] = t2;
+      }
+      asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "r"(S * 32) : "memory");
+      const int w0 = group * S;
+      t1 = part_sums[parity][w0][0];
+      t2 = part_sums[parity][w0][1];
 #pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c = lane * 8 + k * 256;
+      for (int q = 1; q < S; ++q) {
+        t1 += part_sums[parity][w0 + q][0];
+        t2 += part_sums[parity][w0 + q][1];
+      }
+    }
+    const float m1 = LN ? t1 / C : 0.0f, m2 = t2 / C;
+#pragma unroll
+    for (int k = 0; k < KP; ++k) {
+      const int c = col0 + k * 256;
       if (c < C) {
         float x[8], d[8], w[8], g[8];
         unpack8(xv[k], x);
@@ -474,20 +507,20 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
       }
     }
   }
-  // The chunk's column sums: the warps' in warp order, one thread per column.
-  auto combine = [&](float (&acc)[NCH][8], float* partial) {
+  // The chunk's column sums: the row groups' in group order, one thread per column.
+  auto combine = [&](float (&acc)[KP][8], float* partial) {
 #pragma unroll
-    for (int k = 0; k < NCH; ++k) {
-      const int c = lane * 8 + k * 256;
+    for (int k = 0; k < KP; ++k) {
+      const int c = col0 + k * 256;
       if (c < C)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sums[warp][c + j] = acc[k][j];
+        for (int j = 0; j < 8; ++j) sums[group * kWidth + c + j] = acc[k][j];
     }
     __syncthreads();
     for (int c = static_cast<int>(threadIdx.x); c < C; c += blockDim.x) {
       float t = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kNormRowWarps; ++w) t += sums[w][c];
+      for (int g = 0; g < kGroups; ++g) t += sums[g * kWidth + c];
       partial[static_cast<size_t>(p) * C + c] = t;
     }
     __syncthreads();
@@ -496,24 +529,45 @@ __global__ void __launch_bounds__(kNormRowWarps * 32, 2)
   if constexpr (LN) combine(ab, partial_b);
 }
 
-// Launches norm_backward_onepass_kernel when its conditions hold (C % 8 == 0, C ≤ 1024,
-// every row 16-byte aligned); false when they do not (nothing launched).
+// The widest row norm_backward_onepass_kernel takes: 8 warps of 4 slots of 256
+// columns. -DSPILLWAY_NORM_ONEPASS_MAX_1024 keeps wider rows on the two passes, to time
+// both in one call.
+#ifdef SPILLWAY_NORM_ONEPASS_MAX_1024
+constexpr int kNormOnepassMaxC = 1024;
+#else
+constexpr int kNormOnepassMaxC = 8192;
+#endif
+
+// Launches norm_backward_onepass_kernel when its conditions hold (C % 8 == 0,
+// C ≤ kNormOnepassMaxC, every row 16-byte aligned); false when they do not (nothing
+// launched). S: the fewest warps to a row that keep a warp's part at 4 slots or fewer.
 template <bool LN>
 bool launch_norm_backward_onepass(bf16* dinp, float* partial_w, float* partial_b, const bf16* dout, const bf16* inp,
                                   const bf16* weight, const float* mean, const float* rstd, int N, int C,
                                   const cuda_workspace::ColumnChunks& ch, cudaStream_t stream) {
-  if (C % 8 != 0 || C > 1024 || !aligned16(dinp) || !aligned16(dout) || !aligned16(inp) || !aligned16(weight))
+  if (C % 8 != 0 || C > kNormOnepassMaxC || !aligned16(dinp) || !aligned16(dout) || !aligned16(inp) ||
+      !aligned16(weight))
     return false;
   const int nch = (C + 255) / 256;
   const dim3 grid(ch.count), block(kNormRowWarps * 32);
-#define SPILLWAY_NORM_ONEPASS(K)                                                                                  \
-  norm_backward_onepass_kernel<LN, K><<<grid, block, 0, stream>>>(dinp, partial_w, partial_b, dout, inp, weight, \
-                                                                  mean, rstd, N, C, ch.rows)
-  switch (nch) {
-    case 1: SPILLWAY_NORM_ONEPASS(1); break;
-    case 2: SPILLWAY_NORM_ONEPASS(2); break;
-    case 3: SPILLWAY_NORM_ONEPASS(3); break;
-    default: SPILLWAY_NORM_ONEPASS(4); break;
+#define SPILLWAY_NORM_ONEPASS(KP, S)                                                                       \
+  norm_backward_onepass_kernel<LN, KP, S><<<grid, block, 0, stream>>>(dinp, partial_w, partial_b, dout, inp, \
+                                                                      weight, mean, rstd, N, C, ch.rows)
+  if (nch <= 4) {
+    switch (nch) {
+      case 1: SPILLWAY_NORM_ONEPASS(1, 1); break;
+      case 2: SPILLWAY_NORM_ONEPASS(2, 1); break;
+      case 3: SPILLWAY_NORM_ONEPASS(3, 1); break;
+      default: SPILLWAY_NORM_ONEPASS(4, 1); break;
+    }
+  } else {
+    const int S = nch <= 8 ? 2 : nch <= 16 ? 4 : 8;
+    const bool three = (nch + S - 1) / S <= 3;  // slots a part: 3 or 4
+    switch (S) {
+      case 2: three ? SPILLWAY_NORM_ONEPASS(3, 2) : SPILLWAY_NORM_ONEPASS(4, 2); break;
+      case 4: three ? SPILLWAY_NORM_ONEPASS(3, 4) : SPILLWAY_NORM_ONEPASS(4, 4); break;
+      default: three ? SPILLWAY_NORM_ONEPASS(3, 8) : SPILLWAY_NORM_ONEPASS(4, 8); break;
+    }
   }
 #undef SPILLWAY_NORM_ONEPASS
   return true;
