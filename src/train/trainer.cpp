@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <system_error>
 #include <future>
 
 #include "core/clock.h"
@@ -218,10 +219,13 @@ Status Trainer::setup() {
                   : plan_for_backend(program_, backend_, options_.machine, options_.budgets, options_.planner);
   if (!plan.ok()) return plan.status().with_context("planning the training step");
   plan_ = std::move(*plan);
-  if (shared_host_ && plan_.host_arena_bytes() < shared_host_bytes_) {
-    shared_host_.reset();  // more than the run's plan needs: its executor pins its own
-    shared_host_bytes_ = 0;
-  }
+  // The run keeps the trials' pinned region even where its plan needs less of it:
+  // pinning again costs about 4 s per 10 GiB (12.4 s for gpt-2.7b's 33 GiB on an H100,
+  // bench/RESULTS.md, session 40), and the region with any candidate's second buffers
+  // was checked against the host budget when it was made.
+  if (shared_host_ && plan_.host_arena_bytes() < shared_host_bytes_)
+    plan_.description += "; the run keeps the trials' pinned host region of " + format_size(shared_host_bytes_) +
+                         " (its plan's arena: " + format_size(plan_.host_arena_bytes()) + ")";
   setup_times_.plan_s = seconds_since(t);
   t = Clock::now();
   ExecutorOptions eo;
@@ -451,18 +455,38 @@ Status Trainer::write_parameter(const std::string& name, const std::vector<float
 
 Status Trainer::init_parameters() {
   SPILLWAY_RETURN_IF_ERROR(usable("initialize the parameters"));
-  // One buffer of the largest parameter's values, generated in parallel
-  // (init_parameter_into) and written to the master and, converted, to the parameter.
+  // Two buffers of the largest parameter's values: parameter i + 1 is generated in
+  // parallel (init_parameter_into, on the thread pool, from a thread of its own) while
+  // parameter i is written to the master and, converted, to the parameter, so the
+  // copies and uploads overlap the generator. The values do not depend on the order
+  // (the generator is counter-based).
   size_t largest = 0;
   for (const ParamSpec& p : params_) largest = std::max(largest, static_cast<size_t>(p.shape.numel()));
-  std::vector<float> values(largest);
+  std::vector<float> buffers[2] = {std::vector<float>(largest), std::vector<float>(largest)};
+  auto generate = [this, &buffers](size_t i) {
+    init_parameter_into(options_.model, params_[i], options_.seed, buffers[i % 2].data(), global_thread_pool());
+  };
+  // Declared after the buffers: on an early return its destructor waits for the
+  // generation still running before they go.
+  std::future<void> next;
+  auto start = [&](size_t i) {
+    try {
+      next = std::async(std::launch::async, generate, i);
+    } catch (const std::system_error&) {  // no thread to be had: generate it here
+      generate(i);
+      next = {};
+    }
+  };
   std::vector<uint8_t> scratch;
   std::vector<float> zeros;
   const bool zero = !moments_zero_;
-  for (const ParamSpec& p : params_) {
-    const auto n = static_cast<size_t>(p.shape.numel());
-    init_parameter_into(options_.model, p, options_.seed, values.data(), global_thread_pool());
-    SPILLWAY_RETURN_IF_ERROR(write_parameter(p.name, values.data(), n, scratch));
+  if (!params_.empty()) start(0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (next.valid()) next.get();
+    if (i + 1 < params_.size()) start(i + 1);
+    const ParamSpec& p = params_[i];
+    SPILLWAY_RETURN_IF_ERROR(
+        write_parameter(p.name, buffers[i % 2].data(), static_cast<size_t>(p.shape.numel()), scratch));
     if (zero) SPILLWAY_RETURN_IF_ERROR(zero_moments(p, zeros));
   }
   moments_zero_ = true;

@@ -273,6 +273,10 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
   const Program& program() const { return program_; }
   const Plan& plan() const { return plan_; }
+  // Bytes of the pinned host region the run's executor holds its host arena in: the
+  // plan's arena, or with policy auto's timed candidates the one region pinned for all
+  // of them, which the run keeps (the largest candidate's arena).
+  uint64_t host_region_bytes() const { return shared_host_ ? shared_host_bytes_ : plan_.host_arena_bytes(); }
   Executor& executor() { return *executor_; }
   Backend& backend() { return backend_; }
   int64_t steps_done() const { return step_; }
@@ -332,7 +336,9 @@ class Trainer {
   Plan plan_;
   // Policy auto with --auto-confirm: one pinned host region that the timed candidates'
   // executors and then executor_ hold their host arenas in (ExecutorOptions::
-  // external_host; freed after executor_, which is declared after it). Null otherwise.
+  // external_host; freed after executor_, which is declared after it), even where the
+  // chosen plan's arena is smaller. Null otherwise, or where the region beside the
+  // candidates' second buffers would pass the host budget.
   std::shared_ptr<void> shared_host_;
   uint64_t shared_host_bytes_ = 0;
   std::unique_ptr<Executor> executor_;

@@ -173,6 +173,19 @@ TEST(Trainer, AutoTimesItsBestTwoCandidatesAndStaysExact) {
   EXPECT_NE(d.find(" s (trial "), std::string::npos) << d;  // each trial's whole time
   EXPECT_NE(d.find("; search "), std::string::npos) << d;   // the one search's
   EXPECT_GT((*timed)->plan().predicted_step_s, 0.0);
+  // One pinning for the trials and the run: the run's arena lies in the region of the
+  // largest candidate's arena, kept even where the chosen plan needs less.
+  {
+    auto candidates = auto_plans_for_backend((*timed)->program(), *backend, o.machine, o.budgets, o.planner, 2);
+    ASSERT_TRUE(candidates.ok()) << candidates.status().to_string();
+    uint64_t most = 0;
+    for (const Plan& c : *candidates) most = std::max(most, c.host_arena_bytes());
+    EXPECT_EQ((*timed)->host_region_bytes(), most);
+    EXPECT_GE((*timed)->host_region_bytes(), (*timed)->plan().host_arena_bytes());
+    if ((*timed)->plan().host_arena_bytes() < most) {
+      EXPECT_NE(d.find("; the run keeps the trials' pinned host region of "), std::string::npos) << d;
+    }
+  }
   timed->reset();
   auto spilled = run_steps(*backend, o, 3, &spilled_state);
   ASSERT_EQ(spilled.size(), 3u);
@@ -183,6 +196,7 @@ TEST(Trainer, AutoTimesItsBestTwoCandidatesAndStaysExact) {
   auto untimed = Trainer::create(*backend, o);
   ASSERT_TRUE(untimed.ok()) << untimed.status().to_string();
   EXPECT_EQ((*untimed)->plan().description.find("timed"), std::string::npos) << (*untimed)->plan().description;
+  EXPECT_EQ((*untimed)->host_region_bytes(), (*untimed)->plan().host_arena_bytes());
   EXPECT_NE((*untimed)->plan().description.find("candidate 1 of "), std::string::npos);
 }
 
