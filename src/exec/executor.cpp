@@ -57,7 +57,7 @@ class PlanExecutor final : public Executor {
     if (spill_) (void)spill_->wait_all();
     host_arena_.reset();
     if (host_memory_ && owns_host_) b_.host_free(host_memory_);
-    std::free(spec_memory_);
+    if (owns_spec_) std::free(spec_memory_);
     arena_.reset();
     if (workspace_) b_.set_workspace(nullptr, 0);
     if (arena_memory_ && owns_device_) b_.device_free(arena_memory_);
@@ -978,10 +978,22 @@ class PlanExecutor final : public Executor {
                                    format_size(bytes) + " for speculative updates, above the host budget " +
                                    format_size(opt_.host_budget));
     const uint64_t total = align_up(bytes, 4096);
-    spec_memory_ = std::aligned_alloc(4096, total);
-    if (!spec_memory_)
-      return Status::out_of_memory("could not allocate " + format_size(total) +
-                                   " of host memory for the speculative updates' second buffers");
+    if (opt_.external_speculation.base) {
+      if (reinterpret_cast<uintptr_t>(opt_.external_speculation.base) % 4096 != 0)
+        return Status::invalid_argument("executor: the speculation region given is not aligned to 4096 bytes");
+      if (total > opt_.external_speculation.bytes)
+        return Status::invalid_argument("executor: the plan's speculative updates need " + format_size(total) + " (" +
+                                        std::to_string(total) + " bytes) of second buffers; the region given holds " +
+                                        format_size(opt_.external_speculation.bytes));
+      spec_memory_ = opt_.external_speculation.base;
+      owns_spec_ = false;
+    } else {
+      spec_memory_ = std::aligned_alloc(4096, total);
+      if (!spec_memory_)
+        return Status::out_of_memory("could not allocate " + format_size(total) +
+                                     " of host memory for the speculative updates' second buffers");
+      owns_spec_ = true;
+    }
     zero_in_parallel(spec_memory_, total);
     char* base = static_cast<char*>(spec_memory_);
     spec_of_op_.assign(p_.ops.size(), -1);
@@ -1217,6 +1229,7 @@ class PlanExecutor final : public Executor {
   std::vector<uint8_t> spec_which_;       // [tensors] 0 master, 1 m, 2 v
   size_t next_spec_ = 0;                  // the next spec_ entry to queue this step
   void* spec_memory_ = nullptr;           // the second buffers (plan_.speculation_bytes)
+  bool owns_spec_ = false;                // spec_memory_ is ours to free (not ExecutorOptions::external_speculation)
   std::atomic<bool> speculate_next_{true};  // the last clip scale seen was 1
   std::atomic<uint64_t> speculation_commits_{0}, speculation_redos_{0}, speculation_drops_{0};
   // The clip scale's copy to host in the step numbered `serial` (step_serial_ counts the

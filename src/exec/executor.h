@@ -66,6 +66,12 @@ struct ExecutorOptions {
   // arena rounded up to 4096 bytes. Executors made one after another for plans of
   // one program (auto's timed candidates, then the run's) share one pinning so.
   HostRegion external_host = {};
+  // When base is set: the speculative updates' second buffers (Plan::speculation_bytes)
+  // live here, plain host memory 4096-aligned, zeroed by the executor as its own would
+  // be, and the executor allocates none, frees none. It must hold speculation_bytes
+  // rounded up to 4096. Auto's timed candidates and the run share one so, beside their
+  // shared external_host: each executor of its own would fault tens of GiB in again.
+  HostRegion external_speculation = {};
   uint64_t host_budget = UINT64_MAX;
   std::string spill_dir;             // required when the plan homes or moves anything to storage
   uint64_t storage_budget = 0;       // 0 = plan.storage_bytes rounded up

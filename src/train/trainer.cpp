@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <system_error>
@@ -234,6 +235,7 @@ Status Trainer::setup() {
   eo.storage_budget = options_.budgets.storage;
   eo.storage_engine_maker = options_.storage_engine_maker;
   eo.external_host = {shared_host_.get(), shared_host_bytes_};
+  eo.external_speculation = {shared_speculation_.get(), shared_speculation_bytes_};
   auto executor = Executor::create(backend_, program_, plan_, eo);
   if (!executor.ok()) return executor.status().with_context("creating the training executor");
   executor_ = std::move(*executor);
@@ -280,6 +282,15 @@ Result<Plan> Trainer::confirm_auto_plan() {
     shared_host_ = std::shared_ptr<void>(pinned, [b = &backend_](void* q) { b->host_free(q); });
     shared_host_bytes_ = host_bytes;
     pin_s = seconds_since(pin_start);
+    // The second buffers likewise: the first executor faults their pages in, the rest
+    // find them there. Where this allocation fails, each executor tries its own.
+    if (most_speculation > 0) {
+      const uint64_t spec_bytes = (most_speculation + 4095) / 4096 * 4096;
+      if (void* spec = std::aligned_alloc(4096, spec_bytes)) {
+        shared_speculation_ = std::shared_ptr<void>(spec, [](void* q) { std::free(q); });
+        shared_speculation_bytes_ = spec_bytes;
+      }
+    }
   }
   for (size_t rank = 0; rank < candidates.size(); ++rank) {
     Plan& plan = candidates[rank];
@@ -288,6 +299,7 @@ Result<Plan> Trainer::confirm_auto_plan() {
     eo.spill_dir = options_.spill_dir;
     eo.storage_budget = options_.budgets.storage;
     eo.external_host = {shared_host_.get(), shared_host_bytes_};
+    eo.external_speculation = {shared_speculation_.get(), shared_speculation_bytes_};
     const std::string what = "timing auto's candidate " + std::to_string(rank + 1);
     const auto trial_start = std::chrono::steady_clock::now();
     auto trial = Executor::create(backend_, program_, plan, eo);

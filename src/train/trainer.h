@@ -341,6 +341,11 @@ class Trainer {
   // candidates' second buffers would pass the host budget.
   std::shared_ptr<void> shared_host_;
   uint64_t shared_host_bytes_ = 0;
+  // With shared_host_, where a candidate speculates: one region of the largest
+  // candidate's second buffers (ExecutorOptions::external_speculation) for the trials
+  // and the run, freed after executor_ as shared_host_ is.
+  std::shared_ptr<void> shared_speculation_;
+  uint64_t shared_speculation_bytes_ = 0;
   std::unique_ptr<Executor> executor_;
   SetupTimes setup_times_;
   std::shared_ptr<uint8_t> snapshot_staging_[2];  // [8 MiB] each, pinned: checkpoint device copies

@@ -3,6 +3,7 @@
 // budgets (invariant 2).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -311,6 +312,52 @@ TEST(Budgets, ExecutorsShareOneHostRegionInTurn) {
   ASSERT_FALSE(crooked.status.is_ok());
   EXPECT_NE(crooked.status.message().find("not aligned to 4096"), std::string::npos) << crooked.status.message();
   (*backend)->host_free(*region);
+}
+
+// Executors given one region for their speculative updates' second buffers in turn
+// (ExecutorOptions::external_speculation, as auto's timed candidates and the run share
+// one) give the bits of executors that allocate their own, whatever the region held
+// (here NaNs, then the last run's buffers, live state among them after commits). A
+// region too small or misaligned is refused.
+TEST(Budgets, ExecutorsShareOneSpeculationRegionInTurn) {
+  GPTCase s = small_model(32);
+  TrainRun resident = train_gpt(s, {}, {.policy = Policy::Resident}, 1);
+  ASSERT_TRUE(resident.status.is_ok()) << resident.status.to_string();
+  Budgets b;
+  b.device = resident.plan.device_bytes / 4;
+  PlannerOptions planned{.policy = Policy::Planned};
+  planned.optimizer_on_host = 1;
+  planned.speculate = 1;
+  TrainRun own = train_gpt(s, b, planned, 4);
+  ASSERT_TRUE(own.status.is_ok()) << own.status.to_string();
+  ASSERT_GT(own.plan.speculation_bytes, 0u) << "nothing speculated: the test shares nothing";
+  const uint64_t need = (own.plan.speculation_bytes + 4095) / 4096 * 4096;
+  const uint64_t bytes = need + 8192;
+  void* region = std::aligned_alloc(4096, bytes);
+  ASSERT_NE(region, nullptr);
+  std::memset(region, 0xff, bytes);  // NaN in every float
+  ExecutorOptions shared;
+  shared.external_speculation = {region, bytes};
+  for (int turn = 1; turn <= 2; ++turn) {
+    TrainRun r = train_gpt(s, b, planned, 4, shared);
+    ASSERT_TRUE(r.status.is_ok()) << "turn " << turn << ": " << r.status.to_string();
+    testing_support::expect_same_losses(r.losses, own.losses, "turn " + std::to_string(turn));
+    EXPECT_TRUE(r.weights == own.weights) << "turn " << turn << ": the master weights differ";
+  }
+  ExecutorOptions small;
+  small.external_speculation = {region, need - 4096};
+  TrainRun refused = train_gpt(s, b, planned, 1, small);
+  ASSERT_FALSE(refused.status.is_ok());
+  EXPECT_EQ(refused.status.code(), StatusCode::InvalidArgument);
+  EXPECT_NE(refused.status.message().find("of second buffers; the region given holds"), std::string::npos)
+      << refused.status.message();
+  ExecutorOptions misaligned;
+  misaligned.external_speculation = {static_cast<char*>(region) + 64, bytes - 64};
+  TrainRun crooked = train_gpt(s, b, planned, 1, misaligned);
+  ASSERT_FALSE(crooked.status.is_ok());
+  EXPECT_NE(crooked.status.message().find("speculation region given is not aligned to 4096"), std::string::npos)
+      << crooked.status.message();
+  std::free(region);
 }
 
 // An executor given another's idle device region allocates no device memory, and
