@@ -184,6 +184,64 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
   }
 }
 
+// layernorm_forward_kernel<8> with the row held in registers: lane l loads its
+// columns l·8 + 256·k (k < NCH) once, where the kernel above reads them from memory
+// three times (the mean, the variance, the output). The same operations in the same
+// order, so the same bits. C % 8 == 0, C ≤ 256·NCH, rows 16-byte aligned. Built in
+// with -DSPILLWAY_LAYERNORM_FORWARD_REGISTERS (not yet run on a GPU).
+template <int NCH>
+__global__ void layernorm_forward_rows_kernel(bf16* out, float* mean, float* rstd, const bf16* inp,
+                                              const bf16* weight, const bf16* bias, int N, int C) {
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= N) return;
+  const bf16* x = inp + static_cast<size_t>(row) * C;
+  Bf16x8 xv[NCH];
+#pragma unroll
+  for (int k = 0; k < NCH; ++k)
+    if (lane * 8 + 256 * k < C) xv[k] = load8(x + lane * 8 + 256 * k);
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    if (lane * 8 + 256 * k < C) {
+      float f[8];
+      unpack8(xv[k], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += f[j];
+    }
+  }
+  const float mu = warp_sum(sum) / C;
+  float sq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    if (lane * 8 + 256 * k < C) {
+      float f[8];
+      unpack8(xv[k], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sq += (f[j] - mu) * (f[j] - mu);
+    }
+  }
+  const float rs = rsqrtf(warp_sum(sq) / C + kLnEps);
+  bf16* o = out + static_cast<size_t>(row) * C;
+#pragma unroll
+  for (int k = 0; k < NCH; ++k) {
+    const int c = lane * 8 + 256 * k;
+    if (c < C) {
+      float f[8], w[8], b[8];
+      unpack8(xv[k], f);
+      unpack8(load8(weight + c), w);
+      unpack8(load8(bias + c), b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = (f[j] - mu) * rs * w[j] + b[j];
+      store8(o + c, pack8(f));
+    }
+  }
+  if (lane == 0) {
+    if (mean) mean[row] = mu;
+    if (rstd) rstd[row] = rs;
+  }
+}
+
 // A norm's input gradient over 8 columns of a row, one definition for the dinp kernels
 // below and norm_backward_onepass_kernel, so that their bits agree. dnorm = dout ·
 // weight, norm = (inp - mu) · rs (RMSNorm: inp · rs, mu unused). The row sums, in
@@ -1020,8 +1078,15 @@ __global__ void adamw_kernel(bf16* param, float* master, float* m, float* v, con
   }
 }
 
-// Elements of one call that one block of the multi-tensor AdamW updates (a multiple of 4).
+// Elements of one call that one block of the multi-tensor AdamW updates (a multiple of
+// 4): 16 a thread. -DSPILLWAY_ADAMW_CHUNK=N builds another size (each element's update
+// is the same whatever the chunk), to time against it in one call.
+#ifdef SPILLWAY_ADAMW_CHUNK
+constexpr size_t kAdamWChunk = SPILLWAY_ADAMW_CHUNK;
+#else
 constexpr size_t kAdamWChunk = 4096;
+#endif
+static_assert(kAdamWChunk % 4 == 0 && kAdamWChunk >= 4, "a chunk is a whole number of 4-element quads");
 
 // The calls of one multi-tensor AdamW launch, passed by value (see NormTable).
 struct AdamWTable {
@@ -1135,7 +1200,31 @@ cudaError_t launch_layernorm_forward(bf16* out, float* mean, float* rstd, const 
                                      cudaStream_t stream) {
   if (N == 0 || C == 0) return cudaSuccess;
   const int warps = kThreads / 32;
-  if (C % 8 == 0 && aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias))
+  const bool vec = C % 8 == 0 && aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias);
+#ifdef SPILLWAY_LAYERNORM_FORWARD_REGISTERS
+  if (vec && C <= 256 * 12) {
+    const dim3 grid(ceil_div(N, warps)), block(kThreads);
+#define SPILLWAY_LN_ROWS(K) \
+  layernorm_forward_rows_kernel<K><<<grid, block, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C)
+    switch ((C + 255) / 256) {
+      case 1: SPILLWAY_LN_ROWS(1); break;
+      case 2: SPILLWAY_LN_ROWS(2); break;
+      case 3: SPILLWAY_LN_ROWS(3); break;
+      case 4: SPILLWAY_LN_ROWS(4); break;
+      case 5: SPILLWAY_LN_ROWS(5); break;
+      case 6: SPILLWAY_LN_ROWS(6); break;
+      case 7: SPILLWAY_LN_ROWS(7); break;
+      case 8: SPILLWAY_LN_ROWS(8); break;
+      case 9: SPILLWAY_LN_ROWS(9); break;
+      case 10: SPILLWAY_LN_ROWS(10); break;
+      case 11: SPILLWAY_LN_ROWS(11); break;
+      default: SPILLWAY_LN_ROWS(12); break;
+    }
+#undef SPILLWAY_LN_ROWS
+    return launched();
+  }
+#endif
+  if (vec)
     layernorm_forward_kernel<8><<<ceil_div(N, warps), kThreads, 0, stream>>>(out, mean, rstd, inp, weight,
                                                                             bias, N, C);
   else
