@@ -42,6 +42,18 @@ void zero_in_parallel(void* p, uint64_t bytes) {
   });
 }
 
+// A region the caller gives for `need` bytes of `what` (ExecutorOptions::external_host,
+// external_speculation): 4096-aligned and large enough, else an error naming it.
+Status check_region(const HostRegion& region, uint64_t need, const char* what, const char* name) {
+  if (reinterpret_cast<uintptr_t>(region.base) % 4096 != 0)
+    return Status::invalid_argument(std::string("executor: the ") + name + " given is not aligned to 4096 bytes");
+  if (need > region.bytes)
+    return Status::invalid_argument("executor: the plan needs " + format_size(need) + " (" + std::to_string(need) +
+                                    " bytes) of " + what + "; the " + name + " given holds " +
+                                    format_size(region.bytes));
+  return Status::ok();
+}
+
 class PlanExecutor final : public Executor {
  public:
   PlanExecutor(Backend& backend, const Program& program, const Plan& plan, const ExecutorOptions& options)
@@ -115,12 +127,7 @@ class PlanExecutor final : public Executor {
       return Status::out_of_memory("the plan needs " + format_size(host_bytes) + " of host memory, above the host budget " +
                                    format_size(opt_.host_budget));
     if (opt_.external_host.base) {
-      if (reinterpret_cast<uintptr_t>(opt_.external_host.base) % 4096 != 0)
-        return Status::invalid_argument("executor: the host region given is not aligned to 4096 bytes");
-      if (host_bytes > opt_.external_host.bytes)
-        return Status::invalid_argument("executor: the plan needs " + format_size(host_bytes) + " (" +
-                                        std::to_string(host_bytes) + " bytes) of host arena; the host region given holds " +
-                                        format_size(opt_.external_host.bytes));
+      SPILLWAY_RETURN_IF_ERROR(check_region(opt_.external_host, host_bytes, "host arena", "host region"));
       host_memory_ = opt_.external_host.base;
       owns_host_ = false;
     } else {
@@ -979,12 +986,8 @@ class PlanExecutor final : public Executor {
                                    format_size(opt_.host_budget));
     const uint64_t total = align_up(bytes, 4096);
     if (opt_.external_speculation.base) {
-      if (reinterpret_cast<uintptr_t>(opt_.external_speculation.base) % 4096 != 0)
-        return Status::invalid_argument("executor: the speculation region given is not aligned to 4096 bytes");
-      if (total > opt_.external_speculation.bytes)
-        return Status::invalid_argument("executor: the plan's speculative updates need " + format_size(total) + " (" +
-                                        std::to_string(total) + " bytes) of second buffers; the region given holds " +
-                                        format_size(opt_.external_speculation.bytes));
+      SPILLWAY_RETURN_IF_ERROR(check_region(opt_.external_speculation, total, "speculative updates' second buffers",
+                                            "speculation region"));
       spec_memory_ = opt_.external_speculation.base;
       owns_spec_ = false;
     } else {

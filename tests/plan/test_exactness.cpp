@@ -271,6 +271,30 @@ TEST(Budgets, WorkspaceIsPlannedInsideTheDeviceBudget) {
       << below.status.message();
 }
 
+namespace {
+// Two runs of `s` one after another with `shared` (a region given to each executor in
+// turn, filled with NaNs before the first), each with `own`'s losses and master weights;
+// then `too_small` and `misaligned` refused with `small_text` and `misaligned_text`.
+void expect_region_shared_in_turn(const GPTCase& s, const Budgets& b, const PlannerOptions& o,
+                                  const ExecutorOptions& shared, const TrainRun& own,
+                                  const ExecutorOptions& too_small, const std::string& small_text,
+                                  const ExecutorOptions& misaligned, const std::string& misaligned_text) {
+  for (int turn = 1; turn <= 2; ++turn) {
+    TrainRun r = train_gpt(s, b, o, 4, shared);
+    ASSERT_TRUE(r.status.is_ok()) << "turn " << turn << ": " << r.status.to_string();
+    testing_support::expect_same_losses(r.losses, own.losses, "turn " + std::to_string(turn));
+    EXPECT_TRUE(r.weights == own.weights) << "turn " << turn << ": the master weights differ";
+  }
+  TrainRun refused = train_gpt(s, b, o, 1, too_small);
+  ASSERT_FALSE(refused.status.is_ok());
+  EXPECT_EQ(refused.status.code(), StatusCode::InvalidArgument);
+  EXPECT_NE(refused.status.message().find(small_text), std::string::npos) << refused.status.message();
+  TrainRun crooked = train_gpt(s, b, o, 1, misaligned);
+  ASSERT_FALSE(crooked.status.is_ok());
+  EXPECT_NE(crooked.status.message().find(misaligned_text), std::string::npos) << crooked.status.message();
+}
+}  // namespace
+
 // Executors given one pinned host region in turn (ExecutorOptions::external_host, as
 // auto's timed candidates and the run share one) give the bits of executors that pin
 // their own: each zeroes what its arena uses, whatever the region held (here NaNs,
@@ -292,25 +316,12 @@ TEST(Budgets, ExecutorsShareOneHostRegionInTurn) {
   auto region = (*backend)->host_alloc(bytes);
   ASSERT_TRUE(region.ok()) << region.status().to_string();
   std::memset(*region, 0xff, bytes);  // NaN in every float
-  ExecutorOptions shared;
+  ExecutorOptions shared, small, misaligned;
   shared.external_host = {*region, bytes};
-  for (int turn = 1; turn <= 2; ++turn) {
-    TrainRun r = train_gpt(s, b, planned, 4, shared);
-    ASSERT_TRUE(r.status.is_ok()) << "turn " << turn << ": " << r.status.to_string();
-    testing_support::expect_same_losses(r.losses, own.losses, "turn " + std::to_string(turn));
-    EXPECT_TRUE(r.weights == own.weights) << "turn " << turn << ": the master weights differ";
-  }
-  ExecutorOptions small;
   small.external_host = {*region, need - 4096};
-  TrainRun refused = train_gpt(s, b, planned, 1, small);
-  ASSERT_FALSE(refused.status.is_ok());
-  EXPECT_EQ(refused.status.code(), StatusCode::InvalidArgument);
-  EXPECT_NE(refused.status.message().find("host region given holds"), std::string::npos) << refused.status.message();
-  ExecutorOptions misaligned;
   misaligned.external_host = {static_cast<char*>(*region) + 64, bytes - 64};
-  TrainRun crooked = train_gpt(s, b, planned, 1, misaligned);
-  ASSERT_FALSE(crooked.status.is_ok());
-  EXPECT_NE(crooked.status.message().find("not aligned to 4096"), std::string::npos) << crooked.status.message();
+  expect_region_shared_in_turn(s, b, planned, shared, own, small, "host region given holds", misaligned,
+                               "not aligned to 4096");
   (*backend)->host_free(*region);
 }
 
@@ -336,27 +347,13 @@ TEST(Budgets, ExecutorsShareOneSpeculationRegionInTurn) {
   void* region = std::aligned_alloc(4096, bytes);
   ASSERT_NE(region, nullptr);
   std::memset(region, 0xff, bytes);  // NaN in every float
-  ExecutorOptions shared;
+  ExecutorOptions shared, small, misaligned;
   shared.external_speculation = {region, bytes};
-  for (int turn = 1; turn <= 2; ++turn) {
-    TrainRun r = train_gpt(s, b, planned, 4, shared);
-    ASSERT_TRUE(r.status.is_ok()) << "turn " << turn << ": " << r.status.to_string();
-    testing_support::expect_same_losses(r.losses, own.losses, "turn " + std::to_string(turn));
-    EXPECT_TRUE(r.weights == own.weights) << "turn " << turn << ": the master weights differ";
-  }
-  ExecutorOptions small;
   small.external_speculation = {region, need - 4096};
-  TrainRun refused = train_gpt(s, b, planned, 1, small);
-  ASSERT_FALSE(refused.status.is_ok());
-  EXPECT_EQ(refused.status.code(), StatusCode::InvalidArgument);
-  EXPECT_NE(refused.status.message().find("of second buffers; the region given holds"), std::string::npos)
-      << refused.status.message();
-  ExecutorOptions misaligned;
   misaligned.external_speculation = {static_cast<char*>(region) + 64, bytes - 64};
-  TrainRun crooked = train_gpt(s, b, planned, 1, misaligned);
-  ASSERT_FALSE(crooked.status.is_ok());
-  EXPECT_NE(crooked.status.message().find("speculation region given is not aligned to 4096"), std::string::npos)
-      << crooked.status.message();
+  expect_region_shared_in_turn(s, b, planned, shared, own, small,
+                               "of speculative updates' second buffers; the speculation region given holds",
+                               misaligned, "speculation region given is not aligned to 4096");
   std::free(region);
 }
 

@@ -130,6 +130,18 @@ __global__ void embedding_dwpe_kernel(bf16* dwpe, const bf16* dout, int B, int T
 
 // ---------------------------------------------------------------- layernorm
 
+// Columns c .. c+7 of a LayerNorm's output row o from the input values f (overwritten):
+// (f - mu) · rs · weight + bias, rounded to bf16. One definition for both forward kernels.
+__device__ __forceinline__ void layernorm_out8(bf16* o, int c, float (&f)[8], const bf16* weight, const bf16* bias,
+                                               float mu, float rs) {
+  float w[8], b[8];
+  unpack8(load8(weight + c), w);
+  unpack8(load8(bias + c), b);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) f[k] = (f[k] - mu) * rs * w[k] + b[k];
+  store8(o + c, pack8(f));
+}
+
 // One warp per row. out[N,C], mean[N], rstd[N], inp[N,C], weight[C], bias[C].
 template <int VEC>
 __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, const bf16* inp,
@@ -166,13 +178,9 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
   bf16* o = out + static_cast<size_t>(row) * C;
   for (int c = lane * VEC; c < C; c += 32 * VEC) {
     if constexpr (VEC == 8) {
-      float f[8], w[8], b[8];
+      float f[8];
       unpack8(load8(x + c), f);
-      unpack8(load8(weight + c), w);
-      unpack8(load8(bias + c), b);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = (f[k] - mu) * rs * w[k] + b[k];
-      store8(o + c, pack8(f));
+      layernorm_out8(o, c, f, weight, bias, mu, rs);
     } else {
       float f = (__bfloat162float(x[c]) - mu) * rs * __bfloat162float(weight[c]) + __bfloat162float(bias[c]);
       o[c] = __float2bfloat16_rn(f);
@@ -227,13 +235,9 @@ __global__ void layernorm_forward_rows_kernel(bf16* out, float* mean, float* rst
   for (int k = 0; k < NCH; ++k) {
     const int c = lane * 8 + 256 * k;
     if (c < C) {
-      float f[8], w[8], b[8];
+      float f[8];
       unpack8(xv[k], f);
-      unpack8(load8(weight + c), w);
-      unpack8(load8(bias + c), b);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) f[j] = (f[j] - mu) * rs * w[j] + b[j];
-      store8(o + c, pack8(f));
+      layernorm_out8(o, c, f, weight, bias, mu, rs);
     }
   }
   if (lane == 0) {
