@@ -841,7 +841,8 @@ constexpr size_t tma_dq_smem_bytes() {
 }
 
 // dK, dV as attention_backward_dkv_wgmma. qkv128 and qkv64: tensor maps over qkv with
-// boxes of kBM and kBN tokens; dout64: over dout (ld = C), boxes of kBN tokens.
+// boxes of kBM and kBN tokens; dout64: over dout (ld = C), boxes of kBN tokens; the
+// *_tail maps: the same boxes of head dim 80's 16-column tail (unused at 64).
 template <int HD, bool kGrouped>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     attention_backward_dkv_tma(bf16* dqkv, const float* lse, const float* Dg,
@@ -936,8 +937,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 }
 
 // dQ as attention_backward_dq_wgmma. qkv128, qkv64: tensor maps over qkv with boxes of
-// kBM and kBN tokens; dout128: over dout (ld = C), boxes of kBM tokens. 112 registers a
-// thread, so that two blocks of 288 threads fit an SM (it needs 112 without spilling).
+// kBM and kBN tokens; dout128: over dout (ld = C), boxes of kBM tokens; the *_tail maps:
+// the same boxes of head dim 80's 16-column tail (unused at 64). At head dim 64, 112
+// registers a thread, so that two blocks of 288 threads fit an SM (it needs 112
+// without spilling); at 80 one block, and ptxas takes 150 of the 168 allowed.
 template <int HD>
 __global__ void __maxnreg__(HD == 64 ? 112 : 168)
     attention_backward_dq_tma(bf16* dqkv, const float* lse, const float* Dg,
