@@ -130,6 +130,18 @@ __global__ void embedding_dwpe_kernel(bf16* dwpe, const bf16* dout, int B, int T
 
 // ---------------------------------------------------------------- layernorm
 
+// A LayerNorm forward's lane sums over 8 of a row's values, in column order: Σ f for
+// the mean, Σ (f - mu)² for the variance. One definition for both forward kernels, so
+// that their bits agree.
+__device__ __forceinline__ void layernorm_sum8(const float (&f)[8], float& sum) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sum += f[k];
+}
+__device__ __forceinline__ void layernorm_sq8(const float (&f)[8], float mu, float& sq) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sq += (f[k] - mu) * (f[k] - mu);
+}
+
 // Columns c .. c+7 of a LayerNorm's output row o from the input values f (overwritten):
 // (f - mu) · rs · weight + bias, rounded to bf16. One definition for both forward kernels.
 __device__ __forceinline__ void layernorm_out8(bf16* o, int c, float (&f)[8], const bf16* weight, const bf16* bias,
@@ -155,8 +167,7 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
     if constexpr (VEC == 8) {
       float f[8];
       unpack8(load8(x + c), f);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) sum += f[k];
+      layernorm_sum8(f, sum);
     } else {
       sum += __bfloat162float(x[c]);
     }
@@ -167,8 +178,7 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
     if constexpr (VEC == 8) {
       float f[8];
       unpack8(load8(x + c), f);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) sq += (f[k] - mu) * (f[k] - mu);
+      layernorm_sq8(f, mu, sq);
     } else {
       float d = __bfloat162float(x[c]) - mu;
       sq += d * d;
@@ -214,8 +224,7 @@ __global__ void layernorm_forward_rows_kernel(bf16* out, float* mean, float* rst
     if (lane * 8 + 256 * k < C) {
       float f[8];
       unpack8(xv[k], f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sum += f[j];
+      layernorm_sum8(f, sum);
     }
   }
   const float mu = warp_sum(sum) / C;
@@ -225,8 +234,7 @@ __global__ void layernorm_forward_rows_kernel(bf16* out, float* mean, float* rst
     if (lane * 8 + 256 * k < C) {
       float f[8];
       unpack8(xv[k], f);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sq += (f[j] - mu) * (f[j] - mu);
+      layernorm_sq8(f, mu, sq);
     }
   }
   const float rs = rsqrtf(warp_sum(sq) / C + kLnEps);
