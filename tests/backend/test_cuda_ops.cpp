@@ -1381,6 +1381,55 @@ TEST_F(CudaOps, OptimizerStreamSwitch) {
       << (*b)->description();
 }
 
+// SPILLWAY_CUDA_PINNED_REGISTER=1: a region of 1 GiB and more is mapped, faulted in by
+// parallel threads and registered. It starts zeroed, the copy engine moves its first
+// and last pages both ways at full speed's path, and host_free unregisters and unmaps
+// it (a second region of the same size then fits again). Small regions still come
+// from cudaHostAlloc. Any other value than 0 or 1 is refused.
+TEST_F(CudaOps, RegisteredPinnedRegionsCopyBothWays) {
+  const char* name = "SPILLWAY_CUDA_PINNED_REGISTER";
+  expect_switch_refused(name, "yes");
+  ScopedEnv env(name, "1");
+  auto b = make_backend("cuda");
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  const size_t bytes = (size_t{1} << 30) + 12345, piece = size_t{8} << 20;
+  void* dev = galloc(2 * piece);
+  for (int round = 0; round < 2; ++round) {
+    auto h = (*b)->host_alloc(bytes);
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    auto* host = static_cast<unsigned char*>(*h);
+    for (size_t at : {size_t{0}, bytes / 2, bytes - 1}) ASSERT_EQ(host[at], 0) << "byte " << at << " not zero";
+    const size_t tail = bytes - piece;  // the last piece, ending at the region's last byte
+    for (size_t i = 0; i < piece; ++i) {
+      host[i] = static_cast<unsigned char>(i * 7 + round);
+      host[tail + i] = static_cast<unsigned char>(i * 13 + 1);
+    }
+    CopyEngine& ce = (*b)->copy_engine();
+    auto up1 = ce.copy(CopyDirection::HostToDevice, dev, host, piece);
+    auto up2 = ce.copy(CopyDirection::HostToDevice, static_cast<char*>(dev) + piece, host + tail, piece);
+    ASSERT_TRUE(up1.ok() && up2.ok());
+    ASSERT_TRUE(ce.wait_all().is_ok());
+    std::memset(host, 0, piece);
+    std::memset(host + tail, 0, piece);
+    // Swapped on the way back: the first piece lands at the end, the last at the start.
+    auto down1 = ce.copy(CopyDirection::DeviceToHost, host + tail, dev, piece);
+    auto down2 = ce.copy(CopyDirection::DeviceToHost, host, static_cast<char*>(dev) + piece, piece);
+    ASSERT_TRUE(down1.ok() && down2.ok());
+    ASSERT_TRUE(ce.wait_all().is_ok());
+    size_t bad = 0;
+    for (size_t i = 0; i < piece; ++i) {
+      bad += host[tail + i] != static_cast<unsigned char>(i * 7 + round);
+      bad += host[i] != static_cast<unsigned char>(i * 13 + 1);
+    }
+    EXPECT_EQ(bad, 0u) << "round " << round;
+    (*b)->host_free(*h);
+  }
+  auto small = (*b)->host_alloc(4096);
+  ASSERT_TRUE(small.ok()) << small.status().to_string();
+  static_cast<unsigned char*>(*small)[4095] = 1;
+  (*b)->host_free(*small);
+}
+
 // Updates left running on the optimizer stream (synchronize_compute) are seen by
 // every later reader and writer of their memory: (1) a copy of the parameter on the
 // compute stream reads the updated values; (2) zeroing the gradient (a write of what

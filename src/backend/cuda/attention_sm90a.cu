@@ -109,6 +109,21 @@ __device__ __forceinline__ void pin(float (&d)[N]) {
       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
       "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
+#define SPILLWAY_D64_LIST \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define SPILLWAY_D64_OUT(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
 // d (+)= A·B, m64n64k16, A and B from shared memory (both K-major); accumulate when
 // `accumulate` is nonzero, else overwrite.
 __device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
@@ -116,6 +131,16 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t a, uint64_t b,
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SPILLWAY_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
       : SPILLWAY_D32_OUT(d)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The same, m64n128k16: d is a 64×128 accumulator (the fragment layout above with j
+// up to 15), B a K-major tile of 128 rows.
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" SPILLWAY_D64_LIST "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : SPILLWAY_D64_OUT(d)
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -140,6 +165,8 @@ __device__ __forceinline__ void wgmma_rs_tb16(float (&d)[8], const uint32_t (&a)
 
 #undef SPILLWAY_D32
 #undef SPILLWAY_D32_OUT
+#undef SPILLWAY_D64_LIST
+#undef SPILLWAY_D64_OUT
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -147,13 +174,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// d = A·Bᵀ over the head dim (m64n64): A is rows a_row0 .. a_row0+63 of a tile of
-// a_rows rows, B the whole of a tile of 64 rows, both [rows][HD] in column blocks
-// (K-major): 32 bytes along a 128-byte row per step of 16, then the tail block's
-// 32-byte rows. Issued, committed and waited for.
-template <int HD>
-__device__ __forceinline__ void product_abt(float (&d)[32], uint32_t a_tile, int a_rows, int a_row0,
-                                            uint32_t b_tile) {
+// d = A·Bᵀ over the head dim (m64nN, N = 2 × d's length: 64 or 128): A is rows
+// a_row0 .. a_row0+63 of a tile of a_rows rows, B the first N rows of a tile of b_rows
+// rows, both [rows][HD] in column blocks (K-major): 32 bytes along a 128-byte row per
+// step of 16, then the tail block's 32-byte rows. Issued, committed and waited for.
+template <int HD, int ND>
+__device__ __forceinline__ void product_abt(float (&d)[ND], uint32_t a_tile, int a_rows, int a_row0, uint32_t b_tile,
+                                            int b_rows = 64) {
   using L = Cols<HD>;
   wgmma_fence();
 #pragma unroll
@@ -161,26 +188,26 @@ __device__ __forceinline__ void product_abt(float (&d)[32], uint32_t a_tile, int
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
       wgmma_ss(d, descriptor(a_tile + c * a_rows * 128 + a_row0 * 128 + 32 * kk, 0, 1024, kSwizzle128),
-               descriptor(b_tile + c * 64 * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
+               descriptor(b_tile + c * b_rows * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
   if constexpr (L::tail != 0)
     wgmma_ss(d, descriptor(a_tile + L::main * a_rows * 128 + a_row0 * 32, 0, 256, kSwizzle32),
-             descriptor(b_tile + L::main * 64 * 128, 0, 256, kSwizzle32), 1);
+             descriptor(b_tile + L::main * b_rows * 128, 0, 256, kSwizzle32), 1);
   wgmma_commit();
   wgmma_wait_all();
   pin(d);
 }
 
-// o += P·B (m64 × HD): P the 64×64 A operand in registers (pa[ks]: columns 16ks ..
-// 16ks+15), B rows b_row0 .. b_row0+63 of a tile of b_rows rows, [rows][HD] in column
-// blocks, read N-major (transposed): 16 rows of a block per step. Issued, committed
-// and waited for.
-template <int HD>
+// o += P·B (m64 × HD): P the 64×16KS A operand in registers (pa[ks]: columns 16ks ..
+// 16ks+15), B rows b_row0 .. b_row0+16KS-1 of a tile of b_rows rows, [rows][HD] in
+// column blocks, read N-major (transposed): 16 rows of a block per step. Issued,
+// committed and waited for.
+template <int HD, int KS>
 __device__ __forceinline__ void product_pb(float (&o)[Cols<HD>::main][32], float (&o_tail)[Cols<HD>::tail ? 8 : 1],
-                                           const uint32_t (&pa)[4][4], uint32_t b_tile, int b_rows, int b_row0) {
+                                           const uint32_t (&pa)[KS][4], uint32_t b_tile, int b_rows, int b_row0) {
   using L = Cols<HD>;
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
+  for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
     for (int c = 0; c < L::main; ++c)
       wgmma_rs_tb(o[c], pa[ks],
@@ -196,10 +223,11 @@ __device__ __forceinline__ void product_pb(float (&o)[Cols<HD>::main][32], float
   pin(o_tail);
 }
 
-// The A operand of a product over 64 columns from a 64×64 accumulator.
-__device__ __forceinline__ void to_a(uint32_t (&pa)[4][4], const float (&s)[32]) {
+// The A operand of a product over 16KS columns from a 64×16KS accumulator.
+template <int KS>
+__device__ __forceinline__ void to_a(uint32_t (&pa)[KS][4], const float (&s)[8 * KS]) {
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
+  for (int ks = 0; ks < KS; ++ks) {
     pa[ks][0] = pack_bf16(s[8 * ks + 0], s[8 * ks + 1]);
     pa[ks][1] = pack_bf16(s[8 * ks + 2], s[8 * ks + 3]);
     pa[ks][2] = pack_bf16(s[8 * ks + 4], s[8 * ks + 5]);
@@ -239,7 +267,7 @@ __device__ __forceinline__ void zero(float (&o)[Cols<HD>::main][32], float (&o_t
 }
 
 // The query block a thread of the forward or dQ kernel works on (grid (ceil(T/kBM),
-// B·NH), longest rows first) and its place in it.
+// B·NH), longest rows first) and its place in it, over key blocks of KB keys.
 struct QueryBlock {
   int m0;        // first query row of the block
   int bh, b, h;  // (batch, head) = blockIdx.y
@@ -249,6 +277,7 @@ struct QueryBlock {
   int wg_last;   // the last key block this warpgroup needs
 };
 
+template <int KB = kBN>
 __device__ __forceinline__ QueryBlock query_block(int T, int NH) {
   QueryBlock qb;
   qb.m0 = (gridDim.x - 1 - blockIdx.x) * kBM;
@@ -260,8 +289,8 @@ __device__ __forceinline__ QueryBlock query_block(int T, int NH) {
   qb.g = (threadIdx.x & 31) >> 2;
   qb.t4 = threadIdx.x & 3;
   qb.wg_row0 = qb.m0 + qb.wg * kWgRows;
-  qb.n_blocks = min((T + kBN - 1) / kBN, (qb.m0 + kBM - 1) / kBN + 1);
-  qb.wg_last = min(qb.n_blocks - 1, (qb.wg_row0 + kWgRows - 1) / kBN);
+  qb.n_blocks = min((T + KB - 1) / KB, (qb.m0 + kBM - 1) / KB + 1);
+  qb.wg_last = min(qb.n_blocks - 1, (qb.wg_row0 + kWgRows - 1) / KB);
   return qb;
 }
 
@@ -280,34 +309,35 @@ __device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, 
   });
 }
 
-// One key block of the forward for one warpgroup: S = Q·Kᵀ for its 64 query rows
+// N keys (64 or 128) of the forward for one warpgroup: S = Q·Kᵀ for its 64 query rows
 // (from wg_row0; this thread's are row_a and row_a + 8), the causal mask and the one
 // past T, the online softmax (row_max in log2 units, row_sum) and O += P·V. kt and vt:
-// the block's K and V tiles (kBN rows each); nb: its index. Shared by the cp.async and
-// the TMA forward.
-template <int HD>
+// the block's K and V tiles (kv_rows rows each, N ≤ kv_rows of them used); key0: the
+// first key's index. Shared by the cp.async and the TMA forward.
+template <int HD, int N = kBN>
 __device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32],
                                                   float (&o_tail)[Cols<HD>::tail ? 8 : 1], float (&row_max)[2],
                                                   float (&row_sum)[2], uint32_t q_tile, int wg, int wg_row0,
-                                                  int row_a, int t4, uint32_t kt, uint32_t vt, int nb, int T,
-                                                  float scale_log2) {
-  constexpr int kMain = Cols<HD>::main, kTail = Cols<HD>::tail;
-  float s[32];
-  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt);  // S = Q·Kᵀ
+                                                  int row_a, int t4, uint32_t kt, uint32_t vt, int kv_rows,
+                                                  int key0, int T, float scale_log2) {
+  static_assert(N == 64 || N == 128, "the forward's key blocks are 64 or 128 keys");
+  constexpr int kMain = Cols<HD>::main, kTail = Cols<HD>::tail, kS = N / 2;
+  float s[kS];
+  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt, kv_rows);  // S = Q·Kᵀ
   // Mask keys past a row (only the diagonal block) or past T.
-  if (nb * kBN + kBN - 1 > wg_row0 || nb * kBN + kBN > T) {
+  if (key0 + N - 1 > wg_row0 || key0 + N > T) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < N / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = nb * kBN + j * 8 + t4 * 2 + (e & 1);
+        const int key = key0 + j * 8 + t4 * 2 + (e & 1);
         const int q = row_a + (e >> 1) * 8;
         if (key > q || key >= T) s[4 * j + e] = -INFINITY;
       }
   }
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  for (int i = 0; i < kS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
   float alpha[2], neg_m[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -320,21 +350,23 @@ __device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32]
     row_sum[r] *= alpha[r];
   }
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < kS; ++i) {
     const int r = (i >> 1) & 1;
     const float p = fast_exp2(fmaf(s[i], scale_log2, neg_m[r]));
     s[i] = p;
     row_sum[r] += p;
-#pragma unroll
-    for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[r];
   }
+#pragma unroll
+  for (int i = 0; i < 32; ++i)
+#pragma unroll
+    for (int c = 0; c < kMain; ++c) o[c][i] *= alpha[(i >> 1) & 1];
   if constexpr (kTail != 0) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) o_tail[i] *= alpha[(i >> 1) & 1];
   }
-  uint32_t pa[4][4];
+  uint32_t pa[N / 16][4];
   to_a(pa, s);
-  product_pb<HD>(o, o_tail, pa, vt, kBN, 0);  // O += P·V
+  product_pb<HD>(o, o_tail, pa, vt, kv_rows, 0);  // O += P·V
 }
 
 // One key block of the dQ kernels for one warpgroup: S = Q·Kᵀ and dP = dO·Vᵀ for its
@@ -480,7 +512,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_wgmma(bf16* out, f
 
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + cur * kKVBytes, vt = v_tile + cur * kKVBytes;
-      forward_key_block<HD>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, nb, T,
+      forward_key_block<HD>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, kBN, nb * kBN, T,
                             scale_log2);
     }
     __syncthreads();  // this buffer is refilled in the next iteration
@@ -592,39 +624,57 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, int rows, const CUte
 }
 
 // A query block's producer loop over its n_blocks key blocks: block nb's K and V tiles
-// (kBN tokens, columns k_col and v_col of qkv through map and tail_map) into stage
-// nb % kStages of the ring at k_tile and v_tile, once the consumers have released it.
-// The TMA forward's and the TMA dQ kernel's.
-template <int HD>
+// (KB tokens, columns k_col and v_col of qkv through map and tail_map, boxes of KB
+// tokens) into stage nb % kStages of the ring at k_tile and v_tile, once the consumers
+// have released it. The TMA forward's and the TMA dQ kernel's.
+template <int HD, int KB = kBN>
 __device__ __forceinline__ void produce_kv_blocks(const TmaRing& ring, uint32_t k_tile, uint32_t v_tile,
                                                   const CUtensorMap* map, const CUtensorMap* tail_map, int k_col,
                                                   int v_col, int n_blocks, int b) {
-  constexpr int kKVBytes = Cols<HD>::bytes(kBN);
+  constexpr int kKVBytes = Cols<HD>::bytes(KB);
   for (int nb = 0; nb < n_blocks; ++nb) {
     ring.acquire(nb);
     mbar_expect_tx(ring.full(nb), 2 * kKVBytes);
     const uint32_t st = static_cast<uint32_t>(nb % kStages) * kKVBytes;
-    tma_load_tile<HD>(k_tile + st, kBN, map, tail_map, k_col, nb * kBN, b, ring.full(nb));
-    tma_load_tile<HD>(v_tile + st, kBN, map, tail_map, v_col, nb * kBN, b, ring.full(nb));
+    tma_load_tile<HD>(k_tile + st, KB, map, tail_map, k_col, nb * KB, b, ring.full(nb));
+    tma_load_tile<HD>(v_tile + st, KB, map, tail_map, v_col, nb * KB, b, ring.full(nb));
   }
 }
 #endif  // SPILLWAY_WGMMA_BODY
 constexpr size_t kRingBarrierBytes = (1 + 2 * kStages) * sizeof(uint64_t);
 constexpr int kTmaThreads = kThreads + 32;      // two consumer warpgroups, one producer warp
-template <int HD>
+template <int HD, int KB>
 constexpr size_t tma_smem_bytes() {
-  return static_cast<size_t>(Cols<HD>::bytes(kBM) + 2 * kStages * Cols<HD>::bytes(kBN)) + 1024 +
+  return static_cast<size_t>(Cols<HD>::bytes(kBM) + 2 * kStages * Cols<HD>::bytes(KB)) + 1024 +
          kRingBarrierBytes;  // Q, K/V stages, alignment, barriers
 }
 
+// The keys of the TMA forward's key blocks at a head dim: 64, or 128 at head dims 64
+// and 80 with -DSPILLWAY_ATTENTION_FORWARD_WIDE_64 and _80 (S = Q·Kᵀ as one m64n128
+// product per step of 16, half the online-softmax rescales and barrier rounds; a
+// warpgroup whose rows end before the second half of the diagonal block takes only
+// its first 64 keys).
+template <int HD>
+struct ForwardKeys {
+#if defined(SPILLWAY_ATTENTION_FORWARD_WIDE_64) && defined(SPILLWAY_ATTENTION_FORWARD_WIDE_80)
+  static constexpr int value = HD == 64 || HD == 80 ? 128 : 64;
+#elif defined(SPILLWAY_ATTENTION_FORWARD_WIDE_64)
+  static constexpr int value = HD == 64 ? 128 : 64;
+#elif defined(SPILLWAY_ATTENTION_FORWARD_WIDE_80)
+  static constexpr int value = HD == 80 ? 128 : 64;
+#else
+  static constexpr int value = 64;
+#endif
+};
+
 // out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
-// (boxes of 64 columns × kBM tokens) and kv_map (64 columns × kBN tokens), both over
+// (boxes of 64 columns × kBM tokens) and kv_map (64 columns × KB tokens), both over
 // (ld columns, T tokens, B), and for head dim 80 q_tail_map and kv_tail_map (16
 // columns); grid (ceil(T/kBM), B·NH), kTmaThreads threads. Grouped heads or not, the
 // tensor maps' columns say where each head is.
 // At head dim 80 ptxas takes 110 registers with the bound of one block, and two blocks
 // of 288 threads still fit an SM at run time (a bound of two makes it spill at 93).
-template <int HD>
+template <int HD, int KB>
 __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     attention_forward_tma(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
                           const __grid_constant__ CUtensorMap kv_map, const __grid_constant__ CUtensorMap q_tail_map,
@@ -633,13 +683,13 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
 #ifdef SPILLWAY_WGMMA_BODY
   using L = Cols<HD>;
   constexpr int kMain = L::main, kTail = L::tail;
-  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(kBN);
+  constexpr int kQBytes = L::bytes(kBM), kKVBytes = L::bytes(KB);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t q_tile = base, k_tile = base + kQBytes, v_tile = k_tile + kStages * kKVBytes;
   const TmaRing ring{v_tile + kStages * kKVBytes};  // once: Q; the ring: K and V
 
-  const QueryBlock qb = query_block(T, NH);
+  const QueryBlock qb = query_block<KB>(T, NH);
   const int m0 = qb.m0, n_blocks = qb.n_blocks;
   // Columns of qkv's rows: query head h, then key/value head kvh (h itself without
   // grouping, where NH·HD = C, so K at C + h·HD and V at 2C + h·HD).
@@ -653,7 +703,7 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     if (threadIdx.x == kThreads) {
       mbar_expect_tx(ring.once(), kQBytes);
       tma_load_tile<HD>(q_tile, kBM, &q_map, &q_tail_map, q_col, m0, qb.b, ring.once());
-      produce_kv_blocks<HD>(ring, k_tile, v_tile, &kv_map, &kv_tail_map, k_col, v_col, n_blocks, qb.b);
+      produce_kv_blocks<HD, KB>(ring, k_tile, v_tile, &kv_map, &kv_tail_map, k_col, v_col, n_blocks, qb.b);
     }
     return;
   }
@@ -671,9 +721,16 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
     ring.wait_full(nb);
     if (nb <= wg_last) {  // uniform over the warpgroup
       const uint32_t kt = k_tile + st * kKVBytes, vt = v_tile + st * kKVBytes;
-      // Waits for its products: the stage is read when it returns.
-      forward_key_block<HD>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, nb, T,
-                            scale_log2);
+      // Waits for its products: the stage is read when it returns. With 128 keys a
+      // block, a warpgroup whose rows all precede the block's second half (or that half
+      // lies past T) takes only the first 64 keys: the rest would be masked whole.
+      const int key0 = nb * KB;
+      if (KB == 64 || key0 + 64 > wg_row0 + kWgRows - 1 || key0 + 64 >= T)
+        forward_key_block<HD, 64>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, KB, key0, T,
+                                  scale_log2);
+      else
+        forward_key_block<HD, KB>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, KB, key0, T,
+                                  scale_log2);
     }
     ring.release(nb);
   }
@@ -1147,13 +1204,14 @@ cudaError_t forward_tma(bf16* out, float* lse, const bf16* qkv, int B, int T, in
                         cudaStream_t stream) {
   const size_t ld = static_cast<size_t>(NH + 2 * KVH) * HD;  // 3C without grouping
   constexpr int tail = Cols<HD>::tail ? Cols<HD>::tail : 64;  // without a tail, unused copies of the maps
+  constexpr int KB = ForwardKeys<HD>::value;
   CUtensorMap q_map, kv_map, q_tail_map, kv_tail_map;
-  if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, kBN) ||
+  if (ld % 8 != 0 || !encode_qkv_map(&q_map, qkv, ld, T, B, kBM) || !encode_qkv_map(&kv_map, qkv, ld, T, B, KB) ||
       !encode_qkv_map(&q_tail_map, qkv, ld, T, B, kBM, tail) ||
-      !encode_qkv_map(&kv_tail_map, qkv, ld, T, B, kBN, tail))
+      !encode_qkv_map(&kv_tail_map, qkv, ld, T, B, KB, tail))
     return cudaErrorNotSupported;
-  constexpr size_t smem = tma_smem_bytes<HD>();
-  auto kernel = attention_forward_tma<HD>;
+  constexpr size_t smem = tma_smem_bytes<HD, KB>();
+  auto kernel = attention_forward_tma<HD, KB>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(HD));

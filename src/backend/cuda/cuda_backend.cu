@@ -7,14 +7,19 @@
 // an op (which returns void) records the first error, and synchronize() reports it.
 #include "backend/cuda/cuda_backend.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <deque>
 #include <functional>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -528,6 +533,42 @@ Result<bool> bias_epilogue_from_environment() {
                                  "a column-sum kernel over the output gradient");
 }
 
+// SPILLWAY_CUDA_PINNED_REGISTER: with =1, a pinned host allocation of 1 GiB or more is
+// anonymous memory advised to transparent huge pages, its pages faulted in by up to 16
+// threads at once, then pinned with cudaHostRegister; unset or =0 (the default until a
+// GPU has timed both), cudaHostAlloc, which faults and pins every page on the calling
+// thread (12.4 s for gpt-2.7b's 33 GiB under auto on an H100, bench/RESULTS.md).
+Result<bool> pinned_register_from_environment() {
+  return switch_from_environment("SPILLWAY_CUDA_PINNED_REGISTER", false,
+                                 "large pinned regions faulted in by parallel threads, then cudaHostRegister",
+                                 "cudaHostAlloc");
+}
+
+// Writes one byte of every 4 KiB page of [p, p + bytes) with up to 16 threads, each a
+// contiguous share, so that the kernel faults the pages in (and zeroes them) in
+// parallel. Where no thread can be started, the caller's thread does the rest.
+void fault_in_parallel(void* p, size_t bytes) {
+  constexpr size_t kPage = 4096;
+  const size_t pages = bytes / kPage;
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const size_t n = std::min<size_t>({16, hw, std::max<size_t>(1, pages / 512)});
+  auto touch = [p](size_t first, size_t last) {
+    volatile unsigned char* b = static_cast<unsigned char*>(p);
+    for (size_t i = first; i < last; ++i) b[i * kPage] = 0;
+  };
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < n; ++t) {
+    const size_t first = pages * t / n, last = pages * (t + 1) / n;
+    try {
+      threads.emplace_back(touch, first, last);
+    } catch (const std::system_error&) {
+      touch(first, last);
+    }
+  }
+  touch(0, pages / n);
+  for (std::thread& t : threads) t.join();
+}
+
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
 // they apply (head dims 64, 80, 128 on compute capability 9.0); "mma", the mma.sync
 // kernels everywhere, for comparing the two.
@@ -815,6 +856,7 @@ class CudaBackend final : public Backend {
     SPILLWAY_ASSIGN_OR_RETURN(gelu_epilogue_, gelu_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(residual_epilogue_, residual_epilogue_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(bias_epilogue_, bias_epilogue_from_environment());
+    SPILLWAY_ASSIGN_OR_RETURN(pinned_register_, pinned_register_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool multi_tensor, multi_tensor_from_environment());
     SPILLWAY_ASSIGN_OR_RETURN(const bool optimizer_stream, optimizer_stream_from_environment());
     SPILLWAY_RETURN_IF_ERROR(queue_.init(device_, multi_tensor, optimizer_stream,
@@ -894,6 +936,7 @@ class CudaBackend final : public Backend {
 
   Result<void*> host_alloc(size_t bytes) override {
     SPILLWAY_RETURN_IF_ERROR(cuda_status("cudaSetDevice", cudaSetDevice(device_)));
+    if (pinned_register_ && bytes >= (size_t{1} << 30)) return host_alloc_registered(bytes);
     void* p = nullptr;
     cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
     if (e != cudaSuccess)
@@ -904,7 +947,21 @@ class CudaBackend final : public Backend {
   void host_free(void* p) override {
     if (p == nullptr) return;
     queue_.flush();  // as device_free: cudaFreeHost waits for the device
-    check(cudaFreeHost(p), "cudaFreeHost");
+    size_t registered = 0;
+    {
+      std::lock_guard<std::mutex> lock(registered_mu_);
+      if (auto it = registered_.find(p); it != registered_.end()) {
+        registered = it->second;
+        registered_.erase(it);
+      }
+    }
+    if (registered == 0) {
+      check(cudaFreeHost(p), "cudaFreeHost");
+      return;
+    }
+    // cudaHostUnregister waits for the device's work on it, as cudaFreeHost does.
+    check(cudaHostUnregister(p), "cudaHostUnregister");
+    if (munmap(p, registered) != 0) check(cudaErrorUnknown, "munmap of a registered host region");
   }
 
   Status pin_host(void* p, size_t bytes) override {
@@ -917,6 +974,27 @@ class CudaBackend final : public Backend {
   }
 
   CopyEngine& copy_engine() override { return copy_; }
+
+ private:
+  // host_alloc under SPILLWAY_CUDA_PINNED_REGISTER=1 (see pinned_register_from_environment).
+  Result<void*> host_alloc_registered(size_t bytes) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
+    void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      return errno_status("mmap", errno).with_context("pinned host allocation of " + format_size(bytes));
+    (void)madvise(p, len, MADV_HUGEPAGE);  // advice: without it the pages are 4 KiB, no error
+    fault_in_parallel(p, len);
+    if (cudaError_t e = cudaHostRegister(p, len, cudaHostRegisterPortable); e != cudaSuccess) {
+      (void)munmap(p, len);
+      return cuda_status("cudaHostRegister", e).with_context("pinned host allocation of " + format_size(bytes));
+    }
+    std::lock_guard<std::mutex> lock(registered_mu_);
+    registered_[p] = len;
+    return p;
+  }
+
+ public:
 
   // Stall probes: timing events on the compute stream (stall_timer.cuh). A failure to
   // record one is recorded like an op's error; the probe then counts nothing.
@@ -1426,6 +1504,9 @@ class CudaBackend final : public Backend {
   bool sm90_ = false;                                   // compute capability 9.0 (wgmma kernels apply)
   AttentionKernel attention_kernel_ = AttentionKernel::kAuto;  // SPILLWAY_CUDA_ATTENTION, set at init
   bool gelu_epilogue_ = true;                                   // SPILLWAY_CUDA_GELU_EPILOGUE, set at init
+  bool pinned_register_ = false;                                // SPILLWAY_CUDA_PINNED_REGISTER, set at init
+  std::mutex registered_mu_;
+  std::map<void*, size_t> registered_;  // host_alloc_registered's regions and their mapped lengths
   bool residual_epilogue_ = true;                               // SPILLWAY_CUDA_RESIDUAL_EPILOGUE, set at init
   bool bias_epilogue_ = true;                                   // SPILLWAY_CUDA_BIAS_EPILOGUE, set at init
   std::string gpu_name_;
