@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <system_error>
 
@@ -98,6 +99,22 @@ void ThreadPool::parallel_tiles(int64_t n, const std::function<void(int64_t, int
     for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < n;
          t = next.fetch_add(1, std::memory_order_relaxed))
       fn(t, t + 1);
+  });
+}
+
+void parallel_memcpy(ThreadPool& pool, void* dst, const void* src, size_t bytes) {
+  constexpr size_t kTile = size_t{4} << 20;
+  if (bytes < 4 * kTile || pool.size() == 1) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return;
+  }
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  pool.parallel_tiles(static_cast<int64_t>((bytes + kTile - 1) / kTile), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const size_t at = static_cast<size_t>(t) * kTile;
+      std::memcpy(d + at, s + at, std::min(kTile, bytes - at));
+    }
   });
 }
 

@@ -203,7 +203,7 @@ class PlanExecutor final : public Executor {
         SPILLWAY_RETURN_IF_ERROR(b_.upload(s.device, src, bytes));
         break;
       case Tier::Host:
-        std::memcpy(host_ptr(t), src, bytes);
+        parallel_memcpy(global_thread_pool(), host_ptr(t), src, bytes);
         break;
       case Tier::Storage:
         SPILLWAY_RETURN_IF_ERROR(spill_->write_sync(t, src, bytes));
@@ -218,7 +218,7 @@ class PlanExecutor final : public Executor {
     Slot& s = slots_[t];
     if (residency_.valid(t, Tier::Device) && s.device) return b_.download(dst, s.device, bytes);
     if (residency_.valid(t, Tier::Host) && s.host) {
-      std::memcpy(dst, host_ptr(t), bytes);
+      parallel_memcpy(global_thread_pool(), dst, host_ptr(t), bytes);
       return Status::ok();
     }
     if (residency_.valid(t, Tier::Storage) && spill_) return spill_->read_sync(t, dst, bytes);

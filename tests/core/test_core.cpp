@@ -124,6 +124,23 @@ TEST(ThreadPool, TilesGoToTheThreadsThatAreFree) {
   pool.parallel_tiles(0, [&](int64_t, int64_t) { ADD_FAILURE() << "no tiles, no calls"; });
 }
 
+// parallel_memcpy copies every byte exactly once, tiled or not: sizes below the tiled
+// threshold, at it, and odd sizes past it whose last tile is short; on a pool of four
+// threads and on a pool of the calling thread alone. Bytes around the destination stay.
+TEST(ThreadPool, ParallelMemcpyCopiesEveryByteOnce) {
+  ThreadPool four(4), alone(1);
+  const size_t mib = size_t{1} << 20;
+  for (ThreadPool* pool : {&four, &alone})
+    for (size_t bytes : {size_t{0}, size_t{1}, 16 * mib - 1, 16 * mib, 16 * mib + 1, 37 * mib + 4093}) {
+      std::vector<unsigned char> src(bytes), dst(bytes + 2, 0xAB);
+      for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<unsigned char>((i * 2654435761u) >> 13);
+      parallel_memcpy(*pool, dst.data() + 1, src.data(), bytes);
+      EXPECT_EQ(dst.front(), 0xAB) << bytes;
+      EXPECT_EQ(dst.back(), 0xAB) << bytes;
+      EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin() + 1)) << bytes << " bytes, pool of " << pool->size();
+    }
+}
+
 // On a GPU backend the host compute leaves one core to the thread that issues GPU
 // work; a --threads value is kept as given.
 TEST(ThreadPool, HostComputeLeavesACoreBesideGpuIssue) {
