@@ -106,6 +106,8 @@ class Scheduler {
       }
     }
     st_.resize(n);
+    persistent_.resize(n);
+    for (size_t t = 0; t < n; ++t) persistent_[t] = p_.is_persistent(static_cast<TensorId>(t));
   }
 
   // The step's plan. An instruction the residency machine refused is reported first,
@@ -129,7 +131,7 @@ class Scheduler {
     // Start-of-step state.
     for (size_t t = 0; t < n; ++t) {
       auto id = static_cast<TensorId>(t);
-      if (!p_.is_persistent(id)) continue;
+      if (!persistent(id)) continue;
       State& s = st_[t];
       if (c_.home[t] == Tier::Device) {
         s.region = true;
@@ -247,7 +249,9 @@ class Scheduler {
   uint64_t host_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), 4096); }
   uint64_t device_bytes(TensorId t) const { return align_up(std::max<uint64_t>(1, bytes(t)), align_); }
   const std::string& name(TensorId t) const { return p_.tensors.info(t).name; }
-  bool persistent(TensorId t) const { return p_.is_persistent(t); }
+  // Program::is_persistent, looked up once per tensor (it searches the outputs; the
+  // search calls this in its innermost loops).
+  bool persistent(TensorId t) const { return persistent_[t] != 0; }
   bool pinned_home(TensorId t) const { return persistent(t) && c_.home[t] == Tier::Device; }
 
   // The next op after `after` that needs t's current value; kNever when the value
@@ -876,6 +880,7 @@ class Scheduler {
   RangeAllocator host_;  // host buffers: static offsets in the executor's host arena
   std::vector<std::vector<int>> uses_;  // [tensors] op indices that touch it, ascending
   std::vector<std::vector<bool>> overwrites_;  // [tensors][uses] that op only writes it
+  std::vector<char> persistent_;               // [tensors] Program::is_persistent
   std::vector<std::vector<int>> writers_;  // [tensors] op indices that write it (Write or Update), ascending
   std::vector<State> st_;               // [tensors]
   std::vector<bool> storage_extent_ = std::vector<bool>(p_.tensors.size(), false);
