@@ -16,7 +16,7 @@
 # TESTS_LATER for the others (default TESTS; '-' runs none). OPS_ROWS: the rows of
 # bench ops to print (an extended regular expression, default '^attention'). EXACT=1:
 # the budgeted-against-resident exactness check (scripts/device-exactness.sh) with the
-# first variant.
+# first variant. SDPA=0 skips PyTorch's SDPA timings.
 # Stops after the tests of a variant that fails them. Usage (device tool, carry .deps):
 #   scripts/device-attention.sh        (summary in $OUT/summary.txt)
 set -uo pipefail
@@ -62,7 +62,7 @@ for shape in "${SHAPES[@]}"; do
     done
   done
 done
-timeout 180 python3 bench/peers/torch_attention.py 16:1024:12:64 8:1024:25:64 8:1024:32:80 2>&1 |
+[ "${SDPA:-1}" = 0 ] || timeout 180 python3 bench/peers/torch_attention.py 16:1024:12:64 8:1024:25:64 8:1024:32:80 2>&1 |
   tee -a "$out/summary.txt"
 for mb in ${TRAIN:-}; do
   IFS=: read -r m b runs <<< "$mb"
