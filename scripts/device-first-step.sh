@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU for issue 10's time to the first step: builds spillway and
-# test_backend, runs the pinned-memory tests, then `bench train --policy auto` on RUN
+# test_backend, runs the pinned-memory tests (or the test_backend filter TESTS), then `bench train --policy auto` on RUN
 # (model:accum:budget:flags, flags with '+' for spaces; default gpt-2.7b at accum 4
 # under 24 GiB without clipping) once for each value of SPILLWAY_CUDA_PINNED_REGISTER in
 # PINNED (default "0 1": cudaHostAlloc, then huge pages faulted in parallel and
@@ -18,9 +18,9 @@ machine=machines/h100.json
 scripts/device-build.sh spillway test_backend > /tmp/first-step-logs/build.log 2>&1 ||
   { tail -40 /tmp/first-step-logs/build.log; exit 1; }
 log "build $(( $(date +%s) - t0 )) s ($machine)"
-timeout 120 build-device/test_backend --gtest_filter='CudaOps.RegisteredPinned*:CudaOps.CopyEngineOrdering' \
+timeout 180 build-device/test_backend --gtest_filter="${TESTS:-CudaOps.RegisteredPinned*:CudaOps.CopyEngineOrdering}" \
   > /tmp/first-step-logs/tests.log 2>&1
-log "pinned-memory tests: rc $? $(grep -E '^\[  (PASSED|FAILED)' /tmp/first-step-logs/tests.log | tr '\n' ' ')"
+log "tests ${TESTS:-CudaOps.RegisteredPinned*:CudaOps.CopyEngineOrdering}: rc $? $(grep -E '^\[  (PASSED|FAILED)' /tmp/first-step-logs/tests.log | tr '\n' ' ')"
 grep -E 'Failure' -A4 /tmp/first-step-logs/tests.log | head -20 | tee -a "$out/summary.txt"
 IFS=: read -r m a budget flags <<< "${RUN:-gpt-2.7b:4:24GiB:--grad-clip+0}"; flags=${flags//+/ }
 for v in ${PINNED:-0 1}; do
