@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU for issue 10's time to the first step: builds spillway and
-# test_backend, runs the pinned-memory tests (or the test_backend filter TESTS), then `bench train --policy auto` on RUN
-# (model:accum:budget:flags, flags with '+' for spaces; default gpt-2.7b at accum 4
+# test_backend, runs the pinned-memory tests (or the test_backend filter TESTS), then
+# `bench train --policy auto` on RUN (model:accum:budget:flags, flags with '+' for
+# spaces; default gpt-2.7b at accum 4
 # under 24 GiB without clipping) once for each value of SPILLWAY_CUDA_PINNED_REGISTER in
 # PINNED (default "0 1": cudaHostAlloc, then huge pages faulted in parallel and
 # registered), and last PyTorch's initialization of the same model (PEER, a
