@@ -135,8 +135,8 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t a, uint64_t b,
 }
 
 // The same, m64n128k16: d is a 64×128 accumulator (the fragment layout above with j
-// up to 15), B a K-major tile of 128 rows.
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+// up to 15), B a K-major tile of 128 rows. Used only with ForwardKeys<HD> of 128.
+[[maybe_unused]] __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" SPILLWAY_D64_LIST "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
