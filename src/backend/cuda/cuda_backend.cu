@@ -961,7 +961,10 @@ class CudaBackend final : public Backend {
     }
     // cudaHostUnregister waits for the device's work on it, as cudaFreeHost does.
     check(cudaHostUnregister(p), "cudaHostUnregister");
-    if (munmap(p, registered) != 0) check(cudaErrorUnknown, "munmap of a registered host region");
+    if (munmap(p, registered) != 0)
+      record(errno_status("munmap", errno).with_context("freeing a registered host region of " +
+                                                        format_size(registered)),
+             nullptr);
   }
 
   Status pin_host(void* p, size_t bytes) override {
@@ -995,7 +998,6 @@ class CudaBackend final : public Backend {
   }
 
  public:
-
   // Stall probes: timing events on the compute stream (stall_timer.cuh). A failure to
   // record one is recorded like an op's error; the probe then counts nothing.
   StallProbe begin_stall_probe() override {
