@@ -1383,9 +1383,9 @@ TEST_F(CudaOps, OptimizerStreamSwitch) {
 
 // SPILLWAY_CUDA_PINNED_REGISTER=1: a region of 1 GiB and more is mapped, faulted in by
 // parallel threads and registered. It starts zeroed, the copy engine moves its first
-// and last pages both ways at full speed's path, and host_free unregisters and unmaps
-// it (a second region of the same size then fits again). Small regions still come
-// from cudaHostAlloc. Any other value than 0 or 1 is refused.
+// and last 8 MiB both ways, and host_free unregisters and unmaps it (two rounds, each
+// a fresh region). A small region (cudaHostAlloc's) works beside them. Any other value
+// than 0 or 1 is refused.
 TEST_F(CudaOps, RegisteredPinnedRegionsCopyBothWays) {
   const char* name = "SPILLWAY_CUDA_PINNED_REGISTER";
   expect_switch_refused(name, "yes");
