@@ -2,12 +2,12 @@
 # One call on the lent GPU for issue 10's time to the first step: builds spillway and
 # test_backend, runs the pinned-memory tests (or the test_backend filter TESTS), then
 # `bench train --policy auto` on RUN (model:accum:budget:flags, flags with '+' for
-# spaces; default gpt-2.7b at accum 4
-# under 24 GiB without clipping) once for each value of SPILLWAY_CUDA_PINNED_REGISTER in
-# PINNED (default "0 1": cudaHostAlloc, then huge pages faulted in parallel and
-# registered), and last PyTorch's initialization of the same model (PEER, a
-# bench/peers/torch_gpt.py configuration; default 2.7B:full:8). Prints each run's time
-# to the first step with its parts, and its tokens/s.
+# spaces; default gpt-2.7b at accum 4 under 24 GiB without clipping) once for each
+# value of SPILLWAY_CUDA_PINNED_REGISTER in PINNED (default "0 1": cudaHostAlloc, then
+# huge pages faulted in parallel and registered), and last PyTorch's initialization of
+# the same model (PEER, a bench/peers/torch_gpt.py configuration; default
+# 2.7B:full:8). Prints each run's time to the first step with its parts, and its
+# tokens/s.
 # Usage (device tool, carry .deps): scripts/device-first-step.sh   (summary in $OUT/summary.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.."

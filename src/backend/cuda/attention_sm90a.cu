@@ -654,17 +654,19 @@ constexpr size_t tma_smem_bytes() {
 // product per step of 16, half the online-softmax rescales and barrier rounds; a
 // warpgroup whose rows end before the second half of the diagonal block takes only
 // its first 64 keys).
+#ifdef SPILLWAY_ATTENTION_FORWARD_WIDE_64
+constexpr bool kForwardWide64 = true;
+#else
+constexpr bool kForwardWide64 = false;
+#endif
+#ifdef SPILLWAY_ATTENTION_FORWARD_WIDE_80
+constexpr bool kForwardWide80 = true;
+#else
+constexpr bool kForwardWide80 = false;
+#endif
 template <int HD>
 struct ForwardKeys {
-#if defined(SPILLWAY_ATTENTION_FORWARD_WIDE_64) && defined(SPILLWAY_ATTENTION_FORWARD_WIDE_80)
-  static constexpr int value = HD == 64 || HD == 80 ? 128 : 64;
-#elif defined(SPILLWAY_ATTENTION_FORWARD_WIDE_64)
-  static constexpr int value = HD == 64 ? 128 : 64;
-#elif defined(SPILLWAY_ATTENTION_FORWARD_WIDE_80)
-  static constexpr int value = HD == 80 ? 128 : 64;
-#else
-  static constexpr int value = 64;
-#endif
+  static constexpr int value = (HD == 64 && kForwardWide64) || (HD == 80 && kForwardWide80) ? 128 : 64;
 };
 
 // out[B,T,C], lse[B,NH,T] (natural log) from qkv[B,T,(NH+2·KVH)·HD] through q_map
