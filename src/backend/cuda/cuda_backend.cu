@@ -18,8 +18,6 @@
 #include <iterator>
 #include <map>
 #include <mutex>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -29,6 +27,7 @@
 #include "backend/cuda/matmul.cuh"
 #include "backend/cuda/stall_timer.cuh"
 #include "core/size.h"
+#include "core/thread_pool.h"
 
 namespace spillway {
 namespace {
@@ -534,8 +533,8 @@ Result<bool> bias_epilogue_from_environment() {
 }
 
 // SPILLWAY_CUDA_PINNED_REGISTER: with =1, a pinned host allocation of 1 GiB or more is
-// anonymous memory advised to transparent huge pages, its pages faulted in by up to 16
-// threads at once, then pinned with cudaHostRegister; unset or =0 (the default until a
+// anonymous memory advised to transparent huge pages, its pages faulted in on the
+// thread pool's threads at once, then pinned with cudaHostRegister; unset or =0 (the default until a
 // GPU has timed both), cudaHostAlloc, which faults and pins every page on the calling
 // thread (12.4 s for gpt-2.7b's 33 GiB under auto on an H100, bench/RESULTS.md).
 Result<bool> pinned_register_from_environment() {
@@ -544,29 +543,16 @@ Result<bool> pinned_register_from_environment() {
                                  "cudaHostAlloc");
 }
 
-// Writes one byte of every 4 KiB page of [p, p + bytes) with up to 16 threads, each a
-// contiguous share, so that the kernel faults the pages in (and zeroes them) in
-// parallel. Where no thread can be started, the caller's thread does the rest.
+// Writes one byte of every 4 KiB page of [p, p + bytes) on the thread pool, a 2 MiB
+// tile (one huge page) at a time, so that the kernel faults the pages in (and zeroes
+// them) on every core at once.
 void fault_in_parallel(void* p, size_t bytes) {
-  constexpr size_t kPage = 4096;
-  const size_t pages = bytes / kPage;
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  const size_t n = std::min<size_t>({16, hw, std::max<size_t>(1, pages / 512)});
-  auto touch = [p](size_t first, size_t last) {
-    volatile unsigned char* b = static_cast<unsigned char*>(p);
-    for (size_t i = first; i < last; ++i) b[i * kPage] = 0;
-  };
-  std::vector<std::thread> threads;
-  for (size_t t = 1; t < n; ++t) {
-    const size_t first = pages * t / n, last = pages * (t + 1) / n;
-    try {
-      threads.emplace_back(touch, first, last);
-    } catch (const std::system_error&) {
-      touch(first, last);
-    }
-  }
-  touch(0, pages / n);
-  for (std::thread& t : threads) t.join();
+  constexpr size_t kPage = 4096, kTile = size_t{2} << 20;
+  volatile unsigned char* b = static_cast<unsigned char*>(p);
+  global_thread_pool().parallel_tiles(static_cast<int64_t>((bytes + kTile - 1) / kTile), [&](int64_t t0, int64_t t1) {
+    const size_t end = std::min(bytes, static_cast<size_t>(t1) * kTile);
+    for (size_t at = static_cast<size_t>(t0) * kTile; at < end; at += kPage) b[at] = 0;
+  });
 }
 
 // SPILLWAY_CUDA_ATTENTION: unset or "auto", the Hopper (wgmma) attention kernels where
