@@ -63,21 +63,25 @@ for shape in "${SHAPES[@]}"; do
     done
   done
 done
-# NCU: a kernel-name regular expression; Nsight Compute's sections for the first launch
-# of each matching kernel, per variant, at the first shape (text in $OUT/ncu-N.txt; the
-# summary gets the duration, the tensor, MUFU and shared-memory pipes and the top stalls).
+# NCU: kernel-name regular expressions, ',' between them; Nsight Compute's sections for
+# the first NCU_COUNT (default 1) launches of each, per variant, at the first shape (text
+# in $OUT/ncu-VARIANT-K.txt; the summary gets the duration, the tensor, MUFU and
+# shared-memory pipes, occupancy and the stalls).
 if [ -n "${NCU:-}" ]; then
   set -- ${SHAPES[0]}
+  IFS=',' read -r -a ncu_names <<< "$NCU"
   for i in "${!dirs[@]}"; do
-    f="$out/ncu-$((i + 1)).txt"
-    timeout 240 ncu --clock-control none --kernel-name "regex:$NCU" --launch-count "${NCU_COUNT:-2}" \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --section Occupancy --section WarpStateStats --section LaunchStats \
-      --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct \
-      ${dirs[$i]}/spillway bench ops --backend cuda --B "$1" --T 1024 --C "$2" --NH "$3" --V 50304 > "$f" 2>&1
-    log "variant $((i + 1)) ncu $NCU B=$1 C=$2 NH=$3: rc $?"
-    grep -E "^  [a-z_]+.*\(|Duration|gmma|pipe_xu|mem_shared|issue_stalled|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit" "$f" |
-      tr -s ' ' | head -60 | tee -a "$out/summary.txt"
+    for k in "${!ncu_names[@]}"; do
+      f="$out/ncu-$((i + 1))-$((k + 1)).txt"
+      timeout 240 ncu --clock-control none --kernel-name "regex:${ncu_names[$k]}" --launch-count "${NCU_COUNT:-1}" \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section Occupancy --section WarpStateStats --section LaunchStats \
+        --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct \
+        ${dirs[$i]}/spillway bench ops --backend cuda --B "$1" --T 1024 --C "$2" --NH "$3" --V 50304 > "$f" 2>&1
+      log "variant $((i + 1)) ncu ${ncu_names[$k]} B=$1 C=$2 NH=$3: rc $?"
+      grep -E "^  [A-Za-z_]+.*\(|Duration|Throughput|gmma|pipe_xu|mem_shared|issue_stalled|Registers Per|Occupancy|Block Limit" "$f" |
+        tr -s ' ' | head -40 | tee -a "$out/summary.txt"
+    done
   done
 fi
 [ "${SDPA:-1}" = 0 ] || timeout 180 python3 bench/peers/torch_attention.py 16:1024:12:64 8:1024:25:64 8:1024:32:80 2>&1 |

@@ -102,20 +102,33 @@ void ThreadPool::parallel_tiles(int64_t n, const std::function<void(int64_t, int
   });
 }
 
-void parallel_memcpy(ThreadPool& pool, void* dst, const void* src, size_t bytes) {
-  constexpr size_t kTile = size_t{4} << 20;
-  if (bytes < 4 * kTile || pool.size() == 1) {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
+namespace {
+constexpr size_t kCopyTile = size_t{4} << 20;
+// fn(offset, length) over [0, bytes) in kCopyTile tiles on the pool, or once on the
+// calling thread below 4 tiles or with a pool of one thread.
+void for_byte_tiles(ThreadPool& pool, size_t bytes, const std::function<void(size_t, size_t)>& fn) {
+  if (bytes < 4 * kCopyTile || pool.size() == 1) {
+    if (bytes > 0) fn(0, bytes);
     return;
   }
-  auto* d = static_cast<unsigned char*>(dst);
-  const auto* s = static_cast<const unsigned char*>(src);
-  pool.parallel_tiles(static_cast<int64_t>((bytes + kTile - 1) / kTile), [&](int64_t t0, int64_t t1) {
+  pool.parallel_tiles(static_cast<int64_t>((bytes + kCopyTile - 1) / kCopyTile), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const size_t at = static_cast<size_t>(t) * kTile;
-      std::memcpy(d + at, s + at, std::min(kTile, bytes - at));
+      const size_t at = static_cast<size_t>(t) * kCopyTile;
+      fn(at, std::min(kCopyTile, bytes - at));
     }
   });
+}
+}  // namespace
+
+void parallel_memcpy(ThreadPool& pool, void* dst, const void* src, size_t bytes) {
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  for_byte_tiles(pool, bytes, [&](size_t at, size_t n) { std::memcpy(d + at, s + at, n); });
+}
+
+void parallel_zero(ThreadPool& pool, void* dst, size_t bytes) {
+  auto* d = static_cast<unsigned char*>(dst);
+  for_byte_tiles(pool, bytes, [&](size_t at, size_t n) { std::memset(d + at, 0, n); });
 }
 
 int host_compute_threads(int requested, bool beside_gpu_issue) {

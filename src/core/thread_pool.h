@@ -84,6 +84,9 @@ class ThreadPool {
 // moments took seconds before the first step). Smaller copies, and pools of one
 // thread, copy on the calling thread. The regions must not overlap.
 void parallel_memcpy(ThreadPool& pool, void* dst, const void* src, size_t bytes);
+// memset(dst, 0, bytes) the same way: tiles of 4 MiB on the pool's threads from 16 MiB
+// up (an executor zeroes tens of GiB of host arena before the first step).
+void parallel_zero(ThreadPool& pool, void* dst, size_t bytes);
 
 // A pool shared by the process's compute (set its size once, before first use).
 // start_global_thread_pool (re)starts it at once with `threads` workers (0: all

@@ -29,19 +29,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Zeroes [p, p + bytes) on every core, in 64 MiB pieces (tens of GiB of host state
-// would otherwise take one core most of the time to the first step).
-void zero_in_parallel(void* p, uint64_t bytes) {
-  constexpr uint64_t kChunk = uint64_t{64} << 20;
-  char* base = static_cast<char*>(p);
-  global_thread_pool().parallel_for(static_cast<int64_t>((bytes + kChunk - 1) / kChunk), [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const uint64_t begin = static_cast<uint64_t>(c) * kChunk;
-      std::memset(base + begin, 0, std::min(kChunk, bytes - begin));
-    }
-  });
-}
-
 // A region the caller gives for `need` bytes of `what` (ExecutorOptions::external_host,
 // external_speculation): 4096-aligned and large enough, else an error naming it.
 Status check_region(const HostRegion& region, uint64_t need, const char* what, const char* name) {
@@ -137,7 +124,7 @@ class PlanExecutor final : public Executor {
     host_arena_ = std::make_unique<DeviceArena>(host_memory_, host_bytes, 4096);
     // Host-homed state starts zeroed: the whole arena, in parallel (tens of GiB for
     // a large model; one thread would take most of the time to the first step).
-    zero_in_parallel(host_memory_, host_bytes);
+    parallel_zero(global_thread_pool(), host_memory_, host_bytes);
     bool uses_storage = plan_.storage_bytes > 0;
     if (uses_storage) {
       if (opt_.spill_dir.empty())
@@ -997,7 +984,7 @@ class PlanExecutor final : public Executor {
                                      " of host memory for the speculative updates' second buffers");
       owns_spec_ = true;
     }
-    zero_in_parallel(spec_memory_, total);
+    parallel_zero(global_thread_pool(), spec_memory_, total);
     char* base = static_cast<char*>(spec_memory_);
     spec_of_op_.assign(p_.ops.size(), -1);
     spec_of_tensor_.assign(p_.tensors.size(), -1);

@@ -141,6 +141,20 @@ TEST(ThreadPool, ParallelMemcpyCopiesEveryByteOnce) {
     }
 }
 
+TEST(ThreadPool, ParallelZeroClearsEveryByteAndNoMore) {
+  ThreadPool four(4), alone(1);
+  const size_t mib = size_t{1} << 20;
+  for (ThreadPool* pool : {&four, &alone})
+    for (size_t bytes : {size_t{0}, size_t{1}, 16 * mib - 1, 16 * mib, 37 * mib + 4093}) {
+      std::vector<unsigned char> buf(bytes + 2, 0xAB);
+      parallel_zero(*pool, buf.data() + 1, bytes);
+      EXPECT_EQ(buf.front(), 0xAB) << bytes;
+      EXPECT_EQ(buf.back(), 0xAB) << bytes;
+      EXPECT_TRUE(std::all_of(buf.begin() + 1, buf.end() - 1, [](unsigned char c) { return c == 0; }))
+          << bytes << " bytes, pool of " << pool->size();
+    }
+}
+
 // On a GPU backend the host compute leaves one core to the thread that issues GPU
 // work; a --threads value is kept as given.
 TEST(ThreadPool, HostComputeLeavesACoreBesideGpuIssue) {
