@@ -154,6 +154,18 @@ __device__ __forceinline__ void wgmma_rs_tb(float (&d)[32], const uint32_t (&a)[
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// d (+)= A·B, m64n64k16, A from registers (a[4], the m16n8k16 A layout per warp), B from
+// shared memory K-major; accumulate when `accumulate` is nonzero, else overwrite. Used
+// only with -DSPILLWAY_ATTENTION_FORWARD_Q_REGISTERS.
+[[maybe_unused]] __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SPILLWAY_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : SPILLWAY_D32_OUT(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
 // The same, m64n16k16 (a 16-column block of the output).
 __device__ __forceinline__ void wgmma_rs_tb16(float (&d)[8], const uint32_t (&a)[4], uint64_t b) {
   asm volatile(
@@ -192,6 +204,56 @@ __device__ __forceinline__ void product_abt(float (&d)[ND], uint32_t a_tile, int
   if constexpr (L::tail != 0)
     wgmma_ss(d, descriptor(a_tile + L::main * a_rows * 128 + a_row0 * 32, 0, 256, kSwizzle32),
              descriptor(b_tile + L::main * b_rows * 128, 0, 256, kSwizzle32), 1);
+  wgmma_commit();
+  wgmma_wait_all();
+  pin(d);
+}
+
+// A warpgroup's rows a_row0 .. a_row0+63 of a Q tile of a_rows rows (column blocks as
+// above) as the A operands of products over the head dim, in registers: qa[s] holds
+// columns 16s .. 16s+15 (at head dim 80 the tail block's 16 columns are the last),
+// read with ldmatrix through the tile's swizzles. Lane l addresses row l % 8 of 8×8
+// matrix l / 8: rows +8 for matrices 1 and 3, the second 16-byte chunk for 2 and 3,
+// which gives the m16n8k16 A layout (a0: rows g, columns 2t; a1: rows g + 8; a2 and
+// a3 the same 8 columns on).
+template <int HD>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[HD / 16][4], uint32_t q_tile, int a_rows, int a_row0) {
+  using L = Cols<HD>;
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32 % 4);
+  const int row = a_row0 + warp * 16 + (lane / 8 % 2) * 8 + lane % 8, hi = lane / 16;
+#pragma unroll
+  for (int c = 0; c < L::main; ++c)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t addr = q_tile + c * a_rows * 128 + row * 128 + (((2 * kk + hi) ^ (row & 7)) << 4);
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(qa[4 * c + kk][0]), "=r"(qa[4 * c + kk][1]), "=r"(qa[4 * c + kk][2]), "=r"(qa[4 * c + kk][3])
+                   : "r"(addr));
+    }
+  if constexpr (L::tail != 0) {
+    const uint32_t addr = q_tile + L::main * a_rows * 128 + row * 32 + ((hi ^ ((row >> 2) & 1)) << 4);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(qa[4 * L::main][0]), "=r"(qa[4 * L::main][1]), "=r"(qa[4 * L::main][2]),
+                   "=r"(qa[4 * L::main][3])
+                 : "r"(addr));
+  }
+}
+
+// d = Q·Bᵀ over the head dim (m64n64) as product_abt computes it, with Q's fragments in
+// registers (load_q_fragments) instead of read from shared memory by every product:
+// half the shared-memory reads of S = Q·Kᵀ. Issued, committed and waited for.
+template <int HD>
+__device__ __forceinline__ void product_qbt(float (&d)[32], const uint32_t (&qa)[HD / 16][4], uint32_t b_tile,
+                                            int b_rows) {
+  using L = Cols<HD>;
+  wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < L::main; ++c)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_rs(d, qa[4 * c + kk], descriptor(b_tile + c * b_rows * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
+  if constexpr (L::tail != 0)
+    wgmma_rs(d, qa[4 * L::main], descriptor(b_tile + L::main * b_rows * 128, 0, 256, kSwizzle32), 1);
   wgmma_commit();
   wgmma_wait_all();
   pin(d);
@@ -309,21 +371,19 @@ __device__ __forceinline__ void next_kv_block(uint32_t k_tile, uint32_t v_tile, 
   });
 }
 
-// N keys (64 or 128) of the forward for one warpgroup: S = Q·Kᵀ for its 64 query rows
-// (from wg_row0; this thread's are row_a and row_a + 8), the causal mask and the one
-// past T, the online softmax (row_max in log2 units, row_sum) and O += P·V. kt and vt:
-// the block's K and V tiles (kv_rows rows each, N ≤ kv_rows of them used); key0: the
-// first key's index. Shared by the cp.async and the TMA forward.
-template <int HD, int N = kBN>
-__device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32],
-                                                  float (&o_tail)[Cols<HD>::tail ? 8 : 1], float (&row_max)[2],
-                                                  float (&row_sum)[2], uint32_t q_tile, int wg, int wg_row0,
-                                                  int row_a, int t4, uint32_t kt, uint32_t vt, int kv_rows,
-                                                  int key0, int T, float scale_log2) {
+// N keys (64 or 128) of the forward for one warpgroup, once S = Q·Kᵀ is in s (its 64
+// query rows from wg_row0; this thread's are row_a and row_a + 8): the causal mask and
+// the one past T, the online softmax (row_max in log2 units, row_sum) and O += P·V. vt:
+// the block's V tile (kv_rows rows, N ≤ kv_rows of them used); key0: the first key's
+// index.
+template <int HD, int N>
+__device__ __forceinline__ void forward_softmax_pv(float (&o)[Cols<HD>::main][32],
+                                                   float (&o_tail)[Cols<HD>::tail ? 8 : 1], float (&row_max)[2],
+                                                   float (&row_sum)[2], float (&s)[N / 2], int wg_row0, int row_a,
+                                                   int t4, uint32_t vt, int kv_rows, int key0, int T,
+                                                   float scale_log2) {
   static_assert(N == 64 || N == 128, "the forward's key blocks are 64 or 128 keys");
   constexpr int kMain = Cols<HD>::main, kTail = Cols<HD>::tail, kS = N / 2;
-  float s[kS];
-  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt, kv_rows);  // S = Q·Kᵀ
   // Mask keys past a row (only the diagonal block) or past T.
   if (key0 + N - 1 > wg_row0 || key0 + N > T) {
 #pragma unroll
@@ -367,6 +427,20 @@ __device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32]
   uint32_t pa[N / 16][4];
   to_a(pa, s);
   product_pb<HD>(o, o_tail, pa, vt, kv_rows, 0);  // O += P·V
+}
+
+// The same from the start: S = Q·Kᵀ with Q read from its tile (the warpgroup's rows of
+// q_tile) and the block's K tile kt, then forward_softmax_pv. Shared by the cp.async and
+// the TMA forward.
+template <int HD, int N = kBN>
+__device__ __forceinline__ void forward_key_block(float (&o)[Cols<HD>::main][32],
+                                                  float (&o_tail)[Cols<HD>::tail ? 8 : 1], float (&row_max)[2],
+                                                  float (&row_sum)[2], uint32_t q_tile, int wg, int wg_row0,
+                                                  int row_a, int t4, uint32_t kt, uint32_t vt, int kv_rows,
+                                                  int key0, int T, float scale_log2) {
+  float s[N / 2];
+  product_abt<HD>(s, q_tile, kBM, wg * kWgRows, kt, kv_rows);  // S = Q·Kᵀ
+  forward_softmax_pv<HD, N>(o, o_tail, row_max, row_sum, s, wg_row0, row_a, t4, vt, kv_rows, key0, T, scale_log2);
 }
 
 // One key block of the dQ kernels for one warpgroup: S = Q·Kᵀ and dP = dO·Vᵀ for its
@@ -664,6 +738,16 @@ constexpr bool kForwardWide80 = true;
 #else
 constexpr bool kForwardWide80 = false;
 #endif
+// -DSPILLWAY_ATTENTION_FORWARD_Q_REGISTERS: the TMA forward at head dim 64 with 64-key
+// blocks holds each warpgroup's Q rows in registers (16 a thread; at head dim 80 the 20
+// would leave room for only one block an SM) and reads only K from shared memory for
+// S = Q·Kᵀ (product_qbt): m64n64k16 products with both operands in shared memory read
+// 4 KiB per 32 tensor-core cycles, the whole of an SM's shared-memory bandwidth.
+#ifdef SPILLWAY_ATTENTION_FORWARD_Q_REGISTERS
+constexpr bool kForwardQRegisters = true;
+#else
+constexpr bool kForwardQRegisters = false;
+#endif
 template <int HD>
 struct ForwardKeys {
   static constexpr int value = (HD == 64 && kForwardWide64) || (HD == 80 && kForwardWide80) ? 128 : 64;
@@ -676,8 +760,16 @@ struct ForwardKeys {
 // tensor maps' columns say where each head is.
 // At head dim 80 ptxas takes 110 registers with the bound of one block, and two blocks
 // of 288 threads still fit an SM at run time (a bound of two makes it spill at 93).
+// With -DSPILLWAY_ATTENTION_FORWARD_Q_REGISTERS at head dim 64, 112 registers a thread
+// (Q's fragments take 16 more than the 96 of the bound of two blocks, which would
+// spill), as the dQ kernel below: two blocks of 288 threads still fit an SM.
 template <int HD, int KB>
-__global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
+__global__ void
+#ifdef SPILLWAY_ATTENTION_FORWARD_Q_REGISTERS
+    __launch_bounds__(kTmaThreads) __maxnreg__(HD == 64 ? 112 : 224)
+#else
+    __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
+#endif
     attention_forward_tma(bf16* out, float* lse, const __grid_constant__ CUtensorMap q_map,
                           const __grid_constant__ CUtensorMap kv_map, const __grid_constant__ CUtensorMap q_tail_map,
                           const __grid_constant__ CUtensorMap kv_tail_map, int T, int C, int NH, int KVH,
@@ -717,6 +809,9 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const int row_a = wg_row0 + warp * 16 + g;  // this thread's rows: row_a and row_a + 8
   mbar_wait(ring.once(), 0);
+  constexpr bool kQRegs = kForwardQRegisters && HD == 64 && KB == 64;
+  uint32_t qa[kQRegs ? HD / 16 : 1][4];
+  if constexpr (kQRegs) load_q_fragments<HD>(qa, q_tile, kBM, wg * kWgRows);
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int st = nb % kStages;
@@ -727,7 +822,11 @@ __global__ void __launch_bounds__(kTmaThreads, HD == 64 ? 2 : 1)
       // block, a warpgroup whose rows all precede the block's second half (or that half
       // lies past T) takes only the first 64 keys: the rest would be masked whole.
       const int key0 = nb * KB;
-      if (KB == 64 || key0 + 64 > wg_row0 + kWgRows - 1 || key0 + 64 >= T)
+      if constexpr (kQRegs) {
+        float s[32];
+        product_qbt<HD>(s, qa, kt, KB);  // S = Q·Kᵀ
+        forward_softmax_pv<HD, 64>(o, o_tail, row_max, row_sum, s, wg_row0, row_a, t4, vt, KB, key0, T, scale_log2);
+      } else if (KB == 64 || key0 + 64 > wg_row0 + kWgRows - 1 || key0 + 64 >= T)
         forward_key_block<HD, 64>(o, o_tail, row_max, row_sum, q_tile, wg, wg_row0, row_a, t4, kt, vt, KB, key0, T,
                                   scale_log2);
       else
