@@ -64,13 +64,15 @@ for shape in "${SHAPES[@]}"; do
   done
 done
 # NCU: kernel-name regular expressions, ',' between them; Nsight Compute's sections for
-# the first NCU_COUNT (default 1) launches of each, per variant, at the first shape (text
+# the first NCU_COUNT (default 1) launches of each, for the variants NCU_VARIANTS
+# (numbers, default "1"), at the first shape (text
 # in $OUT/ncu-VARIANT-K.txt; the summary gets the duration, the tensor, MUFU and
 # shared-memory pipes, occupancy and the stalls).
 if [ -n "${NCU:-}" ]; then
   set -- ${SHAPES[0]}
   IFS=',' read -r -a ncu_names <<< "$NCU"
   for i in "${!dirs[@]}"; do
+    [[ " ${NCU_VARIANTS:-1} " == *" $((i + 1)) "* ]] || continue
     for k in "${!ncu_names[@]}"; do
       f="$out/ncu-$((i + 1))-$((k + 1)).txt"
       timeout 240 ncu --clock-control none --kernel-name "regex:${ncu_names[$k]}" --launch-count "${NCU_COUNT:-1}" \
