@@ -186,27 +186,46 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// d = A·Bᵀ over the head dim (m64nN, N = 2 × d's length: 64 or 128): A is rows
-// a_row0 .. a_row0+63 of a tile of a_rows rows, B the first N rows of a tile of b_rows
-// rows, both [rows][HD] in column blocks (K-major): 32 bytes along a 128-byte row per
-// step of 16, then the tail block's 32-byte rows. Issued, committed and waited for.
-template <int HD, int ND>
-__device__ __forceinline__ void product_abt(float (&d)[ND], uint32_t a_tile, int a_rows, int a_row0, uint32_t b_tile,
-                                            int b_rows = 64) {
+// d (+)= A·Bᵀ over the head dim with B the first N rows (N = 2 × d's length) of a tile of
+// b_rows rows, [rows][HD] in column blocks (K-major): 32 bytes along a 128-byte row per
+// step of 16, then the tail block's 32-byte rows. issue(step, b, accumulate) issues the
+// product of step `step` (columns 16·step .. +15; the tail's is step 4·main) with B's
+// descriptor b. Fenced, committed and waited for.
+template <int HD, int ND, class Issue>
+__device__ __forceinline__ void product_bt(float (&d)[ND], uint32_t b_tile, int b_rows, Issue&& issue) {
   using L = Cols<HD>;
   wgmma_fence();
 #pragma unroll
   for (int c = 0; c < L::main; ++c)
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss(d, descriptor(a_tile + c * a_rows * 128 + a_row0 * 128 + 32 * kk, 0, 1024, kSwizzle128),
-               descriptor(b_tile + c * b_rows * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
-  if constexpr (L::tail != 0)
-    wgmma_ss(d, descriptor(a_tile + L::main * a_rows * 128 + a_row0 * 32, 0, 256, kSwizzle32),
-             descriptor(b_tile + L::main * b_rows * 128, 0, 256, kSwizzle32), 1);
+      issue(4 * c + kk, descriptor(b_tile + c * b_rows * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
+  if constexpr (L::tail != 0) issue(4 * L::main, descriptor(b_tile + L::main * b_rows * 128, 0, 256, kSwizzle32), 1);
   wgmma_commit();
   wgmma_wait_all();
   pin(d);
+}
+
+// d = A·Bᵀ (m64nN, N = 2 × d's length: 64 or 128): A is rows a_row0 .. a_row0+63 of a
+// tile of a_rows rows, B the first N rows of a tile of b_rows rows, both [rows][HD] in
+// column blocks, read from shared memory.
+template <int HD, int ND>
+__device__ __forceinline__ void product_abt(float (&d)[ND], uint32_t a_tile, int a_rows, int a_row0, uint32_t b_tile,
+                                            int b_rows = 64) {
+  using L = Cols<HD>;
+  product_bt<HD>(d, b_tile, b_rows, [&](int step, uint64_t b, int accumulate) {
+    const int c = step / 4, kk = step % 4;
+    const uint64_t a = c < L::main
+                           ? descriptor(a_tile + c * a_rows * 128 + a_row0 * 128 + 32 * kk, 0, 1024, kSwizzle128)
+                           : descriptor(a_tile + L::main * a_rows * 128 + a_row0 * 32, 0, 256, kSwizzle32);
+    wgmma_ss(d, a, b, accumulate);
+  });
+}
+
+[[maybe_unused]] __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 // A warpgroup's rows a_row0 .. a_row0+63 of a Q tile of a_rows rows (column blocks as
@@ -224,39 +243,19 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[HD / 16][4], uin
 #pragma unroll
   for (int c = 0; c < L::main; ++c)
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t addr = q_tile + c * a_rows * 128 + row * 128 + (((2 * kk + hi) ^ (row & 7)) << 4);
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(qa[4 * c + kk][0]), "=r"(qa[4 * c + kk][1]), "=r"(qa[4 * c + kk][2]), "=r"(qa[4 * c + kk][3])
-                   : "r"(addr));
-    }
-  if constexpr (L::tail != 0) {
-    const uint32_t addr = q_tile + L::main * a_rows * 128 + row * 32 + ((hi ^ ((row >> 2) & 1)) << 4);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(qa[4 * L::main][0]), "=r"(qa[4 * L::main][1]), "=r"(qa[4 * L::main][2]),
-                   "=r"(qa[4 * L::main][3])
-                 : "r"(addr));
-  }
+    for (int kk = 0; kk < 4; ++kk)
+      ldmatrix_x4(qa[4 * c + kk], q_tile + c * a_rows * 128 + row * 128 + (((2 * kk + hi) ^ (row & 7)) << 4));
+  if constexpr (L::tail != 0)
+    ldmatrix_x4(qa[4 * L::main], q_tile + L::main * a_rows * 128 + row * 32 + ((hi ^ ((row >> 2) & 1)) << 4));
 }
 
 // d = Q·Bᵀ over the head dim (m64n64) as product_abt computes it, with Q's fragments in
 // registers (load_q_fragments) instead of read from shared memory by every product:
-// half the shared-memory reads of S = Q·Kᵀ. Issued, committed and waited for.
+// half the shared-memory reads of S = Q·Kᵀ.
 template <int HD>
 __device__ __forceinline__ void product_qbt(float (&d)[32], const uint32_t (&qa)[HD / 16][4], uint32_t b_tile,
                                             int b_rows) {
-  using L = Cols<HD>;
-  wgmma_fence();
-#pragma unroll
-  for (int c = 0; c < L::main; ++c)
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_rs(d, qa[4 * c + kk], descriptor(b_tile + c * b_rows * 128 + 32 * kk, 0, 1024, kSwizzle128), c + kk);
-  if constexpr (L::tail != 0)
-    wgmma_rs(d, qa[4 * L::main], descriptor(b_tile + L::main * b_rows * 128, 0, 256, kSwizzle32), 1);
-  wgmma_commit();
-  wgmma_wait_all();
-  pin(d);
+  product_bt<HD>(d, b_tile, b_rows, [&](int step, uint64_t b, int accumulate) { wgmma_rs(d, qa[step], b, accumulate); });
 }
 
 // o += P·B (m64 × HD): P the 64×16KS A operand in registers (pa[ks]: columns 16ks ..
