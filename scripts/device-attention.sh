@@ -18,7 +18,8 @@
 # the budgeted-against-resident exactness check (scripts/device-exactness.sh) with the
 # first variant. SDPA=0 skips PyTorch's SDPA timings. NCU=regex: Nsight Compute's view of
 # the matching kernels at the first shape (below).
-# Stops after the tests of a variant that fails them. Usage (device tool, carry .deps):
+# Stops after the first variant's tests if they fail; a later variant that fails its
+# tests is left out of the timings (its number stays in the log lines). Usage (device tool, carry .deps):
 #   scripts/device-attention.sh        (summary in $OUT/summary.txt)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ machine=machines/h100.json
 # SHAPES: the bench ops shapes, "B C NH" each, ';' between them (default the three
 # above).
 IFS=';' read -r -a SHAPES <<< "${SHAPES:-16 768 12;8 1600 25;8 2560 32}"
-i=0; dirs=()
+i=0; dirs=(); nums=()
 for v in ${VARIANTS:--}; do
   i=$((i + 1)); dir=build-device; [ $i -gt 1 ] && dir=build-device-$i
   defs=${v//,/ }; [ "$defs" = "-" ] && defs=""
@@ -45,9 +46,10 @@ for v in ${VARIANTS:--}; do
     rc=$?
     log "variant $i $filter: rc $rc $(grep -E '^\[  (PASSED|FAILED)' "$logs/attention-tests-$i.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED|Failure' -A3 "$logs/attention-tests-$i.log" | head -30 | tee -a "$out/summary.txt"
-    [ "$rc" = 0 ] || exit 0
+    # A variant that fails its tests is left out of the timings; the first one stops the call.
+    [ "$rc" = 0 ] || { [ $i -eq 1 ] && exit 0; log "variant $i left out"; continue; }
   fi
-  dirs+=("$dir")
+  dirs+=("$dir"); nums+=("$i")
 done
 if [ "${EXACT:-0}" = 1 ]; then
   BIN=${dirs[0]}/spillway MACHINE=$machine OUT=$logs scripts/device-exactness.sh budgets "variant 1" 200MiB |
@@ -59,7 +61,7 @@ for shape in "${SHAPES[@]}"; do
     for i in "${!dirs[@]}"; do
       r=$(SPILLWAY_CUDA_ATTENTION=$k timeout 120 ${dirs[$i]}/spillway bench ops --backend cuda --B "$1" --T 1024 \
         --C "$2" --NH "$3" --V 50304 2>&1 | grep -E "${OPS_ROWS:-^attention}" | tr -s ' ' | tr '\n' ';')
-      log "variant $((i + 1)) B=$1 C=$2 NH=$3 SPILLWAY_CUDA_ATTENTION=$k: $r"
+      log "variant ${nums[$i]} B=$1 C=$2 NH=$3 SPILLWAY_CUDA_ATTENTION=$k: $r"
     done
   done
 done
@@ -72,15 +74,15 @@ if [ -n "${NCU:-}" ]; then
   set -- ${SHAPES[0]}
   IFS=',' read -r -a ncu_names <<< "$NCU"
   for i in "${!dirs[@]}"; do
-    [[ " ${NCU_VARIANTS:-1} " == *" $((i + 1)) "* ]] || continue
+    [[ " ${NCU_VARIANTS:-1} " == *" ${nums[$i]} "* ]] || continue
     for k in "${!ncu_names[@]}"; do
-      f="$out/ncu-$((i + 1))-$((k + 1)).txt"
+      f="$out/ncu-${nums[$i]}-$((k + 1)).txt"
       timeout 240 ncu --clock-control none --kernel-name "regex:${ncu_names[$k]}" --launch-count "${NCU_COUNT:-1}" \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section Occupancy --section WarpStateStats --section LaunchStats \
         --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct \
         ${dirs[$i]}/spillway bench ops --backend cuda --B "$1" --T 1024 --C "$2" --NH "$3" --V 50304 > "$f" 2>&1
-      log "variant $((i + 1)) ncu ${ncu_names[$k]} B=$1 C=$2 NH=$3: rc $?"
+      log "variant ${nums[$i]} ncu ${ncu_names[$k]} B=$1 C=$2 NH=$3: rc $?"
       grep -E "^  [A-Za-z_]+.*\(|Duration|Throughput|gmma|pipe_xu|mem_shared|issue_stalled|Registers Per|Occupancy|Block Limit" "$f" |
         tr -s ' ' | head -40 | tee -a "$out/summary.txt"
     done
@@ -93,8 +95,8 @@ for mb in ${TRAIN:-}; do
   for r in $(seq ${runs:-1}); do
     for i in "${!dirs[@]}"; do
       timeout 200 ${dirs[$i]}/spillway bench train --backend cuda --model $m --batch $b --steps 5 \
-        --machine $machine > "$logs/train_${m}_$((i + 1))_$r.log" 2>&1
-      log "variant $((i + 1)) $m B$b (run $r): $(grep -E '^own steps' "$logs/train_${m}_$((i + 1))_$r.log" | cut -c1-80)"
+        --machine $machine > "$logs/train_${m}_${nums[$i]}_$r.log" 2>&1
+      log "variant ${nums[$i]} $m B$b (run $r): $(grep -E '^own steps' "$logs/train_${m}_${nums[$i]}_$r.log" | cut -c1-80)"
     done
   done
 done
