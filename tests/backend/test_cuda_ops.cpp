@@ -1381,7 +1381,7 @@ TEST_F(CudaOps, OptimizerStreamSwitch) {
       << (*b)->description();
 }
 
-// SPILLWAY_CUDA_PINNED_REGISTER=1: a region of 1 GiB and more is mapped, faulted in by
+// SPILLWAY_CUDA_PINNED_REGISTER=1 (the default): a region of 1 GiB and more is mapped, faulted in by
 // parallel threads and registered. It starts zeroed, the copy engine moves its first
 // and last 8 MiB both ways, and host_free unregisters and unmaps it (two rounds, each
 // a fresh region). A small region (cudaHostAlloc's) works beside them. Any other value

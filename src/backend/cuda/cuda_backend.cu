@@ -532,13 +532,14 @@ Result<bool> bias_epilogue_from_environment() {
                                  "a column-sum kernel over the output gradient");
 }
 
-// SPILLWAY_CUDA_PINNED_REGISTER: with =1, a pinned host allocation of 1 GiB or more is
-// anonymous memory advised to transparent huge pages, its pages faulted in on the
-// thread pool's threads at once, then pinned with cudaHostRegister; unset or =0 (the default until a
-// GPU has timed both), cudaHostAlloc, which faults and pins every page on the calling
-// thread (12.4 s for gpt-2.7b's 33 GiB under auto on an H100, bench/RESULTS.md).
+// SPILLWAY_CUDA_PINNED_REGISTER: unset or =1 (the default), a pinned host allocation of
+// 1 GiB or more is anonymous memory advised to transparent huge pages, its pages faulted
+// in on the thread pool's threads at once, then pinned with cudaHostRegister; =0,
+// cudaHostAlloc, which faults and pins every page on the calling thread. On an H100
+// (bench/RESULTS.md, session 42) gpt-2.7b's 33.4 GiB region under auto took 2.2 s
+// against 14.1 s, and the first step came after 28.2 s against 38.6 s.
 Result<bool> pinned_register_from_environment() {
-  return switch_from_environment("SPILLWAY_CUDA_PINNED_REGISTER", false,
+  return switch_from_environment("SPILLWAY_CUDA_PINNED_REGISTER", true,
                                  "large pinned regions faulted in by parallel threads, then cudaHostRegister",
                                  "cudaHostAlloc");
 }
@@ -965,7 +966,7 @@ class CudaBackend final : public Backend {
   CopyEngine& copy_engine() override { return copy_; }
 
  private:
-  // host_alloc under SPILLWAY_CUDA_PINNED_REGISTER=1 (see pinned_register_from_environment).
+  // host_alloc unless SPILLWAY_CUDA_PINNED_REGISTER=0 (see pinned_register_from_environment).
   Result<void*> host_alloc_registered(size_t bytes) {
     constexpr size_t kHuge = size_t{2} << 20;
     const size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
