@@ -120,6 +120,8 @@ void remove_tree(const std::string& path) {
   fs::remove_all(path, ec);
 }
 
+}  // namespace
+
 Result<std::vector<std::pair<int64_t, std::string>>> checkpoint_folders(const std::string& root) {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
@@ -134,6 +136,8 @@ Result<std::vector<std::pair<int64_t, std::string>>> checkpoint_folders(const st
   std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.first > b.first; });
   return out;
 }
+
+namespace {
 
 // Integer fields: JSON integers only (a float such as 1e30 would be undefined
 // behaviour to convert), within [lo, hi]; throws type_error like json::at does.
@@ -291,10 +295,15 @@ Result<std::string> write_folder(const std::string& root, const std::string& tem
   if (fs::exists(final_path, ec)) remove_tree(final_path);  // the same step again (--stop-after, then the end)
   if (::rename(temp.c_str(), final_path.c_str()) != 0) return fail(errno_status("rename " + temp + " to " + final_path, errno));
   if (Status d = fsync_directory(root); !d.is_ok()) return d.with_context("after writing checkpoint " + final_path);
-  // Keep the newest `keep` complete checkpoints.
+  // Keep the newest `keep` complete checkpoints up to this one, this one among them.
+  // Folders of later steps are left alone: they are no older than this one (a run
+  // resumed past a newer checkpoint that did not verify, say), and this run did not
+  // write them.
   SPILLWAY_ASSIGN_OR_RETURN(auto folders, checkpoint_folders(root));
+  const int64_t written_step = step_of(fs::path(final_path).filename().string());
   int kept = 0;
   for (auto& [step, path] : folders) {
+    if (step > written_step) continue;
     if (kept < std::max(1, keep)) {
       ++kept;
       continue;

@@ -38,6 +38,7 @@
 #include <string>
 #include <thread>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -168,6 +169,10 @@ struct CheckpointListing {
 // The checkpoints under `root`, newest first, each verified. Temporary folders of
 // writes that did not finish are not listed.
 Result<std::vector<CheckpointListing>> list_checkpoints(const std::string& root);
+
+// The folders under `root` named as checkpoints (ckpt-<step>), newest first, as (step,
+// path), whether they verify or not (unlike list_checkpoints, nothing is read).
+Result<std::vector<std::pair<int64_t, std::string>>> checkpoint_folders(const std::string& root);
 
 // The newest checkpoint under `root` that verifies; each newer one that did not is
 // added to `skipped` as "NAME: why". NotFound when none verifies.

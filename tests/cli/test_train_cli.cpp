@@ -1265,6 +1265,35 @@ TEST(CheckpointCli, LlamaResumesFromItsCheckpoint) {
   EXPECT_EQ(read_file(d.file("resumed") + "/config.json"), read_file(d.file("full") + "/config.json"));
 }
 
+// A new run into a folder that holds another run's checkpoints is refused and leaves
+// them; a resumed run keeps its own newest checkpoint under --keep 1 even beside a
+// folder of a later step that does not verify (which it leaves alone): before, that
+// folder counted as the newest and the run deleted the checkpoint it had just written.
+TEST(CheckpointCli, KeepNeverDeletesTheRunsOwnCheckpointNorAnotherRuns) {
+  CheckpointDir d("keep_own");
+  const std::string common = "train --model tiny --batch 2 --context 32 --eval-every 0 --backend cpu --threads 2 --quiet";
+  CliRun first =
+      run(common + " --steps 4 --stop-after 2 --checkpoint-every 1 --keep 1 --checkpoint-dir " + d.file("ck"));
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_TRUE(std::filesystem::is_directory(d.file("ck/ckpt-00000002")));
+  EXPECT_FALSE(std::filesystem::exists(d.file("ck/ckpt-00000001")));
+  std::filesystem::create_directories(d.file("ck/ckpt-00000099"));  // a later step's folder, not a checkpoint
+
+  expect_rejected(common + " --steps 3 --checkpoint-dir " + d.file("ck"),
+                  {"--checkpoint-dir", "already holds checkpoints", "ckpt-00000099", "--resume"});
+  EXPECT_TRUE(std::filesystem::is_directory(d.file("ck/ckpt-00000002")));
+
+  CliRun resumed = run("train --backend cpu --threads 2 --quiet --checkpoint-every 1 --keep 1 --resume " + d.file("ck"));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_TRUE(std::filesystem::is_directory(d.file("ck/ckpt-00000004"))) << resumed.output;
+  EXPECT_FALSE(std::filesystem::exists(d.file("ck/ckpt-00000003")));
+  EXPECT_FALSE(std::filesystem::exists(d.file("ck/ckpt-00000002")));
+  EXPECT_TRUE(std::filesystem::is_directory(d.file("ck/ckpt-00000099")));
+  CliRun again = run("train --backend cpu --threads 2 --quiet --resume " + d.file("ck"));
+  EXPECT_EQ(again.code, 0) << again.output;
+  EXPECT_NE(again.output.find("ckpt-00000099"), std::string::npos) << "the skipped folder is named: " << again.output;
+}
+
 // The reference models saved by transformers load as directories, sharded or not.
 TEST(LoadCli, TransformersSavedLlamaDirectoriesLoad) {
   for (const char* ref : {"llama-gqa", "llama-gqa-sharded", "llama-mha"}) {
