@@ -19,6 +19,7 @@
 #include <set>
 
 #include "core/atomic_file.h"
+#include "core/input_file.h"
 #include "core/interrupt.h"
 
 namespace spillway {
@@ -66,21 +67,13 @@ bool exists(const std::string& path) {
 
 // A whole small file (a config or an index); NotFound when it does not exist.
 Result<std::string> read_text_file(const std::string& path, uint64_t limit, const std::string& what) {
-  int fd;
-  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOENT) return Status::not_found(what + " " + path + ": no such file");
-    return errno_status("open " + path, err);
-  }
+  SPILLWAY_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, what));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
   struct stat st {};
   if (::fstat(fd, &st) != 0) return errno_status("fstat " + path, errno);
-  if (!S_ISREG(st.st_mode)) return Status::invalid_argument(what + " " + path + ": not a regular file");
   if (static_cast<uint64_t>(st.st_size) > limit)
     return Status::invalid_argument(what + " " + path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
                                     std::to_string(limit) + "-byte limit");

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "core/atomic_file.h"
+#include "core/input_file.h"
 #include "tensor/tensor.h"
 
 namespace spillway {
@@ -60,15 +61,7 @@ class Fd {
   int fd_;
 };
 
-Result<int> open_for_read(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOENT) return Status::not_found("safetensors file " + path + ": no such file");
-    return errno_status("open " + path, err);
-  }
-  return fd;
-}
+Result<int> open_for_read(const std::string& path) { return open_regular_file(path, "safetensors file"); }
 
 Status pread_all(int fd, const std::string& path, void* buf, size_t bytes, uint64_t offset) {
   char* p = static_cast<char*>(buf);

@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
+#include "core/input_file.h"
 
 #include "program/op_registry.h"
 
@@ -586,6 +587,8 @@ Result<Machine> Machine::from_json(const std::string& text, const std::string& s
 Result<Machine> load_machine(const std::string& file_or_preset) {
   if (file_or_preset == "h200") return Machine::h200();
   if (file_or_preset == "cpu") return Machine::cpu_dev_box();
+  if (Status r = check_regular_file(file_or_preset, "machine file"); !r.is_ok() && r.code() != StatusCode::NotFound)
+    return r;
   std::ifstream in(file_or_preset, std::ios::binary);
   if (!in) {
     const int err = errno;

@@ -15,6 +15,7 @@
 #include <queue>
 #include <unordered_map>
 
+#include "core/input_file.h"
 #include "core/thread_pool.h"
 
 namespace spillway {
@@ -922,21 +923,15 @@ Status build_tables(Tokenizer::Impl& t) {
 }
 
 Result<std::string> read_whole_file(const std::string& path) {
-  int fd;
-  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    if (errno == ENOENT) return Status::not_found("tokenizer " + path + ": no such file");
-    return errno_status("open tokenizer " + path, errno);
+  auto opened = open_regular_file(path, "tokenizer");
+  if (!opened.ok()) {
+    const Status& e = opened.status();
+    return e.code() == StatusCode::InvalidArgument ? Status::invalid_argument(e.message() + " (a tokenizer.json)") : e;
   }
+  const int fd = *opened;
   std::string data;
   Status s;
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    s = errno_status("fstat tokenizer " + path, errno);
-  } else if (!S_ISREG(st.st_mode)) {
-    s = Status::invalid_argument("tokenizer " + path + " is not a regular file; expected a tokenizer.json");
-  } else {
+  {
     char buffer[1 << 16];
     for (;;) {
       ssize_t n = ::read(fd, buffer, sizeof buffer);

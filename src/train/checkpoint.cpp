@@ -22,6 +22,7 @@
 
 #include "core/atomic_file.h"
 #include "core/checksum.h"
+#include "core/input_file.h"
 #include "core/size.h"
 
 namespace spillway {
@@ -538,6 +539,9 @@ Result<Checkpoint> parse_checkpoint_manifest(std::string_view text, const std::s
 
 Result<Checkpoint> read_checkpoint(const std::string& path) {
   const std::string manifest_path = path + "/manifest.json";
+  if (Status r = check_regular_file(manifest_path, "checkpoint manifest"); !r.is_ok())
+    return r.code() == StatusCode::NotFound ? Status::not_found(manifest_path + ": missing (an incomplete checkpoint)")
+                                             : r;
   std::ifstream in(manifest_path);
   if (!in) return Status::not_found(manifest_path + ": missing (an incomplete checkpoint)");
   std::stringstream text;
@@ -556,8 +560,9 @@ Result<Checkpoint> read_checkpoint(const std::string& path) {
       bool ok = false;
       const uint64_t sum = parse_hex64(f.at("xxh3").get<std::string>(), &ok);
       if (!ok) return Status::corrupt(manifest_path + ": the checksum of " + name + " is not 16 hex digits");
-      int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) return errno_status(file, errno).with_context("the manifest lists it");
+      auto opened = open_regular_file(file, "checkpoint file");
+      if (!opened.ok()) return opened.status().with_context("the manifest lists it");
+      int fd = *opened;
       struct stat st {};
       if (::fstat(fd, &st) != 0) {
         Status e = errno_status("stat " + file, errno);
@@ -638,8 +643,7 @@ Status load_checkpoint(Trainer& trainer, const Checkpoint& c) {
   const std::vector<TensorId> wanted = trainer.state_tensors();
   std::vector<bool> seen(program.tensors.size(), false);
   const std::string state = c.path + "/state.bin";
-  int fd = ::open(state.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno_status(state, errno);
+  SPILLWAY_ASSIGN_OR_RETURN(const int fd, open_regular_file(state, "checkpoint state"));
   std::vector<uint8_t> bytes;
   Status s;
   try {

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/atomic_file.h"
+#include "core/input_file.h"
 #include "core/random.h"
 
 namespace spillway {
@@ -45,14 +46,6 @@ struct Bytes {
   std::string_view view() const { return {data, size}; }
 };
 
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISFIFO(mode)) return "a named pipe (FIFO)";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
 
 // The whole file, mapped read-only. `what` names it in errors ("data file",
 // "validation file"). Only regular files: a device or a pipe has no size and would

@@ -1,9 +1,13 @@
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <system_error>
@@ -11,6 +15,7 @@
 #include <vector>
 
 #include "core/checksum.h"
+#include "core/input_file.h"
 #include "core/size.h"
 #include "core/thread_pool.h"
 #include "tensor/tensor.h"
@@ -233,4 +238,35 @@ TEST(TensorTable, KeepsInfoAndFindsByName) {
   EXPECT_EQ(t.find("missing"), kNoTensor);
   EXPECT_EQ(t.total_bytes(), 192u);
   EXPECT_EQ(t.bytes_with_role(Role::Grad), 64u);
+}
+
+// A named pipe, a directory or a missing path given as an input file is an error that
+// names it, at once: the open does not wait for a writer. A regular file opens, and its
+// descriptor reads.
+TEST(InputFile, RefusesPipesAndDirectoriesByNameWithoutWaiting) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("spillway_input_file_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string fifo = dir + "/pipe", file = dir + "/plain";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  { std::ofstream(file) << "abc"; }
+  auto pipe = open_regular_file(fifo, "weights file");
+  ASSERT_FALSE(pipe.ok());
+  EXPECT_EQ(pipe.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(pipe.status().message().find("weights file " + fifo + " is a named pipe (FIFO)"), std::string::npos)
+      << pipe.status().to_string();
+  Status checked = check_regular_file(fifo, "machine file");
+  EXPECT_NE(checked.message().find("machine file " + fifo + " is a named pipe"), std::string::npos) << checked.to_string();
+  EXPECT_NE(open_regular_file(dir, "tokenizer").status().message().find("is a directory"), std::string::npos);
+  EXPECT_EQ(open_regular_file(dir + "/none", "x").status().code(), StatusCode::NotFound);
+  EXPECT_EQ(check_regular_file(dir + "/none", "x").code(), StatusCode::NotFound);
+  EXPECT_TRUE(check_regular_file(file, "x").is_ok());
+  auto fd = open_regular_file(file, "x");
+  ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+  char buf[4] = {};
+  EXPECT_EQ(::read(*fd, buf, sizeof buf), 3);
+  EXPECT_EQ(std::string(buf, 3), "abc");
+  ::close(*fd);
+  std::filesystem::remove_all(dir);
 }
