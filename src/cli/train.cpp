@@ -714,19 +714,21 @@ Status run_train(const TrainFlags& given_flags) {
     return written;
   };
   const int first = static_cast<int>(trainer->steps_done()) + 1;
-  for (int s = first; s <= final_step; ++s) {
-    if (interrupted()) {
-      progress.interrupt();
-      std::string where;
-      if (!f.checkpoint_dir.empty() && trainer->steps_done() > 0) {
-        auto written = checkpoint();
-        where = written.ok() ? "; checkpoint " + *written + " written: continue with --resume " + f.checkpoint_dir
-                             : "; the checkpoint failed: " + written.status().message();
-      }
-      return interrupted_status("before step " + std::to_string(s) + " of " + std::to_string(f.steps) + where +
-                                (mem.spill_dir.empty() ? "" : "; its spill directory is removed") +
-                                (f.save.empty() ? "" : "; nothing was saved to " + f.save));
+  // A signal's stop `when` ("before step 5 of 10"): the checkpoint of the steps done,
+  // then the Interrupted status that says where to resume.
+  auto stop_interrupted = [&](const std::string& when) -> Status {
+    progress.interrupt();
+    std::string where;
+    if (!f.checkpoint_dir.empty() && trainer->steps_done() > 0) {
+      auto written = checkpoint();
+      where = written.ok() ? "; checkpoint " + *written + " written: continue with --resume " + f.checkpoint_dir
+                           : "; the checkpoint failed: " + written.status().message();
     }
+    return interrupted_status(when + where + (mem.spill_dir.empty() ? "" : "; its spill directory is removed") +
+                              (f.save.empty() ? "" : "; nothing was saved to " + f.save));
+  };
+  for (int s = first; s <= final_step; ++s) {
+    if (interrupted()) return stop_interrupted("before step " + std::to_string(s) + " of " + std::to_string(f.steps));
     if (!f.trace.empty() && s == trace_step) trainer->trace_next_step(&trace);
     auto r = trainer->step(*train_loader);
     if (!r.ok()) {
@@ -741,6 +743,9 @@ Status run_train(const TrainFlags& given_flags) {
     if (f.eval_every > 0 && (s % f.eval_every == 0 || s == f.steps)) {
       val_loader->seek(0);
       auto v = trainer->evaluate(*val_loader, f.eval_batches);
+      if (!v.ok() && v.status().code() == StatusCode::Interrupted)
+        return stop_interrupted("during the evaluation after step " + std::to_string(s) + " of " +
+                                std::to_string(f.steps));
       if (!v.ok()) {
         progress.interrupt();
         return v.status().with_context("evaluation after step " + std::to_string(s));

@@ -11,6 +11,7 @@
 #include <system_error>
 #include <future>
 
+#include "core/interrupt.h"
 #include "core/clock.h"
 #include "core/size.h"
 #include "core/thread_pool.h"
@@ -929,6 +930,10 @@ Result<float> Trainer::evaluate(DataLoader& loader, int batches) {
   std::vector<float> loss(n);
   double sum = 0;
   for (int i = 0; i < batches; ++i) {
+    // SIGINT/SIGTERM (core/interrupt.h) stops an evaluation between its batches.
+    if (interrupted())
+      return interrupted_status("during the evaluation, after " + std::to_string(i) + " of " +
+                                std::to_string(batches) + " batches");
     loader.next(tok.data(), tgt.data());
     SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(tokens, tok.data(), n * sizeof(int32_t)));
     SPILLWAY_RETURN_IF_ERROR(ex.write_tensor(targets, tgt.data(), n * sizeof(int32_t)));

@@ -1144,6 +1144,28 @@ TEST(CheckpointCli, SigintWritesACheckpointAndSaysWhereToResume) {
   std::filesystem::remove_all(dir);
 }
 
+// SIGTERM during a long evaluation stops it between batches (it ran to the end of
+// 2,000,000 batches before) and writes the checkpoint of the steps done.
+TEST(CheckpointCli, SigtermStopsALongEvaluation) {
+  const auto dir = std::filesystem::temp_directory_path() / ("spillway_sigterm_eval_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string d = dir.string();
+  pid_t pid = start("train --backend cpu --model tiny --steps 3 --batch 2 --context 32 --threads 1 --eval-every 1 "
+                    "--eval-batches 2000000 --checkpoint-dir " + d + "/ck",
+                    d + "/log.txt");
+  ASSERT_GT(pid, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid, 60), 143) << read_file(d + "/log.txt");
+  const std::string log = read_file(d + "/log.txt");
+  EXPECT_NE(log.find("interrupted by SIGTERM"), std::string::npos) << log;
+  if (log.find("during the evaluation after step 1 of 3") != std::string::npos) {
+    EXPECT_TRUE(std::filesystem::is_directory(d + "/ck/ckpt-00000001")) << log;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 
 namespace spillway {
