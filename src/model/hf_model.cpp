@@ -278,6 +278,36 @@ Result<HfConfig> parse_gpt2_config(const nlohmann::json& j, const std::string& w
     SPILLWAY_ASSIGN_OR_RETURN(std::optional<int> size, k.size(s.keys[i]));
     stated_size(s.sizes, i) = *size;
   }
+  // What would change the math from spillway's GPT-2 is refused by name, as the Llama
+  // keys are (transformers' GPT2Config defaults where absent).
+  SPILLWAY_ASSIGN_OR_RETURN(std::optional<std::string> act, k.string("activation_function"));
+  if (act && *act != "gelu_new" && *act != "gelu_pytorch_tanh")
+    return Status::unsupported(where + ": activation_function is \"" + *act +
+                               "\"; a GPT-2 in spillway uses the tanh GELU (\"gelu_new\" or \"gelu_pytorch_tanh\")");
+  SPILLWAY_ASSIGN_OR_RETURN(std::optional<double> eps, k.positive("layer_norm_epsilon"));
+  // The LayerNorm epsilon of both backends' kernels (kLayerNormEps in backend/cpu).
+  constexpr float kGpt2LayerNormEps = 1e-5f;
+  if (eps && static_cast<float>(*eps) != kGpt2LayerNormEps)
+    return Status::unsupported(where + ": layer_norm_epsilon is " + number_text(*eps) +
+                               "; a GPT-2 in spillway uses 1e-05");
+  if (j.contains("n_inner") && !j["n_inner"].is_null()) {
+    SPILLWAY_ASSIGN_OR_RETURN(std::optional<int> inner, k.size("n_inner"));
+    if (s.sizes.width > 0 && *inner != 4 * s.sizes.width)
+      return Status::unsupported(where + ": n_inner is " + std::to_string(*inner) +
+                                 "; a GPT-2 in spillway has an MLP of 4 × n_embd = " +
+                                 std::to_string(4 * s.sizes.width) + " channels (or null)");
+  }
+  SPILLWAY_ASSIGN_OR_RETURN(std::optional<bool> tied, k.boolean("tie_word_embeddings"));
+  if (tied && !*tied)
+    return Status::unsupported(where + ": tie_word_embeddings is false; a GPT-2 in spillway ties its LM head to "
+                               "wte.weight (an lm_head.weight of its own would be ignored)");
+  for (const auto& [key, want] : {std::pair<const char*, bool>{"scale_attn_weights", true},
+                                  {"scale_attn_by_inverse_layer_idx", false}}) {
+    SPILLWAY_ASSIGN_OR_RETURN(std::optional<bool> v, k.boolean(key));
+    if (v && *v != want)
+      return Status::unsupported(where + ": " + key + " is " + (*v ? "true" : "false") +
+                                 "; a GPT-2 in spillway scales attention scores by 1/sqrt(head size) only");
+  }
   c.config = s.sizes;
   return c;
 }

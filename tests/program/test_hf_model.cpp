@@ -240,6 +240,42 @@ TEST(HfModel, HalfPrecisionWeightsLoadAsTheirValues) {
   }
 }
 
+// A GPT-2 config whose keys would change the math (another activation, epsilon, MLP
+// width, an untied head, other attention scaling) is refused by name: they were
+// ignored, and an untied lm_head.weight silently dropped.
+TEST(HfModel, Gpt2ConfigsThatChangeTheMathAreRefused) {
+  TempDir d;
+  const std::string dir = copy_reference(d, "gpt2-4x32", "gpt2");
+  const std::string config = dir + "/config.json";
+  const nlohmann::json good = read_json(config);
+  ASSERT_TRUE(infer_model_config(dir).ok());
+  auto expect_error = [&](const std::string& key, const nlohmann::json& value, const std::string& part) {
+    nlohmann::json j = good;
+    j[key] = value;
+    write_json(config, j);
+    auto r = infer_model_config(dir);
+    ASSERT_FALSE(r.ok()) << j.dump();
+    EXPECT_TRUE(contains(r.status().message(), config)) << r.status().message();
+    EXPECT_TRUE(contains(r.status().message(), part)) << r.status().message();
+  };
+  expect_error("activation_function", "relu", "activation_function is \"relu\"");
+  expect_error("activation_function", "gelu", "activation_function is \"gelu\"");
+  expect_error("layer_norm_epsilon", 1e-6, "layer_norm_epsilon is 1e-06");
+  expect_error("layer_norm_epsilon", -1, "layer_norm_epsilon");
+  expect_error("n_inner", 999, "n_inner is 999");
+  expect_error("tie_word_embeddings", false, "tie_word_embeddings is false");
+  expect_error("scale_attn_weights", false, "scale_attn_weights is false");
+  expect_error("scale_attn_by_inverse_layer_idx", true, "scale_attn_by_inverse_layer_idx is true");
+  for (const auto& [key, value] : {std::pair<std::string, nlohmann::json>{"activation_function", "gelu_pytorch_tanh"},
+                                   {"n_inner", 512},
+                                   {"layer_norm_epsilon", 1e-5}}) {
+    nlohmann::json j = good;
+    j[key] = value;
+    write_json(config, j);
+    EXPECT_TRUE(infer_model_config(dir).ok()) << key << " " << value.dump();
+  }
+}
+
 TEST(HfModel, BadConfigsNameTheFileTheKeyAndTheValue) {
   TempDir d;
   const std::string dir = copy_reference(d, "llama-gqa", "gqa");
