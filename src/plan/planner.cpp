@@ -1772,6 +1772,12 @@ Result<Plan> make_plan_impl(const Program& original, const CostModel& cost, cons
                                             " the backend holds itself)"
                                       : std::string()));
   }
+  // The host arena is made of 4096-byte blocks (O_DIRECT) and is never smaller than one
+  // (Plan::host_arena_bytes), whatever the plan homes there.
+  if (budgets.host < 4096)
+    return Status::out_of_memory("host budget " + format_size(budgets.host) +
+                                 " is below the minimum of 4.00 KiB (the host arena is made of 4096-byte blocks); "
+                                 "give --host-budget 4KiB or more");
   switch (options.policy) {
     case Policy::Resident: {
       Config c = make_config(program, budgets, 0, alignment);

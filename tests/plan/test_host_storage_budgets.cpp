@@ -62,6 +62,29 @@ TEST(HostBudget, ALargerHostBudgetNeverFailsWhereASmallerOnePlans) {
 }
 
 // The plans of the sweep run: a few steps at two points give the resident run's losses.
+// A host budget below one 4096-byte block is refused with the minimum, for every
+// policy: the host arena is at least one block (it was an Internal error, "invalid plan").
+TEST(HostBudget, BelowOneBlockIsRefusedWithTheMinimum) {
+  const GPTCase model = tiny_batch4();
+  auto program = build_training_program(model.cfg, model.shape, DType::F32);
+  ASSERT_TRUE(program.ok()) << program.status().to_string();
+  for (Policy policy : {Policy::Resident, Policy::Planned, Policy::Paging}) {
+    Budgets b;
+    b.device = 1ull << 30;
+    b.host = 1024;
+    auto plan = make_plan(*program, Simulator(Machine::cpu_dev_box()), b, {.policy = policy, .alignment = 64});
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), StatusCode::OutOfMemory) << plan.status().to_string();
+    EXPECT_NE(plan.status().message().find("host budget 1.00 KiB is below the minimum of 4.00 KiB"), std::string::npos)
+        << plan.status().to_string();
+    b.host = 4096;  // one block: past this check (it may still be short for the plan)
+    auto at_minimum = make_plan(*program, Simulator(Machine::cpu_dev_box()), b, {.policy = policy, .alignment = 64});
+    EXPECT_TRUE(at_minimum.ok() || at_minimum.status().message().find("below the minimum of 4.00 KiB") ==
+                                       std::string::npos)
+        << at_minimum.status().to_string();
+  }
+}
+
 TEST(HostBudget, ShortHostBudgetsRunExactly) {
   const GPTCase model = tiny_batch4();
   TrainRun ref = train_gpt(model, {}, {.policy = Policy::Resident}, 2);
