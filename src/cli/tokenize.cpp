@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 
 #include "cli/command.h"
+#include "cli/output_paths.h"
 #include "cli/text_data.h"
 #include "cli/train_flags.h"
 #include "core/size.h"
@@ -94,6 +95,8 @@ Status run_tokenize(const TokenizeFlags& f) {
   SPILLWAY_RETURN_IF_ERROR(check_thread_count(f.threads, "--threads"));
   auto tok = Tokenizer::load(f.tokenizer);
   if (!tok.ok()) return tok.status().with_context("--tokenizer");
+  SPILLWAY_RETURN_IF_ERROR(
+      check_output_paths({{"--input", f.input}, {"--tokenizer", f.tokenizer}}, {{"--output", f.output}}));
   auto input = map_data_file(f.input, "input file");
   if (!input.ok()) return input.status().with_context("--input");
   if (is_token_file(input->bytes))

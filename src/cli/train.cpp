@@ -24,6 +24,7 @@
 
 #include "cli/command.h"
 #include "cli/machine_flag.h"
+#include "cli/output_paths.h"
 #include "cli/text_data.h"
 #include "cli/train_flags.h"
 #include "core/atomic_file.h"
@@ -548,6 +549,32 @@ Status run_train(const TrainFlags& given_flags) {
   if (T > cfg.context)
     return Status::invalid_argument("--context " + std::to_string(T) + " is longer than the model's context " +
                                     std::to_string(cfg.context) + " (" + cfg.to_string() + ")");
+
+  // Outputs, before anything is read or written: none overwrites an input or another
+  // output, and each one's folder exists (they were found missing after the last step).
+  {
+    const bool machine_file = !f.machine.empty() && f.machine != "h200" && f.machine != "cpu" && f.machine != "measured";
+    SPILLWAY_RETURN_IF_ERROR(check_output_paths(
+        {{"--data", f.data}, {"--load", f.load}, {"--tokenizer", f.tokenizer}, {"--machine", machine_file ? f.machine : ""}},
+        {{"--save", f.save, false, "--load"}, {"--save-grads", f.save_grads}, {"--metrics", f.metrics}, {"--trace", f.trace}}));
+    if (!f.checkpoint_dir.empty()) {
+      std::error_code ec;
+      const std::string& dir = f.checkpoint_dir;
+      if (std::filesystem::exists(dir, ec)) {
+        if (!std::filesystem::is_directory(dir, ec))
+          return Status::invalid_argument("--checkpoint-dir " + dir + " is not a directory");
+        if (::access(dir.c_str(), W_OK) != 0) return errno_status("--checkpoint-dir " + dir + ": cannot write into it", errno);
+      } else {
+        const std::filesystem::path parent = std::filesystem::path(dir).parent_path();
+        const std::string folder = parent.empty() ? "." : parent.string();
+        if (!std::filesystem::is_directory(folder, ec))
+          return Status::invalid_argument("--checkpoint-dir " + dir + ": its parent folder " + folder +
+                                          " does not exist (make it first)");
+        if (::access(folder.c_str(), W_OK) != 0)
+          return errno_status("--checkpoint-dir " + dir + ": cannot make it in " + folder, errno);
+      }
+    }
+  }
 
   // Data.
   std::string data_path = f.data;

@@ -1192,6 +1192,41 @@ TEST(CheckpointCli, BenchTrainWritesCheckpointsAndTimesThem) {
   std::filesystem::remove_all(dir);
 }
 
+// An output that is an input or another output is refused before anything is read or
+// written (--metrics onto --data truncated the corpus), and so is an output whose
+// folder is missing (--save-grads and --checkpoint-dir failed after the last step).
+TEST(TrainCli, OutputsThatWouldOverwriteInputsOrEachOtherAreRefusedFirst) {
+  CheckpointDir d("outputs_apart");
+  const std::string data = d.file("d.txt");
+  {
+    std::ofstream out(data);
+    for (int i = 0; i < 400; ++i) out << "To be, or not to be, that is the question. ";
+  }
+  const std::string before = read_file(data);
+  expect_rejected("train --steps 2 --data " + data + " --metrics " + data + " " + kSmall,
+                  {"--metrics " + data + " is the file that --data reads"});
+  EXPECT_EQ(read_file(data), before);
+  expect_rejected("train --steps 2 --data " + data + " --save " + d.file("w.safetensors") + " --save-grads " +
+                      d.file("w.safetensors") + " " + kSmall,
+                  {"--save " + d.file("w.safetensors") + " and --save-grads", "are the same file"});
+  for (const std::string flag : {"--save-grads", "--trace", "--metrics"}) {
+    CliRun r = run("train --steps 2 --data " + data + " " + flag + " /nonexistent-spillway-dir/x " + kSmall);
+    EXPECT_NE(r.code, 0);
+    EXPECT_NE(r.output.find(flag + " /nonexistent-spillway-dir/x: the folder /nonexistent-spillway-dir does not exist"),
+              std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step 1"), std::string::npos) << "trained before refusing: " << r.output;
+  }
+  expect_rejected("train --steps 2 --data " + data + " --checkpoint-dir /nonexistent-spillway-dir/ck " + kSmall,
+                  {"--checkpoint-dir /nonexistent-spillway-dir/ck: its parent folder /nonexistent-spillway-dir does not exist"});
+  expect_rejected("train --steps 2 --data " + data + " --trace " + d.dir + " " + kSmall,
+                  {"--trace " + d.dir + " is a directory"});
+  CliRun tok = run("tokenize --tokenizer " SPILLWAY_SOURCE_DIR "/tests/data/reference/tok-gpt2 --input " + data +
+                   " --output " + data);
+  EXPECT_NE(tok.code, 0);
+  EXPECT_NE(tok.output.find("--output " + data + " is the file that --input reads"), std::string::npos) << tok.output;
+  EXPECT_EQ(read_file(data), before);
+}
+
 // A --save into a folder that does not exist is refused before training (it used
 // to fail after the last step, losing the run).
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
