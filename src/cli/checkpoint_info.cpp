@@ -82,6 +82,12 @@ int run_checkpoint_info(const CheckpointInfoFlags& f) {
                 damaged > 0 ? " (except a data-parallel one with a manifest: its shards are checked as it loads, "
                               "and a damaged one stops the run; remove it to resume from an older one)"
                             : "");
+  // None verifies: nothing to resume from, which a script checking the folder must see.
+  if (bad == static_cast<int>(rows.size())) {
+    std::fprintf(stderr, "spillway: error: no checkpoint in %s verifies: --resume %s would fail\n", f.dir.c_str(),
+                 f.dir.c_str());
+    return 1;
+  }
   return 0;
 }
 

@@ -468,21 +468,25 @@ Status run_train(const TrainFlags& given_flags) {
   if (!env.distributed() && f.zero_stage == 3)
     return Status::invalid_argument("--zero-stage 3 partitions the parameters over data-parallel ranks; this is one "
                                     "process (run it under `spillway launch --gpus N` or with WORLD_SIZE > 1)");
-  // A new run (no --resume) into a folder that holds another run's checkpoints would
-  // mix them, and --keep would delete them: refused before anything runs.
+  // A new run (no --resume) into a folder that holds another run's checkpoints of its
+  // own kind (ckpt-* for one process, dp-ckpt-* for data-parallel ranks) would mix them,
+  // and --keep would delete them: refused before anything runs.
   if (f.resume.empty() && !f.checkpoint_dir.empty()) {
     std::error_code ec;
     if (std::filesystem::is_directory(f.checkpoint_dir, ec)) {
-      auto folders = checkpoint_folders(f.checkpoint_dir);
-      if (!folders.ok()) return folders.status().with_context("--checkpoint-dir");
-      const bool dp = holds_data_parallel_checkpoints(f.checkpoint_dir);
-      if (!folders->empty() || dp)
-        return Status::invalid_argument(
-            "--checkpoint-dir " + f.checkpoint_dir + " already holds checkpoints of an earlier run" +
-            (folders->empty() ? std::string(" (data-parallel dp-ckpt-* folders)")
-                              : " (newest: " + folders->front().second + ")") +
-            "; continue that run with --resume " + f.checkpoint_dir +
-            ", or give a new or empty folder (this run's --keep would delete them)");
+      std::string newest;
+      if (env.distributed()) {
+        if (holds_data_parallel_checkpoints(f.checkpoint_dir)) newest = "data-parallel dp-ckpt-* folders";
+      } else {
+        auto folders = checkpoint_folders(f.checkpoint_dir);
+        if (!folders.ok()) return folders.status().with_context("--checkpoint-dir");
+        if (!folders->empty()) newest = "newest: " + folders->front().second;
+      }
+      if (!newest.empty())
+        return Status::invalid_argument("--checkpoint-dir " + f.checkpoint_dir +
+                                        " already holds checkpoints of an earlier run (" + newest +
+                                        "); continue that run with --resume " + f.checkpoint_dir +
+                                        ", or give a new or empty folder (this run's --keep would delete them)");
     }
   }
   std::optional<Checkpoint> resume;

@@ -177,5 +177,18 @@ TEST(CheckpointInfoCli, ListsDataParallelCheckpointsBesideSingleProcessOnesAndNa
   std::filesystem::remove_all(root);
 }
 
+// A folder none of whose checkpoints verifies exits with 1 (nothing to resume from);
+// one with at least one that verifies exits with 0, listing the rest.
+TEST(CheckpointInfoCli, ExitsWithOneWhenNoCheckpointVerifies) {
+  const auto root = std::filesystem::temp_directory_path() / ("spillway_info_none_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root / "ckpt-00000003");  // no manifest: incomplete
+  CliRun info = testing_support::run_cli("checkpoint info " + root.string());
+  EXPECT_EQ(info.code, 1) << info.output;
+  EXPECT_NE(info.output.find("1 of 1 do not verify"), std::string::npos) << info.output;
+  EXPECT_NE(info.output.find("no checkpoint in " + root.string() + " verifies"), std::string::npos) << info.output;
+  std::filesystem::remove_all(root);
+}
+
 }  // namespace
 }  // namespace spillway
