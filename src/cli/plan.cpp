@@ -17,6 +17,7 @@
 // that backend's ops need reserved inside the device budget, as `spillway train` does;
 // no device is needed (backend_sizes.h).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -513,7 +514,14 @@ int run_largest(const PlanFlags& f, const Machine& machine, ModelConfig cfg) {
       *why = v.to_string();
       return false;
     }
+    // Each probe plans a whole step, which near the op cap takes minutes: progress on
+    // stderr, one line a probe.
+    const auto t0 = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "--largest: planning %d layers...", layers);
+    std::fflush(stderr);
     auto r = predict(f, c, machine);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, " %s (%.1f s)\n", r ? "plans" : "does not plan", s);
     if (!r) {
       *why = r.status().to_string();
       return false;
