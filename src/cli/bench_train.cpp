@@ -394,7 +394,7 @@ CommandRegistration bench_train_command("bench train", "tokens/s, step time, sta
                                         "into matmul, attention, other kernels and optimizer");
   app.add_option("--steps", f->steps, "steps, the first a warm-up")->capture_default_str();
   app.add_option("--batch", f->batch, "sequences per micro-batch")->capture_default_str();
-  app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
+  app.add_option("--context", f->context, "tokens per sequence (default: the model's context)")->check(positive_number());
   app.add_option("--accum", f->accum, "micro-batches per step")->capture_default_str();
   app.add_option("--seed", f->seed, "parameters and random tokens")->capture_default_str();
   app.add_option("--grad-clip", f->grad_clip,

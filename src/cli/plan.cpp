@@ -612,7 +612,7 @@ CommandSetup setup = [](CLI::App& app) -> CommandRun {
   f->model.model = "gpt2-124m";
   add_model_flags(app, f->model);
   app.add_option("--batch", f->batch, "sequences per micro-batch");
-  app.add_option("--context", f->context, "tokens per sequence (default: the model's)");
+  app.add_option("--context", f->context, "tokens per sequence (default: the model's)")->check(positive_number());
   app.add_option("--accum", f->accum, "micro-batches per step");
   app.add_option("--machine", f->machine,
                  "h200 (the lent GPU host), cpu (this project's CI box) or a machine file from `spillway profile`");

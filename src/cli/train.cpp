@@ -878,11 +878,12 @@ CommandRegistration train_command("train", "train a GPT model under memory budge
                  "with it on every core (the model's --vocab must cover its vocabulary)");
   app.add_option("--steps", f->steps, "optimizer steps")->capture_default_str();
   app.add_option("--batch", f->batch, "sequences per micro-batch")->capture_default_str();
-  app.add_option("--context", f->context, "tokens per sequence (default: the model's context)");
+  app.add_option("--context", f->context, "tokens per sequence (default: the model's context)")->check(positive_number());
   app.add_option("--accum", f->accum, "micro-batches per step (gradient accumulation)")->capture_default_str();
   app.add_option("--lr", f->lr,
                  "peak learning rate, linear warmup then cosine decay to 10% (default: 4e-3 for models of up to "
-                 "10M parameters, else 6e-4)");
+                 "10M parameters, else 6e-4)")
+      ->check(positive_number());
   app.add_option("--warmup", f->warmup, "warmup steps")->capture_default_str();
   app.add_option("--grad-clip", f->grad_clip,
                  "max global gradient norm: gradients are scaled down to it when their norm is above (0 = no "

@@ -20,6 +20,21 @@
 
 namespace spillway::cli {
 
+const CLI::Validator& positive_number() {
+  static const CLI::Validator v(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !(x > 0))
+          return "expected a number above 0, got '" + text + "' (leave the flag out for its default)";
+        return {};
+      },
+      "");
+  return v;
+}
+
+// Size flags left out mean "the preset's"; given, they must be positive (0 is refused,
+// not taken as "left out").
 void add_model_flags(CLI::App& app, ModelFlags& f) {
   std::string presets;
   for (const std::string& name : model_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
@@ -33,18 +48,18 @@ void add_model_flags(CLI::App& app, ModelFlags& f) {
   app.add_option("--arch", f.arch,
                  "gpt2 or llama; --arch llama without a Llama --model builds a Llama from explicit sizes (--layers "
                  "--width --heads --kv-heads --intermediate --model-context --vocab --rope-theta, all required)");
-  app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)");
-  app.add_option("--width", f.width, "channels (overrides the preset)");
-  app.add_option("--heads", f.heads, "attention heads (overrides the preset)");
-  app.add_option("--model-context", f.model_context, "the model's maximum sequence length (overrides the preset)");
-  app.add_option("--vocab", f.vocab, "vocabulary size (overrides the preset)");
-  app.add_option("--kv-heads", f.kv_heads, "Llama: key/value heads, dividing --heads (overrides the preset)");
-  app.add_option("--intermediate", f.intermediate, "Llama: SwiGLU MLP channels (overrides the preset)");
-  app.add_option("--rope-theta", f.rope_theta, "Llama: rope_theta (overrides the preset)");
+  app.add_option("--layers", f.layers, "transformer blocks (overrides the preset)")->check(positive_number());
+  app.add_option("--width", f.width, "channels (overrides the preset)")->check(positive_number());
+  app.add_option("--heads", f.heads, "attention heads (overrides the preset)")->check(positive_number());
+  app.add_option("--model-context", f.model_context, "the model's maximum sequence length (overrides the preset)")->check(positive_number());
+  app.add_option("--vocab", f.vocab, "vocabulary size (overrides the preset)")->check(positive_number());
+  app.add_option("--kv-heads", f.kv_heads, "Llama: key/value heads, dividing --heads (overrides the preset)")->check(positive_number());
+  app.add_option("--intermediate", f.intermediate, "Llama: SwiGLU MLP channels (overrides the preset)")->check(positive_number());
+  app.add_option("--rope-theta", f.rope_theta, "Llama: rope_theta (overrides the preset)")->check(positive_number());
   app.add_option("--rope-scaling", f.rope_scaling,
                  "Llama: none, or llama3:FACTOR:LOW_FREQ_FACTOR:HIGH_FREQ_FACTOR:ORIGINAL_CONTEXT as Llama 3's "
                  "rope_scaling, e.g. llama3:32:1:4:8192 (overrides the preset)");
-  app.add_option("--norm-eps", f.norm_eps, "Llama: RMSNorm epsilon (overrides the preset; explicit Llama: 1e-5)");
+  app.add_option("--norm-eps", f.norm_eps, "Llama: RMSNorm epsilon (overrides the preset; explicit Llama: 1e-5)")->check(positive_number());
   app.add_flag("--untied", f.untied, "Llama: an LM head of its own instead of the embedding table (lm_head.weight)");
 }
 

@@ -27,6 +27,11 @@
 
 namespace spillway::cli {
 
+// A CLI11 check for flags whose value must be a number above 0 when given (left out,
+// they mean a default; 0 is refused, not taken for "left out").
+//   app.add_option("--layers", f.layers, "...")->check(positive_number());
+const CLI::Validator& positive_number();
+
 // The model: a preset (--model), sizes that override it, or, with --arch llama and no
 // Llama preset, a Llama from explicit sizes, every one of them required:
 //   --model llama-3.2-1b [--layers 4 ...]

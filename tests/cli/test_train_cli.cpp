@@ -94,6 +94,14 @@ void expect_rejected(const std::string& args, const std::vector<std::string>& ne
     EXPECT_NE(r.output.find(needle), std::string::npos) << "'" << needle << "' not in: " << r.output;
 }
 
+// A size or rate flag given as 0 is refused by name: it used to mean "left out" and
+// silently gave the preset's value.
+TEST(TrainCli, ZeroForASizeOrTheLearningRateIsRefusedNotTakenAsTheDefault) {
+  for (const std::string flag : {"--layers", "--width", "--heads", "--vocab", "--model-context", "--context", "--lr"})
+    expect_rejected("train --model tiny --steps 1 --batch 2 --eval-every 0 --backend cpu " + flag + " 0",
+                    {flag + ": expected a number above 0, got '0'"});
+}
+
 TEST(TrainCli, MissingDataFile) {
   expect_rejected("train --steps 1 --data /nonexistent/corpus.txt " + kSmall, {"--data", "/nonexistent/corpus.txt"});
 }
