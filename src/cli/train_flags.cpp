@@ -25,8 +25,8 @@ const CLI::Validator& positive_number() {
       [](std::string& text) -> std::string {
         char* end = nullptr;
         const double x = std::strtod(text.c_str(), &end);
-        if (end == text.c_str() || *end != '\0' || !(x > 0))
-          return "expected a number above 0, got '" + text + "' (leave the flag out for its default)";
+        if (end == text.c_str() || *end != '\0' || !(x > 0) || !std::isfinite(x))
+          return "expected a finite number above 0, got '" + text + "' (leave the flag out for its default)";
         return {};
       },
       "");

@@ -99,7 +99,7 @@ void expect_rejected(const std::string& args, const std::vector<std::string>& ne
 TEST(TrainCli, ZeroForASizeOrTheLearningRateIsRefusedNotTakenAsTheDefault) {
   for (const std::string flag : {"--layers", "--width", "--heads", "--vocab", "--model-context", "--context", "--lr"})
     expect_rejected("train --model tiny --steps 1 --batch 2 --eval-every 0 --backend cpu " + flag + " 0",
-                    {flag + ": expected a number above 0, got '0'"});
+                    {flag + ": expected a finite number above 0, got '0'"});
 }
 
 TEST(TrainCli, MissingDataFile) {
