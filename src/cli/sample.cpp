@@ -51,7 +51,7 @@ Status run_sample(const SampleFlags& f) {
   if (!cfg.ok()) return cfg.status().with_context("--load");
   std::optional<Tokenizer> tok;
   if (!f.tokenizer.empty()) {
-    SPILLWAY_ASSIGN_OR_RETURN(tok, load_tokenizer_for_model(f.tokenizer, cfg->vocab));
+    SPILLWAY_ASSIGN_OR_RETURN(tok, load_tokenizer_for_model(f.tokenizer, cfg->vocab, /*vocab_flag=*/false));
   } else if (cfg->vocab != kByteVocab) {
     return Status::unsupported("--load " + f.load + ": the model's vocabulary has " + std::to_string(cfg->vocab) +
                                " tokens; without --tokenizer, sample reads the prompt with the byte tokenizer, so it "
@@ -77,7 +77,10 @@ Status run_sample(const SampleFlags& f) {
   SPILLWAY_ASSIGN_OR_RETURN(std::unique_ptr<Sampler> sampler, Sampler::create(*backend, *cfg, options));
   SPILLWAY_RETURN_IF_ERROR(sampler->load(f.load, {.allow_nonfinite = f.allow_nonfinite_weights}).with_context("--load"));
   SPILLWAY_ASSIGN_OR_RETURN(std::vector<int32_t> out,
-                            sampler->generate(prompt, f.tokens, {.temperature = f.temperature, .seed = f.seed}));
+                            sampler->generate(prompt, f.tokens,
+                                              {.temperature = f.temperature,
+                                               .seed = f.seed,
+                                               .vocab_limit = tok ? tok->vocab_size() : 0}));
   std::string text;
   if (tok) {
     const std::vector<uint32_t> ids(out.begin(), out.end());  // the sampler's ids are below the model's vocabulary

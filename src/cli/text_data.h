@@ -16,7 +16,9 @@ namespace spillway::cli {
 
 // The tokenizer of --tokenizer PATH (a tokenizer.json or a directory holding one),
 // whose vocabulary `model_vocab` must cover: the error names both sizes.
-Result<Tokenizer> load_tokenizer_for_model(const std::string& path, int model_vocab);
+// vocab_flag: the command has --vocab, which the error then suggests (sample has not:
+// its vocabulary is the loaded model's).
+Result<Tokenizer> load_tokenizer_for_model(const std::string& path, int model_vocab, bool vocab_flag = true);
 
 // The dataset of `data_path` through the tokenizer at `tokenizer_path`: a text file
 // is encoded (on `threads` threads, 0 = every core) and split 90/10; an llm.c token

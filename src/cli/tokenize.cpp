@@ -22,14 +22,15 @@
 
 namespace spillway::cli {
 
-Result<Tokenizer> load_tokenizer_for_model(const std::string& path, int model_vocab) {
+Result<Tokenizer> load_tokenizer_for_model(const std::string& path, int model_vocab, bool vocab_flag) {
   auto tok = Tokenizer::load(path);
   if (!tok.ok()) return tok.status().with_context("--tokenizer");
   if (tok->vocab_size() > model_vocab)
-    return Status::invalid_argument("--tokenizer " + tok->name() + " has a vocabulary of " +
-                                    std::to_string(tok->vocab_size()) + " tokens, more than the model's " +
-                                    std::to_string(model_vocab) + "; give --vocab " + std::to_string(tok->vocab_size()) +
-                                    " or more (or a model made for this tokenizer)");
+    return Status::invalid_argument(
+        "--tokenizer " + tok->name() + " has a vocabulary of " + std::to_string(tok->vocab_size()) +
+        " tokens, more than the model's " + std::to_string(model_vocab) + "; " +
+        (vocab_flag ? "give --vocab " + std::to_string(tok->vocab_size()) + " or more (or a model made for this tokenizer)"
+                    : std::string("give the tokenizer the model was trained with")));
   return tok;
 }
 

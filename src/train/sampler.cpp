@@ -92,11 +92,15 @@ Result<std::vector<int32_t>> Sampler::generate(const std::vector<int32_t>& promp
                                                const SampleOptions& options) {
   if (prompt.empty()) return Status::invalid_argument("the prompt is empty; give at least one token");
   if (count < 0) return Status::invalid_argument("cannot generate a negative number of tokens");
+  if (options.vocab_limit < 0 || options.vocab_limit > cfg_.vocab)
+    return Status::invalid_argument("sampling limited to " + std::to_string(options.vocab_limit) +
+                                    " ids, outside the model's vocabulary of " + std::to_string(cfg_.vocab));
   std::vector<int32_t> text = prompt;
   std::vector<int32_t> out;
   uint64_t rng = options.seed;
   for (int i = 0; i < count; ++i) {
     SPILLWAY_ASSIGN_OR_RETURN(std::vector<float> logits, next_logits(text));
+    if (options.vocab_limit > 0) logits.resize(static_cast<size_t>(options.vocab_limit));
     const double u = static_cast<double>(splitmix64_next(rng) >> 11) * 0x1.0p-53;
     const int32_t next = pick_token(logits, options.temperature, u);
     text.push_back(next);

@@ -42,6 +42,9 @@ struct SamplerOptions {
 struct SampleOptions {
   float temperature = 1.0f;  // 0 = greedy
   uint64_t seed = 1337;
+  // Draw only ids below this (a tokenizer's vocabulary, where the model's is padded
+  // past it: GPT-2's 50257 ids in 50304 rows); 0 = the model's whole vocabulary.
+  int vocab_limit = 0;
 };
 
 class Sampler {

@@ -703,6 +703,19 @@ TEST(Sampler, GreedyIsDeterministicAndSeedsMatter) {
   ASSERT_TRUE(logits.ok());
   EXPECT_EQ((*g1)[0], static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin()));
   EXPECT_FALSE((*s)->generate({}, 3, {}).ok());
+  // A tokenizer's vocabulary below the model's: only its ids are drawn, at any
+  // temperature (the others' logits do not count), and a limit past the model's is refused.
+  const int limit = 7;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    auto hot = (*s)->generate(prompt, 24, {.temperature = 50, .seed = seed, .vocab_limit = limit});
+    ASSERT_TRUE(hot.ok()) << hot.status().to_string();
+    for (int32_t id : *hot) EXPECT_LT(id, limit);
+  }
+  auto greedy = (*s)->generate(prompt, 1, {.temperature = 0, .vocab_limit = limit});
+  ASSERT_TRUE(greedy.ok());
+  EXPECT_EQ((*greedy)[0], static_cast<int32_t>(std::max_element(logits->begin(), logits->begin() + limit) -
+                                               logits->begin()));
+  EXPECT_FALSE((*s)->generate(prompt, 1, {.vocab_limit = o.model.vocab + 1}).ok());
   std::filesystem::remove(path);
 }
 
