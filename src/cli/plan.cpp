@@ -336,6 +336,15 @@ Result<Prediction> predict_step(const PlanFlags& f, const ModelConfig& model, co
 // predict_step, with the what-if memory sizes named when they set a budget that failed.
 Result<Prediction> predict(const PlanFlags& f, const ModelConfig& model, const Machine& machine) {
   auto p = predict_step(f, model, machine);
+  // Rates that a machine file or a what-if flag set beyond reason (an op's fixed cost
+  // of 1e308 s, a link of 1e-300 GB/s) give no step time worth printing.
+  if (p && !(std::isfinite(p->step_s) && p->step_s > 0 && p->step_s < 1e9))
+  {
+    char step[32];
+    std::snprintf(step, sizeof step, "%.3g", p->step_s);
+    return Status::invalid_argument("machine " + machine.name + ": its rates give a predicted step of " + step +
+                                    " s, which is not a time (check the machine file's rates and the what-if flags)");
+  }
   if (p) return p;
   Status s = p.status();
   if (!f.gpu_memory.empty() && f.device_budget.empty())

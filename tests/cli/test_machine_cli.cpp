@@ -100,6 +100,13 @@ TEST(ProfileCli, QuickCpuProfileWritesALoadableMachineWithPositiveFields) {
   std::filesystem::remove(out);
 }
 
+// Rates beyond reason give no step time: an error naming the machine, not a 300-digit
+// "prediction" with exit status 0.
+TEST(MachineCli, APredictionThatIsNotATimeIsAnError) {
+  expect_rejected("simulate --machine cpu --model tiny --batch 2 --context 32 --device-budget 4MiB --h2d-gbps 1e-300",
+                  {"machine cpu-dev-box: its rates give a predicted step of", "which is not a time"});
+}
+
 TEST(ProfileCli, WithoutOutWritesTheCacheThatTrainReads) {
   const std::string cache = temp_path("cache");
   const std::string dir = temp_path("spill2");
