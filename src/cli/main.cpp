@@ -127,6 +127,29 @@ int main(int argc, char** argv) {
     runs.emplace_back(sub, c.setup(*sub));
   }
   check_numeric_flags(&app);
+  // A word where a command belongs that names none: said so, with the commands there
+  // (CLI11 would say only that a subcommand is required).
+  {
+    CLI::App* at = &app;
+    std::string path = "spillway";
+    for (int i = 1; i < argc && argv[i][0] != '-'; ++i) {
+      auto subs = at->get_subcommands(std::function<bool(CLI::App*)>{});
+      if (subs.empty()) break;
+      CLI::App* next = nullptr;
+      std::string names;
+      for (CLI::App* sub : subs) {
+        if (sub->get_name() == argv[i]) next = sub;
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+      }
+      if (next == nullptr) {
+        std::cerr << "spillway: error: " << path << ": unknown command '" << argv[i] << "'; expected one of: " << names
+                  << " (see " << path << " --help)\n";
+        return 1;
+      }
+      at = next;
+      path += " " + at->get_name();
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

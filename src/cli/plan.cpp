@@ -338,7 +338,8 @@ Result<Prediction> predict(const PlanFlags& f, const ModelConfig& model, const M
   auto p = predict_step(f, model, machine);
   // Rates that a machine file or a what-if flag set beyond reason (an op's fixed cost
   // of 1e308 s, a link of 1e-300 GB/s) give no step time worth printing.
-  if (p && !(std::isfinite(p->step_s) && p->step_s > 0 && p->step_s < 1e9))
+  // (0: no step of one GPU, which a data-parallel prediction reports apart.)
+  if (p && !(std::isfinite(p->step_s) && p->step_s < 1e9))
   {
     char step[32];
     std::snprintf(step, sizeof step, "%.3g", p->step_s);
@@ -582,9 +583,11 @@ int run_plan(const PlanFlags& f) {
   if (f.gpus < 1 || f.gpus > 1000)
     return fail(Status::invalid_argument("--gpus: expected 1 to 1000 GPUs, got " + std::to_string(f.gpus)));
   if (f.gpus > 1 && !(f.network_gbps > 0 && std::isfinite(f.network_gbps)))
-    return fail(Status::invalid_argument("--gpus " + std::to_string(f.gpus) +
-                                         " needs --network-gbps: each GPU's link to the others in GB/s one way (e.g. "
-                                         "450 for NVLink 4, 50 for 400 Gb/s InfiniBand); nothing is assumed"));
+    return fail(Status::invalid_argument(
+        "--gpus " + std::to_string(f.gpus) + " needs --network-gbps above 0" +
+        (f.network_gbps != 0 ? " (got " + std::to_string(f.network_gbps) + ")" : std::string()) +
+        ": each GPU's link to the others in GB/s one way (e.g. 450 for NVLink 4, 50 for 400 Gb/s InfiniBand); nothing "
+        "is assumed"));
   if (f.network_gbps < 0 || f.network_latency_us < 0 || !std::isfinite(f.network_latency_us))
     return fail(Status::invalid_argument("--network-gbps and --network-latency-us: expected 0 or more"));
   if (f.zero_stage != 2 && f.zero_stage != 3)

@@ -46,29 +46,24 @@ struct Bytes {
   std::string_view view() const { return {data, size}; }
 };
 
-
 // The whole file, mapped read-only. `what` names it in errors ("data file",
 // "validation file"). Only regular files: a device or a pipe has no size and would
 // be read without end.
 Result<Bytes> map_file(const std::string& path, const std::string& what) {
-  // O_NONBLOCK: opening a FIFO must not wait for a writer (regular files ignore it).
-  int fd;
-  do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOENT) return Status::not_found(what + " " + path + ": no such file");
-    return errno_status("open " + what + " " + path, err);
+  // open_regular_file: a FIFO is refused without waiting for a writer.
+  auto opened = open_regular_file(path, what);
+  if (!opened.ok()) {
+    const Status& e = opened.status();
+    return e.code() == StatusCode::InvalidArgument ? Status::invalid_argument(e.message() + " of text or llm.c tokens")
+                                                   : e;
   }
+  const int fd = *opened;
   auto close_with = [&](Status status) -> Status {
     if (::close(fd) != 0 && status.is_ok()) return errno_status("close " + what + " " + path, errno);
     return status;
   };
   struct stat st {};
   if (::fstat(fd, &st) != 0) return close_with(errno_status("fstat " + what + " " + path, errno));
-  if (!S_ISREG(st.st_mode))
-    return close_with(Status::invalid_argument(what + " " + path + " is " + file_kind(st.st_mode) +
-                                               "; expected a regular file of text or llm.c tokens"));
   if (st.st_size == 0) return close_with(Status::invalid_argument(what + " " + path + ": file is empty"));
   const size_t size = static_cast<size_t>(st.st_size);
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);

@@ -926,6 +926,14 @@ TEST(TrainCli, DivergingRunStopsAtTheStepAndSavesTheLastGoodState) {
 }
 
 // Issue 9: hostile flags and data get bounded work and clear errors, exit code 1.
+// A word that names no command is an error naming it and the commands there (it was
+// "A subcommand is required").
+TEST(HostileFlags, UnknownCommandsAreNamedWithTheChoices) {
+  expect_rejected("bogus", {"spillway: unknown command 'bogus'", "train", "sample"});
+  expect_rejected("checkpoint bogus", {"spillway checkpoint: unknown command 'bogus'", "info"});
+  expect_rejected("bench trian", {"spillway bench: unknown command 'trian'", "train", "io"});
+}
+
 TEST(HostileFlags, TooManyThreadsIsRefusedNamingTheCap) {
   for (const char* command : {"train --steps 1", "bench train --steps 2"})
     expect_rejected(std::string(command) + " --layers 1 --width 32 --heads 2 --model-context 32 --backend cpu --threads 100000",
