@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <tuple>
 #include <optional>
 #include <sstream>
 #include <vector>
@@ -376,6 +377,22 @@ Result<ResolvedMemory> resolve_memory(const MemoryFlags& f, const Backend& backe
   SPILLWAY_ASSIGN_OR_RETURN(r.planner.speculate, parse_speculate(f.speculate));
   SPILLWAY_ASSIGN_OR_RETURN(r.planner.carry_updates, parse_carry_updates(f.carry_updates));
   SPILLWAY_ASSIGN_OR_RETURN(r.planner.late_zeros, parse_zero_grads(f.zero_grads));
+  // Flags of one policy given with another would be ignored: refused by name instead.
+  const bool offloading = f.policy == "planned" || f.policy == "auto";
+  if (f.prefetch != "none" && f.policy != "paging")
+    return Status::invalid_argument("--prefetch " + f.prefetch + " applies to --policy paging; this run's is " +
+                                    f.policy);
+  for (const auto& [flag, value, unset] :
+       {std::tuple<const char*, const std::string&, const char*>{"--device-optimizer", f.device_optimizer, "auto"},
+        {"--speculate", f.speculate, "auto"},
+        {"--carry-updates", f.carry_updates, "auto"},
+        {"--stream-optimizer", f.stream_optimizer, "on"}})
+    if (!offloading && value != unset)
+      return Status::invalid_argument(std::string(flag) + " " + value + " applies to --policy planned or auto; this run's is " +
+                                      f.policy);
+  if (f.auto_confirm != 2 && f.policy != "auto")
+    return Status::invalid_argument("--auto-confirm " + std::to_string(f.auto_confirm) +
+                                    " applies to --policy auto (the candidates it times); this run's is " + f.policy);
   if (f.auto_confirm < 0 || f.auto_confirm > 8)
     return Status::invalid_argument("--auto-confirm: expected 0 to 8 candidates to time, got " +
                                     std::to_string(f.auto_confirm));

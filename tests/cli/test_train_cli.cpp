@@ -926,6 +926,15 @@ TEST(TrainCli, DivergingRunStopsAtTheStepAndSavesTheLastGoodState) {
 }
 
 // Issue 9: hostile flags and data get bounded work and clear errors, exit code 1.
+// A flag of one policy given with another is refused by name (it was ignored).
+TEST(HostileFlags, FlagsOfAnotherPolicyAreRefused) {
+  const std::string common = "train --model tiny --steps 1 --batch 2 --context 32 --eval-every 0 --backend cpu ";
+  expect_rejected(common + "--prefetch learned", {"--prefetch learned applies to --policy paging", "planned"});
+  expect_rejected(common + "--policy resident --speculate on", {"--speculate on applies to --policy planned or auto"});
+  expect_rejected(common + "--policy paging --device-optimizer 1MiB", {"--device-optimizer 1MiB applies to"});
+  expect_rejected(common + "--auto-confirm 4", {"--auto-confirm 4 applies to --policy auto"});
+}
+
 // A word that names no command is an error naming it and the commands there (it was
 // "A subcommand is required").
 TEST(HostileFlags, UnknownCommandsAreNamedWithTheChoices) {
