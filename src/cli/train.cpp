@@ -522,6 +522,9 @@ Status run_train(const TrainFlags& given_flags) {
   if ((f.checkpoint_every > 0 || f.stop_after > 0) && f.checkpoint_dir.empty())
     return Status::invalid_argument(std::string(f.checkpoint_every > 0 ? "--checkpoint-every" : "--stop-after") +
                                     " needs --checkpoint-dir DIR (where the checkpoints go)");
+  if (f.keep != TrainFlags{}.keep && f.checkpoint_dir.empty())
+    return Status::invalid_argument("--keep " + std::to_string(f.keep) +
+                                    " needs --checkpoint-dir DIR (the checkpoints it keeps); without one it would be ignored");
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.steps, "--steps"));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.batch, "--batch"));
   SPILLWAY_RETURN_IF_ERROR(check_positive(f.accum, "--accum"));

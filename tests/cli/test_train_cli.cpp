@@ -933,6 +933,7 @@ TEST(HostileFlags, FlagsOfAnotherPolicyAreRefused) {
   expect_rejected(common + "--policy resident --speculate on", {"--speculate on applies to --policy planned or auto"});
   expect_rejected(common + "--policy paging --device-optimizer 1MiB", {"--device-optimizer 1MiB applies to"});
   expect_rejected(common + "--auto-confirm 4", {"--auto-confirm 4 applies to --policy auto"});
+  expect_rejected(common + "--keep 3", {"--keep 3 needs --checkpoint-dir"});
 }
 
 // A word that names no command is an error naming it and the commands there (it was
