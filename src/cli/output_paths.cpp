@@ -32,9 +32,8 @@ Status check_output_paths(const std::vector<NamedPath>& inputs, const std::vecto
       if (!outputs[j].path.empty() && same_file(o.path, outputs[j].path))
         return Status::invalid_argument(o.flag + " " + o.path + " and " + outputs[j].flag + " " + outputs[j].path +
                                         " are the same file: give each its own");
-    if (!o.check_folder) continue;
     std::error_code ec;
-    if (fs::is_directory(o.path, ec))
+    if (!o.may_be_directory && fs::is_directory(o.path, ec))
       return Status::invalid_argument(o.flag + " " + o.path + " is a directory; expected a file name");
     std::string trimmed = o.path;
     while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();

@@ -16,9 +16,9 @@ namespace spillway::cli {
 struct NamedPath {
   std::string flag;  // "--metrics"
   std::string path;  // empty: not given, skipped
-  // Outputs: check that the folder exists and is writable, and that the path is not a
-  // directory (off for a flag that checks its own, such as --save's model directories).
-  bool check_folder = true;
+  // Outputs: whether the path may be a directory (--save's model directories); its
+  // folder must exist and be writable either way.
+  bool may_be_directory = false;
   // Outputs: the input flag this one may overwrite ("--load" for --save: the model it
   // read, read whole at the start, replaced by the trained one at the end).
   std::string may_replace = {};

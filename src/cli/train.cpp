@@ -563,7 +563,7 @@ Status run_train(const TrainFlags& given_flags) {
     const bool machine_file = !f.machine.empty() && f.machine != "h200" && f.machine != "cpu" && f.machine != "measured";
     SPILLWAY_RETURN_IF_ERROR(check_output_paths(
         {{"--data", f.data}, {"--load", f.load}, {"--tokenizer", f.tokenizer}, {"--machine", machine_file ? f.machine : ""}},
-        {{"--save", f.save, false, "--load"}, {"--save-grads", f.save_grads}, {"--metrics", f.metrics}, {"--trace", f.trace}}));
+        {{"--save", f.save, true, "--load"}, {"--save-grads", f.save_grads}, {"--metrics", f.metrics}, {"--trace", f.trace}}));
     if (!f.checkpoint_dir.empty()) {
       std::error_code ec;
       const std::string& dir = f.checkpoint_dir;
@@ -613,22 +613,13 @@ Status run_train(const TrainFlags& given_flags) {
   // --save-grads reads the last step's gradients after it: a step whose updates are
   // carried into the next leaves them to the loop's epilogue, which does not keep them.
   if (!f.save_grads.empty()) mem.planner.carry_updates = 0;
-  // --save's folder is checked now: the weights are written only at the end.
+  // --save's folder was checked with the other outputs; a model directory replaces
+  // only an earlier save's (model/hf_model.h): known now, as the weights are written
+  // only at the end.
   std::string save_path = f.save;  // "out/llama/" is the folder llama in out
   while (save_path.size() > 1 && save_path.back() == '/') save_path.pop_back();
-  if (!f.save.empty()) {
-    // A model directory replaces only an earlier save's (model/hf_model.h): known now.
-    if (is_model_directory_path(f.save))
-      SPILLWAY_RETURN_IF_ERROR(check_model_directory_replaceable(f.save).with_context("--save"));
-    const std::filesystem::path parent = std::filesystem::path(save_path).parent_path();
-    const std::string folder = parent.empty() ? "." : parent.string();
-    std::error_code ec;
-    if (!std::filesystem::is_directory(folder, ec))
-      return Status::invalid_argument("--save " + f.save + ": the folder " + folder +
-                                      " does not exist (make it first: the weights are written at the end of the run)");
-    if (::access(folder.c_str(), W_OK) != 0)
-      return errno_status("--save " + f.save + ": cannot write into " + folder, errno);
-  }
+  if (!f.save.empty() && is_model_directory_path(f.save))
+    SPILLWAY_RETURN_IF_ERROR(check_model_directory_replaceable(f.save).with_context("--save"));
   // Leftovers of killed saves beside the --save file (the spill directory's are
   // reported when the spill store opens).
   if (const std::string save_dir = f.save.empty() ? "" : parent_directory(save_path);
