@@ -23,7 +23,7 @@ Status not_regular(const std::string& path, const std::string& what, mode_t mode
 }
 }  // namespace
 
-Result<int> open_regular_file(const std::string& path, const std::string& what) {
+Result<int> open_regular_file(const std::string& path, const std::string& what, struct stat* st_out) {
   int fd;
   do fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   while (fd < 0 && errno == EINTR);
@@ -46,6 +46,7 @@ Result<int> open_regular_file(const std::string& path, const std::string& what) 
     ::close(fd);  // read-only: nothing to lose; the first error is the one reported
     return s;
   }
+  if (st_out != nullptr) *st_out = st;
   return fd;
 }
 

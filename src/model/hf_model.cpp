@@ -67,13 +67,12 @@ bool exists(const std::string& path) {
 
 // A whole small file (a config or an index); NotFound when it does not exist.
 Result<std::string> read_text_file(const std::string& path, uint64_t limit, const std::string& what) {
-  SPILLWAY_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, what));
+  struct stat st {};
+  SPILLWAY_ASSIGN_OR_RETURN(const int fd, open_regular_file(path, what, &st));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return errno_status("fstat " + path, errno);
   if (static_cast<uint64_t>(st.st_size) > limit)
     return Status::invalid_argument(what + " " + path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
                                     std::to_string(limit) + "-byte limit");

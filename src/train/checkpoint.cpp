@@ -560,15 +560,10 @@ Result<Checkpoint> read_checkpoint(const std::string& path) {
       bool ok = false;
       const uint64_t sum = parse_hex64(f.at("xxh3").get<std::string>(), &ok);
       if (!ok) return Status::corrupt(manifest_path + ": the checksum of " + name + " is not 16 hex digits");
-      auto opened = open_regular_file(file, "checkpoint file");
+      struct stat st {};
+      auto opened = open_regular_file(file, "checkpoint file", &st);
       if (!opened.ok()) return opened.status().with_context("the manifest lists it");
       int fd = *opened;
-      struct stat st {};
-      if (::fstat(fd, &st) != 0) {
-        Status e = errno_status("stat " + file, errno);
-        ::close(fd);
-        return e;
-      }
       if (static_cast<uint64_t>(st.st_size) != want) {
         ::close(fd);
         return Status::corrupt(file + ": " + std::to_string(st.st_size) + " bytes, the manifest says " +

@@ -51,7 +51,8 @@ struct Bytes {
 // be read without end.
 Result<Bytes> map_file(const std::string& path, const std::string& what) {
   // open_regular_file: a FIFO is refused without waiting for a writer.
-  auto opened = open_regular_file(path, what);
+  struct stat st {};
+  auto opened = open_regular_file(path, what, &st);
   if (!opened.ok()) {
     const Status& e = opened.status();
     return e.code() == StatusCode::InvalidArgument ? Status::invalid_argument(e.message() + " of text or llm.c tokens")
@@ -62,8 +63,6 @@ Result<Bytes> map_file(const std::string& path, const std::string& what) {
     if (::close(fd) != 0 && status.is_ok()) return errno_status("close " + what + " " + path, errno);
     return status;
   };
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return close_with(errno_status("fstat " + what + " " + path, errno));
   if (st.st_size == 0) return close_with(Status::invalid_argument(what + " " + path + ": file is empty"));
   const size_t size = static_cast<size_t>(st.st_size);
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
